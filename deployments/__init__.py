@@ -1,0 +1,2 @@
+"""deployments: the Ray Serve application built on bcg."""
+__all__: list[str] = []
