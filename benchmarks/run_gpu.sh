@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Everything the GPU host runs, in one call (device time is scarce):
+#   bash benchmarks/run_gpu.sh [tests|bench|all] [extra pytest args]
+# Writes logs, junit XML and benchmark JSON/PNG under $OUT (default ./out/gpu).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-out/gpu}; mkdir -p "$OUT"
+if [ -f .gpuhost/site.tar.xz ] && [ ! -d .gpuhost/site/ray ]; then
+  mkdir -p .gpuhost/site && tar -xJf .gpuhost/site.tar.xz -C .gpuhost/site
+fi
+export PYTHONPATH=$PWD/.gpuhost/site:$PWD PYTHONUNBUFFERED=1 RAY_AUTH_MODE=disabled
+what=${1:-all}; shift || true
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/machine.txt"
+python3 -c "import torch, diffusers; print('torch', torch.__version__, 'diffusers', diffusers.__version__)" | tee -a "$OUT/machine.txt"
+rc=0
+if [ "$what" = tests ] || [ "$what" = all ]; then
+  python3 -m pytest -m gpu -q -p no:cacheprovider -o addopts= --junitxml="$OUT/gpu-tests.xml" "$@" tests 2>&1 | tee "$OUT/gpu-tests.log" | tail -40
+  rc=${PIPESTATUS[0]}
+fi
+if [ "$what" = bench ] || [ "$what" = all ]; then
+  for b in ${BCG_BENCHES:-bench_forward bench_runner_overhead bench_pipeline}; do
+    echo "== $b"; timeout ${BCG_BENCH_TIMEOUT:-300} python3 benchmarks/$b.py --out "$OUT/$b.json" 2>&1 | tail -30
+  done
+fi
+exit $rc
