@@ -4,7 +4,9 @@
 # Writes logs, junit XML and benchmark JSON/PNG under $OUT (default ./out/gpu).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT:-out/gpu}; mkdir -p "$OUT"
+DEST=${OUT:-out/gpu}; mkdir -p "$DEST"
+# the device tool returns at most 8 files: collect everything in one folder, pack it at the end
+OUT=$(mktemp -d); trap 'tar -czf "$DEST/results.tgz" -C "$OUT" .' EXIT
 if [ -f .gpuhost/site.tar.xz ] && [ ! -d .gpuhost/site/ray ]; then
   mkdir -p .gpuhost/site && tar -xJf .gpuhost/site.tar.xz -C .gpuhost/site
 fi
