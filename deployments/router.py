@@ -1,0 +1,145 @@
+"""Shape-affinity request router for the replica deployment.
+
+Contract (one call of ``choose_replicas`` = one routing attempt, Serve retries with backoff):
+
+* a request pinned with the kwarg ``target_replica=<replica unique id>`` is offered to that replica
+  only; when the replica is full or unknown the request waits (callers time out);
+* otherwise the request's shape key (kwarg ``shape_key``) is looked up in every replica's warm set,
+  which replicas publish through ``record_routing_stats()`` (fresh) and ``record_replica_metadata()``
+  (known before the first stats poll). The first tier is the replicas warm for the key, least loaded
+  first. Cold replicas are *not* a fallback tier: a warm replica that is merely busy is still the
+  better choice for a graph-replayed request, so the request waits for a warm slot ...
+* ... unless every warm replica is overloaded: when the least loaded warm replica has a queue at
+  least ``spill_threshold`` longer than the least loaded cold replica, the request spills to the
+  cold replicas (least loaded first), with the warm ones as the second tier. Queue lengths come from
+  Serve's queue-length cache (what this router last saw) and else from the replica's routing stats;
+  they count ongoing requests on the replica, which Serve caps at ``max_ongoing_requests``, so a
+  threshold at or above that cap never spills.
+* a request without a key, or whose key no replica is warm for, gets the power-of-two answer: two
+  random replicas, Serve takes the less loaded one.
+
+``should_backoff`` is always set: without it an empty answer makes Serve's routing loop spin and
+stalls every handle in the process. ``choose_replicas`` never raises (an exception would kill
+Serve's routing task and hang the request): on an internal error it logs and offers all replicas.
+
+``on_request_routed`` is deliberately not used to mark a replica warm optimistically: the runner
+never captures outside warmup, so serving a key cold does not make a replica warm for it.
+
+Knobs travel through ``request_router_kwargs`` (JSON): ``shape_key_kwarg``, ``target_kwarg``,
+``spill_threshold`` (``None`` = never spill).
+"""
+from __future__ import annotations
+
+import logging
+import random
+from typing import Dict, Iterable, List, Optional, Sequence
+
+from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
+
+logger = logging.getLogger(__name__)
+
+# Keys of the dict a replica returns from record_routing_stats() / record_replica_metadata().
+WARM_KEYS = "warm_keys"
+QUEUE_LEN = "queue_len"
+POOL_BYTES = "pool_bytes"
+
+DEFAULT_SPILL_THRESHOLD = 3
+
+
+def replica_warm_keys(replica: RunningReplica) -> frozenset:
+    """The shape keys a replica reports warm: routing stats when polled yet, else start-up metadata."""
+    keys = (replica.routing_stats or {}).get(WARM_KEYS)
+    if keys is None:
+        keys = (replica.replica_metadata or {}).get(WARM_KEYS, ())
+    return frozenset(keys)
+
+
+class ShapeAffinityRouter(RequestRouter):
+    """Routes each request to a replica warm for its shape key; see the module docstring."""
+
+    def initialize_state(
+        self,
+        shape_key_kwarg: str = "shape_key",
+        target_kwarg: str = "target_replica",
+        spill_threshold: Optional[int] = DEFAULT_SPILL_THRESHOLD,
+        **unknown,
+    ) -> None:
+        if unknown:
+            # Raising here would break every handle of the deployment; a typo should be visible though.
+            logger.warning("ShapeAffinityRouter ignores unknown request_router_kwargs %s; known: "
+                           "shape_key_kwarg, target_kwarg, spill_threshold", sorted(unknown))
+        if spill_threshold is not None and int(spill_threshold) < 1:
+            logger.warning("spill_threshold must be >= 1 or None, got %r; using %d",
+                           spill_threshold, DEFAULT_SPILL_THRESHOLD)
+            spill_threshold = DEFAULT_SPILL_THRESHOLD
+        self.shape_key_kwarg = shape_key_kwarg
+        self.target_kwarg = target_kwarg
+        self.spill_threshold = None if spill_threshold is None else int(spill_threshold)
+        # Router-local decision counters (this caller's view; replicas count what they served).
+        self.decisions: Dict[str, int] = {"pinned": 0, "warm": 0, "spill": 0, "no_warm": 0, "unkeyed": 0}
+
+    # -- load ------------------------------------------------------------------------------------
+    def _load(self, replica: RunningReplica) -> int:
+        """Ongoing requests on a replica as this router knows them (cache first, then routing stats)."""
+        queue_len = self.replica_queue_len_cache.get(replica.replica_id)
+        if queue_len is None:
+            queue_len = (replica.routing_stats or {}).get(QUEUE_LEN, 0)
+        try:
+            return int(queue_len)
+        except (TypeError, ValueError):
+            return 0
+
+    def _by_load(self, replicas: Iterable[RunningReplica]) -> List[RunningReplica]:
+        # Random tie-break: Serve takes the first of equally loaded replicas in list order.
+        return sorted(replicas, key=lambda r: (self._load(r), random.random()))
+
+    @staticmethod
+    def _power_of_two(replicas: Sequence[RunningReplica]) -> List[List[RunningReplica]]:
+        if len(replicas) <= 2:
+            return [random.sample(list(replicas), len(replicas))]
+        return [random.sample(list(replicas), 2)]
+
+    # -- ranking ---------------------------------------------------------------------------------
+    def rank(self, candidate_replicas: List[RunningReplica],
+             pending_request: Optional[PendingRequest]) -> List[List[RunningReplica]]:
+        """The ranked tiers for one request (pure: reads replicas and the queue-length cache)."""
+        if not candidate_replicas:
+            return []
+        kwargs = pending_request.kwargs if pending_request is not None else {}
+        target = kwargs.get(self.target_kwarg)
+        if target:
+            self.decisions["pinned"] += 1
+            return [[r for r in candidate_replicas
+                     if target in (r.replica_id.unique_id, r.replica_id.to_full_id_str())]]
+        key = kwargs.get(self.shape_key_kwarg)
+        if not key:
+            self.decisions["unkeyed"] += 1
+            return self._power_of_two(candidate_replicas)
+        warm, cold = [], []
+        for r in candidate_replicas:
+            (warm if key in replica_warm_keys(r) else cold).append(r)
+        if not warm:
+            self.decisions["no_warm"] += 1
+            return self._power_of_two(candidate_replicas)
+        warm = self._by_load(warm)
+        if cold and self.spill_threshold is not None:
+            cold = self._by_load(cold)
+            if self._load(warm[0]) - self._load(cold[0]) >= self.spill_threshold:
+                self.decisions["spill"] += 1
+                return [cold, warm]
+        self.decisions["warm"] += 1
+        return [warm]
+
+    async def choose_replicas(
+        self,
+        candidate_replicas: List[RunningReplica],
+        pending_request: Optional[PendingRequest] = None,
+    ) -> List[List[RunningReplica]]:
+        if pending_request is not None:
+            # Mandatory: an empty or all-full answer must sleep before the next attempt.
+            pending_request.routing_context.should_backoff = True
+        try:
+            return self.rank(candidate_replicas, pending_request)
+        except Exception:  # never let Serve's routing task die
+            logger.exception("ShapeAffinityRouter failed to rank replicas; offering all of them")
+            return [list(candidate_replicas)]
