@@ -1,0 +1,301 @@
+"""Input signature of a call: what a captured graph is valid for.
+
+A CUDA graph replays fixed kernels on fixed addresses, so a capture is only valid for calls whose
+tensors have the same shapes, dtypes and device types, and whose non-tensor arguments send the
+forward down the same control flow. `signature_of(kwargs)` describes exactly that:
+
+- every tensor leaf by (shape, dtype, device type) -- never by value or address;
+- None, bool, int, float, str, bytes, torch.dtype, torch.device, torch.Size and enum members by value
+  (and type: ``True``, ``1`` and ``1.0`` are different signatures);
+- lists, tuples (namedtuples by their type), dicts (in insertion order, which the forward may see) and
+  nodes registered with ``torch.utils._pytree`` recursively;
+- any other object by identity. Identity parts are per process: their ``.key`` embeds ``id()`` and
+  differs between processes; a `Signature` holds a reference to such objects, so an id is never reused
+  while a cached signature is alive.
+
+Top-level keyword order does not matter (names are sorted). A `Signature` is hashable; ``.key`` is a
+short string (16 hex digits of sha256 over a canonical form) identical in every process and Python
+version for signatures without identity parts; ``.summary()`` is for logs; ``.diff(other)`` lists the
+differences as ``"shape[1] 64 != 128 at hidden_states"``.
+
+`_describe_with_leaves` (the runner's hot path) returns the tensor leaves in the same traversal order
+as `_rebuild` consumes them, so a runner can swap leaves for its static buffers.
+"""
+import collections
+import enum
+import hashlib
+import logging
+
+import torch
+import torch.utils._pytree as pytree
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["Signature", "signature_of"]
+
+# Descriptor tags. A descriptor is a small nested tuple; equal descriptors mean equal signatures.
+_TENSOR = "T"       # ("T", shape, dtype, device_type)
+_VALUE = "V"        # ("V", type, value)
+_IDENT = "I"        # ("I", type, _Identity)
+_LIST = "L"         # ("L", type, (child, ...))   list, tuple, namedtuple
+_DICT = "D"         # ("D", type, ((key_descriptor, child), ...))
+_NODE = "N"         # ("N", type, context_descriptor, (child, ...))  other pytree nodes
+
+_BY_VALUE = (type(None), bool, int, float, str, bytes, torch.dtype, torch.device, torch.Size)
+
+
+class _Identity:
+    """Compares by identity and keeps the object alive, so its id cannot be reused meanwhile."""
+
+    __slots__ = ("obj",)
+
+    def __init__(self, obj):
+        self.obj = obj
+
+    def __eq__(self, other):
+        return isinstance(other, _Identity) and other.obj is self.obj
+
+    def __hash__(self):
+        return id(self.obj)
+
+
+def _device_type(t):
+    # `t.device.type` builds a device object per call; the two flags are several times cheaper
+    return "cuda" if t.is_cuda else "cpu" if t.is_cpu else t.device.type
+
+
+def _describe(value, leaves):
+    """Descriptor of `value`; appends its tensor leaves to `leaves` in traversal order."""
+    if isinstance(value, torch.Tensor):
+        leaves.append(value)
+        return (_TENSOR, value.shape, value.dtype, _device_type(value))
+    cls = type(value)
+    if cls in _BY_VALUE or isinstance(value, enum.Enum):
+        if cls is float and value != value:  # NaN never equals itself; describe it by name
+            return (_VALUE, cls, "nan")
+        return (_VALUE, cls, value)
+    if cls is list or cls is tuple or (isinstance(value, tuple) and hasattr(value, "_fields")):
+        return (_LIST, cls, tuple([_describe(v, leaves) for v in value]))
+    if cls is dict or cls is collections.OrderedDict:
+        return (_DICT, cls, tuple([(_describe(k, []), _describe(v, leaves)) for k, v in value.items()]))
+    node = pytree.SUPPORTED_NODES.get(cls)
+    if node is not None:
+        children, context = node.flatten_fn(value)
+        return (_NODE, cls, _describe(context, []), tuple([_describe(v, leaves) for v in children]))
+    return (_IDENT, cls, _Identity(value))
+
+
+def _rebuild(value, leaves):
+    """`value` with its tensor leaves replaced, in `_describe` order, by items of iterator `leaves`."""
+    if isinstance(value, torch.Tensor):
+        return next(leaves)
+    cls = type(value)
+    if cls in _BY_VALUE or isinstance(value, enum.Enum):
+        return value
+    if cls is list or cls is tuple:
+        return cls([_rebuild(v, leaves) for v in value])
+    if isinstance(value, tuple) and hasattr(value, "_fields"):
+        return cls(*[_rebuild(v, leaves) for v in value])
+    if cls is dict or cls is collections.OrderedDict:
+        return cls((k, _rebuild(v, leaves)) for k, v in value.items())
+    node = pytree.SUPPORTED_NODES.get(cls)
+    if node is not None:
+        children, context = node.flatten_fn(value)
+        return node.unflatten_fn([_rebuild(v, leaves) for v in children], context)
+    return value
+
+
+def _describe_with_leaves(kwargs):
+    """(Signature, tensor leaves) of a call's keyword arguments, names sorted."""
+    leaves = []
+    items = []
+    tensor = torch.Tensor
+    for name in sorted(kwargs):
+        value = kwargs[name]
+        if isinstance(value, tensor):  # inlined common case: this runs on every call
+            leaves.append(value)
+            items.append((name, (_TENSOR, value.shape, value.dtype,
+                                 "cuda" if value.is_cuda else "cpu" if value.is_cpu else value.device.type)))
+        else:
+            items.append((name, _describe(value, leaves)))
+    return Signature(tuple(items)), leaves
+
+
+def _rebuild_kwargs(kwargs, leaves):
+    """Keyword arguments with tensor leaves taken from `leaves` (a list in signature order)."""
+    it = iter(leaves)
+    rebuilt = {name: _rebuild(kwargs[name], it) for name in sorted(kwargs)}
+    return {name: rebuilt[name] for name in kwargs}  # keep the caller's order
+
+
+def signature_of(kwargs):
+    """The `Signature` of a call with these keyword arguments (see the module docstring)."""
+    return _describe_with_leaves(kwargs)[0]
+
+
+def _type_name(cls):
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _short_dtype(dtype):
+    return str(dtype).replace("torch.", "")
+
+
+def _canonical(desc):
+    """A string that identifies a descriptor across processes (identity parts excepted)."""
+    tag = desc[0]
+    if tag == _TENSOR:
+        return f"T({','.join(map(str, desc[1]))};{_short_dtype(desc[2])};{desc[3]})"
+    if tag == _VALUE:
+        cls, value = desc[1], desc[2]
+        if isinstance(value, enum.Enum):
+            value = value.name
+        elif cls is torch.Size:
+            value = tuple(value)
+        return f"V({_type_name(cls)};{value!r})"
+    if tag == _IDENT:
+        return f"I({_type_name(desc[1])};{id(desc[2].obj):x})"
+    if tag == _LIST:
+        return f"L({_type_name(desc[1])};[{','.join(_canonical(c) for c in desc[2])}])"
+    if tag == _DICT:
+        parts = ",".join(f"{_canonical(k)}:{_canonical(v)}" for k, v in desc[2])
+        return f"D({_type_name(desc[1])};{{{parts}}})"
+    parts = ",".join(_canonical(c) for c in desc[3])
+    return f"N({_type_name(desc[1])};{_canonical(desc[2])};[{parts}])"
+
+
+def _readable(desc):
+    """Short human form of a descriptor, for summaries."""
+    tag = desc[0]
+    if tag == _TENSOR:
+        return f"{_short_dtype(desc[2])}[{', '.join(map(str, desc[1]))}]/{desc[3]}"
+    if tag == _VALUE:
+        return "nan" if desc[1] is float and desc[2] == "nan" else repr(desc[2])
+    if tag == _IDENT:
+        return f"<{desc[1].__qualname__} id={id(desc[2].obj):x}>"
+    if tag == _LIST:
+        open_, close = ("[", "]") if desc[1] is list else ("(", ")")
+        name = "" if desc[1] in (list, tuple) else desc[1].__qualname__
+        inner = ", ".join(_readable(c) for c in desc[2])
+        return f"{name}{open_}{inner}{',' if len(desc[2]) == 1 and desc[1] is tuple else ''}{close}"
+    if tag == _DICT:
+        return "{" + ", ".join(f"{_readable(k)}: {_readable(v)}" for k, v in desc[2]) + "}"
+    return f"{desc[1].__qualname__}({', '.join(_readable(c) for c in desc[3])})"
+
+
+def _child_path(path, label):
+    return f"{path}{label}" if path else label.lstrip(".")
+
+
+def _diff(a, b, path, out):
+    """Append the differences between descriptors `a` and `b` (found at `path`) to `out`."""
+    if a == b:
+        return
+    if a[0] != b[0] or (a[0] != _TENSOR and a[1] != b[1]):
+        out.append(f"kind {_kind(a)} != {_kind(b)} at {path}")
+        return
+    tag = a[0]
+    if tag == _TENSOR:
+        if len(a[1]) != len(b[1]):
+            out.append(f"rank {len(a[1])} != {len(b[1])} at {path}")
+        else:
+            for i, (x, y) in enumerate(zip(a[1], b[1])):
+                if x != y:
+                    out.append(f"shape[{i}] {x} != {y} at {path}")
+        if a[2] != b[2]:
+            out.append(f"dtype {_short_dtype(a[2])} != {_short_dtype(b[2])} at {path}")
+        if a[3] != b[3]:
+            out.append(f"device {a[3]} != {b[3]} at {path}")
+    elif tag in (_VALUE, _IDENT):
+        out.append(f"value {_readable(a)} != {_readable(b)} at {path}")
+    elif tag == _LIST:
+        if len(a[2]) != len(b[2]):
+            out.append(f"length {len(a[2])} != {len(b[2])} at {path}")
+        for i, (x, y) in enumerate(zip(a[2], b[2])):
+            _diff(x, y, _child_path(path, f"[{i}]"), out)
+    elif tag == _DICT:
+        _diff_named([(_readable(k), v) for k, v in a[2]], [(_readable(k), v) for k, v in b[2]],
+                    lambda k: _child_path(path, f"[{k}]"), out)
+    else:
+        if a[2] != b[2]:
+            out.append(f"context {_readable(a[2])} != {_readable(b[2])} at {path}")
+        else:
+            for i, (x, y) in enumerate(zip(a[3], b[3])):
+                _diff(x, y, _child_path(path, f"[{i}]"), out)
+
+
+def _diff_named(a_items, b_items, path_of, out):
+    a_map, b_map = dict(a_items), dict(b_items)
+    for name, desc in a_items:
+        if name not in b_map:
+            out.append(f"argument present != absent at {path_of(name)}")
+        else:
+            _diff(desc, b_map[name], path_of(name), out)
+    for name, _ in b_items:
+        if name not in a_map:
+            out.append(f"argument absent != present at {path_of(name)}")
+    if not out and [n for n, _ in a_items] != [n for n, _ in b_items]:
+        out.append(f"key order differs at {path_of('')}")
+
+
+def _kind(desc):
+    tag = desc[0]
+    if tag == _TENSOR:
+        return "tensor"
+    if tag == _IDENT:
+        return f"object<{desc[1].__qualname__}>"
+    return desc[1].__qualname__
+
+
+class Signature:
+    """Hashable description of a call's inputs; see the module docstring for what it covers."""
+
+    __slots__ = ("_items", "_hash", "_key")
+
+    def __init__(self, items):
+        self._items = items  # ((name, descriptor), ...) with names sorted
+        self._hash = hash(items)
+        self._key = None
+
+    def __hash__(self):
+        return self._hash
+
+    def __eq__(self, other):
+        return isinstance(other, Signature) and self._hash == other._hash and self._items == other._items
+
+    def __repr__(self):
+        return f"Signature({self.key}: {self.summary()})"
+
+    @property
+    def names(self):
+        """The argument names, sorted."""
+        return tuple(name for name, _ in self._items)
+
+    @property
+    def has_identity_parts(self):
+        """True when some part is keyed by object identity (its `key` is then per process)."""
+        return "I(" in self.canonical()
+
+    def canonical(self):
+        """The canonical string that `key` hashes."""
+        return ";".join(f"{name}={_canonical(desc)}" for name, desc in self._items)
+
+    @property
+    def key(self):
+        """16 hex digits of sha256 of the canonical form: the same in every process."""
+        if self._key is None:
+            self._key = hashlib.sha256(self.canonical().encode()).hexdigest()[:16]
+        return self._key
+
+    def summary(self):
+        """One readable line, e.g. ``hidden_states=bfloat16[1, 256, 64]/cuda, return_dict=False``."""
+        return ", ".join(f"{name}={_readable(desc)}" for name, desc in self._items)
+
+    def diff(self, other):
+        """Differences from `other` as strings like ``"shape[1] 64 != 128 at hidden_states"``."""
+        if not isinstance(other, Signature):
+            raise TypeError(f"Signature.diff needs a Signature, got {type(other).__name__}; "
+                            "build one with bcg.signature_of(kwargs)")
+        out = []
+        _diff_named(list(self._items), list(other._items), lambda name: name, out)
+        return out
