@@ -1,0 +1,193 @@
+"""Shape keys and prompt-length buckets: what a request needs warm, computed before anything runs.
+
+A captured graph is valid for one transformer input signature. For a diffusers pipeline that signature
+follows from a few request properties, which `ShapeKey` holds:
+
+- ``height``, ``width`` (pixels), ``num_frames`` (1 for images), ``batch_size`` (images per prompt);
+- ``cfg``: whether classifier-free guidance runs a negative branch (batched into the same call or as a
+  second call, depending on the pipeline; either way it changes what the transformer sees);
+- ``prompt_bucket``: the text sequence length the prompt is padded to (None: the pipeline's default).
+
+``.key`` is a stable, readable string: ``"1024x1024"`` for the plain case, else suffixes in a fixed order,
+e.g. ``"768x512.f17.b2.cfg.p128"``. Sizes are written **width x height**, as in the OpenAI Images API
+``size`` field ("1792x1024" is landscape). `ShapeKey.parse` is the inverse and also accepts a bare
+``"WxH"``.
+
+Prompt buckets: all pipelines bcg knows (Flux, SD3, PixArt-Sigma, Sana, Wan) already pad their T5/Gemma
+text input to ``max_sequence_length`` (ids and attention mask alike). Choosing that length per request as
+the smallest bucket that holds the prompt (`prompt_bucket`) makes prompts of different lengths share one
+graph without touching the embeddings; the bucket then is the ``max_sequence_length`` passed to the
+pipeline. Prompts longer than the largest bucket are truncated by the pipeline, as they would be anyway.
+
+Validation helpers raise ``ValueError`` whose message names the fix.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import re
+from typing import Iterable
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["PROMPT_BUCKETS", "ShapeKey", "parse_size", "prompt_bucket", "buckets_up_to", "check_shape", "parse_plan"]
+
+PROMPT_BUCKETS = (32, 64, 128, 256, 512)
+
+_SIZE_RE = re.compile(r"^\s*(\d+)\s*[xX]\s*(\d+)\s*$")
+_SUFFIX_RE = re.compile(r"^(f(?P<f>\d+)|b(?P<b>\d+)|(?P<cfg>cfg)|p(?P<p>\d+))$")
+
+
+def parse_size(size: str) -> tuple[int, int]:
+    """``"WxH"`` -> ``(width, height)``; both positive integers."""
+    match = _SIZE_RE.match(size) if isinstance(size, str) else None
+    if not match:
+        raise ValueError(f"size must be 'WxH' (width x height in pixels, e.g. '1024x768'), got {size!r}")
+    width, height = int(match.group(1)), int(match.group(2))
+    if width <= 0 or height <= 0:
+        raise ValueError(f"size must be 'WxH' with positive width and height, got {size!r}")
+    return width, height
+
+
+@dataclasses.dataclass(frozen=True)
+class ShapeKey:
+    """The request properties that decide which captured graphs a request replays."""
+
+    height: int
+    width: int
+    num_frames: int = 1
+    batch_size: int = 1
+    cfg: bool = False
+    prompt_bucket: int | None = None
+
+    def __post_init__(self):
+        for name in ("height", "width", "num_frames", "batch_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"ShapeKey.{name} must be a positive int, got {value!r}")
+        if not isinstance(self.cfg, bool):
+            raise ValueError(f"ShapeKey.cfg must be a bool, got {self.cfg!r}")
+        bucket = self.prompt_bucket
+        if bucket is not None and (isinstance(bucket, bool) or not isinstance(bucket, int) or bucket <= 0):
+            raise ValueError(f"ShapeKey.prompt_bucket must be a positive int or None, got {bucket!r}")
+
+    @property
+    def size(self) -> str:
+        """``"WxH"``, the OpenAI-style size string."""
+        return f"{self.width}x{self.height}"
+
+    @property
+    def key(self) -> str:
+        parts = [self.size]
+        if self.num_frames != 1:
+            parts.append(f"f{self.num_frames}")
+        if self.batch_size != 1:
+            parts.append(f"b{self.batch_size}")
+        if self.cfg:
+            parts.append("cfg")
+        if self.prompt_bucket is not None:
+            parts.append(f"p{self.prompt_bucket}")
+        return ".".join(parts)
+
+    def __str__(self) -> str:
+        return self.key
+
+    @classmethod
+    def parse(cls, text: str) -> "ShapeKey":
+        """Inverse of `.key`; a bare ``"WxH"`` is a plain key of that size."""
+        if isinstance(text, ShapeKey):
+            return text
+        if not isinstance(text, str) or not text.strip():
+            raise ValueError(f"shape key must be a string like '1024x768' or '768x512.f17.b2.cfg.p128', got {text!r}")
+        size, *suffixes = text.strip().split(".")
+        width, height = parse_size(size)
+        fields = {}
+        for suffix in suffixes:
+            match = _SUFFIX_RE.match(suffix)
+            name = None if not match else next(k for k, v in match.groupdict().items() if v is not None)
+            if name is None or name in fields:
+                raise ValueError(
+                    f"bad shape key {text!r}: after 'WxH' only '.f<frames>', '.b<batch>', '.cfg', '.p<tokens>' "
+                    f"may follow, each at most once (got {suffix!r})"
+                )
+            fields[name] = True if name == "cfg" else int(match.group(name))
+        return cls(
+            height=height, width=width, num_frames=fields.get("f", 1), batch_size=fields.get("b", 1),
+            cfg=fields.get("cfg", False), prompt_bucket=fields.get("p"),
+        )
+
+    def replace(self, **changes) -> "ShapeKey":
+        return dataclasses.replace(self, **changes)
+
+
+def buckets_up_to(max_tokens: int, buckets: Iterable[int] = PROMPT_BUCKETS) -> tuple[int, ...]:
+    """The buckets below `max_tokens`, then `max_tokens` itself (the pipeline's own limit)."""
+    return tuple(sorted({b for b in buckets if b < max_tokens} | {int(max_tokens)}))
+
+
+def prompt_bucket(num_tokens: int, buckets: Iterable[int] = PROMPT_BUCKETS) -> int:
+    """Smallest bucket >= `num_tokens`; the largest bucket if none is (the prompt gets truncated)."""
+    ordered = sorted(buckets)
+    if not ordered:
+        raise ValueError("prompt buckets must not be empty; use e.g. (32, 64, 128, 256, 512)")
+    for bucket in ordered:
+        if num_tokens <= bucket:
+            return bucket
+    logger.debug("prompt of %d tokens exceeds the largest bucket %d; it will be truncated", num_tokens, ordered[-1])
+    return ordered[-1]
+
+
+def check_shape(
+    key: ShapeKey,
+    size_multiple: int,
+    *,
+    frame_multiple: int | None = None,
+    max_pixels: int | None = None,
+    max_batch_size: int | None = None,
+    prompt_buckets: Iterable[int] | None = None,
+) -> ShapeKey:
+    """Raise ``ValueError`` naming the fix when `key` cannot run on a pipeline with these limits.
+
+    `size_multiple` is ``vae_scale_factor * patch_size`` (what the latent patching needs); for video,
+    `frame_multiple` is the VAE's temporal compression and frames must be ``k * frame_multiple + 1``;
+    images (`frame_multiple` None) must have ``num_frames == 1``.
+    """
+    if key.width % size_multiple or key.height % size_multiple:
+        fix_w = max(size_multiple, round(key.width / size_multiple) * size_multiple)
+        fix_h = max(size_multiple, round(key.height / size_multiple) * size_multiple)
+        raise ValueError(
+            f"size must be WxH with both sides multiples of {size_multiple}, got '{key.size}' "
+            f"(nearest valid: '{fix_w}x{fix_h}')"
+        )
+    if max_pixels is not None and key.width * key.height > max_pixels:
+        raise ValueError(f"size '{key.size}' has more than the {max_pixels} pixels this model allows; use a smaller size")
+    if frame_multiple is None:
+        if key.num_frames != 1:
+            raise ValueError(f"this model makes images: num_frames must be 1, got {key.num_frames}")
+    elif (key.num_frames - 1) % frame_multiple:
+        below = (key.num_frames - 1) // frame_multiple * frame_multiple + 1
+        raise ValueError(
+            f"num_frames must be k*{frame_multiple}+1 (e.g. {below} or {below + frame_multiple}), got {key.num_frames}"
+        )
+    if max_batch_size is not None and key.batch_size > max_batch_size:
+        raise ValueError(f"n (batch size) must be at most {max_batch_size}, got {key.batch_size}")
+    if prompt_buckets is not None and key.prompt_bucket is not None:
+        allowed = sorted(prompt_buckets)
+        if key.prompt_bucket not in allowed:
+            raise ValueError(f"prompt bucket must be one of {allowed}, got {key.prompt_bucket}")
+    return key
+
+
+def parse_plan(items: Iterable[str | ShapeKey] | str) -> list[ShapeKey]:
+    """A warmup plan from shape keys or strings (``"256x256"``, ``"512x768.b2.cfg"``), duplicates dropped.
+
+    A single comma-separated string is accepted too (``"256x256,512x512"``), as command lines pass it.
+    """
+    if isinstance(items, str):
+        items = [part for part in items.split(",") if part.strip()]
+    plan: list[ShapeKey] = []
+    for item in items:
+        key = ShapeKey.parse(item)
+        if key not in plan:
+            plan.append(key)
+    return plan
