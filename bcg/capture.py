@@ -1,0 +1,702 @@
+"""Breakable CUDA graphs: a forward captured as CUDA graph segments with eager break functions between them.
+
+Contract:
+- ``with BreakableCUDAGraphCapture(graph, pool=None, stream=None): out = fn(static_x)`` captures ``fn`` on a
+  side stream. Each call of an ``@eager_on_graph`` function (and each ``break_graph()``) inside the capture
+  ends the current segment (a real ``torch.cuda.CUDAGraph``; all segments share one memory pool), runs the
+  function eagerly (or its ``capture_stub``), records it, and starts the next segment.
+- ``graph.replay()`` replays segment 0, break 0, segment 1, ... on the current stream. At replay the real
+  break function runs with the captured arguments and its fresh outputs are copied into the *bridge
+  buffers* that the next segment was captured against, so ``out`` is refreshed in place. A break output
+  whose structure, shape or dtype changed raises ``BreakOutputMismatchError``; nothing is copied then.
+- Values produced during capture are undefined (kernels are recorded, not run): call ``replay()``.
+- Outside a capture ``eager_on_graph`` functions are plain calls, and they are always graph breaks for
+  ``torch.compile``. Without CUDA everything imports; entering a capture raises ``RuntimeError``.
+- The only module-level state is two ContextVars (the capture in progress and the replay token) plus a
+  lock that guards the temporary, reference counted ``torch.cuda.Event.wait`` patch (see ``_ForkTracker``).
+
+Memory lifetimes (the reason for most of the code below):
+- Segments are replayed in capture order and share one private pool, so a block freed during the capture
+  of segment k may be reused by segment k or any later one; replaying in the same order keeps every live
+  range intact. Captures of other signatures that share the pool may reuse blocks this capture freed, so
+  the caller must copy outputs out before replaying another capture (the runner does).
+- Break inputs that live in the pool are *not* kept alive by the graph: we keep a non-owning alias of
+  their address, shape, stride and dtype, so the pool can hand their memory to later allocations exactly
+  as in eager. At replay the break runs between segment k and k+1, where that memory holds the same data
+  it held at capture. Inputs outside the pool (weights, static inputs) are held strongly.
+- Bridges are allocated in the pool at the start of the next segment (from blocks free at that point,
+  so no tensor that is live across the break overlaps them). The graph holds a bridge strongly only until
+  that segment ends, then keeps a non-owning alias: when the model drops the bridge, its block returns
+  to the pool for later segments, like an eager activation. The pool itself stays reserved for as long
+  as the graph holds its segments (each ``torch.cuda.CUDAGraph`` keeps a use count on the pool).
+"""
+from __future__ import annotations
+
+import bisect
+import contextlib
+import contextvars
+import functools
+import logging
+import threading
+import warnings
+from typing import Any, Callable
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "BreakableCUDAGraph",
+    "BreakableCUDAGraphCapture",
+    "BreakOutputMismatchError",
+    "break_graph",
+    "current_replay_token",
+    "eager_on_graph",
+    "pool_reserved_bytes",
+    "replay_token_scope",
+]
+
+_ACTIVE_CAPTURE: contextvars.ContextVar[BreakableCUDAGraphCapture | None] = contextvars.ContextVar(
+    "bcg_active_capture", default=None
+)
+_REPLAY_TOKEN: contextvars.ContextVar[Any] = contextvars.ContextVar("bcg_replay_token", default=None)
+
+
+class BreakOutputMismatchError(RuntimeError):
+    """A break function returned, at replay, something other than what the graph was captured with."""
+
+
+# --------------------------------------------------------------------------------------------------
+# replay token
+
+
+@contextlib.contextmanager
+def replay_token_scope(token: Any):
+    """Make ``token`` visible to break functions (via ``current_replay_token()``) inside the block."""
+    reset = _REPLAY_TOKEN.set(token)
+    try:
+        yield token
+    finally:
+        _REPLAY_TOKEN.reset(reset)
+
+
+def current_replay_token() -> Any:
+    """The token of the innermost ``replay_token_scope``, or None outside any."""
+    return _REPLAY_TOKEN.get()
+
+
+# --------------------------------------------------------------------------------------------------
+# decorators
+
+
+def eager_on_graph(fn: Callable | None = None, *, capture_stub: Callable | None = None):
+    """Mark ``fn`` as a graph break: eager between CUDA graph segments, and a ``torch.compile`` break.
+
+    Usable bare (``@eager_on_graph``) or with arguments (``@eager_on_graph(capture_stub=stub)``). The
+    stub, called with the same arguments during capture only, must return outputs of the real
+    function's structure, shapes and dtypes without doing its work; at replay the real function runs.
+    """
+    if fn is None:
+        return functools.partial(eager_on_graph, capture_stub=capture_stub)
+    if not callable(fn):
+        raise TypeError(f"eager_on_graph expects a callable, got {type(fn).__name__}")
+    if capture_stub is not None and not callable(capture_stub):
+        raise TypeError(f"capture_stub must be callable, got {type(capture_stub).__name__}")
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        capture = _ACTIVE_CAPTURE.get()
+        if capture is None or capture._in_break:
+            return fn(*args, **kwargs)
+        return capture._run_break(fn, capture_stub, args, kwargs)
+
+    wrapper.__bcg_eager_fn__ = fn
+    # Dynamo must not trace into the wrapper: compiled code before and after a break become separate
+    # graphs, and the break itself runs here in Python, where the capture can see it.
+    return torch.compiler.disable(wrapper, recursive=True)
+
+
+def _no_work():
+    return None
+
+
+def _break_graph() -> None:
+    capture = _ACTIVE_CAPTURE.get()
+    if capture is not None and not capture._in_break:
+        capture._run_break(_no_work, None, (), {})
+
+
+#: Split the current segment with a break that does no work (a no-op outside a capture).
+break_graph = torch.compiler.disable(_break_graph, recursive=True)
+break_graph.__name__ = break_graph.__qualname__ = "break_graph"
+
+
+# --------------------------------------------------------------------------------------------------
+# non-owning aliases and pool membership
+
+_INT_TYPESTR = {1: "|u1", 2: "<i2", 4: "<i4", 8: "<i8", 16: "<c16"}
+
+
+class _CudaArray:
+    """Exposes a raw device address as ``__cuda_array_interface__`` so torch can view it without owning it."""
+
+    __slots__ = ("__cuda_array_interface__",)
+
+    def __init__(self, interface: dict):
+        self.__cuda_array_interface__ = interface
+
+
+def _alias(t: torch.Tensor) -> torch.Tensor:
+    """A tensor over ``t``'s memory (same address, shape, stride, dtype) that does not keep it allocated."""
+    if t.numel() == 0:
+        return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
+    itemsize = t.element_size()
+    interface = {
+        "shape": tuple(t.shape),
+        "strides": tuple(s * itemsize for s in t.stride()),
+        "typestr": _INT_TYPESTR[itemsize],
+        "data": (t.data_ptr(), False),
+        "version": 2,
+    }
+    try:
+        # An integer type of the same item size, then a dtype view: works for bf16 and fp8 too.
+        view = torch.as_tensor(_CudaArray(interface), device=t.device).view(t.dtype)
+    except Exception:  # noqa: BLE001 - numpy missing, or a torch without CAI strides support
+        storage = torch._C._construct_storage_from_data_pointer(
+            t.data_ptr(), t.device, t.element_size() * (1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride())))
+        )
+        view = torch.empty(0, dtype=t.dtype, device=t.device).set_(storage, 0, t.shape, t.stride())
+    if view.data_ptr() != t.data_ptr() or view.shape != t.shape or view.stride() != t.stride():
+        raise RuntimeError("bcg: could not build an alias of a pool tensor; this torch build is unsupported")
+    return view
+
+
+def pool_reserved_bytes(pool, device: int | torch.device | None = None) -> int:
+    """Bytes the caching allocator has reserved (cudaMalloc'ed segments) for the private pool ``pool``."""
+    if isinstance(device, int):
+        device_index = device
+    else:
+        device_index = torch.device("cuda" if device is None else device).index
+        device_index = torch.cuda.current_device() if device_index is None else device_index
+    pool = tuple(pool)
+    return sum(
+        seg["total_size"]
+        for seg in torch.cuda.memory_snapshot()
+        if tuple(seg.get("segment_pool_id", ())) == pool and seg.get("device") == device_index
+    )
+
+
+class _PoolRanges:
+    """Address ranges of the pool's segments, to tell pool tensors from weights and static inputs.
+
+    Pool segments only grow while the pool is in use, so a cached range stays valid; a pointer outside
+    every cached range triggers one refresh per break (``memory_snapshot`` is too slow to call per tensor).
+    """
+
+    def __init__(self, pool, device_index: int):
+        self._pool = tuple(pool)
+        self._device = device_index
+        self._starts: list[int] = []
+        self._ends: list[int] = []
+        self.fresh = False
+        self.failed = False
+
+    def refresh(self) -> None:
+        self.fresh = True
+        try:
+            spans = sorted(
+                (seg["address"], seg["address"] + seg["total_size"])
+                for seg in torch.cuda.memory_snapshot()
+                if tuple(seg.get("segment_pool_id", ())) == self._pool and seg.get("device") == self._device
+            )
+        except Exception as exc:  # noqa: BLE001 - then every input is held strongly: safe, uses more memory
+            if not self.failed:
+                logger.warning("bcg: memory_snapshot failed (%s); break inputs will be held strongly", exc)
+            self.failed = True
+            return
+        self._starts = [s for s, _ in spans]
+        self._ends = [e for _, e in spans]
+
+    def contains(self, ptr: int) -> bool:
+        i = bisect.bisect_right(self._starts, ptr) - 1
+        if i >= 0 and ptr < self._ends[i]:
+            return True
+        if self.fresh:
+            return False
+        self.refresh()
+        i = bisect.bisect_right(self._starts, ptr) - 1
+        return i >= 0 and ptr < self._ends[i]
+
+
+# --------------------------------------------------------------------------------------------------
+# side streams forked inside a segment
+
+
+class _ForkTracker:
+    """Temporary, reference counted patch of ``torch.cuda.Event.wait`` while any capture is open.
+
+    Why: a segment ends where a break is called, in the middle of user code. If that code forked a side
+    stream (``s.wait_stream(capture_stream)``) and joins it only after the break, cudaStreamEndCapture
+    fails with "unjoined". CUDA has no API to list the streams a capture forked into, so we note every
+    stream that waits on an event while a segment is open (``Stream.wait_stream`` and
+    ``Stream.wait_event`` both end in ``Event.wait``) and join those still capturing when the segment
+    ends. The patch is installed on the first open capture and restored (in a ``finally``) by the last.
+    Its user count lives on the patch function itself, so nothing of it remains once it is removed.
+    """
+
+    _lock = threading.Lock()
+
+    @classmethod
+    def install(cls) -> None:
+        with cls._lock:
+            current = torch.cuda.Event.wait
+            if getattr(current, "_bcg_original", None) is not None:
+                current._bcg_users += 1
+                return
+            original = current
+
+            def wait(event, stream=None):
+                original(event, stream)
+                capture = _ACTIVE_CAPTURE.get()
+                if capture is not None:
+                    capture._note_wait(torch.cuda.current_stream() if stream is None else stream)
+
+            wait._bcg_original = original
+            wait._bcg_users = 1
+            functools.update_wrapper(wait, original)
+            wait.__wrapped__ = original
+            torch.cuda.Event.wait = wait
+
+    @classmethod
+    def remove(cls) -> None:
+        with cls._lock:
+            current = torch.cuda.Event.wait
+            original = getattr(current, "_bcg_original", None)
+            if original is None:
+                logger.warning("bcg: torch.cuda.Event.wait was replaced during a capture; not restoring it")
+                return
+            current._bcg_users -= 1
+            if current._bcg_users == 0:
+                torch.cuda.Event.wait = original
+
+
+# --------------------------------------------------------------------------------------------------
+# break outputs -> bridges
+
+
+def _describe(x) -> str:
+    if isinstance(x, torch.Tensor):
+        return f"tensor{tuple(x.shape)} {x.dtype}"
+    return type(x).__name__
+
+
+class _Bridges:
+    """Turns a break's capture-time output into bridge buffers, and copies replay outputs into them."""
+
+    def __init__(self, name: str, out):
+        self.name = name
+        self.owned: list[torch.Tensor] = []  # strong refs, only until the segment that reads them ends
+        self.targets: list[torch.Tensor] = []  # what replay copies into (aliases once the segment ended)
+        self.paths: list[str] = []
+        self.spec = None
+        self.result = None
+        self.spec, self.result = self._build(out, "output")
+
+    def _build(self, x, path):
+        if isinstance(x, torch.Tensor):
+            # Allocated inside the just-begun segment's capture: comes from the pool.
+            bridge = torch.empty_like(x, memory_format=torch.preserve_format)
+            self.owned.append(bridge)
+            self.targets.append(bridge)
+            self.paths.append(path)
+            return ("t", len(self.targets) - 1, x.shape, x.dtype), bridge
+        if isinstance(x, (tuple, list)):
+            specs, values = [], []
+            for i, item in enumerate(x):
+                s, v = self._build(item, f"{path}[{i}]")
+                specs.append(s)
+                values.append(v)
+            kind = type(x)
+            if hasattr(x, "_fields"):
+                value = kind(*values)
+            else:
+                value = kind(values)
+            return ("seq", kind, tuple(specs)), value
+        if isinstance(x, dict):
+            specs, values = {}, {}
+            for k, item in x.items():
+                s, v = self._build(item, f"{path}[{k!r}]")
+                specs[k] = s
+                values[k] = v
+            value = type(x)(values) if type(x) is not dict else values
+            return ("map", type(x), specs), value
+        if x is None or isinstance(x, (bool, int, float, complex, str)):
+            return ("c", type(x)), x
+        raise TypeError(
+            f"break function {self.name} returned {type(x).__name__} at {path}; break outputs must be "
+            "tensors, None, python scalars, or tuples/lists/dicts of them"
+        )
+
+    def release(self) -> None:
+        """The segment that reads the bridges ended: keep only aliases, so the pool can reuse them."""
+        self.targets = [_alias(t) if t.is_cuda else t for t in self.targets]
+        self.owned = []
+
+    def make_copier(self) -> Callable[[Any], None]:
+        """A closure that checks a replay output against the spec and copies it into the bridges."""
+        spec, targets, name = self.spec, self.targets, self.name
+        if spec[0] == "t":
+            (target,), shape, dtype = targets, spec[2], spec[3]
+
+            def copy_single(out):
+                if not isinstance(out, torch.Tensor) or out.shape != shape or out.dtype != dtype:
+                    self._mismatch("output", f"tensor{tuple(shape)} {dtype}", _describe(out))
+                target.copy_(out)
+
+            return copy_single
+        if spec[0] == "seq" and all(s[0] == "t" for s in spec[2]):
+            kind, n = spec[1], len(spec[2])
+            checks = [(targets[s[1]], s[2], s[3]) for s in spec[2]]
+
+            def copy_flat(out):
+                if type(out) is not kind or len(out) != n:
+                    self._mismatch("output", f"{kind.__name__} of {n} tensors", _describe(out))
+                for i, ((_, shape, dtype), t) in enumerate(zip(checks, out)):
+                    if not isinstance(t, torch.Tensor) or t.shape != shape or t.dtype != dtype:
+                        self._mismatch(f"output[{i}]", f"tensor{tuple(shape)} {dtype}", _describe(t))
+                for (target, _, _), t in zip(checks, out):
+                    target.copy_(t)
+
+            return copy_flat
+        if not targets:
+            def copy_none(out):
+                self._check(spec, out, "output", [])
+
+            return copy_none
+
+        def copy_tree(out):
+            leaves: list[torch.Tensor] = []
+            self._check(spec, out, "output", leaves)
+            for target, t in zip(targets, leaves):
+                target.copy_(t)
+
+        return copy_tree
+
+    def _check(self, spec, x, path, leaves):
+        kind = spec[0]
+        if kind == "t":
+            if not isinstance(x, torch.Tensor) or x.shape != spec[2] or x.dtype != spec[3]:
+                self._mismatch(path, f"tensor{tuple(spec[2])} {spec[3]}", _describe(x))
+            leaves.append(x)
+        elif kind == "seq":
+            if type(x) is not spec[1] or len(x) != len(spec[2]):
+                self._mismatch(path, f"{spec[1].__name__} of length {len(spec[2])}", _describe(x))
+            for i, (s, item) in enumerate(zip(spec[2], x)):
+                self._check(s, item, f"{path}[{i}]", leaves)
+        elif kind == "map":
+            if type(x) is not spec[1] or x.keys() != spec[2].keys():
+                self._mismatch(path, f"{spec[1].__name__} with keys {list(spec[2])}", _describe(x))
+            for k, s in spec[2].items():
+                self._check(s, x[k], f"{path}[{k!r}]", leaves)
+        elif type(x) is not spec[1]:
+            self._mismatch(path, spec[1].__name__, _describe(x))
+
+    def _mismatch(self, path, expected, got):
+        raise BreakOutputMismatchError(
+            f"break function {self.name} returned {got} at {path} during replay, but the graph was captured "
+            f"with {expected}; a graph replays fixed shapes: capture a new graph for this input (or make the "
+            "break return what it returned at capture)"
+        )
+
+
+def _fn_name(fn) -> str:
+    name = getattr(fn, "__qualname__", None) or getattr(type(fn), "__qualname__", None) or repr(fn)
+    return f"{getattr(fn, '__module__', '') or ''}.{name}".lstrip(".")
+
+
+# --------------------------------------------------------------------------------------------------
+# graph and capture
+
+
+class BreakableCUDAGraph:
+    """A captured sequence of CUDA graph segments and eager breaks; ``replay()`` runs them in order."""
+
+    def __init__(self):
+        self.pool = None
+        self._clear()
+
+    def _clear(self) -> None:
+        self._steps: tuple[Callable[[], Any], ...] = ()
+        self._segments: list[torch.cuda.CUDAGraph] = []  # all of them: each holds a use of the pool
+        self._bridges: list[_Bridges] = []
+        self.break_names: tuple[str, ...] = ()
+        self.num_segments = 0
+        self.num_breaks = 0
+        self.num_empty_segments = 0
+        self._capturing = False
+
+    @property
+    def captured(self) -> bool:
+        return self.num_segments > 0
+
+    def replay(self) -> None:
+        """Replay segment 0, break 0, segment 1, ... on the current stream; outputs refresh in place."""
+        if not self.num_segments:
+            raise RuntimeError("BreakableCUDAGraph.replay(): nothing captured (capture it first, or after reset())")
+        for step in self._steps:
+            step()
+
+    def reset(self) -> None:
+        """Drop the captured segments and bridges; the pool is released once no graph uses it."""
+        if self._capturing:
+            raise RuntimeError("BreakableCUDAGraph.reset() inside its own capture")
+        for segment in self._segments:
+            segment.reset()
+        self._clear()
+
+    def __repr__(self) -> str:
+        return f"BreakableCUDAGraph(segments={self.num_segments}, breaks={self.num_breaks})"
+
+
+def _segment_replay(segment: torch.cuda.CUDAGraph) -> Callable[[], None]:
+    # The C++ method directly skips the Python frame of CUDAGraph.replay on every replay; that wrapper
+    # only checks an input-liveness tracker, which we never enable.
+    base = getattr(torch._C, "_CUDAGraph", None)
+    if base is not None and isinstance(segment, base) and getattr(segment, "_tracker", None) is None:
+        try:
+            return base.replay.__get__(segment, type(segment))
+        except Exception:  # noqa: BLE001 - a binding without descriptors: the wrapper is fine too
+            pass
+    return segment.replay
+
+
+class BreakableCUDAGraphCapture:
+    """Context manager that captures the code inside it into ``graph`` as segments and breaks."""
+
+    def __init__(self, graph: BreakableCUDAGraph, pool=None, stream: torch.cuda.Stream | None = None,
+                 capture_error_mode: str = "thread_local"):
+        self.graph = graph
+        self.pool = pool
+        self.stream = stream
+        # thread_local: a replica may run other threads (HTTP, metrics) that touch CUDA during capture.
+        self.capture_error_mode = capture_error_mode
+        self._in_break = False
+        self._segment: torch.cuda.CUDAGraph | None = None  # the segment being captured, if any
+        self._segments: list[torch.cuda.CUDAGraph] = []  # ended segments, in order
+        self._empty = 0
+        self._forked: dict = {}  # streams that waited on an event during the open segment
+        self._steps: list[Callable[[], Any]] = []  # replay steps: segment replays and break closures
+        self._bridge_sets: list[_Bridges] = []
+        self._pending: list[_Bridges] = []  # bridges read by the open segment, still owned
+        self._break_names: list[str] = []
+        self._exit_stack: contextlib.ExitStack | None = None
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+
+    def __enter__(self):
+        if not torch.cuda.is_available():
+            raise RuntimeError(
+                "BreakableCUDAGraphCapture requires CUDA (no CUDA device here); run eagerly instead"
+            )
+        if _ACTIVE_CAPTURE.get() is not None:
+            raise RuntimeError("nested BreakableCUDAGraphCapture: finish the outer capture first")
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("BreakableCUDAGraphCapture inside another CUDA graph capture is not supported")
+        if self.graph._capturing or self.graph.captured:
+            raise RuntimeError("this BreakableCUDAGraph already holds a capture: call graph.reset() first")
+        self.pool = torch.cuda.graph_pool_handle() if self.pool is None else self.pool
+        self.stream = torch.cuda.Stream() if self.stream is None else self.stream
+        self._device_index = self.stream.device_index
+        self._ranges = _PoolRanges(self.pool, self._device_index)
+        stack = contextlib.ExitStack()
+        try:
+            # Work already queued on the caller's stream (static inputs written) comes first.
+            self.stream.wait_stream(torch.cuda.current_stream())
+            stack.enter_context(torch.cuda.stream(self.stream))
+            _ForkTracker.install()
+            stack.callback(_ForkTracker.remove)
+            token = _ACTIVE_CAPTURE.set(self)
+            stack.callback(_ACTIVE_CAPTURE.reset, token)
+            self.graph._capturing = True
+            self.graph.pool = self.pool
+            self._begin_segment()
+        except BaseException:
+            self.graph._capturing = False
+            stack.close()
+            raise
+        self._exit_stack = stack
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        stack, self._exit_stack = self._exit_stack, None
+        try:
+            if exc_type is None:
+                try:
+                    self._end_segment()
+                except BaseException:
+                    self._abort()
+                    raise
+                self._finish()
+            else:
+                self._abort()
+        finally:
+            self.graph._capturing = False
+            stack.close()  # contextvar, Event.wait patch, stream: restored even on errors
+        return False
+
+    def _finish(self) -> None:
+        graph = self.graph
+        graph._steps = tuple(step for step in self._steps if step is not _nothing)
+        graph._segments = self._segments
+        graph._bridges = self._bridge_sets
+        graph.break_names = tuple(self._break_names)
+        graph.num_breaks = len(self._break_names)
+        graph.num_segments = len(self._segments)
+        graph.num_empty_segments = self._empty
+        logger.debug("bcg: captured %d segments (%d empty), %d breaks", graph.num_segments, self._empty,
+                     graph.num_breaks)
+
+    def _abort(self) -> None:
+        """Leave nothing half-open after an exception: end the CUDA capture, drop partial segments."""
+        segment, self._segment = self._segment, None
+        if segment is not None:
+            try:
+                self._join_forked()
+            except Exception:  # noqa: BLE001 - the original exception is what matters
+                pass
+            try:
+                segment.capture_end()
+            except Exception as exc:  # noqa: BLE001
+                logger.debug("bcg: capture_end after an error failed too: %s", exc)
+                # torch leaves the allocator routing this stream to the pool when capture_end raises.
+                end_alloc = getattr(torch._C, "_cuda_endAllocateToPool", None)
+                if end_alloc is not None:
+                    try:
+                        end_alloc(self._device_index, tuple(self.pool))
+                    except Exception:  # noqa: BLE001
+                        pass
+            self._segments.append(segment)
+        for segment in self._segments:
+            try:
+                segment.reset()
+            except Exception:  # noqa: BLE001
+                pass
+        self._segments = []
+        self._pending = []
+        self._bridge_sets = []
+        self._steps = []
+
+    # -- segments ----------------------------------------------------------------------------------
+
+    def _begin_segment(self) -> None:
+        segment = torch.cuda.CUDAGraph()
+        segment.capture_begin(pool=self.pool, capture_error_mode=self.capture_error_mode)
+        self._segment = segment
+
+    def _end_segment(self) -> None:
+        self._join_forked()
+        segment = self._segment
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            segment.capture_end()
+        self._segment = None
+        empty = False
+        for w in caught:
+            if "graph is empty" in str(w.message).lower():
+                empty = True  # nothing to launch: skip it at replay (torch would only warn)
+            else:
+                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+        self._segments.append(segment)
+        if empty:
+            self._empty += 1
+        else:
+            self._steps.append(_segment_replay(segment))
+        # The segment that reads the pending bridges is closed: let the pool reuse them from now on.
+        for bridges in self._pending:
+            bridges.release()
+            self._steps[bridges.step_index] = bridges.make_step()
+        self._pending = []
+
+    def _note_wait(self, stream) -> None:
+        if self._segment is not None and not self._in_break and stream != self.stream:
+            self._forked[stream] = None
+
+    def _join_forked(self) -> None:
+        forked, self._forked = self._forked, {}
+        for stream in forked:
+            if not isinstance(stream, torch.cuda.Stream):
+                stream = torch.cuda.Stream(stream_id=stream.stream_id, device_index=stream.device_index,
+                                           device_type=stream.device_type)
+            with torch.cuda.stream(stream):
+                capturing = torch.cuda.is_current_stream_capturing()
+            if capturing:  # forked into this capture and not joined yet (joining twice is harmless)
+                self.stream.wait_stream(stream)
+
+    # -- breaks ------------------------------------------------------------------------------------
+
+    def _hold(self, x):
+        """Capture-time argument -> what replay passes: pool tensors become non-owning aliases."""
+        if isinstance(x, torch.Tensor):
+            if x.is_cuda and not self._ranges.failed and self._ranges.contains(x.untyped_storage().data_ptr()):
+                return _alias(x)
+            return x
+        if isinstance(x, tuple):
+            held = [self._hold(v) for v in x]
+            if hasattr(x, "_fields"):  # namedtuple
+                return type(x)(*held)
+            return tuple(held) if type(x) is tuple else type(x)(held)
+        if isinstance(x, list):
+            return [self._hold(v) for v in x]
+        if isinstance(x, dict):
+            return {k: self._hold(v) for k, v in x.items()}
+        return x
+
+    def _run_break(self, fn, stub, args, kwargs):
+        if torch.cuda.current_stream() != self.stream:
+            raise RuntimeError(
+                f"break function {_fn_name(fn)} called while another stream is current; call break "
+                "functions on the capture stream (join side streams first)"
+            )
+        self._end_segment()
+        self._ranges.fresh = False
+        replay_args = self._hold(args)
+        replay_kwargs = self._hold(kwargs)
+        name = _fn_name(fn)
+        self._in_break = True
+        try:
+            out = (stub if stub is not None else fn)(*args, **kwargs)
+        finally:
+            self._in_break = False
+        self._break_names.append(name)
+        self._begin_segment()
+        bridges = _Bridges(name, out)
+        bridges.fn, bridges.args, bridges.kwargs = fn, replay_args, replay_kwargs
+        bridges.step_index = len(self._steps)
+        bridges.make_step = functools.partial(_break_step, bridges)
+        self._steps.append(bridges.make_step())
+        self._bridge_sets.append(bridges)
+        self._pending.append(bridges)
+        return bridges.result
+
+
+def _break_step(bridges: _Bridges) -> Callable[[], None]:
+    """The replay closure of one break: call the real function, copy its outputs into the bridges."""
+    fn, args, kwargs = bridges.fn, bridges.args, bridges.kwargs
+    if fn is _no_work:
+        return _nothing
+    copy = bridges.make_copier()
+    if not bridges.targets and bridges.spec == ("c", type(None)):
+        if kwargs:
+            return lambda: fn(*args, **kwargs)
+        return lambda: fn(*args)
+    if kwargs:
+        def step():
+            copy(fn(*args, **kwargs))
+    else:
+        def step():
+            copy(fn(*args))
+    return step
+
+
+def _nothing() -> None:
+    return None
