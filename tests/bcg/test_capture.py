@@ -1,0 +1,223 @@
+"""bcg.capture on any machine: plain-call semantics, replay tokens, CUDA requirement, context hygiene,
+the torch.compile graph break, and the replay-output checks of bridges (on CPU tensors)."""
+import threading
+
+import pytest
+import torch
+
+from bcg.capture import (
+    BreakableCUDAGraph,
+    BreakableCUDAGraphCapture,
+    BreakOutputMismatchError,
+    _ACTIVE_CAPTURE,
+    _Bridges,
+    _ForkTracker,
+    break_graph,
+    current_replay_token,
+    eager_on_graph,
+    replay_token_scope,
+)
+
+needs_no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the behaviour without CUDA")
+
+
+def test_eager_on_graph_bare_is_a_plain_call():
+    calls = []
+
+    @eager_on_graph
+    def scale(x, *, factor=2):
+        """Scales."""
+        calls.append(factor)
+        return x * factor
+
+    x = torch.arange(4.0)
+    assert torch.equal(scale(x), x * 2)
+    assert torch.equal(scale(x, factor=3), x * 3)
+    assert calls == [2, 3]
+    assert scale.__name__ == "scale" and scale.__doc__ == "Scales."
+
+
+def test_eager_on_graph_with_arguments_never_calls_the_stub_outside_a_capture():
+    stub_calls = []
+
+    def stub(x):
+        stub_calls.append(1)
+        return torch.empty_like(x)
+
+    @eager_on_graph(capture_stub=stub)
+    def add_one(x):
+        return x + 1
+
+    out = add_one(torch.zeros(3))
+    assert torch.equal(out, torch.ones(3))
+    assert stub_calls == []
+    # a callable object works as well
+    double = eager_on_graph(lambda t: (t, t * 2))
+    a, b = double(torch.ones(2))
+    assert torch.equal(b, torch.full((2,), 2.0))
+
+
+def test_eager_on_graph_rejects_non_callables():
+    with pytest.raises(TypeError, match="callable"):
+        eager_on_graph(3)
+    with pytest.raises(TypeError, match="capture_stub"):
+        eager_on_graph(lambda: None, capture_stub="nope")
+
+
+def test_break_graph_outside_a_capture_is_a_no_op():
+    assert break_graph() is None
+    assert _ACTIVE_CAPTURE.get() is None
+
+
+def test_replay_token_scope_nests_and_restores_even_on_errors():
+    assert current_replay_token() is None
+    with replay_token_scope("outer") as token:
+        assert token == "outer" and current_replay_token() == "outer"
+        with pytest.raises(ValueError):
+            with replay_token_scope({"req": 7}):
+                assert current_replay_token() == {"req": 7}
+                raise ValueError("boom")
+        assert current_replay_token() == "outer"
+    assert current_replay_token() is None
+
+
+def test_replay_token_is_per_thread():
+    seen = []
+    with replay_token_scope("main"):
+        t = threading.Thread(target=lambda: seen.append(current_replay_token()))
+        t.start()
+        t.join()
+        assert current_replay_token() == "main"
+    assert seen == [None]
+
+
+def test_break_functions_read_the_replay_token():
+    @eager_on_graph
+    def offset(x):
+        return x + current_replay_token()
+
+    with replay_token_scope(5):
+        assert torch.equal(offset(torch.zeros(2)), torch.full((2,), 5.0))
+
+
+@needs_no_cuda
+def test_capture_without_cuda_raises_and_leaves_nothing_behind():
+    wait_before = torch.cuda.Event.wait
+    graph = BreakableCUDAGraph()
+    with pytest.raises(RuntimeError, match="CUDA"):
+        with BreakableCUDAGraphCapture(graph):
+            pass
+    assert _ACTIVE_CAPTURE.get() is None
+    assert torch.cuda.Event.wait is wait_before
+    assert not graph.captured and graph.num_segments == 0
+    with pytest.raises(RuntimeError, match="nothing captured"):
+        graph.replay()
+
+
+def test_fork_tracker_patch_is_reference_counted_and_restored():
+    original = torch.cuda.Event.wait
+    _ForkTracker.install()
+    try:
+        patched = torch.cuda.Event.wait
+        assert patched is not original and patched._bcg_original is original
+        _ForkTracker.install()
+        _ForkTracker.remove()
+        assert torch.cuda.Event.wait is patched  # one user left
+    finally:
+        _ForkTracker.remove()
+    assert torch.cuda.Event.wait is original
+
+
+def test_eager_on_graph_is_a_torch_compile_graph_break():
+    from torch._dynamo.testing import CompileCounter
+
+    torch._dynamo.reset()
+    host_values = []
+
+    @eager_on_graph
+    def host_side(x):
+        host_values.append(x.sum().item())  # a host sync dynamo would otherwise trace or break on
+        return x + 1
+
+    def f(x):
+        y = torch.sin(x) * 2
+        y = host_side(y)
+        return torch.cos(y) + 3
+
+    counter = CompileCounter()
+    x = torch.linspace(0, 1, 8)
+    out = torch.compile(f, backend=counter)(x)
+    assert torch.allclose(out, f(x))
+    assert counter.frame_count == 2  # the graph before the break and the one after it
+    assert len(host_values) == 2  # once compiled, once eager reference
+
+    torch._dynamo.reset()
+
+    def g(x):
+        x = x * 2
+        break_graph()
+        return x - 1
+
+    counter = CompileCounter()
+    assert torch.equal(torch.compile(g, backend=counter)(x), g(x))
+    assert counter.frame_count == 2
+    with pytest.raises(Exception):
+        torch.compile(g, backend="eager", fullgraph=True)(x)
+    torch._dynamo.reset()
+
+
+def _bridges(out, name="attn_core"):
+    bridges = _Bridges(name, out)
+    return bridges, bridges.make_copier()
+
+
+def test_bridges_copy_replay_outputs_in_place():
+    a, b = torch.zeros(2, 3), torch.zeros(4, dtype=torch.int64)
+    bridges, copy = _bridges((a, b))
+    bridged_a, bridged_b = bridges.result
+    assert bridged_a is not a and bridged_a.shape == a.shape and bridged_b.dtype == torch.int64
+    copy((torch.ones(2, 3), torch.arange(4)))
+    assert torch.equal(bridged_a, torch.ones(2, 3)) and torch.equal(bridged_b, torch.arange(4))
+
+    single, copy_single = _bridges(torch.zeros(5))
+    copy_single(torch.full((5,), 7.0))
+    assert torch.equal(single.result, torch.full((5,), 7.0))
+
+    tree, copy_tree = _bridges({"h": torch.zeros(2), "extra": [None, 3, torch.zeros(1)]})
+    copy_tree({"h": torch.ones(2), "extra": [None, 4, torch.full((1,), 9.0)]})
+    assert torch.equal(tree.result["h"], torch.ones(2))
+    assert tree.result["extra"][0] is None and tree.result["extra"][1] == 3
+    assert torch.equal(tree.result["extra"][2], torch.full((1,), 9.0))
+
+
+def test_bridge_shape_dtype_or_structure_change_raises_a_clear_error():
+    bridges, copy = _bridges((torch.zeros(2, 3), torch.zeros(4)))
+    copy((torch.zeros(2, 3), torch.zeros(4)))
+    with pytest.raises(BreakOutputMismatchError) as err:
+        copy((torch.zeros(2, 5), torch.zeros(4)))
+    message = str(err.value)
+    assert "attn_core" in message and "output[0]" in message
+    assert "(2, 3)" in message and "(2, 5)" in message
+    with pytest.raises(BreakOutputMismatchError, match="float64"):
+        copy((torch.zeros(2, 3), torch.zeros(4, dtype=torch.float64)))
+    with pytest.raises(BreakOutputMismatchError, match="tuple of 2"):
+        copy(torch.zeros(2, 3))
+    with pytest.raises(BreakOutputMismatchError):
+        copy((torch.ones(2, 3), torch.ones(5)))  # second output wrong: the first is not copied either
+    assert torch.equal(bridges.result[0], torch.zeros(2, 3))
+
+    tree, copy_tree = _bridges({"h": torch.zeros(2), "extra": [None, torch.zeros(1)]})
+    with pytest.raises(BreakOutputMismatchError, match=r"output\['extra'\]\[0\]"):
+        copy_tree({"h": torch.zeros(2), "extra": [torch.zeros(1), torch.zeros(1)]})
+    with pytest.raises(BreakOutputMismatchError, match="keys"):
+        copy_tree({"h": torch.zeros(2)})
+
+    _, copy_none = _bridges(None)
+    copy_none(None)
+    with pytest.raises(BreakOutputMismatchError, match="NoneType"):
+        copy_none(torch.zeros(1))
+
+
+def test_unsupported_break_output_type_is_rejected_at_capture():
+    with pytest.raises(TypeError, match="break outputs must be"):
+        _Bridges("fn", object())
