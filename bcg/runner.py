@@ -44,6 +44,7 @@ import time
 import torch
 import torch.utils._pytree as pytree
 
+from bcg import capture as _capture
 from bcg.capture import BreakableCUDAGraph, BreakableCUDAGraphCapture, eager_on_graph, replay_token_scope
 from bcg.config import RunnerConfig
 from bcg.signature import _describe_with_leaves, _rebuild_kwargs
@@ -82,7 +83,7 @@ class CaptureEntry:
             self._out_kind = _OUT_TUPLE
         else:
             self._out_kind = _OUT_TREE
-        self._device_idx = [i for i in range(len(self.static_inputs)) if i not in self.host_inputs]
+        self._device_inputs = [(i, s) for i, s in enumerate(self.static_inputs) if i not in self.host_inputs]
 
     @property
     def key(self):
@@ -98,17 +99,16 @@ class CaptureEntry:
 
     def copy_in(self, leaves):
         """Copy call inputs into the static buffers, skipping those that already are the buffers."""
-        static = self.static_inputs
         dst, src = [], []
-        for i in self._device_idx:
-            s, t = static[i], leaves[i]
-            if s.data_ptr() != t.data_ptr():
+        for i, s in self._device_inputs:
+            t = leaves[i]
+            if t is not s and t.data_ptr() != s.data_ptr():
                 dst.append(s)
                 src.append(t)
         if dst:
             torch._foreach_copy_(dst, src)  # one launch for all same-device inputs
         for i in self.host_inputs:
-            static[i].copy_(leaves[i])
+            self.static_inputs[i].copy_(leaves[i])
 
     def copy_out(self, copy):
         """The outputs to hand to the caller: clones (safe to keep) or the static outputs."""
@@ -128,7 +128,7 @@ class CaptureEntry:
         graph, self.graph = self.graph, None
         if graph is not None and hasattr(graph, "reset"):
             graph.reset()
-        self.static_inputs, self.output, self._out_leaves = [], None, []
+        self.static_inputs, self.output, self._out_leaves, self._device_inputs = [], None, [], []
 
     def describe(self):
         return {"key": self.key, "signature": self.signature.summary(), "segments": self.segments,
@@ -179,6 +179,9 @@ class _CudaRecorder:
         self.device = device
         self._pool = None
         self._stream = None
+        self._last_stream_id = None
+        self._last_stream = None
+        self.pool_reserved_bytes = 0   # the pool's whole reservation, measured after each capture
 
     def record(self, fn, args, kwargs, warmup_runs, token):
         """Returns (graph, static output, capture_ms, pool_bytes). Raises whatever the capture raises."""
@@ -194,17 +197,11 @@ class _CudaRecorder:
                         fn(*args, **kwargs)
                 torch.cuda.synchronize()
                 graph = BreakableCUDAGraph()
-                reserved = []
-
-                def measured(*a, **k):
-                    # measured inside the capture context: it may empty the cache on entry
-                    reserved.append(torch.cuda.memory_reserved(self.device))
-                    return fn(*a, **k)
-
+                before = self._pool_bytes()
                 start = time.perf_counter()
                 try:
                     with BreakableCUDAGraphCapture(graph, pool=self._pool, stream=stream):
-                        output = measured(*args, **kwargs)
+                        output = fn(*args, **kwargs)
                 except BaseException:
                     with contextlib.suppress(Exception):
                         graph.reset()
@@ -212,16 +209,37 @@ class _CudaRecorder:
                 torch.cuda.synchronize()
                 capture_ms = (time.perf_counter() - start) * 1e3
             caller.wait_stream(stream)
-            pool_bytes = max(0, torch.cuda.memory_reserved(self.device) - reserved[0])
-        return graph, output, capture_ms, pool_bytes
+            after = self._pool_bytes()
+        self.pool_reserved_bytes = after[0]
+        # bytes this capture added to the pool (blocks freed by evicted entries are reused first)
+        return graph, output, capture_ms, max(0, after[1] - before[1])
 
-    def order_after_previous(self, state):
-        """Order the caller's stream after the previous replay's stream when they differ."""
-        current = torch.cuda.current_stream()
-        previous = state.get("stream")
-        if previous is not None and previous != current:
-            current.wait_stream(previous)
-        state["stream"] = current
+    def _pool_bytes(self):
+        """(pool reserved bytes, the figure deltas are taken of). The pool's own segments when the
+        allocator snapshot has them, else the device's reserved bytes (counts eager allocations too)."""
+        try:
+            pool = _capture.pool_reserved_bytes(self._pool, self.device)
+            return pool, pool
+        except Exception:  # noqa: BLE001 -- an allocator without pool ids in its snapshot
+            return self.pool_reserved_bytes, torch.cuda.memory_reserved(self.device)
+
+    def order_after_previous(self):
+        """Order the caller's stream after the previous replay's stream when they differ: graphs of one
+        pool must not overlap, and static buffers must not be rewritten while a replay still reads them."""
+        stream_id = _current_stream_id(self.device)
+        if stream_id != self._last_stream_id:
+            current = torch.cuda.current_stream(self.device)
+            if self._last_stream is not None:
+                current.wait_stream(self._last_stream)
+            self._last_stream_id, self._last_stream = stream_id, current
+
+
+def _current_stream_id(device):
+    # torch.cuda.current_stream() builds a Stream object (~1 us); the raw getter is enough to compare
+    raw = getattr(torch._C, "_cuda_getCurrentStream", None)
+    if raw is not None:
+        return raw(device.index)
+    return torch.cuda.current_stream(device).cuda_stream
 
 
 def _resolve_device(module, device):
@@ -259,7 +277,6 @@ class BreakableGraphRunner:
         self._eager = dict.fromkeys(EAGER_REASONS, 0)
         self._runtime_disabled = None       # reason the runner turned itself off, until reset()
         self._fingerprint = None
-        self._stream_state = {}
         self._positional_names = None
         self._whole_forward = None
         self._recorder = _CudaRecorder(self._device) if self._device.type == "cuda" else None
@@ -320,12 +337,16 @@ class BreakableGraphRunner:
             if entry.graph is None:  # evicted by another thread since the lookup
                 entry = None
             else:
+                self._recorder.order_after_previous()
                 entry.copy_in(leaves)
-                if self._recorder is not None:
-                    self._recorder.order_after_previous(self._stream_state)
-                with torch.no_grad(), replay_token_scope(token):
-                    entry.graph.replay()
-                out = entry.copy_out(self._runner_config.copy_outputs)
+                grad = torch.is_grad_enabled()
+                torch._C._set_grad_enabled(False)  # torch.no_grad() costs several us per call
+                try:
+                    with replay_token_scope(token):
+                        entry.graph.replay()
+                    out = entry.copy_out(self._runner_config.copy_outputs)
+                finally:
+                    torch._C._set_grad_enabled(grad)
                 entry.hits += 1
                 entry.last_used = time.time()
                 self._entries.touch(signature)
@@ -408,6 +429,7 @@ class BreakableGraphRunner:
             "num_entries": len(entries),
             "max_entries": config.max_entries,
             "pool_bytes": pool_bytes,
+            "pool_reserved_bytes": getattr(self._recorder, "pool_reserved_bytes", 0),
             "pool_budget_bytes": config.pool_budget_bytes,
             "entries": entries,
             "blocked": blocked,
@@ -552,13 +574,22 @@ class BreakableGraphRunner:
                             last_used=time.time())
 
     def _whole_forward_fn(self):
+        """The module call as one eager break. Its output crosses the break as a flat list of leaves
+        (what a break may return) and is rebuilt around the refreshed leaves, so any pytree round-trips."""
         if self._whole_forward is None:
-            module = self._module
+            module, spec_box = self._module, [None]
 
             def whole_forward(*args, **kwargs):
-                return module(*args, **kwargs)
+                leaves, spec_box[0] = pytree.tree_flatten(module(*args, **kwargs))
+                return leaves
 
-            self._whole_forward = eager_on_graph(whole_forward)
+            single_break = eager_on_graph(whole_forward)
+
+            def call(*args, **kwargs):
+                leaves = single_break(*args, **kwargs)
+                return pytree.tree_unflatten(leaves, spec_box[0])
+
+            self._whole_forward = call
         return self._whole_forward
 
     def _block_locked(self, signature, reason):
