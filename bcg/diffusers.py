@@ -330,7 +330,7 @@ def count_prompt_tokens(pipe, prompt: str, info: dict | None = None) -> int | No
     tokenizer = getattr(pipe, _BUCKET_TOKENIZER.get(info["family"], "tokenizer"), None)
     if tokenizer is None:
         return None
-    return len(tokenizer(prompt, add_special_tokens=True, truncation=False)["input_ids"])
+    return len(tokenizer(prompt, add_special_tokens=True, truncation=False, verbose=False)["input_ids"])
 
 
 # --------------------------------------------------------------------------------------------------
