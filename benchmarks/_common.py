@@ -1,0 +1,74 @@
+"""Small helpers shared by the benchmark scripts: machine facts, CUDA-event timing, JSON output.
+
+Stable on purpose (every benchmark imports it): ``machine_info() -> dict``,
+``time_cuda(fn, iters=50, warmup=10) -> float`` (median milliseconds), ``write_json(path, obj)``.
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+import torch
+
+
+def machine_info() -> dict:
+    """Where a result was measured: GPU, library versions, host basics (no secrets, no environment dump)."""
+    info = {
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cpu_count": os.cpu_count(),
+        "torch": torch.__version__,
+        "cuda_runtime": torch.version.cuda,
+        "cuda_available": torch.cuda.is_available(),
+        "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    try:
+        import diffusers
+
+        info["diffusers"] = diffusers.__version__
+    except Exception:  # noqa: BLE001 - a benchmark may not need it
+        info["diffusers"] = None
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(torch.cuda.current_device())
+        info.update(
+            gpu=torch.cuda.get_device_name(),
+            gpu_count=torch.cuda.device_count(),
+            gpu_memory_gib=round(props.total_memory / 2**30, 1),
+            gpu_capability=f"{props.major}.{props.minor}",
+        )
+    return info
+
+
+def time_cuda(fn, iters: int = 50, warmup: int = 10) -> float:
+    """Median milliseconds of ``fn()`` on the current stream, each call between two CUDA events.
+
+    Calls are issued back to back (no sync in between, as in a denoising loop): the GPU time between the
+    events includes any idle time the GPU spends waiting for the CPU to launch work.
+    """
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    for start, end in zip(starts, ends):
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize()
+    return statistics.median(start.elapsed_time(end) for start, end in zip(starts, ends))
+
+
+def write_json(path, obj) -> None:
+    """Write ``obj`` as indented JSON, creating parent folders."""
+    path = os.fspath(path)
+    parent = os.path.dirname(path)
+    if parent:
+        os.makedirs(parent, exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=2, default=str)
+        f.write("\n")
+    print(f"wrote {path}", file=sys.stderr)
