@@ -83,7 +83,9 @@ class CaptureEntry:
             self._out_kind = _OUT_TUPLE
         else:
             self._out_kind = _OUT_TREE
-        self._device_inputs = [(i, s) for i, s in enumerate(self.static_inputs) if i not in self.host_inputs]
+        # static buffers never move: their addresses are read once, here
+        self._device_inputs = [(i, s, s.data_ptr()) for i, s in enumerate(self.static_inputs)
+                               if i not in self.host_inputs]
 
     @property
     def key(self):
@@ -100,9 +102,9 @@ class CaptureEntry:
     def copy_in(self, leaves):
         """Copy call inputs into the static buffers, skipping those that already are the buffers."""
         dst, src = [], []
-        for i, s in self._device_inputs:
+        for i, s, ptr in self._device_inputs:
             t = leaves[i]
-            if t is not s and t.data_ptr() != s.data_ptr():
+            if t is not s and t.data_ptr() != ptr:
                 dst.append(s)
                 src.append(t)
         if dst:

@@ -1,0 +1,147 @@
+"""Per-call overhead of BreakableGraphRunner (signature, copy-in, replay, copy-out) over bare graph.replay().
+
+    python3 benchmarks/bench_runner_overhead.py [--out benchmarks/results/bench_runner_overhead.json]
+
+Module: 10 small tensor inputs (256 float32 each), a handful of tiny kernels, one output, so the GPU
+finishes long before the CPU has launched the next call: per-call time is CPU time, which is what the
+runner adds. Each variant runs --calls calls back to back with torch.cuda.synchronize() at both ends;
+per-call time is wall time / calls, and the reported figure is the median over --repeats such runs:
+- bare_replay: the runner's own captured graph, ``entry.graph.replay()`` alone;
+- runner_copy: ``runner(**kwargs)`` with fresh caller tensors (signature, 10 copies in, replay, clone out);
+- runner_no_copy: the same with ``copy_outputs=False`` (static output returned);
+- runner_static_inputs: the caller passes the static buffers, so the copy-in is skipped;
+- eager: the module called directly, for scale;
+- signature_only: ``signature_of`` on the same kwargs (CPU only; also measured without CUDA).
+overhead_us = variant - bare_replay; the issue's bar is overhead <= 30 us with copy_outputs on.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(1, os.path.dirname(HERE))  # the repository root, for `bcg`
+
+import torch  # noqa: E402
+
+DEFAULT_OUT = os.path.join(HERE, "results", "bench_runner_overhead.json")
+BAR_US = 30.0
+
+try:
+    from _common import machine_info, write_json  # noqa: E402
+except ImportError:  # the shared helpers are optional: small equivalents
+    import json
+    import platform
+
+    def machine_info():
+        info = {"python": platform.python_version(), "torch": torch.__version__,
+                "cuda_available": torch.cuda.is_available()}
+        if torch.cuda.is_available():
+            info["gpu"] = torch.cuda.get_device_name()
+        return info
+
+    def write_json(path, obj):
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path, "w") as f:
+            json.dump(obj, f, indent=2, default=str)
+        print(f"wrote {path}", file=sys.stderr)
+
+
+class TenInputs(torch.nn.Module):
+    """out = sum_i x_i * w_i, then a tanh: 10 inputs, a few tiny kernels, one output tensor."""
+
+    def __init__(self, inputs, numel):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.linspace(0.5, 1.5, inputs * numel).reshape(inputs, numel))
+
+    def forward(self, **xs):
+        stacked = torch.stack([xs[f"x{i}"] for i in range(len(xs))])
+        return torch.tanh((stacked * self.weight).sum(0))
+
+
+def per_call_us(fn, calls, repeats, sync=True):
+    """Median over `repeats` of (wall time of `calls` back-to-back calls) / calls, in microseconds."""
+    for _ in range(min(calls, 200)):
+        fn()
+    samples = []
+    for _ in range(repeats):
+        if sync:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        if sync:
+            torch.cuda.synchronize()
+        samples.append((time.perf_counter() - start) / calls * 1e6)
+    return statistics.median(samples), samples
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=DEFAULT_OUT)
+    parser.add_argument("--calls", type=int, default=2000)
+    parser.add_argument("--repeats", type=int, default=9)
+    parser.add_argument("--inputs", type=int, default=10)
+    parser.add_argument("--numel", type=int, default=256)
+    args = parser.parse_args(argv)
+
+    from bcg.config import RunnerConfig
+    from bcg.runner import BreakableGraphRunner
+    from bcg.signature import signature_of
+
+    cuda = torch.cuda.is_available()
+    device = "cuda" if cuda else "cpu"
+    module = TenInputs(args.inputs, args.numel).to(device)
+    generator = torch.Generator().manual_seed(0)
+    make = lambda: {f"x{i}": torch.randn(args.numel, generator=generator).to(device)  # noqa: E731
+                    for i in range(args.inputs)}
+    kwargs = make()
+    result = {"machine": machine_info(), "args": vars(args), "bar_us": BAR_US, "results_us": {}, "samples_us": {}}
+
+    def record(name, fn, sync=cuda):
+        median, samples = per_call_us(fn, args.calls, args.repeats, sync=sync)
+        result["results_us"][name] = round(median, 3)
+        result["samples_us"][name] = [round(s, 3) for s in samples]
+        print(f"{name:>22}: {median:8.2f} us/call", flush=True)
+
+    record("signature_only", lambda: signature_of(kwargs), sync=False)
+    if not cuda:
+        result["note"] = "no CUDA here: only signature_only was measured"
+        print(result["note"])
+        write_json(args.out, result)
+        return 0
+
+    with torch.no_grad():
+        record("eager", lambda: module(**kwargs))
+        runners = {}
+        for copy in (True, False):
+            runner = BreakableGraphRunner(module, config=RunnerConfig(copy_outputs=copy, enabled=True))
+            assert runner.capture(**kwargs), runner.stats()
+            runners[copy] = runner
+        graph = runners[True]._entries.entries()[0].graph
+        record("bare_replay", graph.replay)
+        record("runner_copy", lambda: runners[True](**kwargs))
+        record("runner_no_copy", lambda: runners[False](**kwargs))
+        static = dict(zip(sorted(kwargs), runners[True]._entries.entries()[0].static_inputs))
+        record("runner_static_inputs", lambda: runners[True](**static))
+        # correctness of what was timed: the replayed output equals eager bit for bit
+        fresh = make()
+        result["replay_equals_eager"] = bool(torch.equal(runners[True](**fresh), module(**fresh)))
+        result["runner_stats"] = {k: v for k, v in runners[True].stats().items() if k != "entries"}
+
+    us = result["results_us"]
+    result["overhead_us"] = {name: round(us[name] - us["bare_replay"], 3)
+                             for name in ("runner_copy", "runner_no_copy", "runner_static_inputs")}
+    result["meets_bar"] = result["overhead_us"]["runner_copy"] <= BAR_US
+    print(f"overhead over bare replay: {result['overhead_us']} (bar {BAR_US} us: "
+          f"{'met' if result['meets_bar'] else 'NOT met'}); replay == eager: {result['replay_equals_eager']}")
+    write_json(args.out, result)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
