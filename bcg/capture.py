@@ -120,6 +120,13 @@ def _no_work():
     return None
 
 
+_no_work.__qualname__ = _no_work.__name__ = "break_graph"  # how it shows in graph.break_names
+
+
+def _nothing() -> None:  # the replay step of a break with no work; dropped from the replay sequence
+    return None
+
+
 def _break_graph() -> None:
     capture = _ACTIVE_CAPTURE.get()
     if capture is not None and not capture._in_break:
@@ -293,13 +300,13 @@ def _describe(x) -> str:
 class _Bridges:
     """Turns a break's capture-time output into bridge buffers, and copies replay outputs into them."""
 
-    def __init__(self, name: str, out):
+    def __init__(self, name: str, out, fn=None, args=(), kwargs=None):
         self.name = name
+        # What replay calls: the real function with the held arguments (see BreakableCUDAGraphCapture._hold).
+        self.fn, self.args, self.kwargs = fn, args, kwargs or {}
         self.owned: list[torch.Tensor] = []  # strong refs, only until the segment that reads them ends
         self.targets: list[torch.Tensor] = []  # what replay copies into (aliases once the segment ended)
         self.paths: list[str] = []
-        self.spec = None
-        self.result = None
         self.spec, self.result = self._build(out, "output")
 
     def _build(self, x, path):
@@ -341,6 +348,25 @@ class _Bridges:
         """The segment that reads the bridges ended: keep only aliases, so the pool can reuse them."""
         self.targets = [_alias(t) if t.is_cuda else t for t in self.targets]
         self.owned = []
+
+    def make_step(self) -> Callable[[], None]:
+        """The replay closure of this break: call the real function, copy its outputs into the bridges.
+
+        Everything is bound here, at capture, so a replay step is one call and one copy per output.
+        """
+        fn, args, kwargs = self.fn, self.args, self.kwargs
+        if fn is _no_work:
+            return _nothing
+        if not self.targets and self.spec == ("c", type(None)):
+            return functools.partial(fn, *args, **kwargs)
+        copy = self.make_copier()
+        if kwargs:
+            def step():
+                copy(fn(*args, **kwargs))
+        else:
+            def step():
+                copy(fn(*args))
+        return step
 
     def make_copier(self) -> Callable[[Any], None]:
         """A closure that checks a replay output against the spec and copies it into the bridges."""
@@ -458,6 +484,25 @@ class BreakableCUDAGraph:
         return f"BreakableCUDAGraph(segments={self.num_segments}, breaks={self.num_breaks})"
 
 
+def _release_failed_segment(device_index: int, pool: tuple) -> None:
+    """Undo what capture_begin did to the allocator when capture_end raised before finishing.
+
+    torch registers the capture with the allocator (``beginAllocateToPool``: routes allocations of the
+    capturing streams to the pool and takes a use of it) and undoes that in ``capture_end`` and
+    ``reset``. When cudaStreamEndCapture fails (an invalidated capture), neither runs: the allocator
+    would keep believing a capture is underway and the pool would never be freed.
+    """
+    for name in ("_cuda_endAllocateToPool", "_cuda_endAllocateCurrentStreamToPool", "_cuda_releasePool"):
+        fn = getattr(torch._C, name, None)
+        if fn is None or (name == "_cuda_endAllocateCurrentStreamToPool"
+                          and hasattr(torch._C, "_cuda_endAllocateToPool")):
+            continue
+        try:
+            fn(device_index, pool)
+        except Exception as exc:  # noqa: BLE001 - best effort on an error path
+            logger.debug("bcg: %s after a failed capture: %s", name, exc)
+
+
 def _segment_replay(segment: torch.cuda.CUDAGraph) -> Callable[[], None]:
     # The C++ method directly skips the Python frame of CUDAGraph.replay on every replay; that wrapper
     # only checks an input-liveness tracker, which we never enable.
@@ -487,7 +532,7 @@ class BreakableCUDAGraphCapture:
         self._forked: dict = {}  # streams that waited on an event during the open segment
         self._steps: list[Callable[[], Any]] = []  # replay steps: segment replays and break closures
         self._bridge_sets: list[_Bridges] = []
-        self._pending: list[_Bridges] = []  # bridges read by the open segment, still owned
+        self._pending: list[tuple[int, _Bridges]] = []  # (step index, bridges read by the open segment)
         self._break_names: list[str] = []
         self._exit_stack: contextlib.ExitStack | None = None
 
@@ -568,14 +613,9 @@ class BreakableCUDAGraphCapture:
                 segment.capture_end()
             except Exception as exc:  # noqa: BLE001
                 logger.debug("bcg: capture_end after an error failed too: %s", exc)
-                # torch leaves the allocator routing this stream to the pool when capture_end raises.
-                end_alloc = getattr(torch._C, "_cuda_endAllocateToPool", None)
-                if end_alloc is not None:
-                    try:
-                        end_alloc(self._device_index, tuple(self.pool))
-                    except Exception:  # noqa: BLE001
-                        pass
-            self._segments.append(segment)
+                _release_failed_segment(self._device_index, tuple(self.pool))
+            else:
+                self._segments.append(segment)
         for segment in self._segments:
             try:
                 segment.reset()
@@ -612,9 +652,9 @@ class BreakableCUDAGraphCapture:
         else:
             self._steps.append(_segment_replay(segment))
         # The segment that reads the pending bridges is closed: let the pool reuse them from now on.
-        for bridges in self._pending:
+        for index, bridges in self._pending:
             bridges.release()
-            self._steps[bridges.step_index] = bridges.make_step()
+            self._steps[index] = bridges.make_step()
         self._pending = []
 
     def _note_wait(self, stream) -> None:
@@ -669,34 +709,11 @@ class BreakableCUDAGraphCapture:
             self._in_break = False
         self._break_names.append(name)
         self._begin_segment()
-        bridges = _Bridges(name, out)
-        bridges.fn, bridges.args, bridges.kwargs = fn, replay_args, replay_kwargs
-        bridges.step_index = len(self._steps)
-        bridges.make_step = functools.partial(_break_step, bridges)
-        self._steps.append(bridges.make_step())
+        # Bridges are allocated now, inside the new segment's capture, so they come from the pool.
+        bridges = _Bridges(name, out, fn, replay_args, replay_kwargs)
+        self._pending.append((len(self._steps), bridges))
+        self._steps.append(bridges.make_step())  # replaced once the bridges are released
         self._bridge_sets.append(bridges)
-        self._pending.append(bridges)
         return bridges.result
 
 
-def _break_step(bridges: _Bridges) -> Callable[[], None]:
-    """The replay closure of one break: call the real function, copy its outputs into the bridges."""
-    fn, args, kwargs = bridges.fn, bridges.args, bridges.kwargs
-    if fn is _no_work:
-        return _nothing
-    copy = bridges.make_copier()
-    if not bridges.targets and bridges.spec == ("c", type(None)):
-        if kwargs:
-            return lambda: fn(*args, **kwargs)
-        return lambda: fn(*args)
-    if kwargs:
-        def step():
-            copy(fn(*args, **kwargs))
-    else:
-        def step():
-            copy(fn(*args))
-    return step
-
-
-def _nothing() -> None:
-    return None

@@ -221,3 +221,151 @@ def test_bridge_shape_dtype_or_structure_change_raises_a_clear_error():
 def test_unsupported_break_output_type_is_rejected_at_capture():
     with pytest.raises(TypeError, match="break outputs must be"):
         _Bridges("fn", object())
+
+
+# ------------------------------------------------------------------------------------------------
+# The capture's control flow (segment/break order, stubs, nesting, cleanup) against a stand-in for
+# torch's CUDA graph API: the real one cannot run here. tests/bcg/test_capture_gpu.py runs the real one.
+
+
+class _FakeSegment:
+    events: list = []
+    count = 0
+
+    def __init__(self):
+        _FakeSegment.count += 1
+        self.index = _FakeSegment.count
+        self.kernels = 0
+
+    def capture_begin(self, pool=None, capture_error_mode="global"):
+        self.pool = pool
+        _FakeSegment.open = self
+
+    def capture_end(self):
+        _FakeSegment.open = None
+        if self.kernels == 0:
+            import warnings
+
+            warnings.warn("The CUDA Graph is empty. This usually means that the graph was ...")
+
+    def replay(self):
+        _FakeSegment.events.append(f"segment{self.index}")
+
+    def reset(self):
+        _FakeSegment.events.append(f"reset{self.index}")
+
+
+class _FakeStream:
+    device_index = 0
+
+    def wait_stream(self, other):
+        pass
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    import contextlib
+
+    import bcg.capture as capture
+
+    stream = _FakeStream()
+    _FakeSegment.events, _FakeSegment.count, _FakeSegment.open = [], 0, None
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", _FakeSegment)
+    monkeypatch.setattr(torch.cuda, "Stream", lambda *a, **k: stream)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: stream)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: (0, 42))
+    monkeypatch.setattr(torch.cuda, "memory_snapshot", lambda: [])
+    monkeypatch.setattr(capture, "_segment_replay", lambda segment: segment.replay)
+    return _FakeSegment
+
+
+def _kernel(t):
+    """Stands for GPU work inside a segment: marks the open fake segment as non-empty."""
+    _FakeSegment.open.kernels += 1
+    return t
+
+
+@needs_no_cuda
+def test_capture_flow_orders_segments_and_breaks_and_uses_stubs(fake_cuda):
+    events = fake_cuda.events
+    inner_calls = []
+
+    @eager_on_graph
+    def inner(t):
+        inner_calls.append(_ACTIVE_CAPTURE.get() is not None)
+        return t
+
+    @eager_on_graph
+    def first(t):
+        events.append("first")
+        break_graph()            # inside a break: plain calls, no nested breaks
+        return inner(t) + 1
+
+    def stub(t, *, scale):
+        events.append("stub")
+        return torch.empty_like(t), None
+
+    @eager_on_graph(capture_stub=stub)
+    def second(t, *, scale):
+        events.append("second")
+        return t * scale, None
+
+    def forward(x):
+        break_graph()                       # segment 1: empty
+        y = first(_kernel(x * 2))           # segment 2
+        a, none = second(_kernel(y), scale=3)  # segment 3
+        assert none is None
+        return _kernel(a - 1)               # segment 4
+
+    graph = BreakableCUDAGraph()
+    x = torch.ones(3)
+    with BreakableCUDAGraphCapture(graph) as capture:
+        out = forward(x)
+    assert graph.pool == (0, 42) and capture.pool == (0, 42)
+    assert (graph.num_segments, graph.num_breaks, graph.num_empty_segments) == (4, 3, 1)
+    assert graph.break_names[0].endswith("break_graph") and graph.break_names[2].endswith("second")
+    assert events == ["first", "stub"] and inner_calls == [True]
+    assert _ACTIVE_CAPTURE.get() is None and not hasattr(torch.cuda.Event.wait, "_bcg_original")
+
+    events.clear()
+    graph.replay()
+    assert events == ["segment2", "first", "segment3", "second", "segment4"]  # empty segment 1 skipped
+    assert out.shape == (3,)
+    with pytest.raises(RuntimeError, match="reset"):
+        with BreakableCUDAGraphCapture(graph):
+            pass
+    events.clear()
+    graph.reset()
+    assert events == ["reset1", "reset2", "reset3", "reset4"] and not graph.captured
+
+
+@needs_no_cuda
+@pytest.mark.parametrize("where", ["segment", "break", "nested"])
+def test_capture_flow_cleans_up_after_exceptions(fake_cuda, where):
+    @eager_on_graph
+    def brk(t):
+        if where == "break":
+            raise ValueError("in break")
+        return t
+
+    graph = BreakableCUDAGraph()
+    wait_before = torch.cuda.Event.wait
+    with pytest.raises((ValueError, RuntimeError)) as err:
+        with BreakableCUDAGraphCapture(graph):
+            y = brk(_kernel(torch.ones(2)))
+            _kernel(y)
+            if where == "segment":
+                raise ValueError("in segment")
+            if where == "nested":
+                with BreakableCUDAGraphCapture(BreakableCUDAGraph()):
+                    pass
+    if where == "nested":
+        assert "nested" in str(err.value)
+    assert _ACTIVE_CAPTURE.get() is None and torch.cuda.Event.wait is wait_before
+    assert fake_cuda.open is None  # no capture left open
+    assert not graph.captured and graph._capturing is False
+    resets = [e for e in fake_cuda.events if e.startswith("reset")]
+    assert len(resets) == (1 if where == "break" else 2)  # every partial segment was dropped
