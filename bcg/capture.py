@@ -38,6 +38,7 @@ import contextvars
 import functools
 import logging
 import threading
+import types
 import warnings
 from typing import Any, Callable
 
@@ -508,10 +509,7 @@ def _segment_replay(segment: torch.cuda.CUDAGraph) -> Callable[[], None]:
     # only checks an input-liveness tracker, which we never enable.
     base = getattr(torch._C, "_CUDAGraph", None)
     if base is not None and isinstance(segment, base) and getattr(segment, "_tracker", None) is None:
-        try:
-            return base.replay.__get__(segment, type(segment))
-        except Exception:  # noqa: BLE001 - a binding without descriptors: the wrapper is fine too
-            pass
+        return types.MethodType(base.replay, segment)
     return segment.replay
 
 
