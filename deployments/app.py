@@ -1,0 +1,206 @@
+"""The application graph: ``build_app(args)`` for ``serve run`` / ``serve deploy``.
+
+``serve run deployments.app:build_app model=tiny-flux num_replicas=2 warmup=256x256,512x512`` (every
+value arrives as a string there; YAML ``args:`` may use real types). The args are checked by
+``AppArgs`` (unknown args are an error that lists the known ones) and turned into
+
+    Ingress(FastAPI)  ->  Replica x N (ShapeAffinityRouter)  <-  Coordinator (warmup plan)
+
+Replicas ask the coordinator for their share of the plan in their constructor, so the warmup is in
+place before Serve routes to a replica, including replicas the autoscaler adds later. With
+``autoscaling`` set, ``num_replicas`` is not used; ``upscale_delay_s`` should exceed nothing in
+particular: a scaled-up replica simply starts taking traffic once its warmup finished.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Dict, List, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from ray import serve
+
+from deployments.coordinator import Coordinator
+from deployments.ingress import Ingress
+from deployments.replica import Replica, normalize_key
+from deployments.router import DEFAULT_SPILL_THRESHOLD, ShapeAffinityRouter
+from deployments.schemas import RequestLimits
+
+logger = logging.getLogger(__name__)
+
+
+class AutoscalingArgs(BaseModel):
+    """The subset of Serve's AutoscalingConfig this app exposes (``"MIN:MAX"`` on a command line)."""
+    model_config = ConfigDict(extra="forbid")
+    min_replicas: int = Field(1, ge=0)
+    max_replicas: int = Field(4, ge=1)
+    initial_replicas: Optional[int] = Field(None, ge=0)
+    target_ongoing_requests: float = Field(2.0, gt=0)
+    upscale_delay_s: float = Field(30.0, ge=0)
+    downscale_delay_s: float = Field(600.0, ge=0)
+
+    @model_validator(mode="after")
+    def _order(self):
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(f"autoscaling: min_replicas ({self.min_replicas}) must be <= max_replicas "
+                             f"({self.max_replicas})")
+        return self
+
+
+class AppArgs(BaseModel):
+    """Arguments of ``build_app``; see docs/serving.md for each."""
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = "tiny-flux"
+    num_replicas: int = Field(2, ge=1)
+    num_gpus_per_replica: Optional[float] = Field(None, ge=0)   # None: 1 if the cluster has GPUs, else 0
+    num_cpus_per_replica: float = Field(1.0, ge=0)
+    accelerator_type: Optional[str] = None
+    device: Optional[str] = None
+    dtype: Optional[str] = None
+    warmup: List[str] = Field(default_factory=list)            # sizes "256x256" or shape keys
+    placement: Literal["all", "sharded"] = "sharded"
+    replication: int = Field(1, ge=1)
+    max_ongoing_requests: int = Field(4, ge=1)
+    max_queued_requests: int = Field(64, ge=-1)
+    autoscaling: Optional[AutoscalingArgs] = None
+    spill_threshold: Optional[int] = Field(DEFAULT_SPILL_THRESHOLD, ge=1)
+    routing_stats_period_s: float = Field(1.0, gt=0)
+    runner: Dict[str, Union[int, float, bool, str, None]] = Field(default_factory=dict)
+    warmup_steps: int = Field(2, ge=1)
+    default_steps: int = Field(4, ge=1)
+    default_size: Optional[str] = None                         # None: the first warmup size, else 256x256
+    cpu_threads: Optional[int] = Field(None, ge=1)
+    gpu_memory_fraction: Optional[float] = Field(None, gt=0, le=1)
+    request_timeout_s: float = Field(300.0, gt=0)
+    ingress_replicas: int = Field(1, ge=1)
+    max_n: int = Field(4, ge=1)
+    max_steps: int = Field(50, ge=1)
+    max_pixels: int = Field(1024 * 1024, ge=1)
+    max_prompt_chars: int = Field(2000, ge=1)
+    size_multiple: Optional[int] = Field(None, ge=1)           # None: the model's own
+
+    @field_validator("warmup", mode="before")
+    @classmethod
+    def _split_warmup(cls, v):
+        if v is None:
+            return []
+        if isinstance(v, str):
+            v = [part for part in v.split(",") if part.strip()]
+        keys = []
+        for i, item in enumerate(v):
+            try:
+                keys.append(normalize_key(str(item)))
+            except ValueError as exc:
+                raise ValueError(f"warmup[{i}]: {exc}") from None
+        return list(dict.fromkeys(keys))
+
+    @field_validator("autoscaling", mode="before")
+    @classmethod
+    def _autoscaling_str(cls, v):
+        if isinstance(v, str):
+            if v.strip().lower() in ("", "none", "off", "false"):
+                return None
+            try:
+                lo, hi = (int(x) for x in v.replace("-", ":").split(":"))
+            except ValueError:
+                raise ValueError(f"autoscaling must be 'MIN:MAX' (e.g. '1:4') or a mapping, got {v!r}") from None
+            return {"min_replicas": lo, "max_replicas": hi}
+        return v
+
+    @field_validator("runner", mode="before")
+    @classmethod
+    def _runner_str(cls, v):
+        if isinstance(v, str):  # "max_entries=4,enabled=true" from a command line
+            out = {}
+            for part in filter(None, (p.strip() for p in v.split(","))):
+                name, _, value = part.partition("=")
+                out[name.strip()] = _scalar(value.strip())
+            return out
+        return v
+
+    @field_validator("runner")
+    @classmethod
+    def _runner_fields(cls, v):
+        from bcg.config import RunnerConfig
+        try:
+            RunnerConfig(**v)
+        except TypeError as exc:
+            raise ValueError(f"runner: {exc} (fields are those of bcg.RunnerConfig)") from None
+        return v
+
+    def gpus(self) -> float:
+        if self.num_gpus_per_replica is not None:
+            return self.num_gpus_per_replica
+        import ray
+        return 1.0 if ray.is_initialized() and ray.cluster_resources().get("GPU", 0) > 0 else 0.0
+
+    def expected_replicas(self) -> int:
+        if self.autoscaling is None:
+            return self.num_replicas
+        return self.autoscaling.initial_replicas or max(1, self.autoscaling.min_replicas)
+
+
+def _scalar(text: str):
+    low = text.lower()
+    if low in ("true", "false"):
+        return low == "true"
+    if low in ("none", "null"):
+        return None
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    return text
+
+
+def parse_args(args: Optional[dict]) -> AppArgs:
+    """``AppArgs`` from a dict; unknown or bad args raise ValueError naming them and the known ones."""
+    try:
+        return AppArgs.model_validate(dict(args or {}))
+    except ValidationError as exc:
+        problems = "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'args'}: {e['msg']}" for e in exc.errors())
+        raise ValueError(f"bad build_app args: {problems}. Known args: {', '.join(AppArgs.model_fields)}") from None
+
+
+def build_app(args: Optional[dict] = None):
+    """The bound application for ``serve run``/``serve deploy`` (see the module docstring)."""
+    a = parse_args(args)
+    gpus = a.gpus()
+    default_size = a.default_size or (a.warmup[0].split(".")[0] if a.warmup else "256x256")
+    actor_options = {"num_cpus": a.num_cpus_per_replica, "num_gpus": gpus}
+    if a.accelerator_type:
+        actor_options["accelerator_type"] = a.accelerator_type
+    gpu_fraction = a.gpu_memory_fraction or (gpus if 0 < gpus < 1 else None)
+    replica_options = dict(
+        ray_actor_options=actor_options,
+        max_ongoing_requests=a.max_ongoing_requests,
+        max_queued_requests=a.max_queued_requests,
+        request_router_config=dict(
+            request_router_class=ShapeAffinityRouter,
+            request_router_kwargs={"spill_threshold": a.spill_threshold},
+            request_routing_stats_period_s=a.routing_stats_period_s,
+        ),
+    )
+    if a.autoscaling is not None:
+        replica_options["autoscaling_config"] = a.autoscaling.model_dump(exclude_none=True)
+    else:
+        replica_options["num_replicas"] = a.num_replicas
+    plan = {"keys": a.warmup, "placement": a.placement, "replication": a.replication} if a.warmup else None
+    coordinator = Coordinator.bind(plan=plan, expected_replicas=a.expected_replicas())
+    replica = Replica.options(**replica_options).bind(
+        model=a.model, coordinator=coordinator, device=a.device, dtype=a.dtype, runner_config=a.runner,
+        warmup_steps=a.warmup_steps, default_steps=a.default_steps, cpu_threads=a.cpu_threads,
+        gpu_memory_fraction=gpu_fraction,
+    )
+    limits = RequestLimits(max_n=a.max_n, max_steps=a.max_steps, max_pixels=a.max_pixels,
+                           max_prompt_chars=a.max_prompt_chars).model_dump()
+    limits["size_multiple"] = a.size_multiple
+    logger.info("bcg app: %s x %s replicas, %.2f GPU each, warmup %s (%s)", a.model,
+                a.autoscaling or a.num_replicas, gpus, a.warmup, a.placement)
+    return Ingress.options(num_replicas=a.ingress_replicas).bind(
+        replica, coordinator, model=a.model, limits=limits, default_size=default_size,
+        request_timeout_s=a.request_timeout_s)
+
+
+__all__ = ["AppArgs", "build_app", "parse_args"]

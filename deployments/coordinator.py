@@ -1,0 +1,240 @@
+"""Warmup coordinator: owns the warmup plan, shards it over the replicas, merges capture reports.
+
+Contract:
+
+* ``warmup(plan)`` (plan = ``WarmupRequest``: keys, placement ``all`` | ``sharded``, replication)
+  finds the running replicas (``broadcast("replica_info")``: every replica answers with its own id),
+  assigns keys (``all``: every key to every replica; ``sharded``: each key to ``replication``
+  replicas, at most ``ceil(keys * replication / replicas)`` keys per replica, preferring replicas
+  already warm for a key), sends one capture call pinned to each replica (kwarg ``target_replica``,
+  honoured by ShapeAffinityRouter) and returns the merged report: per replica the captured keys,
+  failures with reasons, segments, capture time and pool bytes; per key the replicas warm for it.
+* ``assign(replica_id)`` is called by every replica from its constructor, before Serve routes to it.
+  The coordinator answers with that replica's share of the current plan: under-covered keys first
+  (e.g. the share of a replica that died), then the least covered ones up to the per-replica quota.
+  So replicas added by autoscaling or restarts warm their share without anyone calling warmup again.
+  The plan and the assignment live in this (single-replica) deployment; after a restart of the
+  coordinator the plan is the one it was deployed with.
+* The assignment functions are pure (``assign_shards``, ``share_for_new_replica``) and tested alone.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import dataclasses
+import logging
+import math
+import time
+from collections import Counter
+from typing import Dict, Iterable, List, Optional, Sequence
+
+from ray import serve
+
+from deployments.schemas import WarmupRequest
+
+logger = logging.getLogger(__name__)
+
+
+def assign_shards(keys: Sequence[str], replicas: Sequence[str], replication: int,
+                  warm: Optional[Dict[str, Iterable[str]]] = None) -> Dict[str, List[str]]:
+    """Sharded placement: each key on ``min(replication, len(replicas))`` replicas, balanced.
+
+    A replica already warm for a key is preferred (no new capture), but never beyond the quota of
+    ``ceil(len(keys) * r / len(replicas))`` keys, which is what keeps each shard small enough to fit.
+    """
+    if not replicas:
+        return {}
+    warm = {rid: set(ks) for rid, ks in (warm or {}).items()}
+    r = max(1, min(int(replication), len(replicas)))
+    quota = math.ceil(len(keys) * r / len(replicas))
+    load = {rid: 0 for rid in replicas}
+    out: Dict[str, List[str]] = {rid: [] for rid in replicas}
+    order = {rid: i for i, rid in enumerate(replicas)}
+    for key in keys:
+        ranked = sorted(replicas, key=lambda rid: (load[rid] >= quota, key not in warm.get(rid, ()),
+                                                   load[rid], order[rid]))
+        for rid in ranked[:r]:
+            out[rid].append(key)
+            load[rid] += 1
+    return out
+
+
+def share_for_new_replica(keys: Sequence[str], replication: int, coverage: Dict[str, Iterable[str]],
+                          expected_replicas: int = 1) -> List[str]:
+    """The keys a replica joining ``coverage`` (other replicas -> their keys) should warm, in plan order."""
+    if not keys:
+        return []
+    counts = Counter(k for ks in coverage.values() for k in set(ks))
+    n = max(int(expected_replicas), len(coverage) + 1)
+    quota = math.ceil(len(keys) * min(int(replication), n) / n)
+    position = {k: i for i, k in enumerate(keys)}
+    chosen = sorted(keys, key=lambda k: (counts[k], position[k]))[:quota]
+    return sorted(chosen, key=position.get)
+
+
+def merge_reports(plan: Optional[WarmupRequest], reports: Dict[str, dict],
+                  errors: Dict[str, str], wall_ms: float = 0.0) -> dict:
+    """Per-replica reports -> one report with the key -> warm replicas view."""
+    keys: Dict[str, List[str]] = {k: [] for k in (plan.keys if plan else [])}
+    for rid, rep in sorted(reports.items()):
+        for k in rep.get("warm_keys", []):
+            keys.setdefault(k, []).append(rid)
+    return {
+        "plan": plan.model_dump() if plan else None,
+        "replicas": reports,
+        "errors": errors,
+        "keys": keys,
+        "uncovered": sorted(k for k, rids in keys.items() if not rids),
+        "wall_ms": wall_ms,
+    }
+
+
+@serve.deployment(name="Coordinator", num_replicas=1, ray_actor_options={"num_cpus": 0},
+                  max_ongoing_requests=64)
+class Coordinator:
+    """Serve deployment: the warmup plan and its assignment to replicas (see module docstring)."""
+
+    def __init__(self, plan: Optional[dict] = None, expected_replicas: int = 1,
+                 replica_deployment: str = "Replica", capture_timeout_s: float = 900.0,
+                 pending_ttl_s: float = 1800.0):
+        self.plan = WarmupRequest.model_validate(plan) if plan else None
+        self.expected_replicas = max(1, int(expected_replicas))
+        self.replica_deployment = replica_deployment
+        self.capture_timeout_s = capture_timeout_s
+        self.pending_ttl_s = pending_ttl_s
+        self._assigned: Dict[str, List[str]] = {}   # replica id -> keys it was told to warm
+        self._pending: Dict[str, float] = {}        # assigned, not yet seen running -> assigned at
+        self._seen: set = set()                     # replicas seen running at least once
+        self._last_report: Optional[dict] = None
+        self._lock = asyncio.Lock()
+        self._handle = None
+        self._replicas()  # start learning the replica set now, not on the first assign()
+
+    def _replicas(self):
+        if self._handle is None:
+            app = serve.get_replica_context().app_name
+            self._handle = serve.get_deployment_handle(self.replica_deployment, app_name=app)
+            if not self._handle.is_initialized:
+                self._handle._init()
+        return self._handle
+
+    async def _live(self, method: str = "replica_info") -> Dict[str, dict]:
+        """Ask every running replica (one broadcast); returns replica id -> its answer."""
+        handle = self._replicas()
+        for _ in range(10):  # the handle learns the replica set by long poll (False while none run)
+            if handle.running_replicas_populated():
+                break
+            await asyncio.sleep(0.1)
+        try:
+            answers = await handle.broadcast(method).results_async(timeout_s=30, return_exceptions=True)
+        except Exception as exc:  # DeploymentUnavailableError: none running yet
+            logger.info("no running replicas answered %s: %s", method, exc)
+            answers = []
+        live = {a["replica"]: a for a in answers if isinstance(a, dict) and "replica" in a}
+        # Forget replicas that ran and are gone, and stale pending ones.
+        now = time.time()
+        for rid in list(self._assigned):
+            if rid in live:
+                self._seen.add(rid)
+                self._pending.pop(rid, None)
+            elif rid in self._seen or now - self._pending.get(rid, now) > self.pending_ttl_s:
+                self._assigned.pop(rid, None)
+                self._pending.pop(rid, None)
+                self._seen.discard(rid)
+        return live
+
+    async def assign(self, replica_id: str) -> List[str]:
+        """The share of the plan a starting replica warms before it takes traffic."""
+        async with self._lock:
+            if self.plan is None:
+                return []
+            live = await self._live()
+            if self.plan.placement == "all":
+                keys = list(self.plan.keys)
+            else:
+                coverage = {rid: ks for rid, ks in self._assigned.items() if rid != replica_id}
+                for rid, info in live.items():
+                    if rid != replica_id:
+                        coverage[rid] = [k for k in info.get("warm_keys", []) if k in self.plan.keys]
+                keys = share_for_new_replica(self.plan.keys, self.plan.replication, coverage,
+                                             self.expected_replicas)
+            self._assigned[replica_id] = keys
+            self._pending[replica_id] = time.time()
+            logger.info("replica %s joins: warm %s", replica_id, keys)
+            return keys
+
+    async def warmup(self, plan: dict) -> dict:
+        """Adopt ``plan`` and capture it on the running replicas now; returns the merged report."""
+        from deployments.replica import normalize_key
+        plan = WarmupRequest.model_validate(plan)
+        plan = plan.model_copy(update={"keys": list(dict.fromkeys(normalize_key(k) for k in plan.keys))})
+        t0 = time.perf_counter()
+        async with self._lock:
+            self.plan = plan
+            live = await self._live()
+            rids = sorted(live)
+            if plan.placement == "all":
+                assignment = {rid: list(plan.keys) for rid in rids}
+            else:
+                assignment = assign_shards(plan.keys, rids, plan.replication,
+                                           {rid: live[rid].get("warm_keys", []) for rid in rids})
+            handle = self._replicas()
+            # Only what is not warm yet is captured; one pinned call per replica.
+            todo = {rid: [k for k in keys if k not in live[rid].get("warm_keys", [])]
+                    for rid, keys in assignment.items()}
+            calls = {rid: fresh_request_call(handle.warmup, keys, target_replica=rid)
+                     for rid, keys in todo.items() if keys}
+            results = await asyncio.gather(
+                *(asyncio.wait_for(_await(c), self.capture_timeout_s) for c in calls.values()),
+                return_exceptions=True)
+            reports, errors = {}, {}
+            for rid, res in zip(calls, results):
+                if isinstance(res, BaseException):
+                    errors[rid] = f"{type(res).__name__}: {res}"
+                    calls[rid].cancel()
+                else:
+                    reports[rid] = res
+            for rid in rids:
+                self._assigned[rid] = assignment.get(rid, [])
+                if rid not in reports:  # no capture needed: report its current state
+                    reports[rid] = {"replica": rid, "captured": [], "failed": {},
+                                    "warm_keys": live[rid].get("warm_keys", []),
+                                    "pool_bytes": live[rid].get("pool_bytes", 0)}
+                reports[rid]["assigned"] = assignment.get(rid, [])
+            self._last_report = merge_reports(plan, reports, errors, (time.perf_counter() - t0) * 1e3)
+            return self._last_report
+
+    async def stats(self) -> dict:
+        """Current per-replica stats (one broadcast) plus the plan and the last warmup report."""
+        async with self._lock:
+            live = await self._live("stats")
+        keys = merge_reports(self.plan, live, {})
+        return {"plan": keys["plan"], "replicas": live, "keys": keys["keys"],
+                "uncovered": keys["uncovered"], "last_warmup": self._last_report}
+
+    def get_plan(self) -> Optional[dict]:
+        return self.plan.model_dump() if self.plan else None
+
+
+async def _await(response):
+    return await response
+
+
+def fresh_request_call(method, *args, **kwargs):
+    """``method.remote(*args, **kwargs)`` issued under its own internal request id.
+
+    Ray Serve 2.60 gives every handle call made while serving a request that request's internal id,
+    and a router that is not FIFO hands a chosen replica to the pending request *with that id*. Several
+    concurrent calls from one request (a fan-out) then get mixed up and one can wait forever. Issuing
+    each call in a copied context whose Serve request context has no internal id makes Serve draw a
+    fresh one for it.
+    """
+    def issue():
+        try:
+            from ray.serve import context as serve_context
+            current = serve_context._get_serve_request_context()
+            serve_context._serve_request_context.set(dataclasses.replace(current, _internal_request_id=""))
+        except (AttributeError, TypeError):  # private API moved: fall back to a plain call
+            logger.debug("cannot reset the Serve request context; plain fan-out call")
+        return method.remote(*args, **kwargs)
+    return contextvars.copy_context().run(issue)

@@ -1,0 +1,356 @@
+"""DiT replica: one diffusers pipeline, one BreakableGraphRunner, one graph pool per replica.
+
+Contract:
+
+* Start-up warms before traffic. Serve's order is ``__init__`` -> ``record_replica_metadata`` ->
+  (``reconfigure``) -> first ``check_health`` -> routable. ``__init__`` loads the pipeline, asks the
+  coordinator for this replica's share of the warmup plan and warms it, so a replica added by the
+  autoscaler (or a restart) is warm for its share before Serve sends it a request, and its warm set is
+  in the metadata the router reads before the first routing-stats poll.
+* The warm set is kept here, per *shape key*: a key is warm once its warmup ran successfully. On CUDA
+  that means the warmup captured the transformer's signatures (new captures, no failures, or every
+  transformer call already replayed); the key also stops being warm when the runner evicted one of
+  its signatures. Without CUDA nothing is captured: a key is warm once its warmup ran, and the
+  report says ``graphs_captured: false, reason: "no CUDA"``.
+* A request is *warm* when its shape key is in the warm set when it starts; replicas count warm and
+  cold requests, and (on GPU meaningful) transformer replays vs eager calls per request.
+* Pipelines are not thread-safe: every pipeline run (serving and warmup) holds one asyncio lock and
+  runs on a single worker thread, so the event loop stays free for stats, health and routing probes.
+* ``record_routing_stats()`` publishes ``warm_keys``, ``queue_len`` (requests on this replica,
+  running or waiting for the lock) and ``pool_bytes``; the router reads them.
+"""
+from __future__ import annotations
+
+import asyncio
+import inspect
+import io
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Dict, List, Optional
+
+from ray import serve
+from ray.serve.config import RequestRouterConfig
+
+from deployments.router import POOL_BYTES, QUEUE_LEN, WARM_KEYS, ShapeAffinityRouter
+from deployments.schemas import ImageGenerationRequest, ReplicaReport, parse_size
+
+logger = logging.getLogger(__name__)
+
+WARMUP_PROMPT = "a photo of a cat sitting on a red chair in a sunny room"
+
+
+def normalize_key(key: str) -> str:
+    """A shape key or size (``"256x256"``) in the canonical ``ShapeKey.key`` form."""
+    from bcg.buckets import ShapeKey
+    return ShapeKey.parse(key).key
+
+
+def request_shape_key(width: int, height: int, n: int, cfg: bool) -> str:
+    """The shape key of an image request (one frame, no prompt bucket: built-ins pad prompts)."""
+    from bcg.buckets import ShapeKey
+    return ShapeKey(height=height, width=width, num_frames=1, batch_size=n, cfg=cfg).key
+
+
+def cfg_for(guidance_scale: Optional[float], info: dict) -> bool:
+    """Whether a request runs classifier-free guidance (doubling the transformer batch)."""
+    g = guidance_scale if guidance_scale is not None else info.get("default_guidance_scale")
+    return bool(info.get("uses_cfg")) and g is not None and g > 1.0
+
+
+def _counts(stats: dict) -> Dict[str, int]:
+    """Totals from ``runner.stats()``: captures, replays, eager calls, capture failures, pool bytes."""
+    eager = stats.get("eager_calls", 0)
+    if isinstance(eager, dict):
+        eager = sum(int(v) for v in eager.values())
+    return {
+        "captures": int(stats.get("captures", 0) or 0),
+        "replays": int(stats.get("replays", 0) or 0),
+        "eager": int(eager or 0),
+        "failures": int(stats.get("capture_failures", 0) or 0),
+        "pool_bytes": int(stats.get("pool_bytes", 0) or 0),
+    }
+
+
+def _segments(stats: dict, sig_keys) -> int:
+    """Graph segments of the captured entries with these signature keys."""
+    return sum(int(e.get("segments", 0)) for e in stats.get("entries", []) if e.get("key") in sig_keys)
+
+
+def _sig_key(sig) -> str:
+    return str(getattr(sig, "key", sig))
+
+
+def _png(image) -> bytes:
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+class ReplicaEngine:
+    """The pipeline side of a replica, free of Ray: load, warm keys, run requests (one thread)."""
+
+    def __init__(self, model: str, device: Optional[str] = None, dtype: Optional[str] = None,
+                 runner_config: Optional[dict] = None, warmup_steps: int = 2,
+                 cpu_threads: Optional[int] = None, gpu_memory_fraction: Optional[float] = None):
+        import torch
+        from bcg.config import RunnerConfig
+        from bcg.diffusers import accelerate
+        from bcg.models import load_pipeline
+
+        if cpu_threads:
+            torch.set_num_threads(int(cpu_threads))
+        self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        self.cuda = torch.device(self.device).type == "cuda"
+        if self.cuda and gpu_memory_fraction:
+            # Replicas sharing a GPU get no memory isolation from Ray; cap this process's share.
+            torch.cuda.set_per_process_memory_fraction(float(gpu_memory_fraction))
+        self.model = model
+        config = RunnerConfig(**runner_config) if isinstance(runner_config, dict) else runner_config
+        self.pipe = accelerate(load_pipeline(model, device=self.device, dtype=dtype), config=config)
+        self.pipe.set_progress_bar_config(disable=True)
+        self.runner = self.pipe.transformer
+        self.warmup_steps = warmup_steps
+        self._warmed: Dict[str, frozenset] = {}  # key -> signature keys its warmup captured
+        self._call_params = set(inspect.signature(type(self.pipe).__call__).parameters)
+        self.info = self._model_info()
+
+    # -- model facts -------------------------------------------------------------------------------
+    def _model_info(self) -> dict:
+        vae_scale = int(getattr(self.pipe, "vae_scale_factor", 8) or 8)
+        patch = getattr(getattr(self.runner, "config", None), "patch_size", 1) or 1
+        patch = patch[-1] if isinstance(patch, (list, tuple)) else patch
+        call = inspect.signature(type(self.pipe).__call__).parameters
+        guidance = call.get("guidance_scale")
+        # SD3/PixArt/Sana/Wan run classifier-free guidance (a second, negative branch) when
+        # guidance_scale > 1; Flux embeds guidance_scale instead (its CFG is true_cfg_scale, unused here).
+        uses_cfg = (guidance is not None and "true_cfg_scale" not in call
+                    and not getattr(getattr(self.runner, "config", None), "guidance_embeds", False))
+        return {
+            "model": self.model, "device": self.device, "pipeline": type(self.pipe).__name__,
+            "size_multiple": vae_scale * max(2, int(patch)), "uses_cfg": uses_cfg,
+            "default_guidance_scale": None if guidance is None else guidance.default,
+        }
+
+    def cfg_for(self, guidance_scale: Optional[float]) -> bool:
+        return cfg_for(guidance_scale, self.info)
+
+    # -- warm set ----------------------------------------------------------------------------------
+    def warm_keys(self) -> List[str]:
+        if not self.cuda:
+            return sorted(self._warmed)
+        live = {_sig_key(s) for s in self.runner.warm_signatures()}
+        return sorted(k for k, sigs in self._warmed.items() if sigs <= live)
+
+    def runner_stats(self) -> dict:
+        return self.runner.stats()
+
+    def _call(self, key, prompt: str, steps: int, guidance: Optional[float], seed: Optional[int]):
+        import torch
+        kwargs = dict(prompt=prompt, height=key.height, width=key.width, num_inference_steps=steps,
+                      num_images_per_prompt=key.batch_size, output_type="pil")
+        if guidance is not None:
+            kwargs["guidance_scale"] = guidance
+        elif not key.cfg and self.info["uses_cfg"]:
+            kwargs["guidance_scale"] = 1.0  # a non-CFG key of a CFG model: guidance off
+        if "clean_caption" in self._call_params:
+            kwargs["clean_caption"] = False  # needs bs4/ftfy and only matters for real captions
+        if seed is not None:
+            kwargs["generator"] = torch.Generator("cpu").manual_seed(int(seed))
+        return self.pipe(**kwargs).images
+
+    def warmup_key(self, key_str: str) -> dict:
+        """Run the pipeline once for ``key_str`` inside ``runner.warmup()``; returns what happened."""
+        from bcg.buckets import ShapeKey
+        key = ShapeKey.parse(key_str)
+        before = _counts(self.runner.stats())
+        sigs_before = {_sig_key(s) for s in self.runner.warm_signatures()}
+        t0 = time.perf_counter()
+        try:
+            with self.runner.warmup():
+                guidance = 3.0 if key.cfg else None
+                self._call(key, WARMUP_PROMPT, self.warmup_steps, guidance, seed=0)
+        except Exception as exc:  # one bad key must not take the replica down
+            logger.warning("warmup of %s failed: %s", key.key, exc)
+            return {"key": key.key, "ok": False, "reason": f"{type(exc).__name__}: {exc}",
+                    "capture_ms": (time.perf_counter() - t0) * 1e3}
+        capture_ms = (time.perf_counter() - t0) * 1e3
+        stats = self.runner.stats()
+        after = _counts(stats)
+        delta = {k: after[k] - before[k] for k in after}
+        new_sigs = frozenset(_sig_key(s) for s in self.runner.warm_signatures()) - sigs_before
+        if not self.cuda:
+            ok, reason = True, "no CUDA"
+        elif delta["failures"]:
+            ok, reason = False, f"{delta['failures']} capture failure(s), see the replica log"
+        elif delta["captures"] > 0 or (delta["eager"] == 0 and delta["replays"] > 0):
+            ok, reason = True, None
+        else:
+            ok, reason = False, "warmup captured nothing (runner disabled?)"
+        if ok:
+            self._warmed[key.key] = new_sigs
+        return {"key": key.key, "ok": ok, "reason": reason, "capture_ms": capture_ms,
+                "captures": delta["captures"], "segments": _segments(stats, new_sigs),
+                "pool_bytes": after["pool_bytes"]}
+
+    def generate(self, key_str: str, prompt: str, steps: int, guidance: Optional[float],
+                 seed: Optional[int]) -> dict:
+        from bcg.buckets import ShapeKey
+        key = ShapeKey.parse(key_str)
+        before = _counts(self.runner.stats())
+        images = self._call(key, prompt, steps, guidance, seed)
+        after = _counts(self.runner.stats())
+        return {"images": [_png(im) for im in images],
+                "replays": after["replays"] - before["replays"],
+                "eager_calls": after["eager"] - before["eager"]}
+
+
+@serve.deployment(
+    name="Replica",
+    ray_actor_options={"num_cpus": 1},
+    max_ongoing_requests=4,
+    request_router_config=RequestRouterConfig(
+        request_router_class=ShapeAffinityRouter, request_routing_stats_period_s=1.0,
+    ),
+    health_check_period_s=10,
+    max_surge_percent=25,
+)
+class Replica:
+    """Serve deployment around ReplicaEngine; see the module docstring for the contract."""
+
+    async def __init__(self, model: str = "tiny-flux", coordinator=None, device: Optional[str] = None,
+                 dtype: Optional[str] = None, runner_config: Optional[dict] = None,
+                 warmup_steps: int = 2, default_steps: int = 4, cpu_threads: Optional[int] = None,
+                 gpu_memory_fraction: Optional[float] = None, assign_timeout_s: float = 120.0):
+        ctx = serve.get_replica_context()
+        self.replica_id = ctx.replica_id.unique_id
+        self.rank = getattr(getattr(ctx, "rank", None), "rank", None)
+        self.default_steps = default_steps
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bcg-pipeline")
+        self._lock = asyncio.Lock()
+        self._ongoing = 0
+        self._counters = {"warm_requests": 0, "cold_requests": 0, "replays": 0, "eager_calls": 0,
+                          "errors": 0}
+        self._cold_keys: Dict[str, int] = {}
+        self._reports: List[dict] = []
+        self._broken: Optional[str] = None
+        self.first_request_at: Optional[float] = None
+        t0 = time.perf_counter()
+        self.engine = await self._in_thread(ReplicaEngine, model, device, dtype, runner_config,
+                                            warmup_steps, cpu_threads, gpu_memory_fraction)
+        self.info = dict(self.engine.info)
+        logger.info("replica %s: %s loaded on %s in %.1f s", self.replica_id, model, self.engine.device,
+                    time.perf_counter() - t0)
+        keys: List[str] = []
+        if coordinator is not None:
+            try:
+                keys = await asyncio.wait_for(coordinator.assign.remote(self.replica_id), assign_timeout_s)
+            except asyncio.TimeoutError:
+                raise RuntimeError(f"replica {self.replica_id}: the coordinator gave no warmup share within "
+                                   f"{assign_timeout_s} s; check the Coordinator deployment's status or raise "
+                                   "assign_timeout_s") from None
+        self.assigned = list(keys)
+        if keys:
+            await self._warmup(keys)
+        self.warm_ready_at = time.time()
+        logger.info("replica %s ready, warm for %s", self.replica_id, self.engine.warm_keys())
+
+    async def _in_thread(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    # -- Serve hooks -------------------------------------------------------------------------------
+    def _routing_view(self) -> dict:
+        stats = _counts(self.engine.runner_stats())
+        return {WARM_KEYS: self.engine.warm_keys(), QUEUE_LEN: self._ongoing, POOL_BYTES: stats["pool_bytes"]}
+
+    def record_replica_metadata(self) -> dict:
+        return self._routing_view()
+
+    def record_routing_stats(self) -> dict:
+        return self._routing_view()
+
+    def check_health(self):
+        if self._broken:
+            raise RuntimeError(f"replica {self.replica_id} is broken: {self._broken}")
+
+    # -- control plane -----------------------------------------------------------------------------
+    async def _warmup(self, keys: List[str]) -> dict:
+        self._ongoing += 1
+        try:
+            async with self._lock:
+                results = []
+                for key in keys:
+                    results.append(await self._in_thread(self.engine.warmup_key, key))
+        finally:
+            self._ongoing -= 1
+        report = ReplicaReport(
+            replica=self.replica_id,
+            captured=[r["key"] for r in results if r["ok"]],
+            failed={r["key"]: r["reason"] for r in results if not r["ok"]},
+            warm_keys=self.engine.warm_keys(),
+            graphs_captured=self.engine.cuda and any(r.get("captures", 0) for r in results),
+            reason=None if self.engine.cuda else "no CUDA",
+            segments=sum(r.get("segments", 0) for r in results),
+            capture_ms=sum(r["capture_ms"] for r in results),
+            pool_bytes=_counts(self.engine.runner_stats())["pool_bytes"],
+        ).model_dump()
+        self._reports.append(report)
+        logger.info("replica %s warmed %s (failed %s) in %.0f ms", self.replica_id, report["captured"],
+                    sorted(report["failed"]), report["capture_ms"])
+        return report
+
+    async def warmup(self, keys: List[str], target_replica: Optional[str] = None) -> dict:
+        """Capture ``keys`` here (callers pin this call with ``target_replica``)."""
+        if target_replica and target_replica != self.replica_id:
+            raise ValueError(f"warmup pinned to {target_replica} reached {self.replica_id}")
+        self.assigned = sorted(set(self.assigned) | set(keys))
+        return await self._warmup(list(keys))
+
+    def replica_info(self) -> dict:
+        return {"replica": self.replica_id, "rank": self.rank, "assigned": list(self.assigned),
+                **self._routing_view()}
+
+    def model_info(self) -> dict:
+        return dict(self.info)
+
+    def stats(self) -> dict:
+        return {**self.replica_info(), **self._counters, "cold_keys": dict(self._cold_keys),
+                "device": self.engine.device, "warm_ready_at": self.warm_ready_at,
+                "first_request_at": self.first_request_at, "warmups": list(self._reports),
+                "runner": self.engine.runner_stats()}
+
+    # -- serving -----------------------------------------------------------------------------------
+    async def generate(self, request, shape_key: Optional[str] = None,
+                       target_replica: Optional[str] = None) -> dict:
+        """Run one image request; ``shape_key``/``target_replica`` are read by the router."""
+        if isinstance(request, dict):
+            request = ImageGenerationRequest.model_validate(request)
+        width, height = parse_size(request.size or "256x256")
+        key = request_shape_key(width, height, request.n,
+                                self.engine.cfg_for(request.guidance_scale))
+        if shape_key is not None and shape_key != key:
+            logger.warning("request routed with shape_key %s but computes %s here", shape_key, key)
+        steps = request.num_inference_steps or self.default_steps
+        t0 = time.perf_counter()
+        self._ongoing += 1
+        if self.first_request_at is None:
+            self.first_request_at = time.time()
+        try:
+            async with self._lock:
+                warm = key in self.engine.warm_keys()
+                out = await self._in_thread(self.engine.generate, key, request.prompt, steps,
+                                            request.guidance_scale, request.seed)
+        except Exception as exc:
+            self._counters["errors"] += 1
+            if "CUDA error" in str(exc):
+                self._broken = str(exc)  # a sticky CUDA error: let Serve replace the replica
+            raise
+        finally:
+            self._ongoing -= 1
+        self._counters["warm_requests" if warm else "cold_requests"] += 1
+        if not warm:
+            self._cold_keys[key] = self._cold_keys.get(key, 0) + 1
+        self._counters["replays"] += out["replays"]
+        self._counters["eager_calls"] += out["eager_calls"]
+        return {"replica": self.replica_id, "warm": warm, "shape_key": key,
+                "latency_ms": (time.perf_counter() - t0) * 1e3, **out}

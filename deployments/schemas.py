@@ -1,0 +1,138 @@
+"""Pydantic models at the HTTP and Python-handle edge of the app.
+
+The request model follows the OpenAI Images API (``prompt, model, n, size "WxH", response_format,
+user``) plus ``num_inference_steps``, ``guidance_scale`` and ``seed``; unknown fields are rejected.
+Static checks (types, ``>= 1``) live in the model; the deployment's maxima (``RequestLimits``) and
+the model's size multiple are checked by ``check_request`` so the same limits apply to HTTP and to
+Python callers. Every error names the field it is about.
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from bcg.buckets import ShapeKey, check_shape, parse_size
+
+
+class RequestLimits(BaseModel):
+    """Deployment maxima for one request (set through the app args)."""
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    max_n: int = Field(4, ge=1)
+    max_steps: int = Field(50, ge=1)
+    max_pixels: int = Field(1024 * 1024, ge=1)
+    max_prompt_chars: int = Field(2000, ge=1)
+    size_multiple: int = Field(16, ge=1)
+
+
+class ImageGenerationRequest(BaseModel):
+    """OpenAI ``POST /v1/images/generations`` body, plus diffusion knobs."""
+    model_config = ConfigDict(extra="forbid")
+    prompt: str = Field(min_length=1)
+    model: Optional[str] = None
+    n: int = Field(1, ge=1)
+    size: Optional[str] = None  # None: the deployment's default size
+    response_format: Literal["b64_json", "url"] = "b64_json"  # "url" parses, then gets a 400
+    user: Optional[str] = None
+    num_inference_steps: Optional[int] = Field(None, ge=1)
+    guidance_scale: Optional[float] = Field(None, ge=0.0)
+    seed: Optional[int] = Field(None, ge=0, lt=2**63)
+
+    @field_validator("size")
+    @classmethod
+    def _size_form(cls, v):
+        if v is not None:
+            parse_size(v)
+        return v
+
+
+class FieldError(ValueError):
+    """A request that parsed but breaks a deployment limit; ``field`` names the offending field."""
+
+    def __init__(self, field: str, msg: str, status_code: int = 422):
+        super().__init__(f"{field}: {msg}")
+        self.field, self.msg, self.status_code = field, msg, status_code
+
+    def detail(self) -> List[dict]:
+        """The FastAPI/pydantic error list shape, so clients parse one format."""
+        return [{"loc": ["body", self.field], "msg": self.msg, "type": "value_error"}]
+
+
+def check_request(req: ImageGenerationRequest, limits: RequestLimits, served_model: str,
+                  default_size: str) -> tuple:
+    """Apply the deployment limits; returns ``(width, height)`` or raises FieldError."""
+    if req.response_format != "b64_json":
+        raise FieldError("response_format", "only 'b64_json' is supported; 'url' is not "
+                         "(this server keeps no image store)", status_code=400)
+    if req.model is not None and req.model != served_model:
+        raise FieldError("model", f"this deployment serves {served_model!r}, got {req.model!r}",
+                         status_code=404)
+    if len(req.prompt) > limits.max_prompt_chars:
+        raise FieldError("prompt", f"at most {limits.max_prompt_chars} characters, got {len(req.prompt)}")
+    if req.n > limits.max_n:
+        raise FieldError("n", f"at most {limits.max_n} images per request, got {req.n}")
+    if req.num_inference_steps is not None and req.num_inference_steps > limits.max_steps:
+        raise FieldError("num_inference_steps", f"at most {limits.max_steps}, got {req.num_inference_steps}")
+    width, height = parse_size(req.size or default_size)
+    try:
+        check_shape(ShapeKey(height=height, width=width, batch_size=req.n), limits.size_multiple)
+    except ValueError as exc:
+        raise FieldError("size", str(exc)) from None
+    if width * height * req.n > limits.max_pixels:
+        raise FieldError("size", f"width*height*n must be at most {limits.max_pixels} pixels, got "
+                         f"{width}x{height}x{req.n}")
+    return width, height
+
+
+class ServeInfo(BaseModel):
+    """Where and how a request was served (extra field ``bcg`` of the response)."""
+    replica: str
+    warm: bool
+    shape_key: str
+    latency_ms: float
+    replays: int = 0
+    eager_calls: int = 0
+
+
+class ImageData(BaseModel):
+    b64_json: str
+    revised_prompt: Optional[str] = None
+
+
+class ImageGenerationResponse(BaseModel):
+    created: int
+    data: List[ImageData]
+    bcg: ServeInfo
+
+
+class WarmupRequest(BaseModel):
+    """A warmup plan: shape keys (or sizes ``"WxH"``) and where to capture them."""
+    model_config = ConfigDict(extra="forbid")
+    keys: List[str] = Field(min_length=1)
+    placement: Literal["all", "sharded"] = "sharded"
+    replication: int = Field(1, ge=1)
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "bcg-serve"
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: List[ModelCard]
+
+
+class ReplicaReport(BaseModel):
+    """One replica's answer to a capture call (also part of the coordinator's merged report)."""
+    replica: str
+    captured: List[str] = []
+    failed: Dict[str, str] = {}
+    warm_keys: List[str] = []
+    graphs_captured: bool = False
+    reason: Optional[str] = None
+    segments: int = 0
+    capture_ms: float = 0.0
+    pool_bytes: int = 0

@@ -1,0 +1,50 @@
+"""One Ray + Serve instance per test session, with the bcg app deployed on two CPU replicas.
+
+Starting Ray (~6 s), Serve (~2 s) and the app (two replicas loading tiny-flux, ~10 s) dominates the
+cost of these tests, so everything that needs a cluster shares this fixture.
+"""
+import os
+import socket
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+APP = "bcg"
+# Four keys (WxH) for the sharded plan; small so a request takes ~0.1 s on one CPU thread.
+PLAN_KEYS = ["64x64", "64x128", "128x64", "128x128"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def serve_app():
+    """(http base url, app name): the app from build_app, sharded warmup of PLAN_KEYS, replication 1."""
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    import ray
+    from ray import serve
+
+    from deployments.app import build_app
+
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False,
+             runtime_env={"env_vars": {"PYTHONPATH": path, "RAY_AUTH_MODE": "disabled"}})
+    port = _free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    app = build_app({
+        "model": "tiny-flux", "num_replicas": 2, "num_cpus_per_replica": 0, "num_gpus_per_replica": 0,
+        "warmup": ",".join(PLAN_KEYS), "placement": "sharded", "replication": 1,
+        "warmup_steps": 1, "default_steps": 1, "cpu_threads": 1, "routing_stats_period_s": 0.2,
+        "max_ongoing_requests": 4,
+    })
+    # external_scaler_enabled lets a test add a replica without redeploying (which would replace all).
+    serve.run(app, name=APP, route_prefix="/", external_scaler_enabled=True)
+    try:
+        yield f"http://127.0.0.1:{port}", APP
+    finally:
+        serve.shutdown()
+        ray.shutdown()

@@ -1,0 +1,206 @@
+"""The bcg Serve app on real Ray Serve with CPU replicas (one shared cluster, see conftest.py).
+
+Tests run in file order on one app: sharded warmup and warm routing first, then cold requests,
+`all` placement, HTTP, a call from another deployment, and last a scale-up (it adds a replica).
+"""
+import base64
+import io
+import time
+from collections import Counter, defaultdict
+
+import httpx
+import pytest
+from PIL import Image
+from ray import serve
+
+from deployments.schemas import ImageGenerationRequest, ImageGenerationResponse
+from tests.deployments.conftest import PLAN_KEYS
+
+
+def _coordinator(app):
+    return serve.get_deployment_handle("Coordinator", app)
+
+
+def _replicas(app):
+    return serve.get_deployment_handle("Replica", app)
+
+
+def _stats(app) -> dict:
+    return _coordinator(app).stats.remote().result(timeout_s=60)
+
+
+def _request(key: str, prompt="a cat", **kw) -> ImageGenerationRequest:
+    return ImageGenerationRequest(prompt=prompt, size=key.split(".")[0], num_inference_steps=1, **kw)
+
+
+def _generate_all(handle, keys, concurrency=2):
+    """Send one request per key through the replica handle, at most `concurrency` in flight."""
+    out = []
+    for i in range(0, len(keys), concurrency):
+        batch = [handle.generate.remote(_request(k, seed=j), shape_key=k)
+                 for j, k in enumerate(keys[i:i + concurrency])]
+        out += [r.result(timeout_s=120) for r in batch]
+    return out
+
+
+def test_sharded_warmup_puts_each_key_on_exactly_one_replica(serve_app):
+    _, app = serve_app
+    st = _stats(app)
+    assert len(st["replicas"]) == 2
+    assert st["plan"]["placement"] == "sharded" and st["plan"]["keys"] == PLAN_KEYS
+    assert {k: len(r) for k, r in st["keys"].items()} == {k: 1 for k in PLAN_KEYS}
+    for rid, info in st["replicas"].items():
+        assert len(info["warm_keys"]) == 2, info            # ceil(4 keys * 1 / 2 replicas)
+        assert info["cold_requests"] == 0 and info["first_request_at"] is None
+        report = info["warmups"][0]
+        assert report["graphs_captured"] is False and report["reason"] == "no CUDA"
+        assert sorted(report["captured"]) == sorted(info["warm_keys"]) and not report["failed"]
+    # Asking again captures nothing new: every key is already warm where the plan puts it.
+    again = _coordinator(app).warmup.remote({"keys": PLAN_KEYS, "placement": "sharded"}).result(timeout_s=120)
+    assert not again["errors"] and not again["uncovered"]
+    assert all(rep["captured"] == [] for rep in again["replicas"].values())
+    assert {k: len(r) for k, r in again["keys"].items()} == {k: 1 for k in PLAN_KEYS}
+
+
+def test_200_requests_over_sharded_keys_are_all_served_warm(serve_app):
+    _, app = serve_app
+    owner = {k: rids[0] for k, rids in _stats(app)["keys"].items()}
+    keys = [PLAN_KEYS[i % len(PLAN_KEYS)] for i in range(200)]
+    results = _generate_all(_replicas(app), keys)
+    assert [r["warm"] for r in results] == [True] * 200
+    assert all(r["replica"] == owner[r["shape_key"]] for r in results)
+    assert all(r["eager_calls"] > 0 and r["replays"] == 0 for r in results)   # CPU: nothing replays
+    served = Counter(r["replica"] for r in results)
+    st = _stats(app)
+    assert {rid: s["warm_requests"] for rid, s in st["replicas"].items()} == served
+    assert all(s["cold_requests"] == 0 for s in st["replicas"].values())
+
+
+def test_unwarmed_key_is_served_cold_and_counted(serve_app):
+    _, app = serve_app
+    before = {rid: s["cold_requests"] for rid, s in _stats(app)["replicas"].items()}
+    results = _generate_all(_replicas(app), ["96x96"] * 6)
+    assert [r["warm"] for r in results] == [False] * 6 and {r["shape_key"] for r in results} == {"96x96"}
+    st = _stats(app)["replicas"]
+    assert sum(s["cold_requests"] - before[rid] for rid, s in st.items()) == 6
+    assert sum(s["cold_keys"].get("96x96", 0) for s in st.values()) == 6
+
+
+def test_all_placement_warms_every_replica_for_every_key(serve_app):
+    _, app = serve_app
+    keys = ["32x32", "48x48"]
+    report = _coordinator(app).warmup.remote({"keys": keys, "placement": "all"}).result(timeout_s=120)
+    rids = sorted(report["replicas"])
+    assert len(rids) == 2 and not report["errors"]
+    assert {k: sorted(r) for k, r in report["keys"].items()} == {k: rids for k in keys}
+    for rep in report["replicas"].values():
+        assert sorted(rep["captured"]) == keys and rep["capture_ms"] > 0
+    time.sleep(0.6)  # routing stats period is 0.2 s
+    results = _generate_all(_replicas(app), keys * 3)
+    assert all(r["warm"] for r in results)
+
+
+def test_http_round_trip_returns_png_of_requested_size(serve_app):
+    url, _ = serve_app
+    body = {"prompt": "a red boat", "size": "128x64", "num_inference_steps": 1, "seed": 3, "n": 1,
+            "response_format": "b64_json", "user": "test"}
+    r = httpx.post(f"{url}/v1/images/generations", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert set(out) == {"created", "data", "bcg"} and len(out["data"]) == 1
+    image = Image.open(io.BytesIO(base64.b64decode(out["data"][0]["b64_json"])))
+    assert image.format == "PNG" and image.size == (128, 64)
+    assert out["bcg"]["warm"] is True and out["bcg"]["shape_key"] == "128x64"
+    # same seed, same image
+    again = httpx.post(f"{url}/v1/images/generations", json=body, timeout=120).json()
+    assert again["data"][0]["b64_json"] == out["data"][0]["b64_json"]
+    models = httpx.get(f"{url}/v1/models", timeout=30).json()
+    assert models["object"] == "list" and models["data"][0]["id"] == "tiny-flux"
+    assert httpx.get(f"{url}/healthz", timeout=30).json()["status"] == "ok"
+    stats = httpx.get(f"{url}/v1/stats", timeout=60).json()
+    assert len(stats["replicas"]) == 2 and set(PLAN_KEYS) <= set(stats["keys"])
+
+
+@pytest.mark.parametrize("patch, status, field", [
+    ({"size": "65x64"}, 422, "size"),
+    ({"size": "64"}, 422, "size"),
+    ({"size": "4096x4096"}, 422, "size"),
+    ({"num_inference_steps": 0}, 422, "num_inference_steps"),
+    ({"num_inference_steps": 500}, 422, "num_inference_steps"),
+    ({"num_inference_steps": "many"}, 422, "num_inference_steps"),
+    ({"n": "two"}, 422, "n"),
+    ({"n": 9}, 422, "n"),
+    ({"prompt": ""}, 422, "prompt"),
+    ({"prompt": "x" * 3000}, 422, "prompt"),
+    ({"guidance_scale": -1}, 422, "guidance_scale"),
+    ({"quality": "hd"}, 422, "quality"),
+    ({"response_format": "url"}, 400, "response_format"),
+    ({"model": "other-model"}, 404, "model"),
+])
+def test_http_rejects_bad_input_naming_the_field(serve_app, patch, status, field):
+    url, app = serve_app
+    body = {"prompt": "a cat", "size": "64x64", "num_inference_steps": 1, **patch}
+    r = httpx.post(f"{url}/v1/images/generations", json=body, timeout=60)
+    assert r.status_code == status, r.text
+    assert any(e["loc"][-1] == field for e in r.json()["detail"]), r.text
+
+
+def test_http_warmup_validates_keys(serve_app):
+    url, _ = serve_app
+    r = httpx.post(f"{url}/v1/warmup", json={"keys": ["64x64", "64xx"]}, timeout=60)
+    assert r.status_code == 422 and r.json()["detail"][0]["loc"] == ["body", "keys[1]"]
+    r = httpx.post(f"{url}/v1/warmup", json={"keys": ["64x64"], "placement": "everywhere"}, timeout=60)
+    assert r.status_code == 422 and r.json()["detail"][0]["loc"][-1] == "placement"
+
+
+def test_call_from_another_deployment_with_the_request_model(serve_app):
+    _, app = serve_app
+    from tests.deployments.caller import Caller
+    handle = serve.run(Caller.bind(app), name="caller", route_prefix=None)
+    try:
+        out = handle.remote("a fox", "64x64").result(timeout_s=120)
+        assert isinstance(out, ImageGenerationResponse)
+        assert out.bcg.warm and out.bcg.shape_key == "64x64"
+        assert Image.open(io.BytesIO(base64.b64decode(out.data[0].b64_json))).size == (64, 64)
+        # limits apply to Python callers too, with the field named
+        with pytest.raises(Exception, match="num_inference_steps"):
+            serve.get_app_handle(app).generate.remote(
+                ImageGenerationRequest(prompt="x", size="64x64", num_inference_steps=999)).result(timeout_s=60)
+    finally:
+        serve.delete("caller")
+
+
+def test_replica_added_by_scaling_up_is_warm_before_its_first_request(serve_app):
+    _, app = serve_app
+    from ray.serve._private.common import DeploymentID
+    from ray.serve.context import _get_global_client
+
+    old = set(_stats(app)["replicas"])
+    _get_global_client()._controller.update_deployment_replicas.remote(DeploymentID("Replica", app), 3)
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        st = _stats(app)["replicas"]
+        if len(st) == 3:
+            break
+        time.sleep(0.5)
+    new = set(st) - old
+    assert len(new) == 1, st
+    rid = new.pop()
+    fresh = st[rid]
+    # Its share of the plan (4 keys over 3 replicas -> 2) is warm, and it has served nothing yet.
+    assert len(fresh["assigned"]) == 2 and set(fresh["assigned"]) <= set(PLAN_KEYS)
+    assert sorted(fresh["warm_keys"]) == sorted(fresh["assigned"])
+    assert fresh["first_request_at"] is None and fresh["warm_ready_at"] is not None
+    # Every router (here the driver's) sees it warm: requests pinned to it for its keys are warm.
+    handle = _replicas(app)
+    results = [handle.generate.remote(_request(k), shape_key=k, target_replica=rid).result(timeout_s=120)
+               for k in fresh["assigned"]]
+    assert [(r["replica"], r["warm"]) for r in results] == [(rid, True)] * 2
+    after = _stats(app)["replicas"][rid]
+    assert after["cold_requests"] == 0 and after["first_request_at"] >= after["warm_ready_at"]
+    # Unpinned traffic for its keys now spreads over both warm replicas, all warm.
+    by_replica = defaultdict(int)
+    for r in _generate_all(handle, [fresh["assigned"][0]] * 12, concurrency=4):
+        assert r["warm"]
+        by_replica[r["replica"]] += 1
+    assert len(by_replica) == 2
