@@ -310,8 +310,12 @@ class BreakableGraphRunner:
         """Move the module (like nn.Module.to) and return the runner; graphs are dropped if weights moved."""
         self._module.to(*args, **kwargs)
         if self._device_arg is None:
-            self._device = _resolve_device(self._module, None)
-            self._recorder = _CudaRecorder(self._device) if self._device.type == "cuda" else None
+            device = _resolve_device(self._module, None)
+            if device != self._device:
+                with self._lock:
+                    self._reset_locked()  # graphs of the old device (and its pool) are of no use now
+                    self._device = device
+                    self._recorder = _CudaRecorder(device) if device.type == "cuda" else None
         self.check_weights()
         self._off = self._off_reason()
         return self
@@ -335,6 +339,8 @@ class BreakableGraphRunner:
                 reason = self._off[0] if self._off else "blocked" if signature in self._blocked else "unseen"
                 return self._run_eager(reason, token, args, kwargs)
             entry = self._entries.get(signature)
+            if entry is None:  # captured, then evicted by a capture on another thread
+                return self._run_eager("unseen", token, args, kwargs)
         with self._lock:
             if entry.graph is None:  # evicted by another thread since the lookup
                 entry = None
@@ -415,6 +421,7 @@ class BreakableGraphRunner:
     def stats(self):
         """Counters, eager calls by reason, pool bytes and one record per captured signature."""
         with self._lock:
+            counts = dict(self._counts)
             entries = [e.describe() for e in reversed(self._entries.entries())]
             blocked = [{"key": s.key, "signature": s.summary(), "reason": r} for s, r in self._blocked.items()]
             pool_bytes = self._entries.pool_bytes
@@ -422,7 +429,7 @@ class BreakableGraphRunner:
             eager = dict(self._eager)
         config = self._runner_config
         return {
-            **self._counts,
+            **counts,
             "eager_calls": eager,
             "eager_calls_total": sum(eager.values()),
             "enabled": self._off is None,
