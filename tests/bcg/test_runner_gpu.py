@@ -323,3 +323,20 @@ def test_too_many_segments_disable_the_runner(module):
     stats = runner.stats()
     assert not stats["enabled"] and "max_segments=2" in stats["disabled_reason"]
     assert stats["eager_calls"]["disabled"] == 1
+
+
+def test_a_module_on_the_cpu_runs_eagerly_until_moved_to_cuda():
+    module = TinyBlock()
+    runner = BreakableGraphRunner(module, config=RunnerConfig())
+    x = _x(1, 8, 0, device="cpu")
+    with runner.warmup():
+        out = runner(x=x)[0]
+    assert torch.equal(out, _eager(module, x=x)[0])
+    stats = runner.stats()
+    assert not stats["enabled"] and "module is on cpu" in stats["disabled_reason"]
+    assert stats["eager_calls"]["no_cuda"] == 1
+    assert runner.to("cuda") is runner and runner.stats()["enabled"]
+    x = _x(1, 8, 0)
+    with runner.warmup():
+        runner(x=x)
+    assert torch.equal(runner(x=x)[0], _eager(module, x=x)[0]) and runner.stats()["replays"] == 2
