@@ -238,6 +238,19 @@ def _diff_named(a_items, b_items, path_of, out):
         out.append(f"key order differs at {path_of('')}")
 
 
+def _has_identity(desc):
+    tag = desc[0]
+    if tag == _IDENT:
+        return True
+    if tag == _LIST:
+        return any(_has_identity(c) for c in desc[2])
+    if tag == _DICT:
+        return any(_has_identity(k) or _has_identity(v) for k, v in desc[2])
+    if tag == _NODE:
+        return _has_identity(desc[2]) or any(_has_identity(c) for c in desc[3])
+    return False
+
+
 def _kind(desc):
     tag = desc[0]
     if tag == _TENSOR:
@@ -274,7 +287,7 @@ class Signature:
     @property
     def has_identity_parts(self):
         """True when some part is keyed by object identity (its `key` is then per process)."""
-        return "I(" in self.canonical()
+        return any(_has_identity(desc) for _, desc in self._items)
 
     def canonical(self):
         """The canonical string that `key` hashes."""

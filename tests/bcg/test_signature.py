@@ -98,7 +98,8 @@ def test_other_objects_are_keyed_by_identity_and_kept_alive():
     sp = signature_of({"processor": p})
     assert sp == signature_of({"processor": p})
     assert sp != signature_of({"processor": q})
-    assert sp.has_identity_parts and not signature_of({"x": 1}).has_identity_parts
+    assert sp.has_identity_parts and signature_of({"kw": [{"p": p}]}).has_identity_parts
+    assert not signature_of({"x": 1, "s": "I(x"}).has_identity_parts
     assert "Processor" in sp.summary()
     del p  # the signature holds the object, so its id cannot be reused by a new object
     assert sp != signature_of({"processor": Processor()})
