@@ -23,8 +23,10 @@ permanent global patching:
   has no processor -- a break. `install_breaks` returns the number of break points, replaces breaks
   installed earlier (so it is idempotent), and `remove_breaks` restores the original processors.
 
-Checked (tests: eager outputs identical with and without breaks; GPU tests: replay identical to eager)
-on diffusers 0.42 with Flux, SD3, PixArt-Sigma, Sana and Wan 2.1 (the built-ins of `bcg.models`).
+Checked with diffusers 0.42 on Flux, SD3, PixArt-Sigma, Sana and Wan 2.1 (the built-ins of `bcg.models`):
+on CPU, outputs are identical with and without breaks, and a recorded capture breaks exactly at each
+attention core (Sana: its linear-attention processor as a whole); tests/bcg/test_diffusers_gpu.py checks
+on CUDA that replayed pipelines give the eager images bit for bit.
 
 Pipelines: `accelerate(pipe)` installs breaks and replaces ``pipe.transformer`` (and optionally the text
 encoders and the VAE decoder) by a `BreakableGraphRunner`. It is set with ``object.__setattr__`` so the
