@@ -1,0 +1,432 @@
+"""Compiled segments vs the alternatives: one DiT forward, six ways, several models and sizes, one GPU.
+
+    python3 benchmarks/bench_compiled.py [--out benchmarks/results/bench_compiled.json]
+        [--models flux-9m,flux-2.5b,sd3-small] [--sizes 256,512,1024] [--variants all] [--budget-s 540]
+    python3 benchmarks/bench_compiled.py --dry-run          # parameter counts and plan, no GPU needed
+    python3 benchmarks/bench_compiled.py --plot-only benchmarks/results/bench_compiled.json
+
+Variants (each built fresh per model from the same seed; ``torch._dynamo.reset()`` between them):
+- eager: the module called directly;
+- one_graph: one torch.cuda.CUDAGraph of the whole forward;
+- segments: `bcg.diffusers.install_breaks(policy="attention")` + a BreakableCUDAGraph (attention eager);
+- compiled_segments: `bcg.compile.compile_for_segments` (inductor, no inductor CUDA graphs, static shapes
+  by default) -> warm-up calls on the capture stream (compile, autotune) -> BreakableCUDAGraph capture;
+- inductor_one_graph: the same compile without breaks -> warm-up -> one torch.cuda.CUDAGraph;
+- reduce_overhead: torch.compile(mode="reduce-overhead", dynamic=False), called with
+  torch.compiler.cudagraph_mark_step_begin() before each call.
+Each is timed as the median of --iters CUDA-event-timed calls (after --warmup), bf16, batch 1. Compile
+time (first call wall time per size) and compile statistics are recorded; outputs are compared with
+eager (max abs error, relative L2 error) and, for compiled_segments, replay with the compiled forward
+run eagerly (bit for bit). The JSON is rewritten after every measurement (a timeout keeps what was
+measured); a PNG bar plot goes next to it. The targets (issue 8) are evaluated at the end.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(1, os.path.dirname(HERE))  # the repository root, for `bcg`
+
+DEFAULT_OUT = os.path.join(HERE, "results", "bench_compiled.json")
+VARIANTS = ("eager", "one_graph", "segments", "compiled_segments", "inductor_one_graph", "reduce_overhead")
+COMPILE_VARIANTS = {"compiled_segments", "inductor_one_graph", "reduce_overhead"}
+MODELS = {
+    # 9.17 M parameters: the bench_forward model (64 text tokens)
+    "flux-9m": dict(cls="FluxTransformer2DModel", text_tokens=64, config=dict(
+        patch_size=1, in_channels=64, num_layers=2, num_single_layers=4, attention_head_dim=64,
+        num_attention_heads=4, joint_attention_dim=256, pooled_projection_dim=256, axes_dims_rope=(16, 24, 24))),
+    # 2.56 B parameters: 12 blocks at FLUX.1 width (3072 = 24 x 128), T5-sized text (512 tokens)
+    "flux-2.5b": dict(cls="FluxTransformer2DModel", text_tokens=512, config=dict(
+        patch_size=1, in_channels=64, num_layers=4, num_single_layers=8, attention_head_dim=128,
+        num_attention_heads=24, joint_attention_dim=4096, pooled_projection_dim=768, guidance_embeds=True,
+        axes_dims_rope=(16, 56, 56))),
+    # 13.8 M parameters: an MMDiT of another family (SD3), 6 joint blocks
+    "sd3-small": dict(cls="SD3Transformer2DModel", text_tokens=64, config=dict(
+        sample_size=64, patch_size=2, in_channels=16, out_channels=16, num_layers=6, attention_head_dim=64,
+        num_attention_heads=4, joint_attention_dim=256, caption_projection_dim=256, pooled_projection_dim=256,
+        pos_embed_max_size=96)),
+}
+TARGETS = "compiled_segments >= 1.2x faster than reduce_overhead (flux-9m, 256 and 512); never slower " \
+          "than reduce_overhead (flux-2.5b); within 5% of inductor_one_graph"
+
+
+def log(msg):
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def build_model(name, device, dtype):
+    import diffusers
+    import torch
+
+    spec = MODELS[name]
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = getattr(diffusers, spec["cls"])(**spec["config"])
+    return model.to(dtype).eval()
+
+
+def count_params(name):
+    import torch
+
+    with torch.device("meta"):
+        import diffusers
+
+        model = getattr(diffusers, MODELS[name]["cls"])(**MODELS[name]["config"])
+    return sum(p.numel() for p in model.parameters())
+
+
+def make_inputs(name, size, device, dtype, seed=0):
+    import torch
+
+    spec, g = MODELS[name], torch.Generator().manual_seed(seed)
+    cfg, text = spec["config"], spec["text_tokens"]
+    if spec["cls"] == "FluxTransformer2DModel":
+        side = size // 16  # /8 VAE latent, 2x2 patches packed into 64 channels
+        rows, cols = torch.meshgrid(torch.arange(side), torch.arange(side), indexing="ij")
+        img_ids = torch.stack([torch.zeros_like(rows), rows, cols], dim=-1).reshape(-1, 3).float()
+        inputs = {
+            "hidden_states": torch.randn(1, side * side, cfg["in_channels"], generator=g),
+            "encoder_hidden_states": torch.randn(1, text, cfg["joint_attention_dim"], generator=g),
+            "pooled_projections": torch.randn(1, cfg["pooled_projection_dim"], generator=g),
+            "timestep": torch.full((1,), 0.5),
+            "img_ids": img_ids,
+            "txt_ids": torch.zeros(text, 3),
+        }
+        if cfg.get("guidance_embeds"):
+            inputs["guidance"] = torch.full((1,), 3.5)
+    else:  # SD3: a /8 latent with 16 channels, patchified inside the model
+        side = size // 8
+        inputs = {
+            "hidden_states": torch.randn(1, cfg["in_channels"], side, side, generator=g),
+            "encoder_hidden_states": torch.randn(1, text, cfg["joint_attention_dim"], generator=g),
+            "pooled_projections": torch.randn(1, cfg["pooled_projection_dim"], generator=g),
+            "timestep": torch.full((1,), 500.0),
+        }
+    out = {}
+    for k, v in inputs.items():
+        keep_float = k in ("img_ids", "txt_ids")  # position ids stay fp32, as pipelines pass them
+        out[k] = v.to(device, torch.float32 if keep_float else dtype)
+    return out
+
+
+def _errors(out, reference):
+    import torch
+
+    diff = (out.float() - reference.float())
+    return {"max_abs_err": diff.abs().max().item(),
+            "rel_l2_err": (diff.norm() / reference.float().norm().clamp_min(1e-12)).item(),
+            "ref_max_abs": reference.float().abs().max().item()}
+
+
+def _warm(fn, stream, runs):
+    import torch
+
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(runs):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+
+
+def measure(variant, model, name, size, args, state):
+    """One (variant, size): returns a result row. `state` carries per-variant objects across sizes."""
+    import torch
+
+    from _common import time_cuda
+    from bcg.capture import BreakableCUDAGraph, BreakableCUDAGraphCapture
+
+    static = make_inputs(name, size, "cuda", torch.bfloat16)
+    row = {"model": name, "size": size, "variant": variant}
+    stream = torch.cuda.Stream()
+
+    if variant == "eager":
+        def fn():
+            return model(**static, return_dict=False)[0]
+        out = fn()
+        row["ms"] = time_cuda(fn, args.iters, args.warmup)
+        return row, out.clone()
+
+    if variant == "one_graph":
+        def fwd():
+            return model(**static, return_dict=False)[0]
+        _warm(fwd, stream, 3)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            out = fwd()
+        row["ms"] = time_cuda(graph.replay, args.iters, args.warmup)
+        graph.replay()
+        torch.cuda.synchronize()
+        result = out.clone()
+        del graph
+        return row, result
+
+    if variant == "reduce_overhead":
+        compiled = state.get("compiled")
+        if compiled is None:
+            compiled = state["compiled"] = torch.compile(model, mode="reduce-overhead", dynamic=False)
+        mark = torch.compiler.cudagraph_mark_step_begin
+
+        def fn():
+            mark()
+            return compiled(**static, return_dict=False)[0]
+        start = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        row["compile_s"] = time.perf_counter() - start
+        for _ in range(3):  # cudagraph trees record on the second or third call
+            fn()
+        row["ms"] = time_cuda(fn, args.iters, args.warmup)
+        result = fn().clone()
+        return row, result
+
+    # compiled_segments / inductor_one_graph / segments: a capture of `forward` on `stream`
+    if variant == "segments":
+        forward_fn = model
+    else:
+        from bcg.compile import compile_for_segments
+
+        forward_fn = state.get("compiled")
+        if forward_fn is None:
+            breaks = "attention" if variant == "compiled_segments" else None
+            forward_fn = state["compiled"] = compile_for_segments(
+                model, dynamic=args.dynamic, breaks=breaks, recompile_limit=64)
+    graphs_before = forward_fn.stats()["graphs_compiled"] if variant != "segments" else 0
+
+    def fwd():
+        return forward_fn(**static, return_dict=False)[0]
+
+    start = time.perf_counter()
+    _warm(fwd, stream, 1)  # compile + autotune + lazy kernel loads, on the capture stream
+    row["compile_s"] = time.perf_counter() - start
+    _warm(fwd, stream, 2)
+    if variant == "inductor_one_graph":
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            out = fwd()
+        replay = graph.replay
+    else:
+        graph = BreakableCUDAGraph()
+        start = time.perf_counter()
+        with BreakableCUDAGraphCapture(graph, stream=stream):
+            out = fwd()
+        torch.cuda.synchronize()
+        row["capture_ms"] = (time.perf_counter() - start) * 1e3
+        row["segments"], row["breaks"] = graph.num_segments, graph.num_breaks
+        replay = graph.replay
+    row["ms"] = time_cuda(replay, args.iters, args.warmup)
+    replay()
+    torch.cuda.synchronize()
+    result = out.clone()
+    if variant != "segments":
+        with torch.no_grad():
+            direct = fwd()  # the compiled forward, run eagerly (no capture) on the same inputs
+        torch.cuda.synchronize()
+        row["bitwise_equal_compiled_eager"] = bool(torch.equal(result, direct))
+        stats = forward_fn.stats()
+        row["graphs_compiled"] = stats["graphs_compiled"] - graphs_before
+        row["compile_stats"] = {k: stats[k] for k in ("graphs_compiled", "frames_compiled", "recompiles",
+                                                      "graph_breaks", "compile_ms_total")}
+    if hasattr(graph, "reset"):
+        graph.reset()
+    del graph, out
+    return row, result
+
+
+def _free(state):
+    import torch
+
+    state.clear()
+    gc.collect()
+    torch._dynamo.reset()
+    trees = getattr(getattr(torch._inductor, "cudagraph_trees", None), "reset_cudagraph_trees", None)
+    if trees is not None:
+        trees()
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def targets(rows):
+    """Evaluate the issue's targets on the measured rows (None where a number is missing)."""
+    ms = {(r["model"], r["size"], r["variant"]): r.get("ms") for r in rows}
+    checks = []
+
+    def add(what, value, ok):
+        checks.append({"check": what, "value": None if value is None else round(value, 4), "met": ok})
+
+    sizes = sorted({r["size"] for r in rows})
+    for model in sorted({r["model"] for r in rows}):
+        for size in sizes:
+            cs = ms.get((model, size, "compiled_segments"))
+            ro = ms.get((model, size, "reduce_overhead"))
+            og = ms.get((model, size, "inductor_one_graph"))
+            if cs and ro:
+                speedup = ro / cs
+                if model == "flux-9m" and size in (256, 512):
+                    add(f"{model} {size}: reduce_overhead / compiled_segments >= 1.2", speedup, speedup >= 1.2)
+                elif model == "flux-2.5b":
+                    add(f"{model} {size}: reduce_overhead / compiled_segments >= 1.0", speedup, speedup >= 1.0)
+            if cs and og:
+                ratio = cs / og
+                add(f"{model} {size}: compiled_segments / inductor_one_graph <= 1.05", ratio, ratio <= 1.05)
+    return checks
+
+
+def run(args):
+    import torch
+
+    from _common import machine_info, write_json
+
+    models = [m.strip() for m in args.models.split(",") if m.strip()]
+    sizes = [int(s) for s in args.sizes.split(",")]
+    variants = list(VARIANTS) if args.variants == "all" else [v.strip() for v in args.variants.split(",")]
+    for bad in [m for m in models if m not in MODELS] + [v for v in variants if v not in VARIANTS]:
+        raise SystemExit(f"unknown model or variant {bad!r}; models: {', '.join(MODELS)}; variants: "
+                         f"{', '.join(VARIANTS)} (or all)")
+    info = {}
+    for name in models:
+        info[name] = {**MODELS[name], "params": count_params(name)}
+        log(f"{name}: {MODELS[name]['cls']} {info[name]['params'] / 1e6:.2f} M params, "
+            f"{MODELS[name]['text_tokens']} text tokens")
+    if args.dry_run:
+        log(f"plan: {len(models)} models x {len(variants)} variants x {len(sizes)} sizes")
+        return None
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_compiled needs CUDA (no CUDA device here); --dry-run shows the plan")
+    torch._dynamo.config.recompile_limit = max(getattr(torch._dynamo.config, "recompile_limit", 8), 64)
+    result = {
+        "benchmark": "bench_compiled",
+        "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
+        "machine": machine_info(),
+        "models": info,
+        "settings": {"dtype": "bfloat16", "batch": 1, "iters": args.iters, "warmup": args.warmup,
+                     "statistic": "median ms, CUDA events around each call, calls back to back",
+                     "compiled_segments_dynamic": args.dynamic, "weights": "random, torch.manual_seed(0)"},
+        "targets_text": TARGETS,
+        "results": [],
+        "skipped": [],
+    }
+    t0 = time.perf_counter()
+    for name in models:
+        references = {}
+        for variant in variants:
+            if time.perf_counter() - t0 > args.budget_s:
+                result["skipped"].append(f"{name}/{variant}: time budget {args.budget_s:.0f} s spent")
+                log(f"skip {name}/{variant}: time budget spent")
+                continue
+            state = {}
+            try:
+                model = build_model(name, "cuda", torch.bfloat16)
+                if variant == "segments":
+                    from bcg.diffusers import install_breaks
+
+                    install_breaks(model, policy="attention")
+            except Exception as exc:  # noqa: BLE001
+                result["skipped"].append(f"{name}/{variant}: build failed: {type(exc).__name__}: {exc}")
+                log(f"{name}/{variant}: build FAILED {exc!r}")
+                continue
+            with torch.no_grad():
+                for size in sizes:
+                    try:
+                        row, out = measure(variant, model, name, size, args, state)
+                    except Exception as exc:  # noqa: BLE001 - keep going, say what failed
+                        row, out = {"model": name, "size": size, "variant": variant,
+                                    "error": f"{type(exc).__name__}: {str(exc)[:500]}"}, None
+                        torch.cuda.synchronize()
+                    if out is not None:
+                        if variant == "eager":
+                            references[size] = out
+                        elif size in references:
+                            row.update(_errors(out, references[size]))
+                    result["results"].append(row)
+                    shown = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()
+                             if k not in ("model", "size", "variant", "compile_stats")}
+                    log(f"{name} {size}x{size} {variant}: {shown}")
+                    write_json(args.out, {**result, "targets": targets(result["results"]),
+                                          "elapsed_s": time.perf_counter() - t0})
+            del model
+            _free(state)
+    result["targets"] = targets(result["results"])
+    result["elapsed_s"] = time.perf_counter() - t0
+    for check in result["targets"]:
+        log(f"target {'MET ' if check['met'] else 'MISS'} {check['check']}: {check['value']}")
+    log(f"done in {result['elapsed_s']:.0f} s")
+    return result
+
+
+def plot(result, png_path):
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not importable: no plot (make it later with --plot-only JSON)", flush=True)
+        return False
+    rows = [r for r in result["results"] if r.get("ms")]
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    if not models:
+        return False
+    variants = [v for v in VARIANTS if any(r["variant"] == v for r in rows)]
+    colors = dict(zip(VARIANTS, ("#9e9e9e", "#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd", "#d62728")))
+    fig, axes = plt.subplots(1, len(models), figsize=(5.2 * len(models), 4.4), squeeze=False)
+    for ax, model in zip(axes[0], models):
+        sizes = sorted({r["size"] for r in rows if r["model"] == model})
+        width = 0.8 / max(1, len(variants))
+        for i, variant in enumerate(variants):
+            values = [next((r["ms"] for r in rows if (r["model"], r["size"], r["variant"]) == (model, s, variant)),
+                           0.0) for s in sizes]
+            xs = [j + (i - (len(variants) - 1) / 2) * width for j in range(len(sizes))]
+            bars = ax.bar(xs, values, width, label=variant, color=colors[variant])
+            ax.bar_label(bars, fmt="%.2f", fontsize=5, padding=1, rotation=90)
+        ax.set_xticks(range(len(sizes)), [f"{s}²" for s in sizes])
+        ax.set_yscale("log")
+        params = result["models"][model]["params"] / 1e6
+        ax.set_title(f"{model} ({params:.1f} M params)", fontsize=9)
+        ax.set_ylabel("forward, median ms (log)")
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle(f"bf16, batch 1 — {result['machine'].get('gpu', '?')}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=120)
+    plt.close(fig)
+    print(f"wrote {png_path}", flush=True)
+    return True
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default=DEFAULT_OUT, help="JSON path (the PNG goes next to it)")
+    parser.add_argument("--models", default=",".join(MODELS), help=f"comma separated: {', '.join(MODELS)}")
+    parser.add_argument("--sizes", default="256,512,1024", help="square image sizes, comma separated")
+    parser.add_argument("--variants", default="all", help=f"comma separated: {', '.join(VARIANTS)}, or all")
+    parser.add_argument("--iters", type=int, default=50)
+    parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--dynamic", default="false", choices=["false", "true", "auto"],
+                        help="compile_for_segments dynamic= (false: static kernels per size, as reduce_overhead)")
+    parser.add_argument("--budget-s", type=float, default=540.0,
+                        help="start no new model/variant after this many seconds (the JSON says what was skipped)")
+    parser.add_argument("--dry-run", action="store_true", help="print parameter counts and the plan only")
+    parser.add_argument("--plot-only", metavar="JSON", help="only make the PNG from an existing JSON")
+    args = parser.parse_args(argv)
+    args.dynamic = {"false": False, "true": True, "auto": None}[args.dynamic]
+    if args.plot_only:
+        with open(args.plot_only) as f:
+            return 0 if plot(json.load(f), os.path.splitext(args.plot_only)[0] + ".png") else 1
+    from _common import write_json
+
+    result = run(args)
+    if result is None:
+        return 0
+    write_json(args.out, result)
+    plot(result, os.path.splitext(args.out)[0] + ".png")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
