@@ -54,7 +54,8 @@ from bcg.buckets import prompt_bucket as _bucket_for
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "install_breaks", "remove_breaks", "accelerate", "unaccelerate", "pipeline_runners", "pipeline_info",
+    "install_breaks", "remove_breaks", "accelerate", "unaccelerate", "pipeline_runners", "pipeline_stats",
+    "pipeline_info",
     "plan_request", "generate", "warmup_pipeline", "count_prompt_tokens",
 ]
 
@@ -458,6 +459,11 @@ def pipeline_runners(pipe) -> dict:
     return dict(pipe.__dict__.get("_bcg_runners", {}))
 
 
+def pipeline_stats(pipe) -> dict:
+    """``runner.stats()`` of every runner `accelerate` installed, by component name."""
+    return {name: runner.stats() for name, runner in pipeline_runners(pipe).items()}
+
+
 def _parse_to_args(args, kwargs):
     device, dtype = kwargs.get("device"), kwargs.get("dtype")
     for arg in args:
@@ -605,8 +611,8 @@ def warmup_pipeline(pipe, plan, num_inference_steps: int = 2, prompt: str = "a p
             if bad:
                 failed[name] = bad
         seconds = time.perf_counter() - start
-        report["keys"].append({"key": key.key, "captured": captured, "failed": failed, "error": error,
-                               "seconds": round(seconds, 4)})
+        report["keys"].append({"key": key.key, "ok": error is None and not failed, "captured": captured,
+                               "failed": failed, "error": error, "seconds": round(seconds, 4)})
         report["captured"] += sum(len(v) for v in captured.values())
         report["failed"] += sum(len(v) for v in failed.values()) + (error is not None)
         logger.info("warmup %s: %d graphs captured, %d failures, %.2f s", key.key,

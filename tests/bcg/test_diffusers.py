@@ -16,7 +16,7 @@ import bcg.capture as capture_mod
 from bcg.buckets import ShapeKey
 from bcg.diffusers import (
     COMPONENTS, accelerate, count_prompt_tokens, generate, install_breaks, pipeline_info, pipeline_runners, plan_request,
-    remove_breaks, unaccelerate, warmup_pipeline,
+    pipeline_stats, remove_breaks, unaccelerate, warmup_pipeline,
 )
 from bcg.models import BUILTIN_MODELS, load_pipeline
 from bcg.runner import BreakableGraphRunner
@@ -305,7 +305,9 @@ def test_warmup_pipeline_reports_per_key_without_cuda():
     report = warmup_pipeline(pipe, ["64x64", "64x32.cfg.p32", "100x64"], num_inference_steps=1)
     assert [k["key"] for k in report["keys"]] == ["64x64", "64x32.cfg.p32", "100x64"]
     assert [k["error"] is None for k in report["keys"]] == [True, True, False]
+    assert [k["ok"] for k in report["keys"]] == [True, True, False]
     assert "multiples of 16" in report["keys"][2]["error"]
     assert report["captured"] == 0 and report["failed"] == 1  # no CUDA: runs eagerly, captures nothing
-    stats = pipeline_runners(pipe)["transformer"].stats()
+    stats = pipeline_stats(pipe)["transformer"]
     assert stats["eager_calls"]["no_cuda"] == 2 and stats["enabled"] is False
+    assert set(pipeline_stats(pipe)) == {"transformer", "vae_decoder"}
