@@ -76,13 +76,13 @@ class Ingress:
     # -- Python entry point (DeploymentHandle) --------------------------------------------------------
     async def generate(self, request: ImageGenerationRequest) -> ImageGenerationResponse:
         """Validate, route by shape key, run; raises FieldError (a ValueError) naming the field."""
-        from deployments.replica import cfg_for, request_shape_key
+        from deployments.replica import request_shape_key
         if isinstance(request, dict):
             request = ImageGenerationRequest.model_validate(request)
         info = await self._model_info()
         width, height = check_request(request, self.limits, self.model, self.default_size)
         request = request.model_copy(update={"size": f"{width}x{height}"})
-        key = request_shape_key(width, height, request.n, cfg_for(request.guidance_scale, info))
+        key = request_shape_key(width, height, request.n, request.guidance_scale, info)
         response = self.replica.generate.remote(request, shape_key=key)
         try:
             out = await asyncio.wait_for(_await(response), self.request_timeout_s)

@@ -22,7 +22,6 @@ Contract:
 from __future__ import annotations
 
 import asyncio
-import inspect
 import io
 import logging
 import time
@@ -37,7 +36,6 @@ from deployments.schemas import ImageGenerationRequest, ReplicaReport, parse_siz
 
 logger = logging.getLogger(__name__)
 
-WARMUP_PROMPT = "a photo of a cat sitting on a red chair in a sunny room"
 
 
 def normalize_key(key: str) -> str:
@@ -46,39 +44,39 @@ def normalize_key(key: str) -> str:
     return ShapeKey.parse(key).key
 
 
-def request_shape_key(width: int, height: int, n: int, cfg: bool) -> str:
-    """The shape key of an image request (one frame, no prompt bucket: built-ins pad prompts)."""
+def request_cfg(guidance_scale: Optional[float], info: dict) -> bool:
+    """Whether a request runs classifier-free guidance (a negative branch) -- ``plan_request``'s rule.
+
+    Flux embeds ``guidance_scale`` (its CFG needs a negative prompt, which this API does not take);
+    SD3/PixArt/Sana/Wan run CFG when the scale (default: the pipeline's) is above 1.
+    """
+    if info.get("family") == "flux":
+        return False
+    scale = guidance_scale if guidance_scale is not None else info.get("default_guidance")
+    return scale is not None and scale > 1
+
+
+def request_shape_key(width: int, height: int, n: int, guidance_scale: Optional[float], info: dict) -> str:
+    """The shape key of an image request, computable without the pipeline (in the ingress).
+
+    No prompt bucket: requests run at the pipeline's default ``max_sequence_length``, so one graph per
+    size serves every prompt length and a plan of plain sizes covers all requests.
+    """
     from bcg.buckets import ShapeKey
-    return ShapeKey(height=height, width=width, num_frames=1, batch_size=n, cfg=cfg).key
+    return ShapeKey(height=height, width=width, batch_size=n, cfg=request_cfg(guidance_scale, info)).key
 
 
-def cfg_for(guidance_scale: Optional[float], info: dict) -> bool:
-    """Whether a request runs classifier-free guidance (doubling the transformer batch)."""
-    g = guidance_scale if guidance_scale is not None else info.get("default_guidance_scale")
-    return bool(info.get("uses_cfg")) and g is not None and g > 1.0
-
-
-def _counts(stats: dict) -> Dict[str, int]:
-    """Totals from ``runner.stats()``: captures, replays, eager calls, capture failures, pool bytes."""
-    eager = stats.get("eager_calls", 0)
-    if isinstance(eager, dict):
-        eager = sum(int(v) for v in eager.values())
-    return {
-        "captures": int(stats.get("captures", 0) or 0),
-        "replays": int(stats.get("replays", 0) or 0),
-        "eager": int(eager or 0),
-        "failures": int(stats.get("capture_failures", 0) or 0),
-        "pool_bytes": int(stats.get("pool_bytes", 0) or 0),
-    }
-
-
-def _segments(stats: dict, sig_keys) -> int:
-    """Graph segments of the captured entries with these signature keys."""
-    return sum(int(e.get("segments", 0)) for e in stats.get("entries", []) if e.get("key") in sig_keys)
-
-
-def _sig_key(sig) -> str:
-    return str(getattr(sig, "key", sig))
+def _counts(runners: dict) -> Dict[str, int]:
+    """Totals over a pipeline's runners: captures, replays, eager calls, capture failures, pool bytes."""
+    out = dict.fromkeys(("captures", "replays", "eager", "failures", "pool_bytes"), 0)
+    for runner in runners.values():
+        stats = runner.stats()
+        out["captures"] += int(stats.get("captures", 0))
+        out["replays"] += int(stats.get("replays", 0))
+        out["eager"] += int(stats.get("eager_calls_total", 0))
+        out["failures"] += int(stats.get("capture_failures", 0))
+        out["pool_bytes"] += int(stats.get("pool_bytes", 0))
+    return out
 
 
 def _png(image) -> bytes:
@@ -88,14 +86,14 @@ def _png(image) -> bytes:
 
 
 class ReplicaEngine:
-    """The pipeline side of a replica, free of Ray: load, warm keys, run requests (one thread)."""
+    """The pipeline side of a replica, free of Ray: load, warm keys, run requests (from one thread)."""
 
     def __init__(self, model: str, device: Optional[str] = None, dtype: Optional[str] = None,
                  runner_config: Optional[dict] = None, warmup_steps: int = 2,
                  cpu_threads: Optional[int] = None, gpu_memory_fraction: Optional[float] = None):
         import torch
         from bcg.config import RunnerConfig
-        from bcg.diffusers import accelerate
+        from bcg.diffusers import accelerate, pipeline_info, pipeline_runners
         from bcg.models import load_pipeline
 
         if cpu_threads:
@@ -107,100 +105,64 @@ class ReplicaEngine:
             torch.cuda.set_per_process_memory_fraction(float(gpu_memory_fraction))
         self.model = model
         config = RunnerConfig(**runner_config) if isinstance(runner_config, dict) else runner_config
-        self.pipe = accelerate(load_pipeline(model, device=self.device, dtype=dtype), config=config)
+        pipe = load_pipeline(model, device=self.device, dtype=getattr(torch, dtype) if dtype else None)
+        self.pipe = accelerate(pipe, config=config)
         self.pipe.set_progress_bar_config(disable=True)
-        self.runner = self.pipe.transformer
+        self.runners = pipeline_runners(self.pipe)
+        self.info = {**pipeline_info(self.pipe), "model": model, "device": self.device}
         self.warmup_steps = warmup_steps
         self._warmed: Dict[str, frozenset] = {}  # key -> signature keys its warmup captured
-        self._call_params = set(inspect.signature(type(self.pipe).__call__).parameters)
-        self.info = self._model_info()
 
-    # -- model facts -------------------------------------------------------------------------------
-    def _model_info(self) -> dict:
-        vae_scale = int(getattr(self.pipe, "vae_scale_factor", 8) or 8)
-        patch = getattr(getattr(self.runner, "config", None), "patch_size", 1) or 1
-        patch = patch[-1] if isinstance(patch, (list, tuple)) else patch
-        call = inspect.signature(type(self.pipe).__call__).parameters
-        guidance = call.get("guidance_scale")
-        # SD3/PixArt/Sana/Wan run classifier-free guidance (a second, negative branch) when
-        # guidance_scale > 1; Flux embeds guidance_scale instead (its CFG is true_cfg_scale, unused here).
-        uses_cfg = (guidance is not None and "true_cfg_scale" not in call
-                    and not getattr(getattr(self.runner, "config", None), "guidance_embeds", False))
-        return {
-            "model": self.model, "device": self.device, "pipeline": type(self.pipe).__name__,
-            "size_multiple": vae_scale * max(2, int(patch)), "uses_cfg": uses_cfg,
-            "default_guidance_scale": None if guidance is None else guidance.default,
-        }
-
-    def cfg_for(self, guidance_scale: Optional[float]) -> bool:
-        return cfg_for(guidance_scale, self.info)
-
-    # -- warm set ----------------------------------------------------------------------------------
     def warm_keys(self) -> List[str]:
         if not self.cuda:
             return sorted(self._warmed)
-        live = {_sig_key(s) for s in self.runner.warm_signatures()}
-        return sorted(k for k, sigs in self._warmed.items() if sigs <= live)
+        live = {sig for r in self.runners.values() for sig in r.warm_signatures()}
+        return sorted(k for k, sigs in self._warmed.items() if sigs <= live)  # drop evicted ones
 
     def runner_stats(self) -> dict:
-        return self.runner.stats()
+        return {name: r.stats() for name, r in self.runners.items()}
 
-    def _call(self, key, prompt: str, steps: int, guidance: Optional[float], seed: Optional[int]):
-        import torch
-        kwargs = dict(prompt=prompt, height=key.height, width=key.width, num_inference_steps=steps,
-                      num_images_per_prompt=key.batch_size, output_type="pil")
-        if guidance is not None:
-            kwargs["guidance_scale"] = guidance
-        elif not key.cfg and self.info["uses_cfg"]:
-            kwargs["guidance_scale"] = 1.0  # a non-CFG key of a CFG model: guidance off
-        if "clean_caption" in self._call_params:
-            kwargs["clean_caption"] = False  # needs bs4/ftfy and only matters for real captions
-        if seed is not None:
-            kwargs["generator"] = torch.Generator("cpu").manual_seed(int(seed))
-        return self.pipe(**kwargs).images
+    def pool_bytes(self) -> int:
+        return _counts(self.runners)["pool_bytes"]
 
-    def warmup_key(self, key_str: str) -> dict:
-        """Run the pipeline once for ``key_str`` inside ``runner.warmup()``; returns what happened."""
-        from bcg.buckets import ShapeKey
-        key = ShapeKey.parse(key_str)
-        before = _counts(self.runner.stats())
-        sigs_before = {_sig_key(s) for s in self.runner.warm_signatures()}
+    def warmup_key(self, key: str) -> dict:
+        """Run the pipeline once for ``key`` inside the runners' ``warmup()``; returns what happened."""
+        from bcg.diffusers import warmup_pipeline
+        before = _counts(self.runners)
         t0 = time.perf_counter()
-        try:
-            with self.runner.warmup():
-                guidance = 3.0 if key.cfg else None
-                self._call(key, WARMUP_PROMPT, self.warmup_steps, guidance, seed=0)
-        except Exception as exc:  # one bad key must not take the replica down
-            logger.warning("warmup of %s failed: %s", key.key, exc)
-            return {"key": key.key, "ok": False, "reason": f"{type(exc).__name__}: {exc}",
-                    "capture_ms": (time.perf_counter() - t0) * 1e3}
+        report = warmup_pipeline(self.pipe, [key], num_inference_steps=self.warmup_steps)["keys"][0]
         capture_ms = (time.perf_counter() - t0) * 1e3
-        stats = self.runner.stats()
-        after = _counts(stats)
-        delta = {k: after[k] - before[k] for k in after}
-        new_sigs = frozenset(_sig_key(s) for s in self.runner.warm_signatures()) - sigs_before
-        if not self.cuda:
+        delta = {k: v - before[k] for k, v in _counts(self.runners).items()}
+        new_sigs = frozenset(s for sigs in report["captured"].values() for s in sigs)
+        failed = [r for rs in report["failed"].values() for r in rs]
+        if report["error"]:
+            ok, reason = False, report["error"]
+        elif failed:
+            ok, reason = False, "; ".join(failed)
+        elif not self.cuda:
             ok, reason = True, "no CUDA"
-        elif delta["failures"]:
-            ok, reason = False, f"{delta['failures']} capture failure(s), see the replica log"
-        elif delta["captures"] > 0 or (delta["eager"] == 0 and delta["replays"] > 0):
-            ok, reason = True, None
+        elif new_sigs or (delta["eager"] == 0 and delta["replays"] > 0):
+            ok, reason = True, None  # captured now, or everything already replayed
         else:
             ok, reason = False, "warmup captured nothing (runner disabled?)"
         if ok:
-            self._warmed[key.key] = new_sigs
-        return {"key": key.key, "ok": ok, "reason": reason, "capture_ms": capture_ms,
-                "captures": delta["captures"], "segments": _segments(stats, new_sigs),
-                "pool_bytes": after["pool_bytes"]}
+            self._warmed[report["key"]] = new_sigs
+        segments = sum(e.get("segments", 0) for st in self.runner_stats().values()
+                       for e in st.get("entries", []) if e.get("key") in new_sigs)
+        return {"key": report["key"], "ok": ok, "reason": reason, "capture_ms": capture_ms,
+                "captures": len(new_sigs), "segments": segments}
 
-    def generate(self, key_str: str, prompt: str, steps: int, guidance: Optional[float],
-                 seed: Optional[int]) -> dict:
-        from bcg.buckets import ShapeKey
-        key = ShapeKey.parse(key_str)
-        before = _counts(self.runner.stats())
-        images = self._call(key, prompt, steps, guidance, seed)
-        after = _counts(self.runner.stats())
-        return {"images": [_png(im) for im in images],
+    def generate(self, request: ImageGenerationRequest, default_steps: int) -> dict:
+        """Run one request; returns PNGs, its shape key and the runners' replays/eager calls for it."""
+        from bcg.diffusers import plan_request
+        key, kwargs = plan_request(
+            self.pipe, request.prompt, n=request.n, size=request.size,
+            steps=request.num_inference_steps or default_steps, guidance=request.guidance_scale,
+            seed=request.seed, prompt_buckets=False, info=self.info)
+        before = _counts(self.runners)
+        images = self.pipe(**kwargs).images
+        after = _counts(self.runners)
+        return {"shape_key": key.key, "images": [_png(im) for im in images],
                 "replays": after["replays"] - before["replays"],
                 "eager_calls": after["eager"] - before["eager"]}
 
@@ -260,8 +222,8 @@ class Replica:
 
     # -- Serve hooks -------------------------------------------------------------------------------
     def _routing_view(self) -> dict:
-        stats = _counts(self.engine.runner_stats())
-        return {WARM_KEYS: self.engine.warm_keys(), QUEUE_LEN: self._ongoing, POOL_BYTES: stats["pool_bytes"]}
+        return {WARM_KEYS: self.engine.warm_keys(), QUEUE_LEN: self._ongoing,
+                POOL_BYTES: self.engine.pool_bytes()}
 
     def record_replica_metadata(self) -> dict:
         return self._routing_view()
@@ -292,7 +254,7 @@ class Replica:
             reason=None if self.engine.cuda else "no CUDA",
             segments=sum(r.get("segments", 0) for r in results),
             capture_ms=sum(r["capture_ms"] for r in results),
-            pool_bytes=_counts(self.engine.runner_stats())["pool_bytes"],
+            pool_bytes=self.engine.pool_bytes(),
         ).model_dump()
         self._reports.append(report)
         logger.info("replica %s warmed %s (failed %s) in %.0f ms", self.replica_id, report["captured"],
@@ -325,12 +287,12 @@ class Replica:
         """Run one image request; ``shape_key``/``target_replica`` are read by the router."""
         if isinstance(request, dict):
             request = ImageGenerationRequest.model_validate(request)
-        width, height = parse_size(request.size or "256x256")
-        key = request_shape_key(width, height, request.n,
-                                self.engine.cfg_for(request.guidance_scale))
+        if request.size is None:
+            request = request.model_copy(update={"size": self.info["default_size"]})
+        width, height = parse_size(request.size)
+        key = request_shape_key(width, height, request.n, request.guidance_scale, self.info)
         if shape_key is not None and shape_key != key:
-            logger.warning("request routed with shape_key %s but computes %s here", shape_key, key)
-        steps = request.num_inference_steps or self.default_steps
+            logger.warning("request routed with shape_key %s but is %s here", shape_key, key)
         t0 = time.perf_counter()
         self._ongoing += 1
         if self.first_request_at is None:
@@ -338,8 +300,7 @@ class Replica:
         try:
             async with self._lock:
                 warm = key in self.engine.warm_keys()
-                out = await self._in_thread(self.engine.generate, key, request.prompt, steps,
-                                            request.guidance_scale, request.seed)
+                out = await self._in_thread(self.engine.generate, request, self.default_steps)
         except Exception as exc:
             self._counters["errors"] += 1
             if "CUDA error" in str(exc):
@@ -352,5 +313,8 @@ class Replica:
             self._cold_keys[key] = self._cold_keys.get(key, 0) + 1
         self._counters["replays"] += out["replays"]
         self._counters["eager_calls"] += out["eager_calls"]
-        return {"replica": self.replica_id, "warm": warm, "shape_key": key,
-                "latency_ms": (time.perf_counter() - t0) * 1e3, **out}
+        if out["shape_key"] != key:
+            logger.warning("request key %s ran as %s (request_shape_key and plan_request disagree)",
+                           key, out["shape_key"])
+        return {"replica": self.replica_id, "warm": warm, "latency_ms": (time.perf_counter() - t0) * 1e3,
+                **out, "shape_key": key}

@@ -65,7 +65,10 @@ def test_sharded_warmup_puts_each_key_on_exactly_one_replica(serve_app):
 def test_200_requests_over_sharded_keys_are_all_served_warm(serve_app):
     _, app = serve_app
     owner = {k: rids[0] for k, rids in _stats(app)["keys"].items()}
-    keys = [PLAN_KEYS[i % len(PLAN_KEYS)] for i in range(200)]
+    # Alternate between the two replicas' keys so both work while two requests are in flight.
+    by_owner = sorted(PLAN_KEYS, key=lambda k: (sorted(owner.values()).index(owner[k]), k))
+    cycle = [by_owner[0], by_owner[2], by_owner[1], by_owner[3]]
+    keys = [cycle[i % 4] for i in range(200)]
     results = _generate_all(_replicas(app), keys)
     assert [r["warm"] for r in results] == [True] * 200
     assert all(r["replica"] == owner[r["shape_key"]] for r in results)
@@ -92,7 +95,7 @@ def test_all_placement_warms_every_replica_for_every_key(serve_app):
     report = _coordinator(app).warmup.remote({"keys": keys, "placement": "all"}).result(timeout_s=120)
     rids = sorted(report["replicas"])
     assert len(rids) == 2 and not report["errors"]
-    assert {k: sorted(r) for k, r in report["keys"].items()} == {k: rids for k in keys}
+    assert {k: sorted(report["keys"][k]) for k in keys} == {k: rids for k in keys}
     for rep in report["replicas"].values():
         assert sorted(rep["captured"]) == keys and rep["capture_ms"] > 0
     time.sleep(0.6)  # routing stats period is 0.2 s

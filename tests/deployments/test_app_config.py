@@ -1,0 +1,134 @@
+"""App args, serve_config.yaml, cluster.yaml and the coordinator's placement logic (no cluster)."""
+import copy
+import math
+from collections import Counter
+from pathlib import Path
+
+import jsonschema
+import pytest
+import yaml
+
+from deployments.app import AppArgs, build_app, parse_args
+from deployments.coordinator import assign_shards, merge_reports, share_for_new_replica
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+# -- build_app args ----------------------------------------------------------------------------------
+def test_command_line_strings_are_parsed():
+    a = parse_args({"model": "tiny-flux", "num_replicas": "3", "warmup": "256x256, 512x512.b2,256x256",
+                    "autoscaling": "1:4", "runner": "max_entries=2,enabled=true", "placement": "all",
+                    "num_gpus_per_replica": "0.5"})
+    assert a.num_replicas == 3 and a.num_gpus_per_replica == 0.5 and a.placement == "all"
+    assert a.warmup == ["256x256", "512x512.b2"]
+    assert a.autoscaling.min_replicas == 1 and a.autoscaling.max_replicas == 4
+    assert a.runner == {"max_entries": 2, "enabled": True}
+    assert a.expected_replicas() == 1
+
+
+@pytest.mark.parametrize("args, named", [
+    ({"num_replica": 2}, "num_replica"),
+    ({"warmup": "256x256,big"}, "warmup"),
+    ({"placement": "everywhere"}, "placement"),
+    ({"autoscaling": "4:1"}, "autoscaling"),
+    ({"runner": {"max_entriez": 2}}, "runner"),
+    ({"num_gpus_per_replica": -1}, "num_gpus_per_replica"),
+])
+def test_bad_args_are_errors_naming_the_arg(args, named):
+    with pytest.raises(ValueError, match=named) as info:
+        parse_args(args)
+    assert "Known args" in str(info.value)
+
+
+def test_build_app_binds_the_deployment_graph():
+    app = build_app({"num_replicas": 2, "num_gpus_per_replica": 0.5, "warmup": "64x64", "spill_threshold": 2})
+    ingress = app._bound_deployment
+    assert ingress.name == "Ingress"
+    replica, coordinator = ingress.init_args
+    assert replica._bound_deployment.name == "Replica" and coordinator._bound_deployment.name == "Coordinator"
+    dep = replica._bound_deployment
+    assert dep.ray_actor_options["num_gpus"] == 0.5 and dep.num_replicas == 2
+    router = dep._deployment_config.request_router_config
+    assert router.request_router_kwargs == {"spill_threshold": 2}
+    assert replica._bound_deployment.init_kwargs["gpu_memory_fraction"] == 0.5
+    assert coordinator._bound_deployment.init_kwargs["plan"]["keys"] == ["64x64"]
+
+
+# -- serve_config.yaml -------------------------------------------------------------------------------
+def test_serve_config_validates_and_its_args_build():
+    from ray.serve.schema import ServeDeploySchema
+    raw = yaml.safe_load((REPO / "serve_config.yaml").read_text())
+    config = ServeDeploySchema.model_validate(raw)
+    app = config.applications[0]
+    assert app.import_path == "deployments.app:build_app"
+    args = parse_args(app.args)
+    assert args.autoscaling is not None and args.autoscaling.min_replicas >= 1
+    assert {d.name for d in app.deployments} <= {"Replica", "Ingress", "Coordinator"}
+    # num_replicas together with autoscaling is rejected by Serve's own schema
+    bad = copy.deepcopy(raw)
+    bad["applications"][0]["deployments"][0].update(num_replicas=2, autoscaling_config={"max_replicas": 3})
+    with pytest.raises(Exception):
+        ServeDeploySchema.model_validate(bad)
+
+
+# -- cluster.yaml ------------------------------------------------------------------------------------
+def test_cluster_yaml_passes_ray_validation():
+    from ray.autoscaler._private.util import prepare_config, validate_config
+    cfg = yaml.safe_load((REPO / "cluster.yaml").read_text())
+    validate_config(prepare_config(copy.deepcopy(cfg)))
+    assert cfg["available_node_types"][cfg["head_node_type"]]["resources"] == {"CPU": 0}
+    assert any(t["resources"].get("GPU") for t in cfg["available_node_types"].values())
+    assert any("pip install" in c for c in cfg["setup_commands"])
+    assert any("serve deploy" in c for c in cfg["head_start_ray_commands"])
+    # the validation is real: a typo in a node type is rejected
+    bad = copy.deepcopy(cfg)
+    bad["available_node_types"]["gpu_h100"]["resourcez"] = bad["available_node_types"]["gpu_h100"].pop("resources")
+    with pytest.raises(jsonschema.ValidationError):
+        validate_config(prepare_config(bad))
+
+
+# -- coordinator placement ---------------------------------------------------------------------------
+KEYS = ["64x64", "64x128", "128x64", "128x128", "256x256"]
+
+
+@pytest.mark.parametrize("n, r", [(2, 1), (3, 1), (3, 2), (4, 2), (2, 5)])
+def test_assign_shards_covers_each_key_r_times_within_quota(n, r):
+    replicas = [f"r{i}" for i in range(n)]
+    out = assign_shards(KEYS, replicas, r)
+    counts = Counter(k for ks in out.values() for k in ks)
+    assert counts == {k: min(r, n) for k in KEYS}
+    quota = math.ceil(len(KEYS) * min(r, n) / n)
+    assert all(len(ks) <= quota and len(set(ks)) == len(ks) for ks in out.values())
+
+
+def test_assign_shards_prefers_replicas_already_warm():
+    out = assign_shards(KEYS[:4], ["a", "b"], 1, warm={"b": ["64x64", "64x128"]})
+    assert sorted(out["b"]) == ["64x128", "64x64"] and sorted(out["a"]) == ["128x128", "128x64"]
+
+
+def test_new_replicas_get_uncovered_keys_first_then_a_balanced_share():
+    keys = KEYS[:4]
+    first = share_for_new_replica(keys, 1, {}, expected_replicas=2)
+    second = share_for_new_replica(keys, 1, {"a": first}, expected_replicas=2)
+    assert first == keys[:2] and second == keys[2:]
+    # a third replica (scale-up): everything covered once, it takes a balanced share of the least covered
+    third = share_for_new_replica(keys, 1, {"a": first, "b": second}, expected_replicas=2)
+    assert len(third) == 2 and set(third) <= set(keys)
+    # a replacement for a dead replica takes exactly the keys nobody holds any more
+    assert share_for_new_replica(keys, 1, {"a": first}, expected_replicas=2) == second
+    assert share_for_new_replica([], 1, {}) == []
+
+
+def test_merge_reports_lists_replicas_per_key_and_uncovered():
+    from deployments.schemas import WarmupRequest
+    plan = WarmupRequest(keys=["64x64", "128x128"])
+    merged = merge_reports(plan, {"a": {"warm_keys": ["64x64"]}, "b": {"warm_keys": ["64x64", "32x32"]}},
+                           {"c": "TimeoutError"})
+    assert merged["keys"] == {"64x64": ["a", "b"], "128x128": [], "32x32": ["b"]}
+    assert merged["uncovered"] == ["128x128"] and merged["errors"] == {"c": "TimeoutError"}
+
+
+def test_app_args_fields_documented():
+    doc = (REPO / "docs" / "serving.md").read_text()
+    missing = [name for name in AppArgs.model_fields if f"`{name}`" not in doc]
+    assert not missing, f"docs/serving.md does not describe {missing}"
