@@ -105,6 +105,8 @@ class _CountingBackend:
     def __init__(self, inner: Callable, owner: CompiledForward):
         self.inner = inner
         self.owner = owner
+        # dynamo names the backend after this in its debug wrappers and logs
+        self.compiler_name = getattr(inner, "compiler_name", None) or getattr(inner, "__name__", "custom")
 
     def __call__(self, gm, example_inputs):
         if _capturing():
