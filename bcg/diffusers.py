@@ -243,8 +243,10 @@ def install_breaks(module, policy: Any = "attention") -> int:
     policy: ``"attention"`` (attention core of every attention layer), ``"processor"`` (every whole
     processor call), ``"none"``, or a selection of module classes / name patterns / ``(name, module)
     -> bool`` callables whose processor call (or forward) becomes a break. Breaks installed before are
-    removed first. Install breaks before capturing: existing graphs do not change.
+    removed first. Given a runner, its graphs are dropped (``reset()``): they hold the old placement.
     """
+    if hasattr(module, "warm_signatures"):  # a runner: its graphs were captured with the old breaks
+        module.reset()
     module = _target(module)
     remove_breaks(module)
     if policy is None or policy == "none":
