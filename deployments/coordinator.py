@@ -185,7 +185,7 @@ class Coordinator:
             calls = {rid: fresh_request_call(handle.warmup, keys, target_replica=rid)
                      for rid, keys in todo.items() if keys}
             results = await asyncio.gather(
-                *(asyncio.wait_for(_await(c), self.capture_timeout_s) for c in calls.values()),
+                *(asyncio.wait_for(c, self.capture_timeout_s) for c in calls.values()),
                 return_exceptions=True)
             reports, errors = {}, {}
             for rid, res in zip(calls, results):
@@ -214,10 +214,6 @@ class Coordinator:
 
     def get_plan(self) -> Optional[dict]:
         return self.plan.model_dump() if self.plan else None
-
-
-async def _await(response):
-    return await response
 
 
 def fresh_request_call(method, *args, **kwargs):

@@ -44,6 +44,8 @@ logger = logging.getLogger(__name__)
 api = FastAPI(title="bcg-serve", description="Diffusion transformers with breakable CUDA graphs on Ray Serve")
 
 
+# Module-level helpers the class uses must be defined above it: serve.ingress serialises the class
+# when it decorates it.
 def _error(exc: FieldError) -> JSONResponse:
     return JSONResponse(status_code=exc.status_code, content={"detail": exc.detail()})
 
@@ -85,7 +87,7 @@ class Ingress:
         key = request_shape_key(width, height, request.n, request.guidance_scale, info)
         response = self.replica.generate.remote(request, shape_key=key)
         try:
-            out = await asyncio.wait_for(_await(response), self.request_timeout_s)
+            out = await asyncio.wait_for(response, self.request_timeout_s)
         except asyncio.TimeoutError:
             response.cancel()
             raise TimeoutError(f"request not served within request_timeout_s={self.request_timeout_s}")
@@ -138,7 +140,3 @@ class Ingress:
     @api.get("/healthz")
     async def http_healthz(self):
         return {"status": "ok", "model": self.model}
-
-
-async def _await(response):
-    return await response
