@@ -8,8 +8,9 @@ value arrives as a string there; YAML ``args:`` may use real types). The args ar
 
 Replicas ask the coordinator for their share of the plan in their constructor, so the warmup is in
 place before Serve routes to a replica, including replicas the autoscaler adds later. With
-``autoscaling`` set, ``num_replicas`` is not used; ``upscale_delay_s`` should exceed nothing in
-particular: a scaled-up replica simply starts taking traffic once its warmup finished.
+``autoscaling`` set, ``num_replicas`` is not used; a scaled-up replica takes traffic once its warmup
+finished. ``router=power_of_two`` swaps in Serve's default router for comparisons: warm state is then
+ignored, and ``Coordinator.warmup`` cannot pin its capture calls (start-up warmup still works).
 """
 from __future__ import annotations
 
@@ -26,6 +27,8 @@ from deployments.router import DEFAULT_SPILL_THRESHOLD, ShapeAffinityRouter
 from deployments.schemas import RequestLimits
 
 logger = logging.getLogger(__name__)
+
+POWER_OF_TWO = "ray.serve._private.request_router:PowerOfTwoChoicesRequestRouter"
 
 
 class AutoscalingArgs(BaseModel):
@@ -63,6 +66,7 @@ class AppArgs(BaseModel):
     max_ongoing_requests: int = Field(4, ge=1)
     max_queued_requests: int = Field(64, ge=-1)
     autoscaling: Optional[AutoscalingArgs] = None
+    router: Literal["shape_affinity", "power_of_two"] = "shape_affinity"  # power_of_two: Serve's default
     spill_threshold: Optional[int] = Field(DEFAULT_SPILL_THRESHOLD, ge=1)
     routing_stats_period_s: float = Field(1.0, gt=0)
     runner: Dict[str, Union[int, float, bool, str, None]] = Field(default_factory=dict)
@@ -179,6 +183,9 @@ def build_app(args: Optional[dict] = None):
         request_router_config=dict(
             request_router_class=ShapeAffinityRouter,
             request_router_kwargs={"spill_threshold": a.spill_threshold},
+            request_routing_stats_period_s=a.routing_stats_period_s,
+        ) if a.router == "shape_affinity" else dict(
+            request_router_class=POWER_OF_TWO,  # Serve's default router, for comparisons
             request_routing_stats_period_s=a.routing_stats_period_s,
         ),
     )
