@@ -417,8 +417,11 @@ def _lean_dispatch(dispatch):
                 and _native_backend_active()):
             # what diffusers' _native_attention does without a mask or context parallelism
             q, k, v = (x.permute(0, 2, 1, 3) for x in (query, key, value))
-            out = eager_sdpa(q, k, v, attn_mask=None, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
-                             enable_gqa=enable_gqa)
+            if dropout_p == 0.0 and not is_causal and scale is None and not enable_gqa:
+                out = eager_sdpa(q, k, v)  # positional only: the replayed break parses no keywords
+            else:
+                out = eager_sdpa(q, k, v, attn_mask=None, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+                                 enable_gqa=enable_gqa)
             return out.permute(0, 2, 1, 3)
         return eager_dispatch(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
                               attention_kwargs, backend=backend, parallel_config=parallel_config)

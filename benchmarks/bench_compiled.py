@@ -299,7 +299,9 @@ def run(args):
         return None
     if not torch.cuda.is_available():
         raise SystemExit("bench_compiled needs CUDA (no CUDA device here); --dry-run shows the plan")
-    torch._dynamo.config.recompile_limit = max(getattr(torch._dynamo.config, "recompile_limit", 8), 64)
+    # static kernels per size for reduce_overhead too: several entries per frame (one per size and block type)
+    limit_name = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
+    setattr(torch._dynamo.config, limit_name, max(getattr(torch._dynamo.config, limit_name), 64))
     result = {
         "benchmark": "bench_compiled",
         "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
@@ -384,7 +386,7 @@ def plot(result, png_path):
                            0.0) for s in sizes]
             xs = [j + (i - (len(variants) - 1) / 2) * width for j in range(len(sizes))]
             bars = ax.bar(xs, values, width, label=variant, color=colors[variant])
-            ax.bar_label(bars, fmt="%.2f", fontsize=5, padding=1, rotation=90)
+            ax.bar_label(bars, fmt="%.3g", fontsize=5, padding=1, rotation=90)
         ax.set_xticks(range(len(sizes)), [f"{s}²" for s in sizes])
         ax.set_yscale("log")
         params = result["models"][model]["params"] / 1e6
