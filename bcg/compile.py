@@ -192,7 +192,7 @@ def _make_backend(backend, mode, options, dynamic):
 class CompiledForward:
     """``torch.compile``d module whose compiled regions a breakable CUDA graph can capture.
 
-    Use it where the module would be called (``runner._forward``, or standalone); unknown attributes
+    Use it where the module would be called (the runner's ``_compiled``, or standalone); unknown attributes
     proxy to the module. See the module docstring for when it compiles and what ``stats()`` reports.
     """
 
@@ -238,8 +238,13 @@ class CompiledForward:
             previous, self._current = self._current, record
             start = time.perf_counter()
             try:
-                with self._context():
-                    out = self._compiled(*args, **kwargs)
+                try:
+                    with self._context():
+                        out = self._compiled(*args, **kwargs)
+                except BaseException:
+                    if first:  # not compiled after all: the next call is a first call again
+                        self._signatures.pop(signature, None)
+                    raise
                 if first:
                     if torch.cuda.is_available() and not _capturing():
                         torch.cuda.synchronize()  # autotuning and lazy kernel loads belong to the first call
