@@ -22,29 +22,38 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="session")
-def serve_app():
-    """(http base url, app name): the app from build_app, sharded warmup of PLAN_KEYS, replication 1."""
+def ray_serve():
+    """A local Ray (2 logical CPUs; GPUs auto-detected) with Serve on a free port; yields the port."""
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     import ray
     from ray import serve
-
-    from deployments.app import build_app
 
     path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False,
              runtime_env={"env_vars": {"PYTHONPATH": path, "RAY_AUTH_MODE": "disabled"}})
     port = _free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
+    try:
+        yield port
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def serve_app(ray_serve):
+    """(http base url, app name): the app from build_app on two CPU replicas, sharded warmup of
+    PLAN_KEYS with replication 1."""
+    from ray import serve
+
+    from deployments.app import build_app
+
     app = build_app({
         "model": "tiny-flux", "num_replicas": 2, "num_cpus_per_replica": 0, "num_gpus_per_replica": 0,
-        "warmup": ",".join(PLAN_KEYS), "placement": "sharded", "replication": 1,
+        "device": "cpu", "warmup": ",".join(PLAN_KEYS), "placement": "sharded", "replication": 1,
         "warmup_steps": 1, "default_steps": 1, "cpu_threads": 1, "routing_stats_period_s": 0.2,
         "max_ongoing_requests": 4,
     })
     # external_scaler_enabled lets a test add a replica without redeploying (which would replace all).
     serve.run(app, name=APP, route_prefix="/", external_scaler_enabled=True)
-    try:
-        yield f"http://127.0.0.1:{port}", APP
-    finally:
-        serve.shutdown()
-        ray.shutdown()
+    yield f"http://127.0.0.1:{ray_serve}", APP
