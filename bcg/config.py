@@ -41,6 +41,12 @@ class RunnerConfig:
     debug_single_break: capture the whole forward as one eager break, to tell runner bugs from
         capture bugs: replay then runs the module eagerly on the static buffers.
     capture_warmup_runs: eager runs on the capture stream before capturing (lazy init, autotuning).
+    compile: compile the module with inductor (without inductor's own CUDA graphs) and capture the
+        compiled code as segments, breaks still eager (see ``bcg.compile``). Compilation happens in the
+        warm-up run before each capture, so it is part of warmup; cold calls while serving never compile.
+    compile_dynamic: None lets dynamo decide (one recompile per size-dependent frame on the second
+        shape), True compiles dynamic shapes from the start, False specialises per shape.
+    compile_mode: inductor mode: None/"default" or "max-autotune-no-cudagraphs".
     """
 
     enabled: bool = True
@@ -51,6 +57,9 @@ class RunnerConfig:
     debug: bool = False
     debug_single_break: bool = False
     capture_warmup_runs: int = 1
+    compile: bool = False
+    compile_dynamic: Optional[bool] = None
+    compile_mode: Optional[str] = None
 
     def __post_init__(self):
         if self.max_entries < 1:
@@ -63,6 +72,9 @@ class RunnerConfig:
             raise ValueError(f"max_segments must be >= 1, got {self.max_segments}")
         if self.capture_warmup_runs < 0:
             raise ValueError(f"capture_warmup_runs must be >= 0, got {self.capture_warmup_runs}")
+        if self.compile and self.capture_warmup_runs < 1:
+            raise ValueError("compile=True needs capture_warmup_runs >= 1: compilation must happen "
+                             "before the capture")
 
     @classmethod
     def env_var(cls, field_name):
