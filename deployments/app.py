@@ -18,7 +18,6 @@ import logging
 from typing import Dict, List, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
-from ray import serve
 
 from deployments.coordinator import Coordinator
 from deployments.ingress import Ingress

@@ -37,7 +37,6 @@ from deployments.schemas import ImageGenerationRequest, ReplicaReport, parse_siz
 logger = logging.getLogger(__name__)
 
 
-
 def normalize_key(key: str) -> str:
     """A shape key or size (``"256x256"``) in the canonical ``ShapeKey.key`` form."""
     from bcg.buckets import ShapeKey
@@ -183,7 +182,7 @@ class Replica:
     async def __init__(self, model: str = "tiny-flux", coordinator=None, device: Optional[str] = None,
                  dtype: Optional[str] = None, runner_config: Optional[dict] = None,
                  warmup_steps: int = 2, default_steps: int = 4, cpu_threads: Optional[int] = None,
-                 gpu_memory_fraction: Optional[float] = None, assign_timeout_s: float = 120.0):
+                 gpu_memory_fraction: Optional[float] = None, assign_timeout_s: float = 900.0):
         ctx = serve.get_replica_context()
         self.replica_id = ctx.replica_id.unique_id
         self.rank = getattr(getattr(ctx, "rank", None), "rank", None)
@@ -256,7 +255,7 @@ class Replica:
             capture_ms=sum(r["capture_ms"] for r in results),
             pool_bytes=self.engine.pool_bytes(),
         ).model_dump()
-        self._reports.append(report)
+        self._reports = (self._reports + [report])[-20:]
         logger.info("replica %s warmed %s (failed %s) in %.0f ms", self.replica_id, report["captured"],
                     sorted(report["failed"]), report["capture_ms"])
         return report
