@@ -12,8 +12,9 @@ Contract:
 - Values produced during capture are undefined (kernels are recorded, not run): call ``replay()``.
 - Outside a capture ``eager_on_graph`` functions are plain calls, and they are always graph breaks for
   ``torch.compile``. Without CUDA everything imports; entering a capture raises ``RuntimeError``.
-- The only module-level state is two ContextVars (the capture in progress and the replay token) plus a
-  lock that guards the temporary, reference counted ``torch.cuda.Event.wait`` patch (see ``_ForkTracker``).
+- Module-level state: two ContextVars (the capture in progress and the replay token), a lock that guards
+  the temporary, reference counted ``torch.cuda.Event.wait`` patch (see ``_ForkTracker``), and a
+  per-capture-stream ledger of live graphs and parked segments (see ``_close_stream``).
 
 Memory lifetimes (the reason for most of the code below):
 - Segments are replayed in capture order and share one private pool, so a block freed during the capture
@@ -29,6 +30,12 @@ Memory lifetimes (the reason for most of the code below):
   that segment ends, then keeps a non-owning alias: when the model drops the bridge, its block returns
   to the pool for later segments, like an eager activation. The pool itself stays reserved for as long
   as the graph holds its segments (each ``torch.cuda.CUDAGraph`` keeps a use count on the pool).
+- Once the last graph using a pool is reset, torch frees the pool and its handle is dead: a capture into
+  it fails with an internal assert (``use_count > 0``). Take a fresh ``torch.cuda.graph_pool_handle()``.
+- Graphs captured on one stream share that stream's cuBLAS workspace, which torch 2.11 frees when any
+  of them is reset; ``reset()`` therefore defers the segments' own reset until every graph captured on
+  the stream is gone (``_close_stream``). Capture graphs that live and die independently on
+  different streams to keep that deferral short (the runner rotates its capture stream).
 """
 from __future__ import annotations
 
@@ -289,6 +296,74 @@ class _ForkTracker:
 
 
 # --------------------------------------------------------------------------------------------------
+# capture streams and pool handles
+
+# (device index, raw cudaStream_t) -> graphs alive that were captured on it (open captures included)
+_LIVE_ON_STREAM: dict[tuple[int, int], int] = {}
+# (device index, raw cudaStream_t) -> segments whose CUDAGraph.reset() waits for those graphs
+_PARKED_ON_STREAM: dict[tuple[int, int], list] = {}
+_STREAM_LOCK = threading.Lock()
+# Segments whose capture_end failed, kept alive on purpose (see _release_failed_segment), and the
+# pool handles they leave unusable for new captures.
+_FAILED_SEGMENTS: list = []
+_UNUSABLE_POOLS: set[tuple] = set()
+
+
+def _stream_key(stream) -> tuple[int, int]:
+    return (stream.device_index, stream.cuda_stream)
+
+
+def _open_stream(stream) -> tuple[int, int]:
+    """Count one more graph captured on ``stream``; returns the key to close it with."""
+    key = _stream_key(stream)
+    with _STREAM_LOCK:
+        _LIVE_ON_STREAM[key] = _LIVE_ON_STREAM.get(key, 0) + 1
+    return key
+
+
+def _close_stream(key: tuple[int, int], segments: list) -> bool:
+    """One graph captured on stream ``key`` is gone: reset its segments, or park them until the last one is.
+
+    Why: ``CUDAGraph.reset()`` (also run by its destructor) calls ``clearCublasWorkspacesForStream`` on
+    the capture stream since torch 2.11 (pytorch/pytorch#175276). That frees the cuBLAS and cuBLASLt
+    workspaces cached for the stream, whose raw addresses every other graph captured on the same stream
+    baked into its GEMM kernels (pytorch/pytorch#193402): their replays would write into memory the
+    allocator hands out again. So while other graphs captured on the stream are alive, the segments are
+    parked here (each keeps its cudaGraphExec and one use of its pool; the tensors the graph held are
+    released now, so the pool reuses their memory). Returns True when everything parked on the stream
+    was reset now. Streams are keyed by their raw handle: ``torch.cuda.Stream()`` hands out streams from
+    a small per-device pool, so unrelated captures can share one.
+    """
+    with _STREAM_LOCK:
+        live = _LIVE_ON_STREAM.get(key, 0) - 1
+        parked = _PARKED_ON_STREAM.pop(key, [])
+        parked.extend(segments)
+        if live > 0:
+            _LIVE_ON_STREAM[key] = live
+            if parked:
+                _PARKED_ON_STREAM[key] = parked
+            return False
+        _LIVE_ON_STREAM.pop(key, None)
+    for segment in parked:
+        try:
+            segment.reset()
+        except Exception as exc:  # noqa: BLE001 - a reset that fails leaves nothing we could fix
+            logger.warning("bcg: resetting a graph segment failed: %s", exc)
+    return True
+
+
+def _parked_segments(stream) -> int:
+    """Segments waiting on ``stream`` for its live graphs to go (callers rotate streams to bound this)."""
+    with _STREAM_LOCK:
+        return len(_PARKED_ON_STREAM.get(_stream_key(stream), ()))
+
+
+def _pool_usable(pool) -> bool:
+    """False for a pool handle that a failed capture left registered with torch's allocators."""
+    return tuple(pool) not in _UNUSABLE_POOLS
+
+
+# --------------------------------------------------------------------------------------------------
 # break outputs -> bridges
 
 
@@ -346,9 +421,13 @@ class _Bridges:
         )
 
     def release(self) -> None:
-        """The segment that reads the bridges ended: keep only aliases, so the pool can reuse them."""
+        """The segment that reads the bridges ended: keep only aliases, so the pool can reuse them.
+
+        ``result`` (the structure handed to the model at capture) goes too: it holds the bridges.
+        """
         self.targets = [_alias(t) if t.is_cuda else t for t in self.targets]
         self.owned = []
+        self.result = None
 
     def make_step(self) -> Callable[[], None]:
         """The replay closure of this break: call the real function, copy its outputs into the bridges.
@@ -455,6 +534,7 @@ class BreakableCUDAGraph:
     def _clear(self) -> None:
         self._steps: tuple[Callable[[], Any], ...] = ()
         self._segments: list[torch.cuda.CUDAGraph] = []  # all of them: each holds a use of the pool
+        self._stream_key: tuple[int, int] | None = None  # capture stream, while the graph holds segments
         self._bridges: list[_Bridges] = []
         self.break_names: tuple[str, ...] = ()
         self.num_segments = 0
@@ -474,25 +554,46 @@ class BreakableCUDAGraph:
             step()
 
     def reset(self) -> None:
-        """Drop the captured segments and bridges; the pool is released once no graph uses it."""
+        """Drop the captured segments and bridges; the pool is released once no graph uses it.
+
+        The segments' own reset waits while other graphs captured on the same stream are alive
+        (see ``_close_stream``); their memory in the pool is free for reuse right away.
+        """
         if self._capturing:
             raise RuntimeError("BreakableCUDAGraph.reset() inside its own capture")
-        for segment in self._segments:
-            segment.reset()
+        segments, key = self._segments, self._stream_key
         self._clear()
+        if key is not None:
+            _close_stream(key, segments)
+
+    def __del__(self):
+        # A dropped graph must go through the ledger too: CUDAGraph's destructor resets it, which
+        # would free the cuBLAS workspace that other live graphs on its stream still use.
+        try:
+            if getattr(self, "_stream_key", None) is not None and not self._capturing:
+                self.reset()
+        except Exception:  # noqa: BLE001 - interpreter shutdown, or torch already torn down
+            pass
 
     def __repr__(self) -> str:
         return f"BreakableCUDAGraph(segments={self.num_segments}, breaks={self.num_breaks})"
 
 
-def _release_failed_segment(device_index: int, pool: tuple) -> None:
+def _release_failed_segment(segment, device_index: int, pool: tuple) -> None:
     """Undo what capture_begin did to the allocator when capture_end raised before finishing.
 
     torch registers the capture with the allocator (``beginAllocateToPool``: routes allocations of the
     capturing streams to the pool and takes a use of it) and undoes that in ``capture_end`` and
     ``reset``. When cudaStreamEndCapture fails (an invalidated capture), neither runs: the allocator
     would keep believing a capture is underway and the pool would never be freed.
+
+    The device allocator can be told from Python; torch >= 2.10's pinned-host allocator, which
+    capture_begin registers the pool with too, cannot. Its registration stays, with a filter that
+    points at the segment object, so the segment is kept alive (never reset) and the pool handle is
+    marked unusable: a later capture_begin on it would fail ("already recording to mempool_id").
     """
+    _FAILED_SEGMENTS.append(segment)
+    _UNUSABLE_POOLS.add(tuple(pool))
     for name in ("_cuda_endAllocateToPool", "_cuda_endAllocateCurrentStreamToPool", "_cuda_releasePool"):
         fn = getattr(torch._C, name, None)
         if fn is None or (name == "_cuda_endAllocateCurrentStreamToPool"
@@ -533,6 +634,7 @@ class BreakableCUDAGraphCapture:
         self._pending: list[tuple[int, _Bridges]] = []  # (step index, bridges read by the open segment)
         self._break_names: list[str] = []
         self._exit_stack: contextlib.ExitStack | None = None
+        self._stream_key: tuple[int, int] | None = None  # registered with the stream ledger
 
     # -- lifecycle ---------------------------------------------------------------------------------
 
@@ -562,9 +664,13 @@ class BreakableCUDAGraphCapture:
             stack.callback(_ACTIVE_CAPTURE.reset, token)
             self.graph._capturing = True
             self.graph.pool = self.pool
+            self._stream_key = _open_stream(self.stream)
             self._begin_segment()
         except BaseException:
             self.graph._capturing = False
+            if self._stream_key is not None:
+                _close_stream(self._stream_key, [])
+                self._stream_key = None
             stack.close()
             raise
         self._exit_stack = stack
@@ -591,6 +697,7 @@ class BreakableCUDAGraphCapture:
         graph = self.graph
         graph._steps = tuple(step for step in self._steps if step is not _nothing)
         graph._segments = self._segments
+        graph._stream_key, self._stream_key = self._stream_key, None
         graph._bridges = self._bridge_sets
         graph.break_names = tuple(self._break_names)
         graph.num_breaks = len(self._break_names)
@@ -611,15 +718,13 @@ class BreakableCUDAGraphCapture:
                 segment.capture_end()
             except Exception as exc:  # noqa: BLE001
                 logger.debug("bcg: capture_end after an error failed too: %s", exc)
-                _release_failed_segment(self._device_index, tuple(self.pool))
+                _release_failed_segment(segment, self._device_index, tuple(self.pool))
             else:
                 self._segments.append(segment)
-        for segment in self._segments:
-            try:
-                segment.reset()
-            except Exception:  # noqa: BLE001
-                pass
-        self._segments = []
+        segments, self._segments = self._segments, []
+        key, self._stream_key = self._stream_key, None
+        if key is not None:
+            _close_stream(key, segments)
         self._pending = []
         self._bridge_sets = []
         self._steps = []

@@ -185,12 +185,12 @@ class _CudaRecorder:
         self._last_stream = None
         self.pool_reserved_bytes = 0   # the pool's whole reservation, measured after each capture
 
-    def record(self, fn, args, kwargs, warmup_runs, token):
-        """Returns (graph, static output, capture_ms, pool_bytes). Raises whatever the capture raises."""
+    def record(self, fn, args, kwargs, warmup_runs, token, live_pools=()):
+        """Returns (graph, static output, capture_ms, pool_bytes). Raises whatever the capture raises.
+
+        ``live_pools``: pool handles of this runner's live graphs (the capture shares one if it can)."""
         with torch.cuda.device(self.device):
-            if self._pool is None:
-                self._pool = torch.cuda.graph_pool_handle()
-                self._stream = torch.cuda.Stream()
+            self._prepare(live_pools)
             stream, caller = self._stream, torch.cuda.current_stream()
             stream.wait_stream(caller)
             with torch.no_grad(), replay_token_scope(token):
@@ -215,6 +215,25 @@ class _CudaRecorder:
         self.pool_reserved_bytes = after[0]
         # bytes this capture added to the pool (blocks freed by evicted entries are reused first)
         return graph, output, capture_ms, max(0, after[1] - before[1])
+
+    def _prepare(self, live_pools):
+        """Pool handle and capture stream for the next capture.
+
+        Pool: torch frees a graph pool once the last graph using it is reset, and a freed pool's handle
+        cannot be captured into again (an internal assert in the allocators), so a capture takes a
+        fresh handle unless a live entry still uses the current one, or when a failed capture left
+        the handle registered (``_pool_usable``). empty_cache hands the old pool's memory back.
+
+        Stream: entries evicted while others captured on the same stream live are parked, not reset
+        (see ``bcg.capture._close_stream``: resetting would free the stream's cuBLAS workspace that the
+        others replay with). New captures then move to another stream, so the old one only loses
+        graphs and its parked segments are reset once its last graph goes."""
+        if self._pool is None or tuple(self._pool) not in live_pools or not _capture._pool_usable(self._pool):
+            if self._pool is not None:
+                torch.cuda.empty_cache()
+            self._pool = torch.cuda.graph_pool_handle()
+        if self._stream is None or _capture._parked_segments(self._stream):
+            self._stream = torch.cuda.Stream()
 
     def _pool_bytes(self):
         """(pool reserved bytes, the figure deltas are taken of). The pool's own segments when the
@@ -577,7 +596,9 @@ class BreakableGraphRunner:
         if self._runner_config.debug_single_break:
             fn = self._whole_forward_fn()
         graph, output, capture_ms, pool_bytes = self._recorder.record(
-            fn, static_args, static, self._runner_config.capture_warmup_runs, token)
+            fn, static_args, static, self._runner_config.capture_warmup_runs, token,
+            live_pools={tuple(e.graph.pool) for e in self._entries.entries()
+                        if getattr(e.graph, "pool", None) is not None})
         return CaptureEntry(signature=signature, graph=graph, static_inputs=static_inputs, output=output,
                             capture_ms=capture_ms, pool_bytes=pool_bytes, host_inputs=tuple(host_inputs),
                             last_used=time.time())

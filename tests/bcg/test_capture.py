@@ -1,5 +1,6 @@
 """bcg.capture on any machine: plain-call semantics, replay tokens, CUDA requirement, context hygiene,
 the torch.compile graph break, and the replay-output checks of bridges (on CPU tensors)."""
+import gc
 import threading
 
 import pytest
@@ -12,6 +13,9 @@ from bcg.capture import (
     _ACTIVE_CAPTURE,
     _Bridges,
     _ForkTracker,
+    _close_stream,
+    _open_stream,
+    _parked_segments,
     break_graph,
     current_replay_token,
     eager_on_graph,
@@ -218,6 +222,41 @@ def test_bridge_shape_dtype_or_structure_change_raises_a_clear_error():
         copy_none(torch.zeros(1))
 
 
+def test_released_bridges_drop_every_strong_reference_to_the_bridges():
+    bridges = _Bridges("attn", (torch.zeros(3), {"h": torch.zeros(2)}))
+    assert bridges.result[1]["h"] is bridges.owned[1]
+    bridges.release()
+    # `result` was what the model got back at capture; holding it kept every bridge of the graph
+    # allocated in the pool for the graph's lifetime (the memory later segments should reuse).
+    assert bridges.owned == [] and bridges.result is None
+    assert [tuple(t.shape) for t in bridges.targets] == [(3,), (2,)]
+
+
+class _LoggedSegment:
+    def __init__(self, log, name):
+        self.log, self.name = log, name
+
+    def reset(self):
+        self.log.append(self.name)
+
+
+class _RawStream:
+    def __init__(self, handle, device_index=0):
+        self.cuda_stream, self.device_index = handle, device_index
+
+
+def test_segments_are_reset_only_when_no_graph_captured_on_their_stream_is_left():
+    log = []
+    shared, other = _RawStream(0xA1), _RawStream(0xB2)
+    first, second, elsewhere = _open_stream(shared), _open_stream(shared), _open_stream(other)
+    assert _close_stream(first, [_LoggedSegment(log, "a0"), _LoggedSegment(log, "a1")]) is False
+    assert log == [] and _parked_segments(shared) == 2          # `second` still replays with the stream
+    assert _close_stream(elsewhere, [_LoggedSegment(log, "c0")]) is True and log == ["c0"]
+    assert _parked_segments(_RawStream(0xA1, device_index=1)) == 0  # streams are per device
+    assert _close_stream(second, [_LoggedSegment(log, "b0")]) is True
+    assert log == ["c0", "a0", "a1", "b0"] and _parked_segments(shared) == 0
+
+
 def test_unsupported_break_output_type_is_rejected_at_capture():
     with pytest.raises(TypeError, match="break outputs must be"):
         _Bridges("fn", object())
@@ -257,6 +296,7 @@ class _FakeSegment:
 
 class _FakeStream:
     device_index = 0
+    cuda_stream = 0x5157  # the raw handle the stream ledger keys on
 
     def wait_stream(self, other):
         pass
@@ -369,3 +409,22 @@ def test_capture_flow_cleans_up_after_exceptions(fake_cuda, where):
     assert not graph.captured and graph._capturing is False
     resets = [e for e in fake_cuda.events if e.startswith("reset")]
     assert len(resets) == (1 if where == "break" else 2)  # every partial segment was dropped
+
+
+@needs_no_cuda
+def test_graphs_on_one_stream_reset_their_segments_together(fake_cuda):
+    def capture():
+        graph = BreakableCUDAGraph()
+        with BreakableCUDAGraphCapture(graph):
+            _kernel(break_graph() or torch.ones(1))
+            _kernel(torch.ones(1))
+        return graph
+
+    first, second, third = capture(), capture(), capture()  # segments 1-2, 3-4, 5-6, one stream
+    first.reset()
+    assert not first.captured and fake_cuda.events == []       # parked: the others are alive
+    del second                                                  # dropped without reset: same path
+    gc.collect()
+    assert fake_cuda.events == []
+    third.reset()
+    assert sorted(fake_cuda.events) == sorted(f"reset{i}" for i in range(1, 7))

@@ -12,6 +12,8 @@ from bcg.capture import (
     BreakableCUDAGraphCapture,
     BreakOutputMismatchError,
     _ACTIVE_CAPTURE,
+    _parked_segments,
+    _pool_usable,
     break_graph,
     current_replay_token,
     eager_on_graph,
@@ -138,6 +140,42 @@ def test_two_captures_share_one_pool_and_replay_in_order():
         torch.cuda.synchronize()
         assert torch.equal(r1, torch.full_like(r1, (k + 1) * 3 - 2))
         assert torch.equal(r2, torch.full_like(r2, (10 + k + 1) * 3 - 2))
+
+
+def test_resetting_a_graph_keeps_the_cublas_workspace_of_graphs_captured_on_the_same_stream():
+    # torch 2.11's CUDAGraph.reset() frees the cuBLAS workspace cached for its capture stream, whose
+    # address every graph captured on that stream baked into its GEMMs (pytorch/pytorch#193402).
+    @eager_on_graph
+    def brk(t):
+        return t + 1
+
+    def forward(x, w):
+        return brk(x @ w) @ w
+
+    stream = torch.cuda.Stream()
+    g = torch.Generator(device="cuda").manual_seed(0)
+    w = torch.randn(512, 512, device="cuda", generator=g) / 16
+    x1, x2 = torch.randn(2, 256, 512, device="cuda", generator=g).unbind(0)
+    first, _ = _capture(forward, x1, w, stream=stream)
+    second, out = _capture(forward, x2, w, stream=stream)
+    torch.cuda.synchronize()
+    allocated = torch.cuda.memory_allocated()
+    first.reset()
+    assert torch.cuda.memory_allocated() == allocated          # the workspace was not freed
+    assert _parked_segments(stream) == 2
+    with torch.cuda.stream(stream):                               # would land in a freed workspace
+        hog = [torch.full((MB // 4,), 7.0, device="cuda") for _ in range(64)]
+    torch.cuda.current_stream().wait_stream(stream)
+    for _ in range(3):
+        x2.normal_(generator=g)
+        second.replay()
+        with torch.no_grad():
+            expected = forward(x2, w)
+        torch.cuda.synchronize()
+        assert torch.equal(out, expected)
+    assert all(bool((h == 7.0).all()) for h in hog)
+    second.reset()
+    assert _parked_segments(stream) == 0
 
 
 def test_empty_segments_are_counted_and_skipped_without_warnings():
@@ -293,10 +331,14 @@ def test_exception_inside_capture_is_reraised_and_cleaned_up(where):
     x = torch.ones(8, device="cuda")
     graph = BreakableCUDAGraph()
     stream = torch.cuda.Stream()
+    capture = BreakableCUDAGraphCapture(graph, stream=stream)
     with pytest.raises((ValueError, RuntimeError)):
-        with torch.no_grad(), BreakableCUDAGraphCapture(graph, stream=stream):
+        with torch.no_grad(), capture:
             forward(x)
     _assert_clean()
+    # An invalidated capture leaves its pool registered with torch's pinned-host allocator (no API
+    # undoes that): the handle must not be captured into again.
+    assert _pool_usable(capture.pool) is (where != "illegal-op")
     assert not graph.captured
     with torch.cuda.stream(stream):
         assert not torch.cuda.is_current_stream_capturing()

@@ -192,6 +192,36 @@ def test_lru_eviction_order_and_counted_eager_fallback(module):
     assert torch.equal(got, _eager(module, x=b)[0])
     stats = runner.stats()
     assert stats["evictions"] == 1 and stats["eager_calls"]["unseen"] == 1 and stats["num_entries"] == 2
+    for x in (a, c):  # the survivors still replay with the cuBLAS workspace they were captured with
+        assert torch.equal(runner(x=x)[0], _eager(module, x=x)[0])
+
+
+class SyncWhileCapturing(nn.Module):
+    """A host sync inside the capture of 3-row inputs: CUDA invalidates that capture."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(4, 4, generator=torch.Generator().manual_seed(0)))
+
+    def forward(self, x):
+        if torch.cuda.is_current_stream_capturing() and x.shape[0] == 3:
+            x.sum().item()
+        return (x @ self.weight,)
+
+
+def test_an_invalidated_capture_is_blocked_and_later_captures_use_a_fresh_pool():
+    module = SyncWhileCapturing().cuda()
+    runner = BreakableGraphRunner(module, config=RunnerConfig())
+    xs = {rows: torch.randn(rows, 4, device="cuda") for rows in (2, 3, 5)}
+    with runner.warmup():
+        for rows in (2, 3, 5):
+            runner(x=xs[rows])
+    stats = runner.stats()
+    assert stats["captures"] == 2 and stats["capture_failures"] == 1, stats["blocked"]
+    for rows in (2, 3, 5):
+        x = torch.randn(rows, 4, device="cuda")
+        assert torch.equal(runner(x=x)[0], _eager(module, x=x)[0])
+    assert runner.stats()["eager_calls"]["blocked"] == 1
 
 
 class BigOutput(nn.Module):
