@@ -683,12 +683,34 @@ def _accelerated_class(base: type) -> type:
         self.__dict__.pop("_bcg_devices", None)
         return self
 
-    cls = type(base.__name__, (base,), {
+    namespace = {
         "__module__": base.__module__, "__qualname__": base.__qualname__, "__doc__": base.__doc__,
         "__bcg_pipeline_base__": base, "__call__": __call__, "device": property(device),
         "_execution_device": property(_execution_device), "maybe_free_model_hooks": maybe_free_model_hooks,
         "to": to,
-    })
+    }
+    if hasattr(base, "_maybe_convert_prompt"):  # TextualInversionLoaderMixin
+        def _maybe_convert_prompt(self, prompt, tokenizer):
+            # Only a multi-vector textual-inversion token (added tokens "t", "t_1", ...) changes a prompt;
+            # without one, skip tokenizing the prompt a second time just to find that out.
+            added = tokenizer.added_tokens_encoder
+            if not any(f"{token}_1" in added for token in added):
+                return prompt
+            return base._maybe_convert_prompt(self, prompt, tokenizer)
+
+        namespace["_maybe_convert_prompt"] = _maybe_convert_prompt
+    if isinstance(inspect.getattr_static(base, "_prepare_latent_image_ids", None), staticmethod):  # Flux
+        def _prepare_latent_image_ids(self, batch_size, height, width, device, dtype):
+            # a pure function of the shape: built (on the host, then copied) once per shape, cloned per call
+            cache = self.__dict__.setdefault("_bcg_image_ids", {})
+            key = (batch_size, height, width, str(device), dtype)
+            ids = cache.get(key)
+            if ids is None:
+                ids = cache[key] = base._prepare_latent_image_ids(batch_size, height, width, device, dtype)
+            return ids.clone()
+
+        namespace["_prepare_latent_image_ids"] = _prepare_latent_image_ids
+    cls = type(base.__name__, (base,), namespace)
     setattr(base, "__bcg_accelerated_class__", cls)
     return cls
 
@@ -763,7 +785,7 @@ def unaccelerate(pipe):
     base = type(pipe).__dict__.get("__bcg_pipeline_base__")
     if base is not None:
         object.__setattr__(pipe, "__class__", base)
-    for attr in ("_bcg_devices", "_bcg_component_names"):
+    for attr in ("_bcg_devices", "_bcg_component_names", "_bcg_image_ids"):
         pipe.__dict__.pop(attr, None)
     return pipe
 
