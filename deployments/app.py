@@ -81,6 +81,17 @@ class AppArgs(BaseModel):
     max_pixels: int = Field(1024 * 1024, ge=1)
     max_prompt_chars: int = Field(2000, ge=1)
     size_multiple: Optional[int] = Field(None, ge=1)           # None: the model's own
+    max_body_bytes: int = Field(64 * 1024, ge=256)             # HTTP bodies above it: 413
+    max_warmup_keys: int = Field(64, ge=1)
+    max_retries: int = Field(2, ge=0)                          # re-sends when a replica dies with a request
+    retry_after_s: float = Field(1.0, gt=0)                    # Retry-After of 503s
+    ingress_max_ongoing_requests: int = Field(256, ge=1)
+    ingress_max_queued_requests: int = Field(1024, ge=-1)      # beyond it the proxy answers 503
+    api_key_env: str = "BCG_API_KEY"                           # env var holding the API key (unset: no auth)
+    auth_scope: Literal["all", "admin"] = "all"                # admin: only warmup/stats need the key
+    pipeline_hook: Optional[str] = None                        # "module:function" called with each pipeline
+    graceful_shutdown_timeout_s: Optional[float] = Field(None, ge=0)
+    health_check_period_s: Optional[float] = Field(None, gt=0)
 
     @field_validator("warmup", mode="before")
     @classmethod
@@ -179,6 +190,7 @@ def build_app(args: Optional[dict] = None):
         ray_actor_options=actor_options,
         max_ongoing_requests=a.max_ongoing_requests,
         max_queued_requests=a.max_queued_requests,
+        backpressure_config={"status_code": 503, "retry_after_s": a.retry_after_s},
         request_router_config=dict(
             request_router_class=ShapeAffinityRouter,
             request_router_kwargs={"spill_threshold": a.spill_threshold},
@@ -188,6 +200,9 @@ def build_app(args: Optional[dict] = None):
             request_routing_stats_period_s=a.routing_stats_period_s,
         ),
     )
+    for name in ("graceful_shutdown_timeout_s", "health_check_period_s"):
+        if getattr(a, name) is not None:
+            replica_options[name] = getattr(a, name)
     if a.autoscaling is not None:
         replica_options["autoscaling_config"] = a.autoscaling.model_dump(exclude_none=True)
     else:
@@ -197,16 +212,22 @@ def build_app(args: Optional[dict] = None):
     replica = Replica.options(**replica_options).bind(
         model=a.model, coordinator=coordinator, device=a.device, dtype=a.dtype, runner_config=a.runner,
         warmup_steps=a.warmup_steps, default_steps=a.default_steps, cpu_threads=a.cpu_threads,
-        gpu_memory_fraction=gpu_fraction,
+        gpu_memory_fraction=gpu_fraction, pipeline_hook=a.pipeline_hook,
     )
     limits = RequestLimits(max_n=a.max_n, max_steps=a.max_steps, max_pixels=a.max_pixels,
-                           max_prompt_chars=a.max_prompt_chars).model_dump()
+                           max_prompt_chars=a.max_prompt_chars, max_body_bytes=a.max_body_bytes,
+                           max_warmup_keys=a.max_warmup_keys).model_dump()
     limits["size_multiple"] = a.size_multiple
     logger.info("bcg app: %s x %s replicas, %.2f GPU each, warmup %s (%s)", a.model,
                 a.autoscaling or a.num_replicas, gpus, a.warmup, a.placement)
-    return Ingress.options(num_replicas=a.ingress_replicas).bind(
+    ingress = Ingress.options(
+        num_replicas=a.ingress_replicas, max_ongoing_requests=a.ingress_max_ongoing_requests,
+        max_queued_requests=a.ingress_max_queued_requests,
+        backpressure_config={"status_code": 503, "retry_after_s": a.retry_after_s})
+    return ingress.bind(
         replica, coordinator, model=a.model, limits=limits, default_size=default_size,
-        request_timeout_s=a.request_timeout_s)
+        request_timeout_s=a.request_timeout_s, max_retries=a.max_retries, retry_after_s=a.retry_after_s,
+        api_key_env=a.api_key_env, auth_scope=a.auth_scope)
 
 
 __all__ = ["AppArgs", "build_app", "parse_args"]

@@ -5,13 +5,21 @@ Routes: ``POST /v1/images/generations`` (OpenAI Images shape plus ``num_inferenc
 ``POST /v1/warmup`` (a ``WarmupRequest`` -> the coordinator's merged report), ``GET /v1/stats``,
 ``GET /v1/models``, ``GET /healthz``.
 
-The ingress validates every request (pydantic for types and unknown fields, ``check_request`` for
-the deployment's limits and the model's size multiple), so nothing invalid reaches a replica; errors
+The ingress validates every request (``RequestGuard`` for the API key, body size and encoding;
+strict pydantic models for types and unknown fields; ``check_request``/``check_warmup`` for the
+deployment's limits and the model's size multiple), so nothing invalid reaches a replica; errors
 are 4xx with the FastAPI error list whose ``loc`` names the field. It computes the request's shape
 key and passes it as the ``shape_key`` kwarg, which the replica deployment's router reads (the HTTP
 proxy's router only sees opaque bytes, so the routing decision has to happen here, on the model
 deployment's handle). Python callers use ``Ingress.generate`` through a DeploymentHandle with the
 same ``ImageGenerationRequest`` model and get an ``ImageGenerationResponse``.
+
+Failures (docs/failures.md): the replica queue full -> 503 + ``Retry-After``; no answer within
+``request_timeout_s`` (queueing included) -> 504, and the request is cancelled; a replica that dies
+while it holds the request -> the request is sent again (``max_retries`` times, same seed, within
+the same deadline), then 503 + ``Retry-After``; an error raised while generating -> 500 with the
+exception type, the replica keeps serving. Nothing a client sends is unpickled or evaluated: HTTP
+bodies are JSON, and the model is fixed by the app's configuration (``model`` must name it).
 """
 from __future__ import annotations
 
@@ -21,10 +29,12 @@ import logging
 import time
 from typing import Optional
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from ray import serve
-from ray.serve.exceptions import BackPressureError
+from ray.exceptions import RayActorError
+from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, ReplicaUnavailableError
 
 from deployments.schemas import (
     FieldError,
@@ -37,11 +47,22 @@ from deployments.schemas import (
     ServeInfo,
     WarmupRequest,
     check_request,
+    check_warmup,
 )
+from deployments.security import API_KEY_ENV, GUARD, RequestGuard, api_key_from_env
 
 logger = logging.getLogger(__name__)
 
 api = FastAPI(title="bcg-serve", description="Diffusion transformers with breakable CUDA graphs on Ray Serve")
+api.add_middleware(RequestGuard)
+
+# A replica that died (killed, crashed, its node lost) while it held the request: safe to send again,
+# image generation has no side effects.
+REPLICA_LOST = (RayActorError, ReplicaUnavailableError)
+
+
+class ReplicaLostError(RuntimeError):
+    """The request was lost with its replica ``max_retries + 1`` times."""
 
 
 # Module-level helpers the class uses must be defined above it: serve.ingress serialises the class
@@ -50,30 +71,80 @@ def _error(exc: FieldError) -> JSONResponse:
     return JSONResponse(status_code=exc.status_code, content={"detail": exc.detail()})
 
 
-@serve.deployment(name="Ingress", ray_actor_options={"num_cpus": 0}, max_ongoing_requests=256)
+def _unavailable(msg: str, retry_after_s: float, status: int = 503) -> JSONResponse:
+    return JSONResponse(status_code=status, content={"detail": msg},
+                        headers={"Retry-After": str(max(1, int(retry_after_s + 0.999)))})
+
+
+def _cause_name(exc: BaseException) -> str:
+    """The user exception's type inside Ray's RayTaskError wrapper."""
+    cause = getattr(exc, "cause", None) or exc.__cause__ or exc
+    return type(cause).__name__
+
+
+@api.exception_handler(RequestValidationError)
+async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+    # FastAPI's default echoes the input back (and fails on bytes that are not UTF-8); keep loc/msg/type.
+    detail = [{"loc": list(e.get("loc", ())), "msg": str(e.get("msg", "")), "type": str(e.get("type", ""))}
+              for e in exc.errors()]
+    return JSONResponse(status_code=422, content={"detail": detail})
+
+
+@serve.deployment(name="Ingress", ray_actor_options={"num_cpus": 0}, max_ongoing_requests=256,
+                  max_queued_requests=1024, backpressure_config={"status_code": 503, "retry_after_s": 1})
 @serve.ingress(api)
 class Ingress:
     def __init__(self, replica, coordinator, model: str = "tiny-flux", limits: Optional[dict] = None,
-                 default_size: str = "256x256", request_timeout_s: float = 300.0):
+                 default_size: str = "256x256", request_timeout_s: float = 300.0, max_retries: int = 2,
+                 retry_after_s: float = 1.0, api_key_env: str = API_KEY_ENV, auth_scope: str = "all"):
         self.replica = replica
         self.coordinator = coordinator
         self.model = model
         self._limits = dict(limits or {})
         self.default_size = default_size
         self.request_timeout_s = request_timeout_s
+        self.max_retries = max_retries
+        self.retry_after_s = retry_after_s
         self.created = int(time.time())
         self._info: Optional[dict] = None
         self._info_lock = asyncio.Lock()
+        self._counters = {"retries": 0, "lost": 0, "timeouts": 0, "rejected": 0}
+        GUARD.api_key = api_key_from_env(api_key_env)
+        GUARD.auth_scope = auth_scope
+        GUARD.max_body_bytes = RequestLimits(**{k: v for k, v in self._limits.items() if v is not None}
+                                             ).max_body_bytes
+        logger.info("ingress: API key %s (%s), auth scope %s, max body %d bytes",
+                    "set" if GUARD.api_key else "not set", api_key_env, auth_scope, GUARD.max_body_bytes)
 
     async def _model_info(self) -> dict:
         """The model's facts (size multiple, CFG) from a replica, fetched once."""
         async with self._info_lock:
             if self._info is None:
-                self._info = await self.replica.model_info.remote()
+                self._info = await asyncio.wait_for(self.replica.model_info.remote(), self.request_timeout_s)
                 if self._limits.get("size_multiple") is None:
                     self._limits["size_multiple"] = self._info["size_multiple"]
                 self.limits = RequestLimits(**self._limits)
         return self._info
+
+    async def _call_replica(self, request: ImageGenerationRequest, key: str) -> dict:
+        """One replica answer; re-sent when its replica dies, all within ``request_timeout_s``."""
+        deadline = time.monotonic() + self.request_timeout_s
+        for attempt in range(self.max_retries + 1):
+            response = self.replica.generate.remote(request, shape_key=key)
+            try:
+                return await asyncio.wait_for(response, max(0.0, deadline - time.monotonic()))
+            except asyncio.TimeoutError:
+                response.cancel()
+                self._counters["timeouts"] += 1
+                raise TimeoutError(f"request not served within request_timeout_s={self.request_timeout_s}")
+            except REPLICA_LOST as exc:
+                self._counters["retries" if attempt < self.max_retries else "lost"] += 1
+                logger.warning("replica lost with a request (attempt %d of %d): %s", attempt + 1,
+                               self.max_retries + 1, type(exc).__name__)
+                if attempt == self.max_retries:
+                    raise ReplicaLostError(f"the replica serving this request died {attempt + 1} times "
+                                           f"({type(exc).__name__}); retry later") from exc
+        raise AssertionError("unreachable")
 
     # -- Python entry point (DeploymentHandle) --------------------------------------------------------
     async def generate(self, request: ImageGenerationRequest) -> ImageGenerationResponse:
@@ -85,12 +156,7 @@ class Ingress:
         width, height = check_request(request, self.limits, self.model, self.default_size)
         request = request.model_copy(update={"size": f"{width}x{height}"})
         key = request_shape_key(width, height, request.n, request.guidance_scale, info)
-        response = self.replica.generate.remote(request, shape_key=key)
-        try:
-            out = await asyncio.wait_for(response, self.request_timeout_s)
-        except asyncio.TimeoutError:
-            response.cancel()
-            raise TimeoutError(f"request not served within request_timeout_s={self.request_timeout_s}")
+        out = await self._call_replica(request, key)
         return ImageGenerationResponse(
             created=int(time.time()),
             data=[ImageData(b64_json=base64.b64encode(png).decode("ascii")) for png in out["images"]],
@@ -100,9 +166,15 @@ class Ingress:
         )
 
     async def warmup(self, plan: WarmupRequest) -> dict:
-        if isinstance(plan, WarmupRequest):
-            plan = plan.model_dump()
-        return await self.coordinator.warmup.remote(plan)
+        if isinstance(plan, dict):
+            plan = WarmupRequest.model_validate(plan)
+        await self._model_info()
+        plan = plan.model_copy(update={"keys": check_warmup(plan, self.limits)})
+        return await self.coordinator.warmup.remote(plan.model_dump())
+
+    def ingress_stats(self) -> dict:
+        """This ingress replica's failure counters (retries, lost, timeouts, rejected)."""
+        return dict(self._counters)
 
     # -- HTTP --------------------------------------------------------------------------------------
     @api.post("/v1/images/generations", response_model=ImageGenerationResponse,
@@ -113,25 +185,29 @@ class Ingress:
         except FieldError as exc:
             return _error(exc)
         except BackPressureError as exc:
-            return JSONResponse(status_code=getattr(exc, "status_code", 503) or 503,
-                                content={"detail": "server busy, retry later"},
-                                headers={"Retry-After": str(int(getattr(exc, "retry_after_s", 1) or 1))})
+            self._counters["rejected"] += 1
+            return _unavailable("server busy: the replica queue is full; retry later",
+                                exc.retry_after_s or self.retry_after_s, exc.status_code or 503)
+        except (ReplicaLostError, DeploymentUnavailableError) as exc:
+            return _unavailable(str(exc) or "no replica available; retry later", self.retry_after_s)
         except TimeoutError as exc:
             return JSONResponse(status_code=504, content={"detail": str(exc)})
+        except Exception as exc:  # noqa: BLE001 -- an error raised while generating: say what, not how
+            logger.exception("generation failed")
+            return JSONResponse(status_code=500, content={
+                "detail": f"generation failed on the replica ({_cause_name(exc)}); the server logs have "
+                          "the traceback"})
 
     @api.post("/v1/warmup")
     async def http_warmup(self, body: WarmupRequest):
-        from deployments.replica import normalize_key
-        for i, key in enumerate(body.keys):
-            try:
-                normalize_key(key)
-            except ValueError as exc:
-                return _error(FieldError(f"keys[{i}]", str(exc)))
-        return await self.warmup(body)
+        try:
+            return await self.warmup(body)
+        except FieldError as exc:
+            return _error(exc)
 
     @api.get("/v1/stats")
     async def http_stats(self):
-        return await self.coordinator.stats.remote()
+        return {**await self.coordinator.stats.remote(), "ingress": self.ingress_stats()}
 
     @api.get("/v1/models", response_model=ModelList)
     async def http_models(self):

@@ -78,10 +78,36 @@ def _counts(runners: dict) -> Dict[str, int]:
     return out
 
 
+def resolve_hook(path: str):
+    """``"package.module:function"`` -> the function (app configuration only, never a request)."""
+    import importlib
+    module, sep, name = path.partition(":")
+    if not sep or not module or not name:
+        raise ValueError(f"pipeline_hook must be 'package.module:function', got {path!r}")
+    fn = getattr(importlib.import_module(module), name, None)
+    if not callable(fn):
+        raise ValueError(f"pipeline_hook {path!r}: {module} has no function {name!r}")
+    return fn
+
+
+def cuda_memory() -> dict:
+    """This process's CUDA allocator counters (zeros without CUDA)."""
+    import torch
+    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return {"allocated_bytes": 0, "reserved_bytes": 0}
+    return {"allocated_bytes": torch.cuda.memory_allocated(), "reserved_bytes": torch.cuda.memory_reserved()}
+
+
 def _png(image) -> bytes:
     buf = io.BytesIO()
     image.save(buf, format="PNG")
     return buf.getvalue()
+
+
+def _release_cached_memory() -> None:
+    import torch
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 class ReplicaEngine:
@@ -89,7 +115,8 @@ class ReplicaEngine:
 
     def __init__(self, model: str, device: Optional[str] = None, dtype: Optional[str] = None,
                  runner_config: Optional[dict] = None, warmup_steps: int = 2,
-                 cpu_threads: Optional[int] = None, gpu_memory_fraction: Optional[float] = None):
+                 cpu_threads: Optional[int] = None, gpu_memory_fraction: Optional[float] = None,
+                 pipeline_hook: Optional[str] = None):
         import torch
         from bcg.config import RunnerConfig
         from bcg.diffusers import accelerate, pipeline_info, pipeline_runners
@@ -105,6 +132,8 @@ class ReplicaEngine:
         self.model = model
         config = RunnerConfig(**runner_config) if isinstance(runner_config, dict) else runner_config
         pipe = load_pipeline(model, device=self.device, dtype=getattr(torch, dtype) if dtype else None)
+        if pipeline_hook:
+            resolve_hook(pipeline_hook)(pipe)  # from the app config (e.g. fault injection in tests)
         self.pipe = accelerate(pipe, config=config)
         self.pipe.set_progress_bar_config(disable=True)
         self.runners = pipeline_runners(self.pipe)
@@ -182,7 +211,8 @@ class Replica:
     async def __init__(self, model: str = "tiny-flux", coordinator=None, device: Optional[str] = None,
                  dtype: Optional[str] = None, runner_config: Optional[dict] = None,
                  warmup_steps: int = 2, default_steps: int = 4, cpu_threads: Optional[int] = None,
-                 gpu_memory_fraction: Optional[float] = None, assign_timeout_s: float = 900.0):
+                 gpu_memory_fraction: Optional[float] = None, assign_timeout_s: float = 900.0,
+                 pipeline_hook: Optional[str] = None):
         ctx = serve.get_replica_context()
         self.replica_id = ctx.replica_id.unique_id
         self.rank = getattr(getattr(ctx, "rank", None), "rank", None)
@@ -198,7 +228,7 @@ class Replica:
         self.first_request_at: Optional[float] = None
         t0 = time.perf_counter()
         self.engine = await self._in_thread(ReplicaEngine, model, device, dtype, runner_config,
-                                            warmup_steps, cpu_threads, gpu_memory_fraction)
+                                            warmup_steps, cpu_threads, gpu_memory_fraction, pipeline_hook)
         self.info = dict(self.engine.info)
         logger.info("replica %s: %s loaded on %s in %.1f s", self.replica_id, model, self.engine.device,
                     time.perf_counter() - t0)
@@ -278,7 +308,8 @@ class Replica:
         return {**self.replica_info(), **self._counters, "cold_keys": dict(self._cold_keys),
                 "device": self.engine.device, "warm_ready_at": self.warm_ready_at,
                 "first_request_at": self.first_request_at, "warmups": list(self._reports),
-                "runner": self.engine.runner_stats()}
+                "runner": self.engine.runner_stats(), "ongoing": self._ongoing,
+                "cuda_memory": cuda_memory()}
 
     # -- serving -----------------------------------------------------------------------------------
     async def generate(self, request, shape_key: Optional[str] = None,
@@ -304,6 +335,8 @@ class Replica:
             self._counters["errors"] += 1
             if "CUDA error" in str(exc):
                 self._broken = str(exc)  # a sticky CUDA error: let Serve replace the replica
+            elif type(exc).__name__ == "OutOfMemoryError":
+                await self._in_thread(_release_cached_memory)  # this request fails, the next may fit
             raise
         finally:
             self._ongoing -= 1

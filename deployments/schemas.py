@@ -2,13 +2,14 @@
 
 The request model follows the OpenAI Images API (``prompt, model, n, size "WxH", response_format,
 user``) plus ``num_inference_steps``, ``guidance_scale`` and ``seed``; unknown fields are rejected.
-Static checks (types, ``>= 1``) live in the model; the deployment's maxima (``RequestLimits``) and
-the model's size multiple are checked by ``check_request`` so the same limits apply to HTTP and to
-Python callers. Every error names the field it is about.
+Static checks live in the model, which is strict: no type coercion (``"2"`` is not an int, ``true``
+is not a number), no NaN or infinity, bounded strings. The deployment's maxima (``RequestLimits``) and
+the model's size multiple are checked by ``check_request`` (and ``check_warmup`` for warmup plans), so
+the same limits apply to HTTP and to Python callers. Every error names the field it is about.
 """
 from __future__ import annotations
 
-from typing import Dict, List, Literal, Optional
+from typing import Annotated, Dict, List, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -23,19 +24,21 @@ class RequestLimits(BaseModel):
     max_pixels: int = Field(1024 * 1024, ge=1)
     max_prompt_chars: int = Field(2000, ge=1)
     size_multiple: int = Field(16, ge=1)
+    max_body_bytes: int = Field(64 * 1024, ge=256)     # HTTP bodies above it get a 413
+    max_warmup_keys: int = Field(64, ge=1)
 
 
 class ImageGenerationRequest(BaseModel):
     """OpenAI ``POST /v1/images/generations`` body, plus diffusion knobs."""
-    model_config = ConfigDict(extra="forbid")
-    prompt: str = Field(min_length=1)
-    model: Optional[str] = None
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+    prompt: str = Field(min_length=1)  # max: RequestLimits.max_prompt_chars (and the body size)
+    model: Optional[str] = Field(None, max_length=256)
     n: int = Field(1, ge=1)
-    size: Optional[str] = None  # None: the deployment's default size
+    size: Optional[str] = Field(None, max_length=32)  # None: the deployment's default size
     response_format: Literal["b64_json", "url"] = "b64_json"  # "url" parses, then gets a 400
-    user: Optional[str] = None
+    user: Optional[str] = Field(None, max_length=256)
     num_inference_steps: Optional[int] = Field(None, ge=1)
-    guidance_scale: Optional[float] = Field(None, ge=0.0)
+    guidance_scale: Optional[float] = Field(None, ge=0.0, le=100.0)
     seed: Optional[int] = Field(None, ge=0, lt=2**63)
 
     @field_validator("size")
@@ -84,6 +87,24 @@ def check_request(req: ImageGenerationRequest, limits: RequestLimits, served_mod
     return width, height
 
 
+def check_warmup(plan: "WarmupRequest", limits: RequestLimits) -> List[str]:
+    """Normalise a warmup plan's keys under the deployment limits; raises FieldError ``keys[i]``."""
+    if len(plan.keys) > limits.max_warmup_keys:
+        raise FieldError("keys", f"at most {limits.max_warmup_keys} keys per plan, got {len(plan.keys)}")
+    keys = []
+    for i, text in enumerate(plan.keys):
+        try:
+            key = ShapeKey.parse(text)
+            check_shape(key, limits.size_multiple)
+        except ValueError as exc:
+            raise FieldError(f"keys[{i}]", str(exc)) from None
+        if key.width * key.height * key.batch_size * key.num_frames > limits.max_pixels:
+            raise FieldError(f"keys[{i}]", f"width*height*batch must be at most {limits.max_pixels} pixels, "
+                             f"got {key.key!r}")
+        keys.append(key.key)
+    return list(dict.fromkeys(keys))
+
+
 class ServeInfo(BaseModel):
     """Where and how a request was served (extra field ``bcg`` of the response)."""
     replica: str
@@ -107,10 +128,10 @@ class ImageGenerationResponse(BaseModel):
 
 class WarmupRequest(BaseModel):
     """A warmup plan: shape keys (or sizes ``"WxH"``) and where to capture them."""
-    model_config = ConfigDict(extra="forbid")
-    keys: List[str] = Field(min_length=1)
+    model_config = ConfigDict(extra="forbid", strict=True)
+    keys: List[Annotated[str, Field(min_length=1, max_length=64)]] = Field(min_length=1, max_length=1024)
     placement: Literal["all", "sharded"] = "sharded"
-    replication: int = Field(1, ge=1)
+    replication: int = Field(1, ge=1, le=1024)
 
 
 class ModelCard(BaseModel):
