@@ -5,6 +5,7 @@ import time
 import numpy as np
 import pytest
 import torch
+from PIL import Image
 
 from bcg.diffusers import generate
 from bcg.models import BUILTIN_MODELS, DEFAULT_MODEL, build_tokenizer, load_pipeline
@@ -20,29 +21,28 @@ def _request(name):
 
 
 @pytest.mark.parametrize("name", FAMILIES)
-def test_builtin_makes_png_images_fast(name):
+def test_builtin_makes_deterministic_png_images(name):
+    # Functional only: speed belongs to benchmarks (benchmarks/bench_pipeline.py), not to unit tests.
     pipe = load_pipeline(name)
-    pipe(**{**_request_kwargs(pipe, name), "output_type": "latent"})  # first call: lazy imports/inits
     start = time.perf_counter()
     images = generate(pipe, "a watercolor painting of a lake", **_request(name))
-    elapsed = time.perf_counter() - start
-    assert elapsed < 5.0, f"{name} took {elapsed:.2f} s for 2 steps on CPU"
+    print(f"{name}: 2 steps in {time.perf_counter() - start:.2f} s (first call, CPU)")
     first = images[0][0] if name == "tiny-wan" else images[0]
     if name == "tiny-wan":
         assert len(images[0]) == 5 and first.size == (64, 32)
     else:
         assert first.size == (128, 64)  # size is WxH
     pixels = np.asarray(first)
-    assert pixels.dtype == np.uint8 and pixels.std() > 1.0  # not a constant image
+    assert pixels.dtype == np.uint8 and pixels.shape == (64 if name != "tiny-wan" else 32, first.size[0], 3)
+    assert pixels.std() > 1.0  # not a constant image
     buffer = io.BytesIO()
     first.save(buffer, format="PNG")
     assert buffer.getvalue()[:8] == b"\x89PNG\r\n\x1a\n"
-
-
-def _request_kwargs(pipe, name):
-    from bcg.diffusers import plan_request
-
-    return plan_request(pipe, "warm", **_request(name))[1]
+    decoded = Image.open(io.BytesIO(buffer.getvalue()))
+    assert decoded.size == first.size and np.array_equal(np.asarray(decoded.convert("RGB")), pixels)  # lossless
+    again = generate(pipe, "a watercolor painting of a lake", **_request(name))
+    again_first = again[0][0] if name == "tiny-wan" else again[0]
+    assert np.array_equal(np.asarray(again_first), pixels)  # same request, same seed: same image
 
 
 @pytest.mark.parametrize("name", ["tiny-flux", "tiny-wan"])
