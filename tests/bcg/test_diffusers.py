@@ -231,6 +231,150 @@ def test_accelerate_keeps_config_to_and_unaccelerate():
 
 
 # --------------------------------------------------------------------------------------------------
+# host work of accelerated pipeline calls
+
+ALL_FLUX = ("transformer", "text_encoder", "text_encoder_2", "vae_decoder")
+
+
+def _count_module_walks(pipe):
+    """Counts the submodules each component's ``named_modules`` yields (every module walk goes through it)."""
+    counts = {}
+    for name in ("transformer", "text_encoder", "text_encoder_2", "vae"):
+        module = getattr(pipe, name)
+        module = module.module if isinstance(module, BreakableGraphRunner) else module
+
+        def walk(*args, _module=module, _name=name, **kwargs):
+            for item in type(_module).named_modules(_module, *args, **kwargs):
+                counts[_name] = counts.get(_name, 0) + 1
+                yield item
+
+        object.__setattr__(module, "named_modules", walk)
+    return counts
+
+
+@pytest.mark.parametrize("accelerated", [False, True])
+def test_accelerated_call_walks_no_module_trees(accelerated):
+    pipe = load_pipeline("tiny-flux")
+    if accelerated:
+        accelerate(pipe, components=ALL_FLUX)
+    _run(pipe, "tiny-flux")  # the first call computes the device facts
+    counts = _count_module_walks(pipe)
+    _run(pipe, "tiny-flux")
+    visited = sum(counts.values())
+    if accelerated:  # only the first-parameter lookups of ``text_encoder.dtype``
+        assert visited <= 20, counts
+    else:  # diffusers looks for offload hooks in every component, several times a call
+        assert visited > 1000, counts
+
+
+def test_accelerated_class_keeps_name_signature_and_outputs_and_is_undone():
+    import diffusers
+
+    pipe = load_pipeline("tiny-flux")
+    base = type(pipe)
+    reference = _run(pipe, "tiny-flux")
+    accelerate(pipe, components=ALL_FLUX)
+    cls = type(pipe)
+    assert cls is not base and isinstance(pipe, base) and cls.__name__ == base.__name__
+    assert inspect.signature(cls.__call__) == inspect.signature(base.__call__)
+    assert pipe._progress_bar_config["disable"] is True
+    assert accelerate(load_pipeline("tiny-flux"), components=ALL_FLUX).__class__ is cls  # one class per base
+    namespace = inspect.getmodule(base).__dict__
+    lookup = namespace["get_module_execution_device"]
+    assert np.array_equal(_run(pipe, "tiny-flux"), reference)
+    assert namespace["get_module_execution_device"] is lookup  # the call's swap is undone
+    with pytest.raises(ValueError):
+        pipe(prompt=None)  # raises inside the call
+    assert namespace["get_module_execution_device"] is lookup and not any(k.startswith("__bcg") for k in namespace)
+    assert pipe._execution_device == pipe.device == torch.device("cpu")
+    unaccelerate(pipe)
+    assert type(pipe) is base and not any(k.startswith("_bcg") for k in pipe.__dict__)
+    assert isinstance(pipe, diffusers.FluxPipeline) and np.array_equal(_run(pipe, "tiny-flux"), reference)
+
+
+def test_device_facts_follow_the_placement():
+    from diffusers.utils.torch_utils import get_module_execution_device
+
+    from bcg.diffusers import _device_facts
+
+    pipe = accelerate(load_pipeline("tiny-flux"), components=("transformer", "text_encoder"))
+    facts = _device_facts(pipe)
+    assert _device_facts(pipe) is facts  # nothing moved: same answers
+    assert facts.modules[id(pipe.text_encoder)] == facts.modules[id(pipe.vae)] == torch.device("cpu")
+    pipe.vae.to(torch.float64)  # a dtype change moves nothing
+    assert _device_facts(pipe) is facts
+    pipe.text_encoder.module.to("meta")  # behind the pipeline's back
+    moved = _device_facts(pipe)
+    assert moved is not facts and moved.modules[id(pipe.text_encoder)] == torch.device("meta")
+    assert moved.modules[id(pipe.text_encoder)] == get_module_execution_device(pipe.text_encoder.module)
+    vae = pipe.vae
+    pipe.register_modules(vae=type(vae).from_config(vae.config))  # a replaced component
+    assert id(pipe.vae) in _device_facts(pipe).modules and id(vae) not in _device_facts(pipe).modules
+
+
+def test_device_lookup_outside_the_call_is_diffusers_own():
+    import threading
+
+    from diffusers.utils.torch_utils import get_module_execution_device
+
+    pipe = accelerate(load_pipeline("tiny-flux"), components=ALL_FLUX)
+    namespace = inspect.getmodule(type(pipe).__bcg_pipeline_base__).__dict__
+    seen = {}
+
+    def on_step_end(p, i, t, tensors):
+        lookup = namespace["get_module_execution_device"]
+        seen["swapped"] = lookup is not get_module_execution_device
+        other = load_pipeline("tiny-flux").vae
+        thread = threading.Thread(target=lambda: seen.setdefault("other_thread", lookup(other)))
+        thread.start()
+        thread.join()
+        seen["this_call"] = lookup(p.vae)
+        return {}
+
+    pipe(**plan_request(pipe, "a cat", **_request("tiny-flux"))[1], callback_on_step_end=on_step_end)
+    assert seen == {"swapped": True, "other_thread": torch.device("cpu"), "this_call": torch.device("cpu")}
+    assert namespace["get_module_execution_device"] is get_module_execution_device
+
+
+def test_stateful_hooks_are_reset_after_each_call():
+    from diffusers.hooks import HookRegistry, ModelHook
+
+    class Counter(ModelHook):
+        _is_stateful = True
+        resets = 0
+
+        def reset_state(self, module):
+            Counter.resets += 1
+            return module
+
+    pipe = accelerate(load_pipeline("tiny-flux"), components=ALL_FLUX)
+    _run(pipe, "tiny-flux")
+    block = pipe.transformer.module.transformer_blocks[0]
+    HookRegistry.check_if_exists_or_initialize(block).register_hook(Counter(), "counter")
+    HookRegistry.check_if_exists_or_initialize(pipe.transformer.module).invalidate_child_registries_cache()
+    for expected in (1, 2):
+        _run(pipe, "tiny-flux")
+        assert Counter.resets == expected
+
+
+def test_textual_inversion_shortcut_and_image_ids_cache_match_diffusers():
+    pipe = accelerate(load_pipeline("tiny-flux"))
+    base = type(pipe).__bcg_pipeline_base__
+    tokenizer = pipe.tokenizer
+    prompt = "a <cat> on a red chair"
+    assert pipe.maybe_convert_prompt(prompt, tokenizer) == base.maybe_convert_prompt(pipe, prompt, tokenizer) == prompt
+    tokenizer.add_tokens(["<cat>", "<cat>_1"])  # a two-vector textual-inversion token
+    converted = pipe.maybe_convert_prompt(prompt, tokenizer)
+    assert converted == base.maybe_convert_prompt(pipe, prompt, tokenizer) == "a <cat> <cat>_1 on a red chair"
+
+    ids = pipe._prepare_latent_image_ids(1, 8, 4, "cpu", torch.float32)
+    again = pipe._prepare_latent_image_ids(1, 8, 4, "cpu", torch.float32)
+    assert torch.equal(ids, base._prepare_latent_image_ids(1, 8, 4, "cpu", torch.float32)) and ids.shape == (32, 3)
+    assert torch.equal(ids, again) and ids is not again  # cloned: a caller may change its copy
+    assert len(pipe.__dict__["_bcg_image_ids"]) == 1
+
+
+# --------------------------------------------------------------------------------------------------
 # requests
 
 
