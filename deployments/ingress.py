@@ -49,7 +49,7 @@ from deployments.schemas import (
     check_request,
     check_warmup,
 )
-from deployments.security import API_KEY_ENV, GUARD, RequestGuard, api_key_from_env
+from deployments.security import API_KEY_ENV, RequestGuard, api_key_from_env
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +82,17 @@ def _cause_name(exc: BaseException) -> str:
     return type(cause).__name__
 
 
+def handle_queue(handle) -> dict:
+    """What a DeploymentHandle's router still holds: requests queued for a replica and requests sent
+    and not yet answered. Reads Serve 2.60 internals; ``{}`` when they moved."""
+    try:
+        metrics = handle._router._asyncio_router._metrics_manager
+        return {"queued": int(metrics.num_queued_requests),
+                "in_flight": int(sum(metrics.num_requests_sent_to_replicas.values()))}
+    except AttributeError:
+        return {}
+
+
 @api.exception_handler(RequestValidationError)
 async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
     # FastAPI's default echoes the input back (and fails on bytes that are not UTF-8); keep loc/msg/type.
@@ -109,12 +120,12 @@ class Ingress:
         self._info: Optional[dict] = None
         self._info_lock = asyncio.Lock()
         self._counters = {"retries": 0, "lost": 0, "timeouts": 0, "rejected": 0}
-        GUARD.api_key = api_key_from_env(api_key_env)
-        GUARD.auth_scope = auth_scope
-        GUARD.max_body_bytes = RequestLimits(**{k: v for k, v in self._limits.items() if v is not None}
-                                             ).max_body_bytes
+        from deployments.security import configure_guard  # at run time: this class is pickled by value
+        guard = configure_guard(
+            api_key_from_env(api_key_env), auth_scope,
+            RequestLimits(**{k: v for k, v in self._limits.items() if v is not None}).max_body_bytes)
         logger.info("ingress: API key %s (%s), auth scope %s, max body %d bytes",
-                    "set" if GUARD.api_key else "not set", api_key_env, auth_scope, GUARD.max_body_bytes)
+                    "set" if guard.api_key else "not set", api_key_env, auth_scope, guard.max_body_bytes)
 
     async def _model_info(self) -> dict:
         """The model's facts (size multiple, CFG) from a replica, fetched once."""
@@ -173,8 +184,9 @@ class Ingress:
         return await self.coordinator.warmup.remote(plan.model_dump())
 
     def ingress_stats(self) -> dict:
-        """This ingress replica's failure counters (retries, lost, timeouts, rejected)."""
-        return dict(self._counters)
+        """This ingress replica's failure counters (retries, lost, timeouts, rejected) and what its
+        replica handle still holds (``handle``: queued, in flight)."""
+        return {**self._counters, "handle": handle_queue(self.replica)}
 
     # -- HTTP --------------------------------------------------------------------------------------
     @api.post("/v1/images/generations", response_model=ImageGenerationResponse,

@@ -41,6 +41,16 @@ class ImageGenerationRequest(BaseModel):
     guidance_scale: Optional[float] = Field(None, ge=0.0, le=100.0)
     seed: Optional[int] = Field(None, ge=0, lt=2**63)
 
+    @field_validator("prompt", "model", "user")
+    @classmethod
+    def _encodable(cls, v):
+        if v is not None:
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError:  # a lone surrogate ("\\ud800" in JSON): no tokenizer takes it
+                raise ValueError("must be valid Unicode text (no lone surrogates)") from None
+        return v
+
     @field_validator("size")
     @classmethod
     def _size_form(cls, v):

@@ -58,6 +58,18 @@ class GuardConfig:
 GUARD = GuardConfig()
 
 
+def configure_guard(api_key: Optional[str], auth_scope: str, max_body_bytes: int) -> GuardConfig:
+    """Set this process's ``GUARD`` (the ingress calls it in its constructor).
+
+    Callers must import this function at run time: the ingress class is pickled by value, so a
+    ``GUARD`` it captured at import would be a copy, not the object the middleware reads.
+    """
+    if auth_scope not in ("all", "admin"):
+        raise ValueError(f"auth_scope must be 'all' or 'admin', got {auth_scope!r}")
+    GUARD.api_key, GUARD.auth_scope, GUARD.max_body_bytes = api_key, auth_scope, int(max_body_bytes)
+    return GUARD
+
+
 def authorized(header: Optional[bytes], api_key: str) -> Optional[bool]:
     """None: no bearer token sent; else whether it matches ``api_key`` (constant-time compare)."""
     if not header:
@@ -94,7 +106,10 @@ class RequestGuard:
         headers = {}
         for k, v in scope.get("headers", ()):
             headers.setdefault(k.lower(), v)
-        if cfg.needs_key(scope.get("path", "")):
+        path, root = scope.get("path", ""), scope.get("root_path", "")
+        if root and path.startswith(root):
+            path = path[len(root):]  # the app's route prefix
+        if cfg.needs_key(path):
             ok = authorized(headers.get(b"authorization"), cfg.api_key)
             if not ok:
                 challenge = 'Bearer realm="bcg-serve"' + ('' if ok is None else ', error="invalid_token"')
@@ -155,4 +170,4 @@ class RequestGuard:
 
 
 __all__ = ["ADMIN_PATHS", "API_KEY_ENV", "GUARD", "GuardConfig", "RequestGuard", "api_key_from_env",
-           "authorized"]
+           "authorized", "configure_guard"]

@@ -13,6 +13,10 @@ REPO = Path(__file__).resolve().parents[2]
 APP = "bcg"
 # Four keys (WxH) for the sharded plan; small so a request takes ~0.1 s on one CPU thread.
 PLAN_KEYS = ["64x64", "64x128", "128x64", "128x128"]
+# The hardened test apps read their API key from this variable (set for every Ray worker below);
+# the session app keeps the default BCG_API_KEY, which is unset, so it is open.
+TEST_API_KEY_ENV = "BCG_TEST_API_KEY"
+TEST_API_KEY = "test-key-7f3a9c"
 
 
 def _free_port() -> int:
@@ -30,7 +34,8 @@ def ray_serve():
 
     path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False,
-             runtime_env={"env_vars": {"PYTHONPATH": path, "RAY_AUTH_MODE": "disabled"}})
+             runtime_env={"env_vars": {"PYTHONPATH": path, "RAY_AUTH_MODE": "disabled",
+                                         TEST_API_KEY_ENV: TEST_API_KEY}})
     port = _free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     try:

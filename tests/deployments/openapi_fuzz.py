@@ -159,7 +159,7 @@ def requests_from_openapi(schema: dict, hints: Dict[str, st.SearchStrategy], is_
         if auth == "key":
             headers["authorization"] = f"Bearer {api_key}"
         elif auth == "wrong":
-            headers["authorization"] = draw(st.sampled_from([f"Bearer {api_key}x", "Bearer ", "Basic abc",
+            headers["authorization"] = draw(st.sampled_from([f"Bearer {api_key}x", "Bearer", "Basic abc",
                                                              f"bearer {api_key[:-1]}"]))
         if body_schema is None:
             return FuzzCase(method, path, None, headers, "valid", auth == "key")
