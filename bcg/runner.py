@@ -18,6 +18,8 @@ reason), ``disabled`` (config, or a capture with more than ``max_segments`` segm
 Limits: ``max_entries`` graphs, least recently used evicted first; ``pool_budget_bytes`` caps the
 pool bytes attributed to live entries (growth of ``torch.cuda.memory_reserved`` during each capture;
 memory an evicted entry leaves in the shared pool is reused by later captures rather than released).
+The pool is grown to the last warm-up run's peak before a capture (one segment rather than one per
+tensor size); measuring that peak resets ``torch.cuda``'s peak memory statistics.
 
 Concurrency: calls from any thread or asyncio task are safe. One lock per runner covers copy-in,
 replay and copy-out of every entry -- not one per entry -- because all entries share one pool: two
@@ -194,15 +196,27 @@ class _CudaRecorder:
             stream, caller = self._stream, torch.cuda.current_stream()
             stream.wait_stream(caller)
             with torch.no_grad(), replay_token_scope(token):
+                reserve = 0
                 with torch.cuda.stream(stream):
-                    for _ in range(warmup_runs):
+                    for run in range(warmup_runs):
+                        if run == warmup_runs - 1:
+                            torch.cuda.synchronize()
+                            base = torch.cuda.memory_allocated()
+                            torch.cuda.reset_peak_memory_stats()
                         fn(*args, **kwargs)
                 torch.cuda.synchronize()
+                if warmup_runs:
+                    # The last warm-up's transient peak sizes the pool reservation (see
+                    # BreakableCUDAGraphCapture._reserve); what it left allocated (lazily created
+                    # state, the stream's cuBLAS workspace) is not part of it.
+                    end = torch.cuda.memory_allocated()
+                    reserve = max(0, torch.cuda.max_memory_allocated() - max(base, end))
                 graph = BreakableCUDAGraph()
                 before = self._pool_bytes()
                 start = time.perf_counter()
                 try:
-                    with BreakableCUDAGraphCapture(graph, pool=self._pool, stream=stream):
+                    with BreakableCUDAGraphCapture(graph, pool=self._pool, stream=stream,
+                                                   reserve_bytes=reserve):
                         output = fn(*args, **kwargs)
                 except BaseException:
                     with contextlib.suppress(Exception):

@@ -221,7 +221,7 @@ def test_an_invalidated_capture_is_blocked_and_later_captures_use_a_fresh_pool()
     for rows in (2, 3, 5):
         x = torch.randn(rows, 4, device="cuda")
         assert torch.equal(runner(x=x)[0], _eager(module, x=x)[0])
-    assert runner.stats()["eager_calls"]["blocked"] == 1
+    assert runner.stats()["eager_calls"]["blocked"] == 2                # the warm-up call and this one
 
 
 class BigOutput(nn.Module):
