@@ -526,6 +526,9 @@ class _DeviceFacts:
     device: torch.device
     execution_device: torch.device | None = None
     modules: dict = dataclasses.field(default_factory=dict)  # id(component) -> execution device
+    # The components themselves: while these facts exist no id in `modules` (or `placement`) can be reused
+    # by a new object. (A component replaced behind the pipeline's back stays alive until the next call.)
+    components: list = dataclasses.field(default_factory=list)
 
 
 def _runner_class():
@@ -581,6 +584,7 @@ def _device_facts(pipe) -> _DeviceFacts:
         if isinstance(_module_of(component), torch.nn.Module):
             try:
                 facts.modules[id(component)] = get_module_execution_device(component)
+                facts.components.append(component)
             except Exception:  # noqa: BLE001 -- not answerable up front: the pipeline asks diffusers itself
                 pass
     logger.debug("%s: devices of placement %s", type(pipe).__name__, placement)
