@@ -314,6 +314,13 @@ class BreakableGraphRunner:
         self._fingerprint = None
         self._positional_names = None
         self._whole_forward = None
+        # RunnerConfig.compile: inductor kernels (no inductor CUDA graphs) captured as segments. The
+        # compiled forward is built once here; compilation itself happens in the warm-up run of a capture.
+        self._compiled = None
+        if self._runner_config.compile:
+            from bcg.compile import compile_for_segments
+            self._compiled = compile_for_segments(module, dynamic=self._runner_config.compile_dynamic,
+                                                  mode=self._runner_config.compile_mode)
         self._recorder = _CudaRecorder(self._device) if self._device.type == "cuda" else None
         self._off = self._off_reason()
         if self._off is not None:
@@ -475,6 +482,7 @@ class BreakableGraphRunner:
             "pool_budget_bytes": config.pool_budget_bytes,
             "entries": entries,
             "blocked": blocked,
+            "compile": self._compiled.stats() if self._compiled is not None else None,
         }
 
     # -- internals --------------------------------------------------------------------------------
@@ -504,8 +512,12 @@ class BreakableGraphRunner:
         with self._stats_lock:
             self._eager[reason] += 1
         lock = self._lock if self._warming else contextlib.nullcontext()
+        fn = self._module
+        if self._compiled is not None:
+            # while serving, a cold call uses what is compiled and never stalls on a new compilation
+            fn = self._compiled if self._warming else self._compiled.run_cached
         with lock, replay_token_scope(token):
-            return self._module(*args, **kwargs)
+            return fn(*args, **kwargs)
 
     def _bind(self, args, kwargs):
         """Name positional arguments after the module's forward parameters where they have names."""
@@ -606,7 +618,7 @@ class BreakableGraphRunner:
                     host_inputs.append(i)
         static = _rebuild_kwargs({**kwargs, _ARGS_KEY: args} if args else kwargs, static_inputs)
         static_args = static.pop(_ARGS_KEY, ())
-        fn = self._module
+        fn = self._module if self._compiled is None else self._compiled
         if self._runner_config.debug_single_break:
             fn = self._whole_forward_fn()
         graph, output, capture_ms, pool_bytes = self._recorder.record(
