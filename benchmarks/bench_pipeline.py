@@ -17,7 +17,9 @@ Variants:
 - ``host_only``: `accelerate(pipe)` with graphs disabled (``RunnerConfig(enabled=False)``): every model
   runs eagerly; shows what the accelerated pipeline's host-side savings alone are worth;
 - ``bcg_transformer``: `accelerate(pipe)`: the transformer replays graphs, attention eager between them;
-- ``bcg_all``: transformer, text encoders and the VAE decoder replay graphs.
+- ``bcg_all``: transformer, text encoders and the VAE decoder replay graphs (the target variant);
+- ``bcg_all_one_graph``: as ``bcg_all`` with ``policy="none"``: the transformer forward is one graph
+  (no eager attention between segments); what the attention breaks cost end to end.
 
 Every variant must produce the eager image bit for bit (``matches_eager``). After the timed calls a few
 more calls run with a device synchronisation at each phase boundary and report the median time per
@@ -173,7 +175,7 @@ def main(argv=None):
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--phase-iters", type=int, default=5, help="calls of the per-phase breakdown")
     parser.add_argument("--output-type", default="pil", choices=("pil", "np", "pt", "latent"))
-    parser.add_argument("--variants", default="eager,host_only,bcg_transformer,bcg_all")
+    parser.add_argument("--variants", default="eager,host_only,bcg_transformer,bcg_all,bcg_all_one_graph")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default="bfloat16" if torch.cuda.is_available() else "float32")
     parser.add_argument("--prompt", default="a photo of a cat sitting on a red chair")
@@ -203,7 +205,7 @@ def main(argv=None):
         return {**planned, "generator": torch.Generator("cpu").manual_seed(0)}
 
     variants = {"eager": None, "host_only": ("transformer",), "bcg_transformer": ("transformer",),
-                "bcg_all": ALL_COMPONENTS}
+                "bcg_all": ALL_COMPONENTS, "bcg_all_one_graph": ALL_COMPONENTS}
     chosen = [v.strip() for v in args.variants.split(",") if v.strip()]
     unknown = [v for v in chosen if v not in variants]
     if unknown or "eager" not in chosen:
@@ -218,7 +220,8 @@ def main(argv=None):
         if components is not None:
             present = tuple(c for c in components if c == "vae_decoder" or getattr(pipe, c, None) is not None)
             config = RunnerConfig(max_entries=8, enabled=name != "host_only")
-            accelerate(pipe, config=config, components=present)
+            policy = "none" if name == "bcg_all_one_graph" else "attention"
+            accelerate(pipe, config=config, components=present, policy=policy)
             if name != "host_only":
                 report = warmup_pipeline(pipe, [key], num_inference_steps=args.steps)
                 entry["warmup"] = report
