@@ -281,7 +281,8 @@ def test_accelerated_class_keeps_name_signature_and_outputs_and_is_undone():
     assert accelerate(load_pipeline("tiny-flux"), components=ALL_FLUX).__class__ is cls  # one class per base
     namespace = inspect.getmodule(base).__dict__
     lookup = namespace["get_module_execution_device"]
-    assert np.array_equal(_run(pipe, "tiny-flux"), reference)
+    for _ in range(2):  # the second call uses the cached device facts and latent image ids
+        assert np.array_equal(_run(pipe, "tiny-flux"), reference)
     assert namespace["get_module_execution_device"] is lookup  # the call's swap is undone
     with pytest.raises(ValueError):
         pipe(prompt=None)  # raises inside the call
