@@ -617,16 +617,6 @@ def _device_lookup_namespaces(base: type) -> list:
     return list(spaces.values())
 
 
-def _parse_to_args(args, kwargs):
-    device, dtype = kwargs.get("device"), kwargs.get("dtype")
-    for arg in args:
-        if isinstance(arg, torch.dtype):
-            dtype = arg
-        elif arg is not None:
-            device = arg
-    return {k: v for k, v in (("device", device), ("dtype", dtype)) if v is not None}
-
-
 def _accelerated_class(base: type) -> type:
     """A subclass of pipeline class `base` (same name, same call signature) for accelerated instances.
 
