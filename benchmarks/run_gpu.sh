@@ -16,7 +16,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT
 python3 -c "import torch, diffusers; print('torch', torch.__version__, 'diffusers', diffusers.__version__)" | tee -a "$OUT/machine.txt"
 rc=0
 if [ "$what" = tests ] || [ "$what" = all ]; then
-  python3 -m pytest -m gpu -q -p no:cacheprovider -o addopts= --junitxml="$OUT/gpu-tests.xml" "$@" tests 2>&1 | tee "$OUT/gpu-tests.log" | tail -40
+  timeout ${BCG_TEST_TIMEOUT:-400} python3 -m pytest -m gpu -q -p no:cacheprovider -o addopts= --junitxml="$OUT/gpu-tests.xml" "$@" tests 2>&1 | tee "$OUT/gpu-tests.log" | tail -40
   rc=${PIPESTATUS[0]}
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
