@@ -247,7 +247,19 @@ class Replica:
         logger.info("replica %s ready, warm for %s", self.replica_id, self.engine.warm_keys())
 
     async def _in_thread(self, fn, *args):
-        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+        """Run ``fn`` on the pipeline thread. A cancelled caller (a client timeout) still waits for
+        the thread: it cannot be stopped, so the request keeps its slot and the pipeline lock until
+        the pipeline is done, and neither Serve nor the router take this replica for free meanwhile."""
+        future = asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+        try:
+            return await asyncio.shield(future)
+        except asyncio.CancelledError:
+            while not future.done():
+                try:
+                    await asyncio.wait({future})
+                except asyncio.CancelledError:
+                    pass
+            raise
 
     # -- Serve hooks -------------------------------------------------------------------------------
     def _routing_view(self) -> dict:
