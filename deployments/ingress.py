@@ -65,6 +65,18 @@ class ReplicaLostError(RuntimeError):
     """The request was lost with its replica ``max_retries + 1`` times."""
 
 
+# What clients can get besides 200 (docs/failures.md); shown in the OpenAPI schema.
+ERROR_RESPONSES = {
+    400: {"description": "body not UTF-8, unreadable, or an unsupported option (response_format 'url')"},
+    401: {"description": "API key missing or wrong (header WWW-Authenticate: Bearer)"},
+    404: {"description": "`model` is not the model this deployment serves"},
+    413: {"description": "body larger than max_body_bytes"},
+    500: {"description": "the pipeline raised while generating; the replica keeps serving"},
+    503: {"description": "queue full, or the replica died max_retries+1 times; retry after Retry-After"},
+    504: {"description": "not served within request_timeout_s (queueing included); the request was cancelled"},
+}
+
+
 # Module-level helpers the class uses must be defined above it: serve.ingress serialises the class
 # when it decorates it.
 def _error(exc: FieldError) -> JSONResponse:
@@ -190,7 +202,7 @@ class Ingress:
 
     # -- HTTP --------------------------------------------------------------------------------------
     @api.post("/v1/images/generations", response_model=ImageGenerationResponse,
-              response_model_exclude_none=True)
+              response_model_exclude_none=True, responses=ERROR_RESPONSES)
     async def http_generate(self, body: ImageGenerationRequest):
         try:
             return await self.generate(body)
@@ -210,7 +222,7 @@ class Ingress:
                 "detail": f"generation failed on the replica ({_cause_name(exc)}); the server logs have "
                           "the traceback"})
 
-    @api.post("/v1/warmup")
+    @api.post("/v1/warmup", responses={k: ERROR_RESPONSES[k] for k in (401, 413)})
     async def http_warmup(self, body: WarmupRequest):
         try:
             return await self.warmup(body)
