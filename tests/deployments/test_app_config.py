@@ -132,3 +132,13 @@ def test_app_args_fields_documented():
     doc = (REPO / "docs" / "serving.md").read_text()
     missing = [name for name in AppArgs.model_fields if f"`{name}`" not in doc]
     assert not missing, f"docs/serving.md does not describe {missing}"
+
+
+def test_cluster_and_serve_config_listen_on_localhost():
+    cluster = yaml.safe_load((REPO / "cluster.yaml").read_text())
+    head = " ".join(cluster["head_start_ray_commands"])
+    assert "--dashboard-host=0.0.0.0" not in head and "--dashboard-host=127.0.0.1" in head
+    serve_cfg = yaml.safe_load((REPO / "serve_config.yaml").read_text())
+    assert serve_cfg["http_options"]["host"] == "127.0.0.1"
+    args = serve_cfg["applications"][0]["args"]
+    assert args["api_key_env"] == "BCG_API_KEY" and "BCG_API_KEY" not in str(serve_cfg["applications"][0]["runtime_env"])
