@@ -6,7 +6,8 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 DEST=${OUT:-out/gpu}; mkdir -p "$DEST"
 # the device tool returns at most 8 files: collect everything in one folder, pack it at the end
-OUT=$(mktemp -d); trap 'tar -czf "$DEST/results.tgz" -C "$OUT" .' EXIT
+# (packed after every stage too, so a run cut off by the device's time limit still returns what it did)
+OUT=$(mktemp -d); pack() { tar -czf "$DEST/results.tgz" -C "$OUT" .; }; trap pack EXIT
 if [ -f .gpuhost/site.tar.xz ] && [ ! -d .gpuhost/site/ray ]; then
   mkdir -p .gpuhost/site && tar -xJf .gpuhost/site.tar.xz -C .gpuhost/site
 fi
@@ -17,11 +18,11 @@ python3 -c "import torch, diffusers; print('torch', torch.__version__, 'diffuser
 rc=0
 if [ "$what" = tests ] || [ "$what" = all ]; then
   timeout ${BCG_TEST_TIMEOUT:-400} python3 -m pytest -m gpu -q -p no:cacheprovider -o addopts= --junitxml="$OUT/gpu-tests.xml" "$@" tests 2>&1 | tee "$OUT/gpu-tests.log" | tail -40
-  rc=${PIPESTATUS[0]}
+  rc=${PIPESTATUS[0]}; pack
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   for b in ${BCG_BENCHES:-bench_forward bench_runner_overhead bench_pipeline bench_serve}; do
-    echo "== $b"; timeout ${BCG_BENCH_TIMEOUT:-300} python3 benchmarks/$b.py --out "$OUT/$b.json" 2>&1 | tail -30
+    echo "== $b"; timeout ${BCG_BENCH_TIMEOUT:-300} python3 benchmarks/$b.py --out "$OUT/$b.json" 2>&1 | tail -30; pack
   done
 fi
 exit $rc
