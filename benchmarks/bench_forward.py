@@ -63,34 +63,11 @@ def make_inputs(size: int, device, dtype, seed: int = 0) -> dict:
     }
 
 
-class _EagerProcessor:
-    """Fallback break placement: the whole attention processor call is one eager break."""
-
-    def __init__(self, processor):
-        from bcg.capture import eager_on_graph
-
-        self.processor = processor
-        self.call = eager_on_graph(processor)
-
-    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None,
-                 image_rotary_emb=None):
-        return self.call(attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb)
-
-
 def install_attention_breaks(model) -> tuple[str, int]:
-    """Breaks at the attention core via bcg.diffusers when available, else around each processor."""
-    try:
-        from bcg.diffusers import install_breaks
-    except Exception as exc:  # noqa: BLE001 - any import problem: use the local fallback, and say so
-        print(f"bcg.diffusers.install_breaks unavailable ({exc!r}); wrapping whole processors", flush=True)
-    else:
-        return 'bcg.diffusers.install_breaks(policy="attention")', install_breaks(model, policy="attention")
-    count = 0
-    for module in model.modules():
-        if type(module).__name__ == "FluxAttention":
-            module.processor = _EagerProcessor(module.processor)
-            count += 1
-    return "local whole-processor wrapper (attention processors eager)", count
+    """Breaks at the attention core of every attention layer (bcg.diffusers.install_breaks)."""
+    from bcg.diffusers import install_breaks
+
+    return 'bcg.diffusers.install_breaks(policy="attention")', install_breaks(model, policy="attention")
 
 
 def bench_size(model, size, iters, warmup, with_breaks):
