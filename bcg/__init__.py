@@ -16,6 +16,7 @@ _EXPORTS = {
     "break_graph": "bcg.capture",
     "replay_token_scope": "bcg.capture",
     "current_replay_token": "bcg.capture",
+    "capture_after_warmup": "bcg.capture",
     # signatures and the runner
     "Signature": "bcg.signature",
     "signature_of": "bcg.signature",

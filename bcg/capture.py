@@ -13,8 +13,9 @@ Contract:
 - Outside a capture ``eager_on_graph`` functions are plain calls, and they are always graph breaks for
   ``torch.compile``. Without CUDA everything imports; entering a capture raises ``RuntimeError``.
 - Module-level state: two ContextVars (the capture in progress and the replay token), a lock that guards
-  the temporary, reference counted ``torch.cuda.Event.wait`` patch (see ``_ForkTracker``), and a
-  per-capture-stream ledger of live graphs and parked segments (see ``_close_stream``).
+  the temporary, reference counted ``torch.cuda.Event.wait`` patch (see ``_ForkTracker``), the same for
+  the temporary allocator setting (``_ExpandableSegments``), and a per-capture-stream ledger of live
+  graphs and parked segments (see ``_close_stream``).
 
 Memory lifetimes (the reason for most of the code below):
 - Segments are replayed in capture order and share one private pool, so a block freed during the capture
@@ -30,9 +31,13 @@ Memory lifetimes (the reason for most of the code below):
   that segment ends, then keeps a non-owning alias: when the model drops the bridge, its block returns
   to the pool for later segments, like an eager activation. The pool itself stays reserved for as long
   as the graph holds its segments (each ``torch.cuda.CUDAGraph`` keeps a use count on the pool).
-- ``reserve_bytes`` (e.g. the eager warm-up's transient peak) grows the pool by one segment of about
-  that size before the first segment, so the capture's allocations are carved out of one block
-  rather than one cudaMalloc per new tensor size (see ``_reserve``).
+- ``expandable_segments=True`` (the default) turns the caching allocator's expandable segments on for
+  the duration of the capture (reference counted, restored after): the pool then grows as one mapped
+  range per capture stream, page by page, instead of one cudaMalloc'ed segment per size class, so
+  it reserves about the capture's own peak (see ``_ExpandableSegments``). ``reserve_bytes`` (e.g. the
+  eager warm-up's transient peak) is the fallback where expandable segments are off or unavailable: it
+  grows the pool by one segment of about that size before the first segment (see ``_reserve``).
+  ``capture_after_warmup`` does the warm-up, the peak measurement and the capture in one call.
 - Once the last graph using a pool is reset, torch frees the pool and its handle is dead: a capture into
   it fails with an internal assert (``use_count > 0``). Take a fresh ``torch.cuda.graph_pool_handle()``.
 - Graphs captured on one stream share that stream's cuBLAS workspace, which torch after 2.11 frees
@@ -48,7 +53,9 @@ import contextlib
 import contextvars
 import functools
 import logging
+import os
 import threading
+import time
 import types
 import warnings
 from typing import Any, Callable
@@ -62,6 +69,7 @@ __all__ = [
     "BreakableCUDAGraphCapture",
     "BreakOutputMismatchError",
     "break_graph",
+    "capture_after_warmup",
     "current_replay_token",
     "eager_on_graph",
     "pool_reserved_bytes",
@@ -311,6 +319,79 @@ class _ForkTracker:
 
 
 # --------------------------------------------------------------------------------------------------
+# expandable segments for the capture's pool
+
+
+class _ExpandableSegments:
+    """Temporary, reference counted ``expandable_segments:True`` allocator setting while captures run.
+
+    Why: a fresh private pool grows by one cudaMalloc per allocation that no free block fits (a tensor
+    of 10 MiB or more gets a segment of its own rounded size, a smaller one a 20 MiB segment), and a
+    block split for one size class is not merged with its neighbours' segments, so a forward with
+    activations of several large sizes reserves far more than its peak (measured on a Flux transformer,
+    H200: 116-134 MiB of pool for a 70.5 MiB eager peak; 98 MiB with a reservation of the peak). With
+    expandable segments the allocator maps pages into one growing virtual range per stream and pool, and
+    a free tail is extended instead of a new segment being cut (torch >= 2.5 supports them in private
+    pools). The setting is process-wide and read when a segment is created or grown, so it is switched on
+    by the first open capture and back off by the last (in a ``finally``); allocations of other threads
+    meanwhile may get expandable segments too, which only changes how their memory is mapped. Nothing is
+    done when the setting is already on (``PYTORCH_CUDA_ALLOC_CONF`` or the program's own setting) or
+    the allocator is not torch's native one.
+    """
+
+    _lock = threading.Lock()
+    _users = 0
+
+    @staticmethod
+    def _setter():
+        return (getattr(torch._C, "_accelerator_setAllocatorSettings", None)
+                or getattr(torch._C, "_cuda_cudaCachingAllocator_set_allocator_settings", None))
+
+    @staticmethod
+    def _already_on() -> bool:
+        getter = getattr(torch._C, "_accelerator_getAllocatorSettings", None)
+        settings = [os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""), os.environ.get("PYTORCH_ALLOC_CONF", "")]
+        if getter is not None:
+            try:
+                settings.append(getter())
+            except Exception:  # noqa: BLE001 - an older torch: the environment decides
+                pass
+        text = ",".join(settings).replace(" ", "").lower()
+        on = text.rfind("expandable_segments:true")
+        return on >= 0 and on > text.rfind("expandable_segments:false")
+
+    @classmethod
+    def enter(cls) -> bool:
+        """Switch the setting on (if needed); True when this call holds a use that ``exit`` must drop."""
+        setter = cls._setter()
+        if setter is None:
+            return False
+        with cls._lock:
+            if cls._users == 0:
+                try:
+                    if torch.cuda.get_allocator_backend() != "native" or cls._already_on():
+                        return False
+                    setter("expandable_segments:True")
+                except Exception as exc:  # noqa: BLE001 - capture without them
+                    logger.info("bcg: expandable segments unavailable (%s); the pool uses plain segments", exc)
+                    return False
+            cls._users += 1
+            return True
+
+    @classmethod
+    def exit(cls) -> None:
+        with cls._lock:
+            cls._users -= 1
+            if cls._users == 0:
+                cls._setter()("expandable_segments:False")
+
+    @classmethod
+    def active(cls) -> bool:
+        with cls._lock:
+            return cls._users > 0 or cls._already_on()
+
+
+# --------------------------------------------------------------------------------------------------
 # capture streams and pool handles
 
 # (device index, raw cudaStream_t) -> graphs alive that were captured on it (open captures included)
@@ -557,6 +638,7 @@ class BreakableCUDAGraph:
         self.num_segments = 0
         self.num_breaks = 0
         self.num_empty_segments = 0
+        self.capture_ms = 0.0  # host time of the capture (kernels are recorded, not run)
         self._capturing = False
 
     @property
@@ -635,12 +717,16 @@ class BreakableCUDAGraphCapture:
     """Context manager that captures the code inside it into ``graph`` as segments and breaks."""
 
     def __init__(self, graph: BreakableCUDAGraph, pool=None, stream: torch.cuda.Stream | None = None,
-                 capture_error_mode: str = "thread_local", reserve_bytes: int = 0):
+                 capture_error_mode: str = "thread_local", reserve_bytes: int = 0,
+                 expandable_segments: bool = True):
         self.graph = graph
         self.pool = pool
         self.stream = stream
         # See _reserve: what the captured code will allocate at most (e.g. its eager peak), or 0.
         self.reserve_bytes = int(reserve_bytes)
+        # See _ExpandableSegments: the pool grows as one mapped range (then nothing is reserved ahead).
+        self.expandable_segments = bool(expandable_segments)
+        self._expandable = False  # holds a use of the temporary allocator setting
         # thread_local: a replica may run other threads (HTTP, metrics) that touch CUDA during capture.
         self.capture_error_mode = capture_error_mode
         self._in_break = False
@@ -668,6 +754,7 @@ class BreakableCUDAGraphCapture:
             raise RuntimeError("BreakableCUDAGraphCapture inside another CUDA graph capture is not supported")
         if self.graph._capturing or self.graph.captured:
             raise RuntimeError("this BreakableCUDAGraph already holds a capture: call graph.reset() first")
+        self._start = time.perf_counter()
         self.pool = torch.cuda.graph_pool_handle() if self.pool is None else self.pool
         self.stream = torch.cuda.Stream() if self.stream is None else self.stream
         self._device_index = self.stream.device_index
@@ -679,6 +766,9 @@ class BreakableCUDAGraphCapture:
             stack.enter_context(torch.cuda.stream(self.stream))
             _ForkTracker.install()
             stack.callback(_ForkTracker.remove)
+            if self.expandable_segments and _ExpandableSegments.enter():
+                self._expandable = True
+                stack.callback(_ExpandableSegments.exit)
             token = _ACTIVE_CAPTURE.set(self)
             stack.callback(_ACTIVE_CAPTURE.reset, token)
             self.graph._capturing = True
@@ -733,8 +823,8 @@ class BreakableCUDAGraphCapture:
         reservation took a use of the pool, which the caller drops once the first segment holds one.
         """
         begin = getattr(torch._C, "_cuda_beginAllocateCurrentThreadToPool", None)
-        if self.reserve_bytes <= 0 or begin is None:
-            return False
+        if self.reserve_bytes <= 0 or begin is None or self._expandable or _ExpandableSegments.active():
+            return False  # expandable segments grow by what is needed: a reservation would only add
         try:
             free = _pool_free_bytes(self.pool, self._device_index)
         except Exception:  # noqa: BLE001 - no snapshot: reserve nothing
@@ -764,6 +854,7 @@ class BreakableCUDAGraphCapture:
         graph.num_breaks = len(self._break_names)
         graph.num_segments = len(self._segments)
         graph.num_empty_segments = self._empty
+        graph.capture_ms = (time.perf_counter() - self._start) * 1e3
         logger.debug("bcg: captured %d segments (%d empty), %d breaks", graph.num_segments, self._empty,
                      graph.num_breaks)
 
@@ -881,3 +972,43 @@ class BreakableCUDAGraphCapture:
         return bridges.result
 
 
+
+
+def capture_after_warmup(graph: BreakableCUDAGraph, fn: Callable, args: tuple = (), kwargs: dict | None = None, *,
+                         pool=None, stream: torch.cuda.Stream | None = None, warmup_runs: int = 1,
+                         expandable_segments: bool = True, capture_error_mode: str = "thread_local"):
+    """Warm ``fn(*args, **kwargs)`` up eagerly on the capture stream, then capture it into ``graph``.
+
+    What every capture should do (as ``torch.cuda.graphs.make_graphed_callables`` does): the warm-up
+    runs trigger lazy initialisation (cuBLAS handles and workspaces, autotuning, compilation) on the
+    stream the capture uses, so none of it happens inside the capture. The last warm-up's transient
+    peak (``max_memory_allocated`` above what it started and ended with) becomes ``reserve_bytes``,
+    which sizes the pool where expandable segments are off (see ``BreakableCUDAGraphCapture._reserve``);
+    measuring it resets torch's peak memory statistics. The caller's stream waits for the capture
+    stream at the end. Returns the capture-time output (refreshed by ``graph.replay()``).
+    Call under ``torch.no_grad()`` (and a ``replay_token_scope``) as the replays will run.
+    """
+    kwargs = kwargs or {}
+    stream = torch.cuda.Stream() if stream is None else stream
+    caller = torch.cuda.current_stream()
+    stream.wait_stream(caller)
+    reserve = 0
+    with torch.cuda.stream(stream):
+        base = None
+        for run in range(warmup_runs):
+            if run == warmup_runs - 1:
+                torch.cuda.synchronize(stream.device)
+                base = torch.cuda.memory_allocated(stream.device)
+                torch.cuda.reset_peak_memory_stats(stream.device)
+            fn(*args, **kwargs)
+    torch.cuda.synchronize(stream.device)
+    if base is not None:
+        # what the last run left allocated (lazily created state, the stream's cuBLAS workspace) is
+        # not part of its transient peak
+        end = torch.cuda.memory_allocated(stream.device)
+        reserve = max(0, torch.cuda.max_memory_allocated(stream.device) - max(base, end))
+    with BreakableCUDAGraphCapture(graph, pool=pool, stream=stream, capture_error_mode=capture_error_mode,
+                                   reserve_bytes=reserve, expandable_segments=expandable_segments):
+        out = fn(*args, **kwargs)
+    caller.wait_stream(stream)
+    return out

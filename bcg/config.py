@@ -41,6 +41,10 @@ class RunnerConfig:
     debug_single_break: capture the whole forward as one eager break, to tell runner bugs from
         capture bugs: replay then runs the module eagerly on the static buffers.
     capture_warmup_runs: eager runs on the capture stream before capturing (lazy init, autotuning).
+    pool_expandable_segments: grow the graph pool as expandable segments during captures (one mapped
+        range instead of one cudaMalloc per size class: about the capture's peak instead of up to twice
+        it; see ``bcg.capture._ExpandableSegments``). False: plain segments, reserved up front to the
+        warm-up's peak.
     compile: compile the module with inductor (without inductor's own CUDA graphs) and capture the
         compiled code as segments, breaks still eager (see ``bcg.compile``). Compilation happens in the
         warm-up run before each capture, so it is part of warmup; cold calls while serving never compile.
@@ -57,6 +61,7 @@ class RunnerConfig:
     debug: bool = False
     debug_single_break: bool = False
     capture_warmup_runs: int = 1
+    pool_expandable_segments: bool = True
     compile: bool = False
     compile_dynamic: Optional[bool] = None
     compile_mode: Optional[str] = None

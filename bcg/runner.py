@@ -18,8 +18,9 @@ reason), ``disabled`` (config, or a capture with more than ``max_segments`` segm
 Limits: ``max_entries`` graphs, least recently used evicted first; ``pool_budget_bytes`` caps the
 pool bytes attributed to live entries (growth of ``torch.cuda.memory_reserved`` during each capture;
 memory an evicted entry leaves in the shared pool is reused by later captures rather than released).
-The pool is grown to the last warm-up run's peak before a capture (one segment rather than one per
-tensor size); measuring that peak resets ``torch.cuda``'s peak memory statistics.
+Captures grow the pool as expandable segments (``RunnerConfig.pool_expandable_segments``), or else
+reserve the last warm-up run's peak up front (see ``bcg.capture.capture_after_warmup``); measuring
+that peak resets ``torch.cuda``'s peak memory statistics.
 
 Concurrency: calls from any thread or asyncio task are safe. One lock per runner covers copy-in,
 replay and copy-out of every entry -- not one per entry -- because all entries share one pool: two
@@ -47,7 +48,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from bcg import capture as _capture
-from bcg.capture import BreakableCUDAGraph, BreakableCUDAGraphCapture, eager_on_graph, replay_token_scope
+from bcg.capture import BreakableCUDAGraph, eager_on_graph, replay_token_scope
 from bcg.config import RunnerConfig
 from bcg.signature import _describe_with_leaves, _rebuild_kwargs
 
@@ -179,8 +180,9 @@ class _EntryCache:
 class _CudaRecorder:
     """The CUDA part of a capture: warm-up run, capture into the shared pool, memory accounting."""
 
-    def __init__(self, device):
+    def __init__(self, device, expandable_segments=True):
         self.device = device
+        self.expandable_segments = expandable_segments
         self._pool = None
         self._stream = None
         self._last_stream_id = None
@@ -196,34 +198,18 @@ class _CudaRecorder:
             stream, caller = self._stream, torch.cuda.current_stream()
             stream.wait_stream(caller)
             with torch.no_grad(), replay_token_scope(token):
-                reserve = 0
-                with torch.cuda.stream(stream):
-                    for run in range(warmup_runs):
-                        if run == warmup_runs - 1:
-                            torch.cuda.synchronize()
-                            base = torch.cuda.memory_allocated()
-                            torch.cuda.reset_peak_memory_stats()
-                        fn(*args, **kwargs)
-                torch.cuda.synchronize()
-                if warmup_runs:
-                    # The last warm-up's transient peak sizes the pool reservation (see
-                    # BreakableCUDAGraphCapture._reserve); what it left allocated (lazily created
-                    # state, the stream's cuBLAS workspace) is not part of it.
-                    end = torch.cuda.memory_allocated()
-                    reserve = max(0, torch.cuda.max_memory_allocated() - max(base, end))
                 graph = BreakableCUDAGraph()
                 before = self._pool_bytes()
-                start = time.perf_counter()
                 try:
-                    with BreakableCUDAGraphCapture(graph, pool=self._pool, stream=stream,
-                                                   reserve_bytes=reserve):
-                        output = fn(*args, **kwargs)
+                    output = _capture.capture_after_warmup(
+                        graph, fn, args, kwargs, pool=self._pool, stream=stream, warmup_runs=warmup_runs,
+                        expandable_segments=self.expandable_segments)
                 except BaseException:
                     with contextlib.suppress(Exception):
                         graph.reset()
                     raise
                 torch.cuda.synchronize()
-                capture_ms = (time.perf_counter() - start) * 1e3
+                capture_ms = graph.capture_ms
             caller.wait_stream(stream)
             after = self._pool_bytes()
         self.pool_reserved_bytes = after[0]
@@ -321,7 +307,8 @@ class BreakableGraphRunner:
             from bcg.compile import compile_for_segments
             self._compiled = compile_for_segments(module, dynamic=self._runner_config.compile_dynamic,
                                                   mode=self._runner_config.compile_mode)
-        self._recorder = _CudaRecorder(self._device) if self._device.type == "cuda" else None
+        self._recorder = (_CudaRecorder(self._device, self._runner_config.pool_expandable_segments)
+                          if self._device.type == "cuda" else None)
         self._off = self._off_reason()
         if self._off is not None:
             logger.info("graph runner for %s runs eagerly: %s", type(module).__name__, self._off[1])
@@ -355,7 +342,8 @@ class BreakableGraphRunner:
                 with self._lock:
                     self._reset_locked()  # graphs of the old device (and its pool) are of no use now
                     self._device = device
-                    self._recorder = _CudaRecorder(device) if device.type == "cuda" else None
+                    self._recorder = (_CudaRecorder(device, self._runner_config.pool_expandable_segments)
+                                      if device.type == "cuda" else None)
         self.check_weights()
         self._off = self._off_reason()
         return self
@@ -505,7 +493,8 @@ class BreakableGraphRunner:
         if self._device_arg is None and self._recorder is None and torch.cuda.is_available():
             device = _resolve_device(self._module, None)
             if device.type == "cuda":
-                self._device, self._recorder = device, _CudaRecorder(device)
+                self._device, self._recorder = device, _CudaRecorder(
+                    device, self._runner_config.pool_expandable_segments)
                 self._off = self._off_reason()
 
     def _run_eager(self, reason, token, args, kwargs):

@@ -135,6 +135,79 @@ def _warm(fn, stream, runs):
     torch.cuda.synchronize()
 
 
+def host_ms(fn, iters):
+    """Median host milliseconds to issue one call on an idle GPU (sync before each): the CPU cost."""
+    import statistics
+
+    import torch
+
+    times = []
+    for _ in range(iters):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    torch.cuda.synchronize()
+    return statistics.median(times)
+
+
+def gpu_busy_ms(fn, iters=10):
+    """Kernel time per call from the profiler (sum of device time of everything the calls ran)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    total_us, kernels = 0.0, 0
+    for event in prof.events():
+        if str(getattr(event, "device_type", "")).endswith("CUDA"):
+            total_us += getattr(event, "device_time", getattr(event, "cuda_time", 0.0))
+            kernels += 1
+    return total_us / iters / 1e3, kernels / iters
+
+
+def _diagnose(replay, graph, args):
+    """Where a replay's time goes: host cost, GPU kernel time, and (for breakable graphs) segments
+    replayed without their breaks and breaks run without their segments."""
+    import torch
+
+    from _common import time_cuda
+
+    out = {}
+    if not args.diagnose:
+        return out
+    out["host_ms"] = host_ms(replay, args.iters)
+    try:
+        out["gpu_busy_ms"], out["kernels_per_call"] = gpu_busy_ms(replay)
+    except Exception as exc:  # noqa: BLE001 - a profiler problem must not cost the measurement
+        out["gpu_busy_error"] = f"{type(exc).__name__}: {exc}"
+    if graph is not None and hasattr(graph, "_steps"):
+        is_segment = [isinstance(getattr(step, "__self__", None), torch._C._CUDAGraph) for step in graph._steps]
+        segments = [s for s, seg in zip(graph._steps, is_segment) if seg]
+        breaks = [s for s, seg in zip(graph._steps, is_segment) if not seg]
+
+        def segments_only():
+            for step in segments:
+                step()
+
+        def breaks_only():
+            for step in breaks:
+                step()
+        out["segments_only_ms"] = time_cuda(segments_only, args.iters, args.warmup)
+        out["segments_only_host_ms"] = host_ms(segments_only, args.iters)
+        out["breaks_only_ms"] = time_cuda(breaks_only, args.iters, args.warmup)
+        out["breaks_only_host_ms"] = host_ms(breaks_only, args.iters)
+        try:
+            out["breaks_only_gpu_busy_ms"], out["breaks_only_kernels"] = gpu_busy_ms(breaks_only)
+        except Exception as exc:  # noqa: BLE001
+            out["gpu_busy_error"] = f"{type(exc).__name__}: {exc}"
+    return out
+
+
 def measure(variant, model, name, size, args, state):
     """One (variant, size): returns a result row. `state` carries per-variant objects across sizes."""
     import torch
@@ -161,6 +234,7 @@ def measure(variant, model, name, size, args, state):
         with torch.cuda.graph(graph, stream=stream):
             out = fwd()
         row["ms"] = time_cuda(graph.replay, args.iters, args.warmup)
+        row.update(_diagnose(graph.replay, None, args))
         graph.replay()
         torch.cuda.synchronize()
         result = out.clone()
@@ -183,6 +257,7 @@ def measure(variant, model, name, size, args, state):
         for _ in range(3):  # cudagraph trees record on the second or third call
             fn()
         row["ms"] = time_cuda(fn, args.iters, args.warmup)
+        row.update(_diagnose(fn, None, args))
         result = fn().clone()
         return row, result
 
@@ -221,6 +296,7 @@ def measure(variant, model, name, size, args, state):
         row["segments"], row["breaks"] = graph.num_segments, graph.num_breaks
         replay = graph.replay
     row["ms"] = time_cuda(replay, args.iters, args.warmup)
+    row.update(_diagnose(replay, graph if variant != "inductor_one_graph" else None, args))
     replay()
     torch.cuda.synchronize()
     result = out.clone()
@@ -413,6 +489,9 @@ def main(argv=None):
                         help="compile_for_segments dynamic= (false: static kernels per size, as reduce_overhead)")
     parser.add_argument("--budget-s", type=float, default=540.0,
                         help="start no new model/variant after this many seconds (the JSON says what was skipped)")
+    parser.add_argument("--diagnose", action="store_true",
+                        help="also record host ms per call, profiler kernel time per call and, for breakable "
+                             "graphs, segments-only and breaks-only timings")
     parser.add_argument("--dry-run", action="store_true", help="print parameter counts and the plan only")
     parser.add_argument("--plot-only", metavar="JSON", help="only make the PNG from an existing JSON")
     args = parser.parse_args(argv)

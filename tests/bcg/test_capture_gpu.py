@@ -13,8 +13,10 @@ from bcg.capture import (
     BreakOutputMismatchError,
     _ACTIVE_CAPTURE,
     _parked_segments,
+    _ExpandableSegments,
     _pool_usable,
     break_graph,
+    capture_after_warmup,
     current_replay_token,
     eager_on_graph,
     pool_reserved_bytes,
@@ -25,27 +27,12 @@ pytestmark = pytest.mark.gpu
 MB = 1 << 20
 
 
-def _capture(fn, *args, pool=None, stream=None, warmup=1, token=None):
-    """What the runner does: warm up eagerly on the capture stream, then capture on it into a pool
-    reserved up to the last warm-up's transient peak."""
-    stream = torch.cuda.Stream() if stream is None else stream
+def _capture(fn, *args, pool=None, stream=None, warmup=1, token=None, expandable_segments=True):
+    """What the runner does: warm up eagerly on the capture stream, then capture on it."""
     graph = BreakableCUDAGraph()
-    reserve = 0
     with torch.no_grad(), replay_token_scope(token):
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for run in range(warmup):
-                if run == warmup - 1:
-                    torch.cuda.synchronize()
-                    base = torch.cuda.memory_allocated()
-                    torch.cuda.reset_peak_memory_stats()
-                fn(*args)
-        torch.cuda.synchronize()
-        if warmup:
-            reserve = torch.cuda.max_memory_allocated() - max(base, torch.cuda.memory_allocated())
-        with BreakableCUDAGraphCapture(graph, pool=pool, stream=stream, reserve_bytes=reserve):
-            out = fn(*args)
-    torch.cuda.current_stream().wait_stream(stream)
+        out = capture_after_warmup(graph, fn, args, pool=pool, stream=stream, warmup_runs=warmup,
+                                   expandable_segments=expandable_segments)
     return graph, out
 
 
@@ -455,11 +442,6 @@ def test_flux_replay_matches_eager_bitwise():
         assert torch.equal(replayed, expected), f"seed {seed}: max diff {(replayed - expected).abs().max()}"
 
 
-@pytest.mark.xfail(strict=False, reason=(
-    "measured on an H200 (torch 2.11): eager peak 70.5 MiB, capture pool 98 MiB (1.39x; 116-134 MiB, "
-    "1.65-1.90x, without the pool reservation). The pool's own peak is 62.4 MiB; the rest is the caching "
-    "allocator's fragmentation in a fresh private pool (a 20 MiB tensor gets an overflow segment unless "
-    "the reserved segment is >= 92 MiB) plus two 2 MiB small-block segments"))
 def test_flux_capture_pool_stays_within_eager_peak_activation_memory():
     # Measure: the eager forward's peak activation memory is max_memory_allocated() during the forward
     # minus what was allocated before it (weights, inputs). The graph's cost is what the allocator has
@@ -483,9 +465,31 @@ def test_flux_capture_pool_stays_within_eager_peak_activation_memory():
     torch.cuda.synchronize()
     eager_peak = torch.cuda.max_memory_allocated() - before
     del eager_out
-    graph, out = _capture(forward, inputs)
+    graph, out = _capture(forward, inputs)  # expandable segments (the default)
     pool = pool_reserved_bytes(graph.pool)
     print(f"eager peak activations {eager_peak / MB:.1f} MiB, capture pool {pool / MB:.1f} MiB "
           f"({pool / eager_peak:.2f}x), {graph.num_segments} segments")
     assert eager_peak > 32 * MB
     assert 0 < pool <= 1.25 * eager_peak
+    # the temporary allocator setting is gone with the capture
+    assert _ExpandableSegments._users == 0 and not _ExpandableSegments.active()
+
+
+def test_allocator_setting_is_restored_after_a_capture_that_raises():
+    x = torch.ones(1024, device="cuda")
+
+    def forward(t):
+        y = t * 2
+        raise ValueError("boom inside the capture")
+
+    graph = BreakableCUDAGraph()
+    with pytest.raises(ValueError, match="boom"):
+        with BreakableCUDAGraphCapture(graph):
+            assert _ExpandableSegments.active()
+            forward(x)
+    _assert_clean()
+    assert _ExpandableSegments._users == 0 and not _ExpandableSegments.active()
+    graph, out = _capture(lambda t: t * 3, x)  # and the next capture works
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, x * 3)

@@ -10,7 +10,7 @@
 import pytest
 import torch
 
-from bcg.capture import BreakableCUDAGraph, BreakableCUDAGraphCapture
+from bcg.capture import BreakableCUDAGraph, BreakableCUDAGraphCapture, capture_after_warmup
 from bcg.compile import compile_for_segments
 
 pytestmark = pytest.mark.gpu
@@ -55,17 +55,9 @@ def _inputs(n, seed=0):
 
 def _capture(fn, kwargs, warmup=1):
     """As the runner does: warm-up call(s) on the capture stream (compile, autotune), then capture."""
-    stream = torch.cuda.Stream()
     graph = BreakableCUDAGraph()
     with torch.no_grad():
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(warmup):
-                fn(**kwargs)
-        torch.cuda.current_stream().wait_stream(stream)
-        with BreakableCUDAGraphCapture(graph, stream=stream):
-            out = fn(**kwargs)
-    torch.cuda.current_stream().wait_stream(stream)
+        out = capture_after_warmup(graph, fn, (), kwargs, warmup_runs=warmup)
     return graph, out
 
 

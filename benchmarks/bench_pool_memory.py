@@ -1,0 +1,157 @@
+"""Graph-pool memory of one breakable capture vs the eager forward's peak activation memory.
+
+    python3 benchmarks/bench_pool_memory.py [--out benchmarks/results/bench_pool_memory.json]
+
+For Flux transformers with a break at every attention call (diffusers, random weights, bf16), each
+capture into a fresh private pool in three ways:
+- plain: plain cudaMalloc'ed segments, nothing reserved (what ``torch.cuda.graph`` does);
+- reserve: plain segments, the pool reserved up front to the warm-up run's peak (``reserve_bytes``);
+- expandable: the allocator's expandable segments during the capture (bcg's default).
+Eager peak = ``max_memory_allocated()`` during one eager forward minus what was allocated before it;
+pool = bytes of the pool's segments in ``torch.cuda.memory_snapshot()``. Each capture's replay is
+compared with the eager output bit for bit. Issue 2's bar: pool <= 1.25x eager peak.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(1, os.path.dirname(HERE))
+
+DEFAULT_OUT = os.path.join(HERE, "results", "bench_pool_memory.json")
+MB = 1 << 20
+CASES = {
+    # the GPU test's model and inputs (tests/bcg/test_capture_gpu.py): batch 4 x 16384 latent tokens
+    "flux-tiny-b4-16k": dict(config=dict(patch_size=1, in_channels=16, num_layers=2, num_single_layers=4,
+                                         attention_head_dim=16, num_attention_heads=2, joint_attention_dim=32,
+                                         pooled_projection_dim=32, axes_dims_rope=(4, 6, 6)),
+                             batch=4, side=128, text=64),
+    # bench_forward's 9.17 M-parameter Flux at 1024² (64 x 64 latent tokens), batch 2
+    "flux-9m-b2-1024": dict(config=dict(patch_size=1, in_channels=64, num_layers=2, num_single_layers=4,
+                                        attention_head_dim=64, num_attention_heads=4, joint_attention_dim=256,
+                                        pooled_projection_dim=256, axes_dims_rope=(16, 24, 24)),
+                            batch=2, side=64, text=64),
+}
+MODES = ("plain", "reserve", "expandable")
+
+
+def log(msg):
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def build(case):
+    import torch
+    from diffusers import FluxTransformer2DModel
+
+    from bcg.diffusers import install_breaks
+
+    spec = CASES[case]
+    torch.manual_seed(0)
+    model = FluxTransformer2DModel(**spec["config"]).to("cuda", torch.bfloat16).eval()
+    install_breaks(model, policy="attention")
+    g = torch.Generator().manual_seed(0)
+    b, side, text, cfg = spec["batch"], spec["side"], spec["text"], spec["config"]
+    rows, cols = torch.meshgrid(torch.arange(side), torch.arange(side), indexing="ij")
+    inputs = {
+        "hidden_states": torch.randn(b, side * side, cfg["in_channels"], generator=g),
+        "encoder_hidden_states": torch.randn(b, text, cfg["joint_attention_dim"], generator=g),
+        "pooled_projections": torch.randn(b, cfg["pooled_projection_dim"], generator=g),
+        "timestep": torch.rand(b, generator=g),
+    }
+    inputs = {k: v.to("cuda", torch.bfloat16) for k, v in inputs.items()}
+    inputs["img_ids"] = torch.stack([torch.zeros_like(rows), rows, cols], dim=-1).reshape(-1, 3).float().cuda()
+    inputs["txt_ids"] = torch.zeros(text, 3, device="cuda")
+    return model, inputs
+
+
+def measure(case, mode):
+    import torch
+
+    from bcg.capture import (BreakableCUDAGraph, BreakableCUDAGraphCapture, capture_after_warmup,
+                             pool_reserved_bytes)
+
+    model, inputs = build(case)
+
+    def forward(kw):
+        return model(**kw, return_dict=False)[0]
+
+    with torch.no_grad():
+        forward(inputs)  # lazy initialisation outside the measurement
+        torch.cuda.synchronize()
+        gc.collect()
+        torch.cuda.empty_cache()
+        before = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        eager = forward(inputs)
+        torch.cuda.synchronize()
+        eager_peak = torch.cuda.max_memory_allocated() - before
+        reference = eager.clone()
+        del eager
+        graph = BreakableCUDAGraph()
+        reserved_before = torch.cuda.memory_reserved()
+        if mode == "plain":
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                forward(inputs)  # the same warm-up, without a reservation
+            torch.cuda.synchronize()
+            with BreakableCUDAGraphCapture(graph, stream=stream, expandable_segments=False):
+                out = forward(inputs)
+            torch.cuda.current_stream().wait_stream(stream)
+        else:
+            out = capture_after_warmup(graph, forward, (inputs,), expandable_segments=(mode == "expandable"))
+        torch.cuda.synchronize()
+        pool = pool_reserved_bytes(graph.pool)
+        reserved_growth = torch.cuda.memory_reserved() - reserved_before
+        graph.replay()
+        torch.cuda.synchronize()
+        equal = bool(torch.equal(out, reference))
+    segments = [s["total_size"] for s in torch.cuda.memory_snapshot()
+                if tuple(s.get("segment_pool_id", ())) == tuple(graph.pool)]
+    row = {"case": case, "mode": mode, "eager_peak_mib": eager_peak / MB, "pool_mib": pool / MB,
+           "ratio": pool / eager_peak, "reserved_growth_mib": reserved_growth / MB,
+           "pool_segments_mib": [round(s / MB, 1) for s in sorted(segments, reverse=True)],
+           "segments": graph.num_segments, "breaks": graph.num_breaks, "replay_bitwise_equal_eager": equal,
+           "meets_1_25x": pool <= 1.25 * eager_peak}
+    graph.reset()
+    del graph, out, model, inputs, reference
+    gc.collect()
+    torch.cuda.empty_cache()
+    return row
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default=DEFAULT_OUT)
+    parser.add_argument("--cases", default=",".join(CASES))
+    parser.add_argument("--modes", default=",".join(MODES))
+    args = parser.parse_args(argv)
+    import torch
+
+    from _common import machine_info, write_json
+
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_pool_memory needs CUDA")
+    result = {"benchmark": "bench_pool_memory", "command": " ".join(["python3"] + sys.argv),
+              "machine": machine_info(), "cases": {k: CASES[k] for k in args.cases.split(",")},
+              "target": "pool <= 1.25 x eager peak activation memory", "results": []}
+    for case in args.cases.split(","):
+        for mode in args.modes.split(","):
+            try:
+                row = measure(case, mode)
+            except Exception as exc:  # noqa: BLE001 - record it, go on
+                row = {"case": case, "mode": mode, "error": f"{type(exc).__name__}: {str(exc)[:400]}"}
+            result["results"].append(row)
+            log(f"{case} {mode}: " + ", ".join(f"{k}={round(v, 3) if isinstance(v, float) else v}"
+                                               for k, v in row.items() if k not in ("case", "mode")))
+            write_json(args.out, result)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
