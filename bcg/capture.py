@@ -51,6 +51,7 @@ from __future__ import annotations
 import bisect
 import contextlib
 import contextvars
+import ctypes
 import functools
 import logging
 import os
@@ -639,6 +640,10 @@ class BreakableCUDAGraph:
         self.num_breaks = 0
         self.num_empty_segments = 0
         self.capture_ms = 0.0  # host time of the capture (kernels are recorded, not run)
+        self.raw_launch = False  # see _RawLaunch; set by the capture
+        self._segment_at: dict[int, torch.cuda.CUDAGraph] = {}  # step index -> segment it replays
+        self._device_index = -1
+        self._fast_steps: tuple[Callable[[], Any], ...] | None = None  # built by the first replay
         self._capturing = False
 
     @property
@@ -649,7 +654,13 @@ class BreakableCUDAGraph:
         """Replay segment 0, break 0, segment 1, ... on the current stream; outputs refresh in place."""
         if not self.num_segments:
             raise RuntimeError("BreakableCUDAGraph.replay(): nothing captured (capture it first, or after reset())")
-        for step in self._steps:
+        steps = self._steps
+        if self.raw_launch and torch._C._cuda_getDevice() == self._device_index:
+            if self._fast_steps is None:
+                self._fast_steps = _RawLaunch.first_replay(self)
+                return
+            steps = self._fast_steps
+        for step in steps:
             step()
 
     def reset(self) -> None:
@@ -704,6 +715,79 @@ def _release_failed_segment(segment, device_index: int, pool: tuple) -> None:
             logger.debug("bcg: %s after a failed capture: %s", name, exc)
 
 
+class _RawLaunch:
+    """Segments launched with the driver's ``cuGraphLaunch`` instead of ``CUDAGraph.replay()``.
+
+    Why: torch's replay does more than launch: a device guard and, per registered generator, a replay
+    prologue that in torch versions up to at least 2.11 fills the generator's seed and offset tensors
+    (two small kernels) even for graphs that draw no random numbers. One graph pays that once per
+    forward; a breakable graph pays it per segment, on the CPU and on the GPU. A segment whose capture
+    drew no random numbers needs none of it, so after the graph's first replay (through torch, in
+    order, during which each segment's effect on the default generator's offset is observed) such
+    segments are launched directly on the current stream of the capture device. Segments that did
+    advance the offset keep torch's replay (their philox offsets must move). A launch that fails (no
+    current context on this thread) launched nothing and falls back to torch's replay of that segment.
+    Used only while the current device is the capture device; off where libcuda or torch's
+    ``raw_cuda_graph_exec`` is missing.
+    """
+
+    _lock = threading.Lock()
+    _launch = None  # ctypes cuGraphLaunch, False when unavailable
+
+    @classmethod
+    def launcher(cls):
+        with cls._lock:
+            if cls._launch is None:
+                try:
+                    fn = ctypes.CDLL("libcuda.so.1").cuGraphLaunch
+                    fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_void_p], ctypes.c_int
+                    cls._launch = fn
+                except (OSError, AttributeError) as exc:
+                    logger.info("bcg: no direct graph launch (%s); segments replay through torch", exc)
+                    cls._launch = False
+            return cls._launch or None
+
+    @classmethod
+    def first_replay(cls, graph: BreakableCUDAGraph) -> tuple:
+        """Replay ``graph`` through torch, noting which segments draw random numbers; returns the
+        steps later replays run (``graph._steps`` unchanged where no direct launch is possible)."""
+        launch = cls.launcher()
+        generator = torch.cuda.default_generators[graph._device_index]
+        offset = getattr(generator, "get_offset", None)
+        rng_steps = set()
+        for index, step in enumerate(graph._steps):
+            if index in graph._segment_at and offset is not None:
+                before = offset()
+                step()
+                if offset() != before:
+                    rng_steps.add(index)
+            else:
+                step()
+        if launch is None or offset is None:
+            return graph._steps
+        steps = list(graph._steps)
+        for index, segment in graph._segment_at.items():
+            if index in rng_steps:
+                continue
+            try:
+                exec_ptr = segment.raw_cuda_graph_exec()
+            except Exception as exc:  # noqa: BLE001 - an older torch, or no instantiated exec
+                logger.info("bcg: no raw graph exec (%s); segments replay through torch", exc)
+                return graph._steps
+            steps[index] = cls._step(launch, exec_ptr, graph._device_index, graph._steps[index])
+        return tuple(steps)
+
+    @staticmethod
+    def _step(launch, exec_ptr: int, device_index: int, fallback: Callable[[], None]) -> Callable[[], None]:
+        current_stream = torch._C._cuda_getCurrentRawStream
+
+        def step():
+            if launch(exec_ptr, current_stream(device_index)):
+                fallback()  # nothing was launched: torch's replay of this segment instead
+
+        return step
+
+
 def _segment_replay(segment: torch.cuda.CUDAGraph) -> Callable[[], None]:
     # The C++ method directly skips the Python frame of CUDAGraph.replay on every replay; that wrapper
     # only checks an input-liveness tracker, which we never enable.
@@ -718,7 +802,7 @@ class BreakableCUDAGraphCapture:
 
     def __init__(self, graph: BreakableCUDAGraph, pool=None, stream: torch.cuda.Stream | None = None,
                  capture_error_mode: str = "thread_local", reserve_bytes: int = 0,
-                 expandable_segments: bool = True):
+                 expandable_segments: bool = True, raw_launch: bool = False):
         self.graph = graph
         self.pool = pool
         self.stream = stream
@@ -727,6 +811,9 @@ class BreakableCUDAGraphCapture:
         # See _ExpandableSegments: the pool grows as one mapped range (then nothing is reserved ahead).
         self.expandable_segments = bool(expandable_segments)
         self._expandable = False  # holds a use of the temporary allocator setting
+        # See _RawLaunch: segments that draw no random numbers are launched without torch's replay.
+        self.raw_launch = bool(raw_launch)
+        self._segment_at: dict[int, torch.cuda.CUDAGraph] = {}
         # thread_local: a replica may run other threads (HTTP, metrics) that touch CUDA during capture.
         self.capture_error_mode = capture_error_mode
         self._in_break = False
@@ -846,7 +933,12 @@ class BreakableCUDAGraphCapture:
 
     def _finish(self) -> None:
         graph = self.graph
-        graph._steps = tuple(step for step in self._steps if step is not _nothing)
+        kept = [i for i, step in enumerate(self._steps) if step is not _nothing]
+        graph._steps = tuple(self._steps[i] for i in kept)
+        graph._segment_at = {new: self._segment_at[old] for new, old in enumerate(kept) if old in self._segment_at}
+        graph._device_index = self._device_index
+        graph.raw_launch = self.raw_launch
+        graph._fast_steps = None
         graph._segments = self._segments
         graph._stream_key, self._stream_key = self._stream_key, None
         graph._bridges = self._bridge_sets
@@ -880,6 +972,7 @@ class BreakableCUDAGraphCapture:
         self._pending = []
         self._bridge_sets = []
         self._steps = []
+        self._segment_at = {}
 
     # -- segments ----------------------------------------------------------------------------------
 
@@ -905,6 +998,7 @@ class BreakableCUDAGraphCapture:
         if empty:
             self._empty += 1
         else:
+            self._segment_at[len(self._steps)] = segment
             self._steps.append(_segment_replay(segment))
         # The segment that reads the pending bridges is closed: let the pool reuse them from now on.
         for index, bridges in self._pending:
@@ -976,7 +1070,8 @@ class BreakableCUDAGraphCapture:
 
 def capture_after_warmup(graph: BreakableCUDAGraph, fn: Callable, args: tuple = (), kwargs: dict | None = None, *,
                          pool=None, stream: torch.cuda.Stream | None = None, warmup_runs: int = 1,
-                         expandable_segments: bool = True, capture_error_mode: str = "thread_local"):
+                         expandable_segments: bool = True, raw_launch: bool = False,
+                         capture_error_mode: str = "thread_local"):
     """Warm ``fn(*args, **kwargs)`` up eagerly on the capture stream, then capture it into ``graph``.
 
     What every capture should do (as ``torch.cuda.graphs.make_graphed_callables`` does): the warm-up
@@ -1008,7 +1103,8 @@ def capture_after_warmup(graph: BreakableCUDAGraph, fn: Callable, args: tuple = 
         end = torch.cuda.memory_allocated(stream.device)
         reserve = max(0, torch.cuda.max_memory_allocated(stream.device) - max(base, end))
     with BreakableCUDAGraphCapture(graph, pool=pool, stream=stream, capture_error_mode=capture_error_mode,
-                                   reserve_bytes=reserve, expandable_segments=expandable_segments):
+                                   reserve_bytes=reserve, expandable_segments=expandable_segments,
+                                   raw_launch=raw_launch):
         out = fn(*args, **kwargs)
     caller.wait_stream(stream)
     return out

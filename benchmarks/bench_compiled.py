@@ -162,12 +162,27 @@ def gpu_busy_ms(fn, iters=10):
         for _ in range(iters):
             fn()
         torch.cuda.synchronize()
-    total_us, kernels = 0.0, 0
+    total_us, kernels, names = 0.0, 0, {}
     for event in prof.events():
         if str(getattr(event, "device_type", "")).endswith("CUDA"):
             total_us += getattr(event, "device_time", getattr(event, "cuda_time", 0.0))
             kernels += 1
+            names[event.name[:60]] = names.get(event.name[:60], 0) + 1
+    top = sorted(names.items(), key=lambda kv: -kv[1])[:6]
+    log("  kernels per call: " + "; ".join(f"{n / iters:g}x {name}" for name, n in top))
     return total_us / iters / 1e3, kernels / iters
+
+
+def _output_of(graph):
+    """(graph, a copy of the tensor the model returned) after one replay, via the holder _diagnose set."""
+    import torch
+
+    holder = getattr(graph, "_bench_out", None)
+    if holder is None:
+        return None
+    graph.replay()
+    torch.cuda.synchronize()
+    return graph, holder.clone()
 
 
 def _diagnose(replay, graph, args):
@@ -199,6 +214,21 @@ def _diagnose(replay, graph, args):
                 step()
         out["segments_only_ms"] = time_cuda(segments_only, args.iters, args.warmup)
         out["segments_only_host_ms"] = host_ms(segments_only, args.iters)
+        # the same graph with segments launched directly (bcg.capture._RawLaunch)
+        if hasattr(graph, "raw_launch"):
+            reference = _output_of(graph)
+            graph.raw_launch, graph._fast_steps = True, None
+            graph.replay()  # the first replay observes which segments draw random numbers
+            torch.cuda.synchronize()
+            out["raw_launch_ms"] = time_cuda(graph.replay, args.iters, args.warmup)
+            out["raw_launch_host_ms"] = host_ms(graph.replay, args.iters)
+            if reference is not None:
+                out["raw_launch_bitwise_equal"] = bool(torch.equal(reference[1], _output_of(graph)[1]))
+            try:
+                out["raw_launch_gpu_busy_ms"], out["raw_launch_kernels_per_call"] = gpu_busy_ms(graph.replay)
+            except Exception as exc:  # noqa: BLE001
+                out["gpu_busy_error"] = f"{type(exc).__name__}: {exc}"
+            graph.raw_launch, graph._fast_steps = False, None
         out["breaks_only_ms"] = time_cuda(breaks_only, args.iters, args.warmup)
         out["breaks_only_host_ms"] = host_ms(breaks_only, args.iters)
         try:
@@ -271,7 +301,7 @@ def measure(variant, model, name, size, args, state):
         if forward_fn is None:
             breaks = "attention" if variant == "compiled_segments" else None
             forward_fn = state["compiled"] = compile_for_segments(
-                model, dynamic=args.dynamic, breaks=breaks, recompile_limit=64)
+                model, dynamic=args.dynamic, breaks=breaks, recompile_limit=64, mode=args.compile_mode)
     graphs_before = forward_fn.stats()["graphs_compiled"] if variant != "segments" else 0
 
     def fwd():
@@ -296,6 +326,8 @@ def measure(variant, model, name, size, args, state):
         row["segments"], row["breaks"] = graph.num_segments, graph.num_breaks
         replay = graph.replay
     row["ms"] = time_cuda(replay, args.iters, args.warmup)
+    if variant != "inductor_one_graph":
+        graph._bench_out = out
     row.update(_diagnose(replay, graph if variant != "inductor_one_graph" else None, args))
     replay()
     torch.cuda.synchronize()
@@ -385,7 +417,8 @@ def run(args):
         "models": info,
         "settings": {"dtype": "bfloat16", "batch": 1, "iters": args.iters, "warmup": args.warmup,
                      "statistic": "median ms, CUDA events around each call, calls back to back",
-                     "compiled_segments_dynamic": args.dynamic, "weights": "random, torch.manual_seed(0)"},
+                     "compiled_segments_dynamic": args.dynamic, "compile_mode": args.compile_mode,
+                     "weights": "random, torch.manual_seed(0)"},
         "targets_text": TARGETS,
         "results": [],
         "skipped": [],
@@ -489,6 +522,9 @@ def main(argv=None):
                         help="compile_for_segments dynamic= (false: static kernels per size, as reduce_overhead)")
     parser.add_argument("--budget-s", type=float, default=540.0,
                         help="start no new model/variant after this many seconds (the JSON says what was skipped)")
+    parser.add_argument("--compile-mode", default=None, choices=[None, "default", "max-autotune-no-cudagraphs"],
+                        help="inductor mode of compiled_segments and inductor_one_graph (reduce_overhead stays "
+                             "torch.compile(mode='reduce-overhead'))")
     parser.add_argument("--diagnose", action="store_true",
                         help="also record host ms per call, profiler kernel time per call and, for breakable "
                              "graphs, segments-only and breaks-only timings")

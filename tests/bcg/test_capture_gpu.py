@@ -493,3 +493,36 @@ def test_allocator_setting_is_restored_after_a_capture_that_raises():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, x * 3)
+
+
+def test_raw_launch_replays_like_torch_and_keeps_random_segments_on_torch_replay():
+    x = torch.randn(4096, device="cuda")
+
+    @eager_on_graph
+    def brk(t):
+        return t.sin()
+
+    def forward(t):
+        a = brk(t * 2) + 1
+        b = brk(a * torch.rand_like(a))  # the middle segment draws random numbers
+        return b * 3
+
+    replays = {}
+    for raw in (False, True):
+        torch.manual_seed(123)
+        graph = BreakableCUDAGraph()
+        with torch.no_grad():
+            out = capture_after_warmup(graph, forward, (x,), raw_launch=raw)
+        torch.manual_seed(7)
+        replays[raw] = []
+        for _ in range(3):
+            graph.replay()
+            replays[raw].append(out.clone())
+        torch.cuda.synchronize()
+        if raw:
+            direct = [f is not s for f, s in zip(graph._fast_steps, graph._steps)]
+            assert sum(direct) == 2, "the two segments without random numbers launch directly"
+        assert not torch.equal(replays[raw][0], replays[raw][1]), "the random segment draws new numbers"
+        graph.reset()
+    for torch_replay, raw_replay in zip(replays[False], replays[True]):
+        assert torch.equal(torch_replay, raw_replay)
