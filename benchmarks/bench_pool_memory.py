@@ -6,7 +6,8 @@ For Flux transformers with a break at every attention call (diffusers, random we
 capture into a fresh private pool in three ways:
 - plain: plain cudaMalloc'ed segments, nothing reserved (what ``torch.cuda.graph`` does);
 - reserve: plain segments, the pool reserved up front to the warm-up run's peak (``reserve_bytes``);
-- expandable: the allocator's expandable segments during the capture (bcg's default).
+- expandable: the allocator's expandable segments during the capture (bcg's default);
+- expandable_rp4: the same with ``roundup_power2_divisions:4`` during the capture (an experiment).
 Eager peak = ``max_memory_allocated()`` during one eager forward minus what was allocated before it;
 pool = bytes of the pool's segments in ``torch.cuda.memory_snapshot()``. Each capture's replay is
 compared with the eager output bit for bit. Issue 2's bar: pool <= 1.25x eager peak.
@@ -37,7 +38,7 @@ CASES = {
                                         pooled_projection_dim=256, axes_dims_rope=(16, 24, 24)),
                             batch=2, side=64, text=64),
 }
-MODES = ("plain", "reserve", "expandable")
+MODES = ("plain", "reserve", "expandable", "expandable_rp4")  # rp4: roundup_power2_divisions:4 too (last: it stays set)
 
 
 def log(msg):
@@ -72,8 +73,7 @@ def build(case):
 def measure(case, mode):
     import torch
 
-    from bcg.capture import (BreakableCUDAGraph, BreakableCUDAGraphCapture, capture_after_warmup,
-                             pool_reserved_bytes)
+    from bcg.capture import BreakableCUDAGraph, BreakableCUDAGraphCapture, pool_reserved_bytes
 
     model, inputs = build(case)
 
@@ -94,18 +94,32 @@ def measure(case, mode):
         del eager
         graph = BreakableCUDAGraph()
         reserved_before = torch.cuda.memory_reserved()
-        if mode == "plain":
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                forward(inputs)  # the same warm-up, without a reservation
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
             torch.cuda.synchronize()
-            with BreakableCUDAGraphCapture(graph, stream=stream, expandable_segments=False):
-                out = forward(inputs)
-            torch.cuda.current_stream().wait_stream(stream)
-        else:
-            out = capture_after_warmup(graph, forward, (inputs,), expandable_segments=(mode == "expandable"))
+            base = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            forward(inputs)  # the warm-up run on the capture stream (as capture_after_warmup does)
         torch.cuda.synchronize()
+        reserve = max(0, torch.cuda.max_memory_allocated() - max(base, torch.cuda.memory_allocated()))
+        before_capture = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        setter = torch._C._accelerator_setAllocatorSettings
+        if mode == "expandable_rp4":
+            setter("roundup_power2_divisions:4")
+        try:
+            with BreakableCUDAGraphCapture(graph, stream=stream, expandable_segments=mode.startswith("expandable"),
+                                           reserve_bytes=reserve if mode == "reserve" else 0):
+                out = forward(inputs)
+        finally:
+            if mode == "expandable_rp4":
+                setter("roundup_power2_divisions:1")
+        torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.synchronize()
+        # what the capture had allocated at most at once: the pool's live tensors plus the (non-pool)
+        # outputs of the eager breaks; the floor for the pool
+        capture_live_peak = torch.cuda.max_memory_allocated() - before_capture
         pool = pool_reserved_bytes(graph.pool)
         reserved_growth = torch.cuda.memory_reserved() - reserved_before
         graph.replay()
@@ -114,7 +128,8 @@ def measure(case, mode):
     segments = [s["total_size"] for s in torch.cuda.memory_snapshot()
                 if tuple(s.get("segment_pool_id", ())) == tuple(graph.pool)]
     row = {"case": case, "mode": mode, "eager_peak_mib": eager_peak / MB, "pool_mib": pool / MB,
-           "ratio": pool / eager_peak, "reserved_growth_mib": reserved_growth / MB,
+           "ratio": pool / eager_peak, "capture_live_peak_mib": capture_live_peak / MB,
+           "reserved_growth_mib": reserved_growth / MB,
            "pool_segments_mib": [round(s / MB, 1) for s in sorted(segments, reverse=True)],
            "segments": graph.num_segments, "breaks": graph.num_breaks, "replay_bitwise_equal_eager": equal,
            "meets_1_25x": pool <= 1.25 * eager_peak}
