@@ -8,7 +8,9 @@ capture into a fresh private pool in three ways:
 - reserve: plain segments, the pool reserved up front to the warm-up run's peak (``reserve_bytes``);
 - expandable: the allocator's expandable segments during the capture (bcg's default);
 - expandable_rp4: the same with ``roundup_power2_divisions:4`` during the capture (an experiment).
-Eager peak = ``max_memory_allocated()`` during one eager forward minus what was allocated before it;
+Eager peak = ``max_memory_allocated()`` during one eager forward minus what was allocated before it
+(the bar's measure); ``eager_reserved_growth_mib`` is what the same forward made the allocator reserve
+from an emptied cache (the caching allocator's own fragmentation, for comparison);
 pool = bytes of the pool's segments in ``torch.cuda.memory_snapshot()``. Each capture's replay is
 compared with the eager output bit for bit. Issue 2's bar: pool <= 1.25x eager peak.
 """
@@ -86,10 +88,13 @@ def measure(case, mode):
         gc.collect()
         torch.cuda.empty_cache()
         before = torch.cuda.memory_allocated()
+        reserved_at_start = torch.cuda.memory_reserved()
         torch.cuda.reset_peak_memory_stats()
         eager = forward(inputs)
         torch.cuda.synchronize()
         eager_peak = torch.cuda.max_memory_allocated() - before
+        # what the eager forward made the allocator reserve, from an emptied cache (its fragmentation)
+        eager_reserved = torch.cuda.max_memory_reserved() - reserved_at_start
         reference = eager.clone()
         del eager
         graph = BreakableCUDAGraph()
@@ -129,6 +134,7 @@ def measure(case, mode):
                 if tuple(s.get("segment_pool_id", ())) == tuple(graph.pool)]
     row = {"case": case, "mode": mode, "eager_peak_mib": eager_peak / MB, "pool_mib": pool / MB,
            "ratio": pool / eager_peak, "capture_live_peak_mib": capture_live_peak / MB,
+           "eager_reserved_growth_mib": eager_reserved / MB,
            "reserved_growth_mib": reserved_growth / MB,
            "pool_segments_mib": [round(s / MB, 1) for s in sorted(segments, reverse=True)],
            "segments": graph.num_segments, "breaks": graph.num_breaks, "replay_bitwise_equal_eager": equal,
