@@ -510,6 +510,28 @@ def plot(result, png_path):
     return True
 
 
+def merge(paths, out):
+    """Several runs' JSON -> one: results concatenated (later runs win per model/size/variant)."""
+    from _common import write_json
+
+    runs = []
+    for path in paths:
+        with open(path) as f:
+            runs.append(json.load(f))
+    rows = {}
+    for run_ in runs:
+        for row in run_["results"]:
+            rows[(row["model"], row["size"], row["variant"])] = row
+    merged = {**runs[0], "command": [r["command"] for r in runs], "merged_from": [os.path.basename(p) for p in paths],
+              "models": {k: v for r in runs for k, v in r["models"].items()},
+              "results": list(rows.values()), "skipped": [s for r in runs for s in r.get("skipped", [])],
+              "elapsed_s": sum(r.get("elapsed_s", 0) for r in runs)}
+    merged["targets"] = targets(merged["results"])
+    write_json(out, merged)
+    plot(merged, os.path.splitext(out)[0] + ".png")
+    return 0
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=DEFAULT_OUT, help="JSON path (the PNG goes next to it)")
@@ -530,7 +552,12 @@ def main(argv=None):
                              "graphs, segments-only and breaks-only timings")
     parser.add_argument("--dry-run", action="store_true", help="print parameter counts and the plan only")
     parser.add_argument("--plot-only", metavar="JSON", help="only make the PNG from an existing JSON")
+    parser.add_argument("--merge", nargs="+", metavar="JSON",
+                        help="merge the results of several runs (same machine) into --out, re-evaluate the "
+                             "targets and plot")
     args = parser.parse_args(argv)
+    if args.merge:
+        return merge(args.merge, args.out)
     args.dynamic = {"false": False, "true": True, "auto": None}[args.dynamic]
     if args.plot_only:
         with open(args.plot_only) as f:
