@@ -31,7 +31,7 @@ Memory lifetimes (the reason for most of the code below):
   that segment ends, then keeps a non-owning alias: when the model drops the bridge, its block returns
   to the pool for later segments, like an eager activation. The pool itself stays reserved for as long
   as the graph holds its segments (each ``torch.cuda.CUDAGraph`` keeps a use count on the pool).
-- ``raw_launch=True`` (the default): after the first replay, segments that draw no random numbers are
+- ``raw_launch=True`` (opt-in): after the first replay, segments that draw no random numbers are
   launched with ``cuGraphLaunch`` directly, without torch's per-replay prologue (see ``_RawLaunch``).
 - ``expandable_segments=True`` (the default) turns the caching allocator's expandable segments on for
   the duration of the capture (reference counted, restored after): the pool then grows as one mapped
@@ -804,7 +804,7 @@ class BreakableCUDAGraphCapture:
 
     def __init__(self, graph: BreakableCUDAGraph, pool=None, stream: torch.cuda.Stream | None = None,
                  capture_error_mode: str = "thread_local", reserve_bytes: int = 0,
-                 expandable_segments: bool = True, raw_launch: bool = True):
+                 expandable_segments: bool = True, raw_launch: bool = False):
         self.graph = graph
         self.pool = pool
         self.stream = stream
@@ -1072,7 +1072,7 @@ class BreakableCUDAGraphCapture:
 
 def capture_after_warmup(graph: BreakableCUDAGraph, fn: Callable, args: tuple = (), kwargs: dict | None = None, *,
                          pool=None, stream: torch.cuda.Stream | None = None, warmup_runs: int = 1,
-                         expandable_segments: bool = True, raw_launch: bool = True,
+                         expandable_segments: bool = True, raw_launch: bool = False,
                          capture_error_mode: str = "thread_local"):
     """Warm ``fn(*args, **kwargs)`` up eagerly on the capture stream, then capture it into ``graph``.
 

@@ -412,7 +412,7 @@ def _flash_capable(device) -> bool:
     capable = _FLASH_CAPABLE.get(device.index)
     if capable is None:
         capable = _FLASH_CAPABLE[device.index] = (
-            hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention")
+            hasattr(torch, "_scaled_dot_product_flash_attention")
             and torch.cuda.get_device_capability(device) >= (8, 0))
     return capable
 
@@ -425,9 +425,10 @@ def _break_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=Fals
             and query.shape[-1] == value.shape[-1] and query.shape[-1] % 8 == 0 and query.shape[-1] <= 256
             and query.stride(-1) == 1 and key.stride(-1) == 1 and value.stride(-1) == 1
             and query.numel() * key.shape[-2] < _LAUNCH_BOUND_WORK and _flash_capable(query.device)):
+        # torch's own binding (the python-arg-parser path): torch.ops' OpOverload call costs more host time
         if scale is None:
-            return torch.ops.aten._scaled_dot_product_flash_attention.default(query, key, value)[0]
-        return torch.ops.aten._scaled_dot_product_flash_attention.default(query, key, value, scale=scale)[0]
+            return torch._scaled_dot_product_flash_attention(query, key, value)[0]
+        return torch._scaled_dot_product_flash_attention(query, key, value, scale=scale)[0]
     extra = {"enable_gqa": True} if enable_gqa else {}  # the keyword is newer than torch 2.4
     return torch.nn.functional.scaled_dot_product_attention(
         query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale, **extra)

@@ -1,0 +1,109 @@
+"""Host and GPU cost of one replayed attention break and of one segment launch, variant by variant.
+
+    python3 benchmarks/bench_break_cost.py [--out benchmarks/results/bench_break_cost.json]
+
+A replayed compiled-segments forward of a small DiT is CPU-bound when its breaks cost more host time
+than the GPU spends on the segments, so these microseconds decide it. For attention shapes of the
+9.17 M Flux (batch 1, 4 heads, head dim 64; 320 and 1088 tokens at 256² and 512²) and of the 2.56 B
+Flux (24 heads, head dim 128, 768 tokens), bf16, each variant is called back to back: host µs per call
+(median over batches of 50 calls, synchronised between batches) and GPU µs per call (CUDA events
+around a batch). Variants: ``F.scaled_dot_product_attention`` (torch's backend choice),
+``torch._scaled_dot_product_flash_attention``, the same through ``torch.ops.aten``, and
+``bcg.compile._break_sdpa`` with the bridge copy (what a replayed break does). Segment launches: one
+captured graph of 40 small kernels replayed with ``CUDAGraph.replay()`` vs ``cuGraphLaunch``
+(``bcg.capture._RawLaunch``).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(1, os.path.dirname(HERE))
+DEFAULT_OUT = os.path.join(HERE, "results", "bench_break_cost.json")
+SHAPES = {"flux-9m-256": (1, 4, 320, 64), "flux-9m-512": (1, 4, 1088, 64), "flux-2.5b-256": (1, 24, 768, 128)}
+
+
+def cost(fn, batches=30, per_batch=50):
+    import torch
+
+    for _ in range(per_batch):
+        fn()
+    torch.cuda.synchronize()
+    host, gpu = [], []
+    for _ in range(batches):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        start.record()
+        for _ in range(per_batch):
+            fn()
+        end.record()
+        host.append((time.perf_counter() - t0) / per_batch * 1e6)
+        torch.cuda.synchronize()
+        gpu.append(start.elapsed_time(end) / per_batch * 1e3)
+    return {"host_us": round(statistics.median(host), 2), "gpu_us": round(statistics.median(gpu), 2)}
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default=DEFAULT_OUT)
+    args = parser.parse_args(argv)
+    import torch
+    import torch.nn.functional as F
+
+    from _common import machine_info, write_json
+    from bcg.capture import _RawLaunch, _segment_replay
+    from bcg.compile import _break_sdpa
+
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_break_cost needs CUDA")
+    result = {"benchmark": "bench_break_cost", "command": " ".join(["python3"] + sys.argv),
+              "machine": machine_info(), "attention": {}, "launch": {}}
+    for name, (b, h, s, d) in SHAPES.items():
+        g = torch.Generator(device="cuda").manual_seed(0)
+        q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16, generator=g).permute(0, 2, 1, 3)
+                   for _ in range(3))
+        bridge = torch.empty_like(_break_sdpa(q, k, v))
+        variants = {
+            "F.scaled_dot_product_attention": lambda: F.scaled_dot_product_attention(q, k, v),
+            "torch._scaled_dot_product_flash_attention": lambda: torch._scaled_dot_product_flash_attention(q, k, v),
+            "torch.ops.aten flash .default": lambda: torch.ops.aten._scaled_dot_product_flash_attention.default(q, k, v),
+            "_break_sdpa": lambda: _break_sdpa(q, k, v),
+            "_break_sdpa + bridge copy": lambda: bridge.copy_(_break_sdpa(q, k, v)),
+            "F.sdpa + bridge copy": lambda: bridge.copy_(F.scaled_dot_product_attention(q, k, v)),
+        }
+        result["attention"][name] = {}
+        for label, fn in variants.items():
+            result["attention"][name][label] = cost(fn)
+            print(f"{name:14s} {label:42s} {result['attention'][name][label]}", flush=True)
+    x = torch.randn(256, 256, device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        y = x
+        for _ in range(20):
+            y = y * 1.0001 + 0.5
+    torch.cuda.synchronize()
+    with torch.cuda.graph(graph, stream=stream):
+        y = x
+        for _ in range(20):
+            y = y * 1.0001 + 0.5
+    launch = _RawLaunch.launcher()
+    replay = _segment_replay(graph)
+    raw = _RawLaunch._step(launch, graph.raw_cuda_graph_exec(), torch.cuda.current_device(), replay)
+    for label, fn in {"CUDAGraph.replay()": graph.replay, "C++ replay (bcg default)": replay,
+                      "cuGraphLaunch (raw_launch)": raw}.items():
+        result["launch"][label] = cost(fn)
+        print(f"graph of 40 kernels {label:30s} {result['launch'][label]}", flush=True)
+    write_json(args.out, result)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
