@@ -45,6 +45,8 @@ class RunnerConfig:
         range instead of one cudaMalloc per size class: about the capture's peak instead of up to twice
         it; see ``bcg.capture._ExpandableSegments``). False: plain segments, reserved up front to the
         warm-up's peak.
+    raw_launch: launch graph segments that draw no random numbers with ``cuGraphLaunch`` directly after
+        their first replay (less host time per segment; experimental, see ``bcg.capture._RawLaunch``).
     compile: compile the module with inductor (without inductor's own CUDA graphs) and capture the
         compiled code as segments, breaks still eager (see ``bcg.compile``). Compilation happens in the
         warm-up run before each capture, so it is part of warmup; cold calls while serving never compile.
@@ -62,6 +64,7 @@ class RunnerConfig:
     debug_single_break: bool = False
     capture_warmup_runs: int = 1
     pool_expandable_segments: bool = True
+    raw_launch: bool = False
     compile: bool = False
     compile_dynamic: Optional[bool] = None
     compile_mode: Optional[str] = None

@@ -180,9 +180,10 @@ class _EntryCache:
 class _CudaRecorder:
     """The CUDA part of a capture: warm-up run, capture into the shared pool, memory accounting."""
 
-    def __init__(self, device, expandable_segments=True):
+    def __init__(self, device, config: RunnerConfig):
         self.device = device
-        self.expandable_segments = expandable_segments
+        self.expandable_segments = config.pool_expandable_segments
+        self.raw_launch = config.raw_launch
         self._pool = None
         self._stream = None
         self._last_stream_id = None
@@ -203,7 +204,7 @@ class _CudaRecorder:
                 try:
                     output = _capture.capture_after_warmup(
                         graph, fn, args, kwargs, pool=self._pool, stream=stream, warmup_runs=warmup_runs,
-                        expandable_segments=self.expandable_segments)
+                        expandable_segments=self.expandable_segments, raw_launch=self.raw_launch)
                 except BaseException:
                     with contextlib.suppress(Exception):
                         graph.reset()
@@ -307,7 +308,7 @@ class BreakableGraphRunner:
             from bcg.compile import compile_for_segments
             self._compiled = compile_for_segments(module, dynamic=self._runner_config.compile_dynamic,
                                                   mode=self._runner_config.compile_mode)
-        self._recorder = (_CudaRecorder(self._device, self._runner_config.pool_expandable_segments)
+        self._recorder = (_CudaRecorder(self._device, self._runner_config)
                           if self._device.type == "cuda" else None)
         self._off = self._off_reason()
         if self._off is not None:
@@ -342,7 +343,7 @@ class BreakableGraphRunner:
                 with self._lock:
                     self._reset_locked()  # graphs of the old device (and its pool) are of no use now
                     self._device = device
-                    self._recorder = (_CudaRecorder(device, self._runner_config.pool_expandable_segments)
+                    self._recorder = (_CudaRecorder(device, self._runner_config)
                                       if device.type == "cuda" else None)
         self.check_weights()
         self._off = self._off_reason()
@@ -493,8 +494,7 @@ class BreakableGraphRunner:
         if self._device_arg is None and self._recorder is None and torch.cuda.is_available():
             device = _resolve_device(self._module, None)
             if device.type == "cuda":
-                self._device, self._recorder = device, _CudaRecorder(
-                    device, self._runner_config.pool_expandable_segments)
+                self._device, self._recorder = device, _CudaRecorder(device, self._runner_config)
                 self._off = self._off_reason()
 
     def _run_eager(self, reason, token, args, kwargs):

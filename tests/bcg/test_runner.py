@@ -401,7 +401,7 @@ def test_recorder_takes_a_fresh_pool_unless_a_live_entry_uses_it_and_leaves_stre
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: emptied.append(1))
     parked = {}
     monkeypatch.setattr(capture, "_parked_segments", lambda stream: parked.get(stream, 0))
-    recorder = _CudaRecorder(torch.device("cuda", 0))
+    recorder = _CudaRecorder(torch.device("cuda", 0), RunnerConfig())
     recorder._prepare(live_pools=set())
     assert recorder._pool == (0, 1) and recorder._stream == ("stream", 1) and emptied == []
     recorder._prepare(live_pools={(0, 1)})                  # a live entry shares the pool: keep it
