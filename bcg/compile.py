@@ -392,51 +392,20 @@ class CompiledForward:
 # then need other code -- a recompile inside the capture. So for compiled segments every processor gets
 # a ``__call__`` whose *own* globals name an eager break for the attention core: the same bytecode, a copy
 # of its module's globals with one name replaced (nothing global is patched). For diffusers' native
-# attention backend the break is scaled dot-product attention itself (`_break_sdpa`): the permutes around
-# it stay in the compiled graphs and a replayed break is one attention call and one copy.
+# attention backend the break is just ``F.scaled_dot_product_attention``: the permutes around it stay in
+# the compiled graphs and a replayed break is one C++ call (the cheapest break there is) and one copy.
 
 _BREAK_CLASS_ATTR = "__bcg_compiled_break_class__"
-_HALF = (torch.float16, torch.bfloat16)
-# Below this much work (batch x heads x query length x key length x head dim) attention runs for a few
-# microseconds on the GPU, so its host cost decides the break's cost. Measured on an H200 (torch 2.11,
-# 9.17 M-param Flux at 256²): F.scaled_dot_product_attention picks the cuDNN kernel there, and a
-# replayed break (cuDNN attention + bridge copy) cost 48 µs of host time, which made the replay
-# CPU-bound (0.42 ms per forward against 0.34 ms of kernels). Flash attention called directly skips
-# the backend selection and cuDNN's graph lookup. Larger problems keep torch's choice (cuDNN's Hopper
-# kernel may be the faster one there).
-_LAUNCH_BOUND_WORK = 1 << 30
-_FLASH_CAPABLE: dict = {}
 
 
-def _flash_capable(device) -> bool:
-    capable = _FLASH_CAPABLE.get(device.index)
-    if capable is None:
-        capable = _FLASH_CAPABLE[device.index] = (
-            hasattr(torch, "_scaled_dot_product_flash_attention")
-            and torch.cuda.get_device_capability(device) >= (8, 0))
-    return capable
-
-
-def _break_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-    """``F.scaled_dot_product_attention``; launch-bound problems call torch's flash kernel directly."""
-    if (attn_mask is None and dropout_p == 0.0 and not is_causal and not enable_gqa and query.is_cuda
-            and query.dim() == 4 and query.dtype in _HALF and key.dtype == query.dtype
-            and value.dtype == query.dtype and query.shape[1] == key.shape[1]
-            and query.shape[-1] == value.shape[-1] and query.shape[-1] % 8 == 0 and query.shape[-1] <= 256
-            and query.stride(-1) == 1 and key.stride(-1) == 1 and value.stride(-1) == 1
-            and query.numel() * key.shape[-2] < _LAUNCH_BOUND_WORK and _flash_capable(query.device)):
-        # torch's own binding (the python-arg-parser path): torch.ops' OpOverload call costs more host time
-        if scale is None:
-            return torch._scaled_dot_product_flash_attention(query, key, value)[0]
-        return torch._scaled_dot_product_flash_attention(query, key, value, scale=scale)[0]
-    extra = {"enable_gqa": True} if enable_gqa else {}  # the keyword is newer than torch 2.4
-    return torch.nn.functional.scaled_dot_product_attention(
-        query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale, **extra)
-
-
+# Host cost of this break, measured on an H200 (torch 2.11, 9.17 M Flux at 256²): SDPA picks cuDNN attention
+# for bf16 there, and a replayed break (cuDNN attention + bridge copy) costs about 48 µs of host time for
+# about 8 µs of GPU work, which makes a compiled-segments replay of a small model CPU-bound. Calling
+# torch's flash kernel directly was tried (session 2, run 2) without a measurable gain on that host;
+# benchmarks/bench_break_cost.py measures the candidates in isolation.
 @functools.lru_cache(maxsize=None)
 def _eager_sdpa():
-    return eager_on_graph(_break_sdpa)
+    return eager_on_graph(torch.nn.functional.scaled_dot_product_attention)
 
 
 def _native_backend_active() -> bool:

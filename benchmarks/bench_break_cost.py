@@ -8,8 +8,8 @@ than the GPU spends on the segments, so these microseconds decide it. For attent
 Flux (24 heads, head dim 128, 768 tokens), bf16, each variant is called back to back: host µs per call
 (median over batches of 50 calls, synchronised between batches) and GPU µs per call (CUDA events
 around a batch). Variants: ``F.scaled_dot_product_attention`` (torch's backend choice),
-``torch._scaled_dot_product_flash_attention``, the same through ``torch.ops.aten``, and
-``bcg.compile._break_sdpa`` with the bridge copy (what a replayed break does). Segment launches: one
+``torch._scaled_dot_product_flash_attention``, the same through ``torch.ops.aten``, and with the
+bridge copy: ``F.scaled_dot_product_attention`` (what a replayed compiled break does) and flash. Segment launches: one
 captured graph of 40 small kernels replayed with ``CUDAGraph.replay()`` vs ``cuGraphLaunch``
 (``bcg.capture._RawLaunch``).
 """
@@ -58,7 +58,6 @@ def main(argv=None):
 
     from _common import machine_info, write_json
     from bcg.capture import _RawLaunch, _segment_replay
-    from bcg.compile import _break_sdpa
 
     if not torch.cuda.is_available():
         raise SystemExit("bench_break_cost needs CUDA")
@@ -68,14 +67,13 @@ def main(argv=None):
         g = torch.Generator(device="cuda").manual_seed(0)
         q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16, generator=g).permute(0, 2, 1, 3)
                    for _ in range(3))
-        bridge = torch.empty_like(_break_sdpa(q, k, v))
+        bridge = torch.empty_like(F.scaled_dot_product_attention(q, k, v))
         variants = {
             "F.scaled_dot_product_attention": lambda: F.scaled_dot_product_attention(q, k, v),
             "torch._scaled_dot_product_flash_attention": lambda: torch._scaled_dot_product_flash_attention(q, k, v),
             "torch.ops.aten flash .default": lambda: torch.ops.aten._scaled_dot_product_flash_attention.default(q, k, v),
-            "_break_sdpa": lambda: _break_sdpa(q, k, v),
-            "_break_sdpa + bridge copy": lambda: bridge.copy_(_break_sdpa(q, k, v)),
-            "F.sdpa + bridge copy": lambda: bridge.copy_(F.scaled_dot_product_attention(q, k, v)),
+            "F.sdpa + bridge copy (the compiled break)": lambda: bridge.copy_(F.scaled_dot_product_attention(q, k, v)),
+            "flash + bridge copy": lambda: bridge.copy_(torch._scaled_dot_product_flash_attention(q, k, v)[0]),
         }
         result["attention"][name] = {}
         for label, fn in variants.items():
