@@ -551,7 +551,7 @@ class _Bridges:
 
     def make_copier(self) -> Callable[[Any], None]:
         """A closure that checks a replay output against the spec and copies it into the bridges."""
-        spec, targets, name = self.spec, self.targets, self.name
+        spec, targets = self.spec, self.targets
         if spec[0] == "t":
             (target,), shape, dtype = targets, spec[2], spec[3]
 

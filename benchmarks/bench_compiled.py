@@ -116,8 +116,6 @@ def make_inputs(name, size, device, dtype, seed=0):
 
 
 def _errors(out, reference):
-    import torch
-
     diff = (out.float() - reference.float())
     return {"max_abs_err": diff.abs().max().item(),
             "rel_l2_err": (diff.norm() / reference.float().norm().clamp_min(1e-12)).item(),

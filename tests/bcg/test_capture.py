@@ -430,3 +430,37 @@ def test_graphs_on_one_stream_reset_their_segments_together(fake_cuda):
     assert fake_cuda.events == []
     third.reset()
     assert sorted(fake_cuda.events) == sorted(f"reset{i}" for i in range(1, 7))
+
+
+def test_expandable_segments_setting_is_reference_counted_and_restored(monkeypatch):
+    import bcg.capture as capture
+
+    calls = []
+    monkeypatch.setattr(capture._ExpandableSegments, "_setter", staticmethod(lambda: calls.append))
+    monkeypatch.setattr(capture._ExpandableSegments, "_already_on", staticmethod(lambda: False))
+    monkeypatch.setattr(torch.cuda, "get_allocator_backend", lambda: "native")
+    assert capture._ExpandableSegments.enter() and capture._ExpandableSegments.enter()
+    assert calls == ["expandable_segments:True"] and capture._ExpandableSegments.active()
+    capture._ExpandableSegments.exit()
+    assert calls == ["expandable_segments:True"]  # the other capture still holds it
+    capture._ExpandableSegments.exit()
+    assert calls == ["expandable_segments:True", "expandable_segments:False"]
+    assert capture._ExpandableSegments._users == 0 and not capture._ExpandableSegments.active()
+    # another allocator backend (cudaMallocAsync) or a setting already on: nothing is touched
+    monkeypatch.setattr(torch.cuda, "get_allocator_backend", lambda: "cudaMallocAsync")
+    assert not capture._ExpandableSegments.enter() and calls[-1] == "expandable_segments:False"
+
+
+def test_expandable_segments_already_on_reads_the_last_setting(monkeypatch):
+    import bcg.capture as capture
+
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:128, expandable_segments:True")
+    monkeypatch.setattr(torch._C, "_accelerator_getAllocatorSettings", lambda: "", raising=False)
+    assert capture._ExpandableSegments._already_on()
+    monkeypatch.setattr(torch._C, "_accelerator_getAllocatorSettings", lambda: "expandable_segments:False",
+                        raising=False)
+    assert not capture._ExpandableSegments._already_on()  # the program switched it off later
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "")
+    monkeypatch.setattr(torch._C, "_accelerator_getAllocatorSettings", lambda: "", raising=False)
+    assert not capture._ExpandableSegments._already_on()

@@ -4,7 +4,6 @@ The app of this module caps requests low (64x64 pixels, n <= 2, 2 steps, 200-cha
 bodies), so every request the fuzzer may legitimately send is cheap. Tests run in file order:
 fixed bad inputs, auth, concurrency, then the OpenAPI fuzz (it adopts new warmup plans).
 """
-import base64
 import json
 import re
 import time

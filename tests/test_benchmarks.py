@@ -1,0 +1,53 @@
+"""The benchmark scripts' own logic on CPU: issue targets evaluated from measured rows, runs merged."""
+import json
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+import bench_compiled  # noqa: E402
+
+
+def _row(model, size, variant, ms):
+    return {"model": model, "size": size, "variant": variant, "ms": ms}
+
+
+def test_targets_compare_compiled_segments_with_reduce_overhead_and_one_graph():
+    rows = [_row("flux-9m", 512, "compiled_segments", 0.50), _row("flux-9m", 512, "reduce_overhead", 0.70),
+            _row("flux-9m", 512, "inductor_one_graph", 0.45),
+            _row("flux-2.5b", 256, "compiled_segments", 4.9), _row("flux-2.5b", 256, "reduce_overhead", 4.8),
+            _row("flux-9m", 1024, "compiled_segments", 1.0)]  # nothing to compare it with: no check
+    checks = {c["check"]: c for c in bench_compiled.targets(rows)}
+    assert checks["flux-9m 512: reduce_overhead / compiled_segments >= 1.2"] == {
+        "check": "flux-9m 512: reduce_overhead / compiled_segments >= 1.2", "value": 1.4, "met": True}
+    assert checks["flux-9m 512: compiled_segments / inductor_one_graph <= 1.05"]["met"] is False
+    assert checks["flux-2.5b 256: reduce_overhead / compiled_segments >= 1.0"]["met"] is False
+    assert len(checks) == 3
+
+
+def test_merge_keeps_the_later_run_per_measurement_and_reevaluates(tmp_path):
+    base = {"benchmark": "bench_compiled", "command": "a", "machine": {"gpu": "H200"}, "settings": {},
+            "models": {"flux-9m": {"params": 9172032}}, "skipped": [], "elapsed_s": 10}
+    first = {**base, "results": [_row("flux-9m", 256, "compiled_segments", 0.50),
+                                 _row("flux-9m", 256, "reduce_overhead", 0.40)]}
+    second = {**base, "command": "b", "models": {"flux-2.5b": {"params": 2556180000}}, "elapsed_s": 5,
+              "results": [_row("flux-9m", 256, "compiled_segments", 0.30)]}
+    paths = []
+    for i, run in enumerate((first, second)):
+        paths.append(tmp_path / f"run{i}.json")
+        paths[-1].write_text(json.dumps(run))
+    out = tmp_path / "merged.json"
+    assert bench_compiled.merge([str(p) for p in paths], str(out)) == 0
+    merged = json.loads(out.read_text())
+    ms = {(r["model"], r["size"], r["variant"]): r["ms"] for r in merged["results"]}
+    assert ms == {("flux-9m", 256, "compiled_segments"): 0.30, ("flux-9m", 256, "reduce_overhead"): 0.40}
+    assert merged["command"] == ["a", "b"] and set(merged["models"]) == {"flux-9m", "flux-2.5b"}
+    assert merged["targets"][0]["value"] == pytest.approx(1.3333, abs=1e-4) and merged["targets"][0]["met"]
+    assert merged["elapsed_s"] == 15
+    assert (tmp_path / "merged.png").exists()
+
+
+def test_unknown_model_or_variant_is_refused_with_the_known_names():
+    with pytest.raises(SystemExit, match="unknown model or variant 'flux-7b'.*flux-9m"):
+        bench_compiled.main(["--models", "flux-7b", "--dry-run"])
