@@ -35,8 +35,9 @@ Memory lifetimes (the reason for most of the code below):
   launched with ``cuGraphLaunch`` directly, without torch's per-replay prologue (see ``_RawLaunch``).
 - ``expandable_segments=True`` (the default) turns the caching allocator's expandable segments on for
   the duration of the capture (reference counted, restored after): the pool then grows as one mapped
-  range per capture stream, page by page, instead of one cudaMalloc'ed segment per size class, so
-  it reserves about the capture's own peak (see ``_ExpandableSegments``). ``reserve_bytes`` (e.g. the
+  range per capture stream, page by page, instead of one cudaMalloc'ed segment per size class (see
+  ``_ExpandableSegments``; measured on a Flux forward: 104 MiB against 142 MiB plain, for a 74.5 MiB
+  live peak -- the rest is best-fit fragmentation). ``reserve_bytes`` (e.g. the
   eager warm-up's transient peak) is the fallback where expandable segments are off or unavailable: it
   grows the pool by one segment of about that size before the first segment (see ``_reserve``).
   ``capture_after_warmup`` does the warm-up, the peak measurement and the capture in one call.
@@ -332,7 +333,8 @@ class _ExpandableSegments:
     of 10 MiB or more gets a segment of its own rounded size, a smaller one a 20 MiB segment), and a
     block split for one size class is not merged with its neighbours' segments, so a forward with
     activations of several large sizes reserves far more than its peak (measured on a Flux transformer,
-    H200: 116-134 MiB of pool for a 70.5 MiB eager peak; 98 MiB with a reservation of the peak). With
+    H200, benchmarks/results/bench_pool_memory.json: 142 MiB of pool with plain segments, 118 MiB with a
+    reservation of the warm-up peak, 104 MiB with expandable segments, for a 74.5 MiB live peak). With
     expandable segments the allocator maps pages into one growing virtual range per stream and pool, and
     a free tail is extended instead of a new segment being cut (torch >= 2.5 supports them in private
     pools). The setting is process-wide and read when a segment is created or grown, so it is switched on
@@ -720,10 +722,11 @@ def _release_failed_segment(segment, device_index: int, pool: tuple) -> None:
 class _RawLaunch:
     """Segments launched with the driver's ``cuGraphLaunch`` instead of ``CUDAGraph.replay()``.
 
-    Why: torch's replay does more than launch: a device guard and, per registered generator, a replay
-    prologue that in torch versions up to at least 2.11 fills the generator's seed and offset tensors
-    (two small kernels) even for graphs that draw no random numbers. One graph pays that once per
-    forward; a breakable graph pays it per segment, on the CPU and on the GPU. A segment whose capture
+    Why: torch's replay does more than launch: a device guard, a driver-version query and, per
+    registered generator, a replay prologue (in some torch versions two small fill kernels even for
+    graphs that draw no random numbers; on torch 2.11 the profiler showed no extra kernels, so what is
+    saved there is host time). One graph pays that once per forward; a breakable graph pays it per
+    segment. A segment whose capture
     drew no random numbers needs none of it, so after the graph's first replay (through torch, in
     order, during which each segment's effect on the default generator's offset is observed) such
     segments are launched directly on the current stream of the capture device. Segments that did
@@ -1066,8 +1069,6 @@ class BreakableCUDAGraphCapture:
         self._steps.append(bridges.make_step())  # replaced once the bridges are released
         self._bridge_sets.append(bridges)
         return bridges.result
-
-
 
 
 def capture_after_warmup(graph: BreakableCUDAGraph, fn: Callable, args: tuple = (), kwargs: dict | None = None, *,

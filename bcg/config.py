@@ -42,9 +42,9 @@ class RunnerConfig:
         capture bugs: replay then runs the module eagerly on the static buffers.
     capture_warmup_runs: eager runs on the capture stream before capturing (lazy init, autotuning).
     pool_expandable_segments: grow the graph pool as expandable segments during captures (one mapped
-        range instead of one cudaMalloc per size class: about the capture's peak instead of up to twice
-        it; see ``bcg.capture._ExpandableSegments``). False: plain segments, reserved up front to the
-        warm-up's peak.
+        range instead of one cudaMalloc per size class; measured 104 MiB instead of 118-142 MiB for one
+        Flux capture, see ``bcg.capture._ExpandableSegments``). False: plain segments, reserved up front
+        to the warm-up's peak.
     raw_launch: launch graph segments that draw no random numbers with ``cuGraphLaunch`` directly after
         their first replay (less host time per segment; experimental, see ``bcg.capture._RawLaunch``).
     compile: compile the module with inductor (without inductor's own CUDA graphs) and capture the

@@ -196,8 +196,7 @@ class _CudaRecorder:
         ``live_pools``: pool handles of this runner's live graphs (the capture shares one if it can)."""
         with torch.cuda.device(self.device):
             self._prepare(live_pools)
-            stream, caller = self._stream, torch.cuda.current_stream()
-            stream.wait_stream(caller)
+            stream = self._stream  # capture_after_warmup orders it after the caller's stream and back
             with torch.no_grad(), replay_token_scope(token):
                 graph = BreakableCUDAGraph()
                 before = self._pool_bytes()
@@ -211,7 +210,6 @@ class _CudaRecorder:
                     raise
                 torch.cuda.synchronize()
                 capture_ms = graph.capture_ms
-            caller.wait_stream(stream)
             after = self._pool_bytes()
         self.pool_reserved_bytes = after[0]
         # bytes this capture added to the pool (blocks freed by evicted entries are reused first)
