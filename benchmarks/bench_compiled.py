@@ -171,37 +171,34 @@ def gpu_busy_ms(fn, iters=10):
     return total_us / iters / 1e3, kernels / iters
 
 
-def _output_of(graph):
-    """(graph, a copy of the tensor the model returned) after one replay, via the holder _diagnose set."""
+def _replayed_output(graph, out):
+    """A copy of the capture's output tensor ``out`` after one more replay of ``graph``."""
     import torch
 
-    holder = getattr(graph, "_bench_out", None)
-    if holder is None:
-        return None
     graph.replay()
     torch.cuda.synchronize()
-    return graph, holder.clone()
+    return out.clone()
 
 
-def _diagnose(replay, graph, args):
+def _diagnose(replay, graph, args, out=None):
     """Where a replay's time goes: host cost, GPU kernel time, and (for breakable graphs) segments
-    replayed without their breaks and breaks run without their segments."""
+    replayed without their breaks and breaks run without their segments. ``out``: the breakable graph's
+    output tensor, to check its direct-launch replay bit for bit."""
     import torch
 
     from _common import time_cuda
 
-    out = {}
+    row = {}
     if not args.diagnose:
-        return out
-    out["host_ms"] = host_ms(replay, args.iters)
+        return row
+    row["host_ms"] = host_ms(replay, args.iters)
     try:
-        out["gpu_busy_ms"], out["kernels_per_call"] = gpu_busy_ms(replay)
+        row["gpu_busy_ms"], row["kernels_per_call"] = gpu_busy_ms(replay)
     except Exception as exc:  # noqa: BLE001 - a profiler problem must not cost the measurement
-        out["gpu_busy_error"] = f"{type(exc).__name__}: {exc}"
-    if graph is not None and hasattr(graph, "_steps"):
-        is_segment = [isinstance(getattr(step, "__self__", None), torch._C._CUDAGraph) for step in graph._steps]
-        segments = [s for s, seg in zip(graph._steps, is_segment) if seg]
-        breaks = [s for s, seg in zip(graph._steps, is_segment) if not seg]
+        row["gpu_busy_error"] = f"{type(exc).__name__}: {exc}"
+    if graph is not None:  # a BreakableCUDAGraph
+        segments = [step for i, step in enumerate(graph._steps) if i in graph._segment_at]
+        breaks = [step for i, step in enumerate(graph._steps) if i not in graph._segment_at]
 
         def segments_only():
             for step in segments:
@@ -210,30 +207,29 @@ def _diagnose(replay, graph, args):
         def breaks_only():
             for step in breaks:
                 step()
-        out["segments_only_ms"] = time_cuda(segments_only, args.iters, args.warmup)
-        out["segments_only_host_ms"] = host_ms(segments_only, args.iters)
+        row["segments_only_ms"] = time_cuda(segments_only, args.iters, args.warmup)
+        row["segments_only_host_ms"] = host_ms(segments_only, args.iters)
         # the same graph with segments launched directly (bcg.capture._RawLaunch)
-        if hasattr(graph, "raw_launch"):
-            reference = _output_of(graph)
+        if out is not None:
+            reference = _replayed_output(graph, out)
             graph.raw_launch, graph._fast_steps = True, None
             graph.replay()  # the first replay observes which segments draw random numbers
             torch.cuda.synchronize()
-            out["raw_launch_ms"] = time_cuda(graph.replay, args.iters, args.warmup)
-            out["raw_launch_host_ms"] = host_ms(graph.replay, args.iters)
-            if reference is not None:
-                out["raw_launch_bitwise_equal"] = bool(torch.equal(reference[1], _output_of(graph)[1]))
+            row["raw_launch_ms"] = time_cuda(graph.replay, args.iters, args.warmup)
+            row["raw_launch_host_ms"] = host_ms(graph.replay, args.iters)
+            row["raw_launch_bitwise_equal"] = bool(torch.equal(reference, _replayed_output(graph, out)))
             try:
-                out["raw_launch_gpu_busy_ms"], out["raw_launch_kernels_per_call"] = gpu_busy_ms(graph.replay)
+                row["raw_launch_gpu_busy_ms"], row["raw_launch_kernels_per_call"] = gpu_busy_ms(graph.replay)
             except Exception as exc:  # noqa: BLE001
-                out["gpu_busy_error"] = f"{type(exc).__name__}: {exc}"
+                row["gpu_busy_error"] = f"{type(exc).__name__}: {exc}"
             graph.raw_launch, graph._fast_steps = False, None
-        out["breaks_only_ms"] = time_cuda(breaks_only, args.iters, args.warmup)
-        out["breaks_only_host_ms"] = host_ms(breaks_only, args.iters)
+        row["breaks_only_ms"] = time_cuda(breaks_only, args.iters, args.warmup)
+        row["breaks_only_host_ms"] = host_ms(breaks_only, args.iters)
         try:
-            out["breaks_only_gpu_busy_ms"], out["breaks_only_kernels"] = gpu_busy_ms(breaks_only)
+            row["breaks_only_gpu_busy_ms"], row["breaks_only_kernels"] = gpu_busy_ms(breaks_only)
         except Exception as exc:  # noqa: BLE001
-            out["gpu_busy_error"] = f"{type(exc).__name__}: {exc}"
-    return out
+            row["gpu_busy_error"] = f"{type(exc).__name__}: {exc}"
+    return row
 
 
 def measure(variant, model, name, size, args, state):
@@ -324,9 +320,8 @@ def measure(variant, model, name, size, args, state):
         row["segments"], row["breaks"] = graph.num_segments, graph.num_breaks
         replay = graph.replay
     row["ms"] = time_cuda(replay, args.iters, args.warmup)
-    if variant != "inductor_one_graph":
-        graph._bench_out = out
-    row.update(_diagnose(replay, graph if variant != "inductor_one_graph" else None, args))
+    breakable = variant != "inductor_one_graph"
+    row.update(_diagnose(replay, graph if breakable else None, args, out if breakable else None))
     replay()
     torch.cuda.synchronize()
     result = out.clone()

@@ -3,7 +3,7 @@
     python3 benchmarks/bench_pool_memory.py [--out benchmarks/results/bench_pool_memory.json]
 
 For Flux transformers with a break at every attention call (diffusers, random weights, bf16), each
-capture into a fresh private pool in three ways:
+capture into a fresh private pool in four ways:
 - plain: plain cudaMalloc'ed segments, nothing reserved (what ``torch.cuda.graph`` does);
 - reserve: plain segments, the pool reserved up front to the warm-up run's peak (``reserve_bytes``);
 - expandable: the allocator's expandable segments during the capture (bcg's default);
@@ -40,7 +40,7 @@ CASES = {
                                         pooled_projection_dim=256, axes_dims_rope=(16, 24, 24)),
                             batch=2, side=64, text=64),
 }
-MODES = ("plain", "reserve", "expandable", "expandable_rp4")  # rp4: roundup_power2_divisions:4 too (last: it stays set)
+MODES = ("plain", "reserve", "expandable", "expandable_rp4")
 
 
 def log(msg):
@@ -105,7 +105,9 @@ def measure(case, mode):
             torch.cuda.synchronize()
             base = torch.cuda.memory_allocated()
             torch.cuda.reset_peak_memory_stats()
-            forward(inputs)  # the warm-up run on the capture stream (as capture_after_warmup does)
+            # the warm-up run on the capture stream, as capture_after_warmup does; done here by hand because
+            # the capture's own peak is measured apart from the warm-up's
+            forward(inputs)
         torch.cuda.synchronize()
         reserve = max(0, torch.cuda.max_memory_allocated() - max(base, torch.cuda.memory_allocated()))
         before_capture = torch.cuda.memory_allocated()

@@ -485,7 +485,7 @@ def test_allocator_setting_is_restored_after_a_capture_that_raises():
     x = torch.ones(1024, device="cuda")
 
     def forward(t):
-        y = t * 2
+        t * 2  # a kernel in the open segment
         raise ValueError("boom inside the capture")
 
     graph = BreakableCUDAGraph()
