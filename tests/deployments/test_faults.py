@@ -19,6 +19,7 @@ from tests.deployments.faults import FAIL_SIZE, SLOW_S, SLOW_SIZE
 APP, PREFIX = "bcg_faults", "/faults"
 GEN = "/v1/images/generations"
 MAX_QUEUED, TIMEOUT_S = 8, 6.0
+STEPS = 4  # per request of the kill test
 
 
 @pytest.fixture(scope="module")
@@ -139,7 +140,7 @@ def test_replica_killed_under_load_loses_no_request_and_is_replaced_warm(faults)
             i = 0
             while not stop.is_set():
                 try:
-                    r = client.post(GEN, json=_body(seed=1000 * k + i, steps=2))
+                    r = client.post(GEN, json=_body(seed=1000 * k + i, steps=STEPS))
                     results.append((r.status_code, r.headers.get("retry-after"), r.text[:200]))
                 except httpx.HTTPError as exc:  # a hung or dropped request: must not happen
                     results.append((type(exc).__name__, None, str(exc)))
@@ -150,7 +151,15 @@ def test_replica_killed_under_load_loses_no_request_and_is_replaced_warm(faults)
         t.start()
     time.sleep(1.5)
     victim = sorted(old)[0]
-    ray.kill(ray.get_actor(f"SERVE_REPLICA::{APP}#Replica#{victim}", namespace="serve"), no_restart=True)
+    actor = ray.get_actor(f"SERVE_REPLICA::{APP}#Replica#{victim}", namespace="serve")
+    # kill it while it holds a request (Serve's own count), so that a request is lost and re-sent
+    # (a CI run once killed it between two requests); a request runs STEPS forwards on one thread,
+    # far longer than the few ms from the poll to the kill
+    deadline = time.time() + 30
+    while ray.get(actor.get_num_ongoing_requests.remote(), timeout=30) < 1:
+        assert time.time() < deadline, "the victim never held a request under load"
+        time.sleep(0.005)
+    ray.kill(actor, no_restart=True)
     killed_at = len(results)
     deadline = time.time() + 120
     while time.time() < deadline:  # keep the load on until the replacement serves
