@@ -43,10 +43,10 @@ class RunnerConfig:
     capture_warmup_runs: eager runs on the capture stream before capturing (lazy init, autotuning).
     pool_expandable_segments: grow the graph pool as expandable segments during captures (one mapped
         range instead of one cudaMalloc per size class; measured 104 MiB instead of 118-142 MiB for one
-        Flux capture, see ``bcg.capture._ExpandableSegments``). False: plain segments, reserved up front
+        Flux capture, see ``bcg.pool.ExpandableSegments``). False: plain segments, reserved up front
         to the warm-up's peak.
     raw_launch: launch graph segments that draw no random numbers with ``cuGraphLaunch`` directly after
-        their first replay (less host time per segment; experimental, see ``bcg.capture._RawLaunch``).
+        their first replay (less host time per segment; experimental, see ``bcg.raw_launch.RawLaunch``).
     compile: compile the module with inductor (without inductor's own CUDA graphs) and capture the
         compiled code as segments, breaks still eager (see ``bcg.compile``). Compilation happens in the
         warm-up run before each capture, so it is part of warmup; cold calls while serving never compile.

@@ -77,10 +77,9 @@ _BREAK_MARK = "__bcg_break__"
 
 def _capturing() -> bool:
     """True inside a breakable-graph capture of this context (and not inside one of its breaks)."""
-    from bcg.capture import _ACTIVE_CAPTURE  # read-only use of bcg.capture's context variable
+    from bcg.capture import is_capturing
 
-    active = _ACTIVE_CAPTURE.get()
-    return active is not None and not getattr(active, "_in_break", False)
+    return is_capturing()
 
 
 def _eager(fn):

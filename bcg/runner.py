@@ -48,6 +48,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from bcg import capture as _capture
+from bcg import streams
 from bcg.capture import BreakableCUDAGraph, eager_on_graph, replay_token_scope
 from bcg.config import RunnerConfig
 from bcg.signature import _describe_with_leaves, _rebuild_kwargs
@@ -221,17 +222,17 @@ class _CudaRecorder:
         Pool: torch frees a graph pool once the last graph using it is reset, and a freed pool's handle
         cannot be captured into again (an internal assert in the allocators), so a capture takes a
         fresh handle unless a live entry still uses the current one, or when a failed capture left
-        the handle registered (``_pool_usable``). empty_cache hands the old pool's memory back.
+        the handle registered (``bcg.streams.pool_usable``). empty_cache hands the old pool's memory back.
 
         Stream: entries evicted while others captured on the same stream live are parked, not reset
-        (see ``bcg.capture._close_stream``: resetting would free the stream's cuBLAS workspace that the
+        (see ``bcg.streams.close_stream``: resetting would free the stream's cuBLAS workspace that the
         others replay with). New captures then move to another stream, so the old one only loses
         graphs and its parked segments are reset once its last graph goes."""
-        if self._pool is None or tuple(self._pool) not in live_pools or not _capture._pool_usable(self._pool):
+        if self._pool is None or tuple(self._pool) not in live_pools or not streams.pool_usable(self._pool):
             if self._pool is not None:
                 torch.cuda.empty_cache()
             self._pool = torch.cuda.graph_pool_handle()
-        if self._stream is None or _capture._parked_segments(self._stream):
+        if self._stream is None or streams.parked_segments(self._stream):
             self._stream = torch.cuda.Stream()
 
     def _pool_bytes(self):

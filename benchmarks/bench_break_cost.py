@@ -11,7 +11,7 @@ around a batch). Variants: ``F.scaled_dot_product_attention`` (torch's backend c
 ``torch._scaled_dot_product_flash_attention``, the same through ``torch.ops.aten``, and with the
 bridge copy: ``F.scaled_dot_product_attention`` (what a replayed compiled break does) and flash. Segment launches: one
 captured graph of 40 small kernels replayed with ``CUDAGraph.replay()`` vs ``cuGraphLaunch``
-(``bcg.capture._RawLaunch``).
+(``bcg.raw_launch.RawLaunch``).
 """
 from __future__ import annotations
 
@@ -57,7 +57,8 @@ def main(argv=None):
     import torch.nn.functional as F
 
     from _common import machine_info, write_json
-    from bcg.capture import _RawLaunch, _segment_replay
+    from bcg.capture import _segment_replay
+    from bcg.raw_launch import RawLaunch
 
     if not torch.cuda.is_available():
         raise SystemExit("bench_break_cost needs CUDA")
@@ -92,9 +93,9 @@ def main(argv=None):
         y = x
         for _ in range(20):
             y = y * 1.0001 + 0.5
-    launch = _RawLaunch.launcher()
+    launch = RawLaunch.launcher()
     replay = _segment_replay(graph)
-    raw = _RawLaunch._step(launch, graph.raw_cuda_graph_exec(), torch.cuda.current_device(), replay)
+    raw = RawLaunch._step(launch, graph.raw_cuda_graph_exec(), torch.cuda.current_device(), replay)
     for label, fn in {"CUDAGraph.replay()": graph.replay, "C++ replay (bcg default)": replay,
                       "cuGraphLaunch (raw_launch)": raw}.items():
         result["launch"][label] = cost(fn)

@@ -209,7 +209,7 @@ def _diagnose(replay, graph, args, out=None):
                 step()
         row["segments_only_ms"] = time_cuda(segments_only, args.iters, args.warmup)
         row["segments_only_host_ms"] = host_ms(segments_only, args.iters)
-        # the same graph with segments launched directly (bcg.capture._RawLaunch)
+        # the same graph with segments launched directly (bcg.raw_launch.RawLaunch)
         if out is not None:
             reference = _replayed_output(graph, out)
             graph.raw_launch, graph._fast_steps = True, None

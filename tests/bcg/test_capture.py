@@ -11,16 +11,15 @@ from bcg.capture import (
     BreakableCUDAGraphCapture,
     BreakOutputMismatchError,
     _ACTIVE_CAPTURE,
-    _Bridges,
-    _ForkTracker,
-    _close_stream,
-    _open_stream,
-    _parked_segments,
+    _note_wait,
     break_graph,
     current_replay_token,
     eager_on_graph,
     replay_token_scope,
 )
+from bcg.bridges import Bridges
+from bcg.pool import ExpandableSegments
+from bcg.streams import ForkTracker, close_stream, open_stream, parked_segments
 
 needs_no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the behaviour without CUDA")
 
@@ -120,15 +119,15 @@ def test_capture_without_cuda_raises_and_leaves_nothing_behind():
 
 def test_fork_tracker_patch_is_reference_counted_and_restored():
     original = torch.cuda.Event.wait
-    _ForkTracker.install()
+    ForkTracker.install(_note_wait)
     try:
         patched = torch.cuda.Event.wait
         assert patched is not original and patched._bcg_original is original
-        _ForkTracker.install()
-        _ForkTracker.remove()
+        ForkTracker.install(_note_wait)
+        ForkTracker.remove()
         assert torch.cuda.Event.wait is patched  # one user left
     finally:
-        _ForkTracker.remove()
+        ForkTracker.remove()
     assert torch.cuda.Event.wait is original
 
 
@@ -171,7 +170,7 @@ def test_eager_on_graph_is_a_torch_compile_graph_break():
 
 
 def _bridges(out, name="attn_core"):
-    bridges = _Bridges(name, out)
+    bridges = Bridges(name, out)
     return bridges, bridges.make_copier()
 
 
@@ -223,7 +222,7 @@ def test_bridge_shape_dtype_or_structure_change_raises_a_clear_error():
 
 
 def test_released_bridges_drop_every_strong_reference_to_the_bridges():
-    bridges = _Bridges("attn", (torch.zeros(3), {"h": torch.zeros(2)}))
+    bridges = Bridges("attn", (torch.zeros(3), {"h": torch.zeros(2)}))
     assert bridges.result[1]["h"] is bridges.owned[1]
     bridges.release()
     # `result` was what the model got back at capture; holding it kept every bridge of the graph
@@ -248,18 +247,18 @@ class _RawStream:
 def test_segments_are_reset_only_when_no_graph_captured_on_their_stream_is_left():
     log = []
     shared, other = _RawStream(0xA1), _RawStream(0xB2)
-    first, second, elsewhere = _open_stream(shared), _open_stream(shared), _open_stream(other)
-    assert _close_stream(first, [_LoggedSegment(log, "a0"), _LoggedSegment(log, "a1")]) is False
-    assert log == [] and _parked_segments(shared) == 2          # `second` still replays with the stream
-    assert _close_stream(elsewhere, [_LoggedSegment(log, "c0")]) is True and log == ["c0"]
-    assert _parked_segments(_RawStream(0xA1, device_index=1)) == 0  # streams are per device
-    assert _close_stream(second, [_LoggedSegment(log, "b0")]) is True
-    assert log == ["c0", "a0", "a1", "b0"] and _parked_segments(shared) == 0
+    first, second, elsewhere = open_stream(shared), open_stream(shared), open_stream(other)
+    assert close_stream(first, [_LoggedSegment(log, "a0"), _LoggedSegment(log, "a1")]) is False
+    assert log == [] and parked_segments(shared) == 2          # `second` still replays with the stream
+    assert close_stream(elsewhere, [_LoggedSegment(log, "c0")]) is True and log == ["c0"]
+    assert parked_segments(_RawStream(0xA1, device_index=1)) == 0  # streams are per device
+    assert close_stream(second, [_LoggedSegment(log, "b0")]) is True
+    assert log == ["c0", "a0", "a1", "b0"] and parked_segments(shared) == 0
 
 
 def test_unsupported_break_output_type_is_rejected_at_capture():
     with pytest.raises(TypeError, match="break outputs must be"):
-        _Bridges("fn", object())
+        Bridges("fn", object())
 
 
 # ------------------------------------------------------------------------------------------------
@@ -433,34 +432,30 @@ def test_graphs_on_one_stream_reset_their_segments_together(fake_cuda):
 
 
 def test_expandable_segments_setting_is_reference_counted_and_restored(monkeypatch):
-    import bcg.capture as capture
-
     calls = []
-    monkeypatch.setattr(capture._ExpandableSegments, "_setter", staticmethod(lambda: calls.append))
-    monkeypatch.setattr(capture._ExpandableSegments, "_already_on", staticmethod(lambda: False))
+    monkeypatch.setattr(ExpandableSegments, "_setter", staticmethod(lambda: calls.append))
+    monkeypatch.setattr(ExpandableSegments, "_already_on", staticmethod(lambda: False))
     monkeypatch.setattr(torch.cuda, "get_allocator_backend", lambda: "native")
-    assert capture._ExpandableSegments.enter() and capture._ExpandableSegments.enter()
-    assert calls == ["expandable_segments:True"] and capture._ExpandableSegments.active()
-    capture._ExpandableSegments.exit()
+    assert ExpandableSegments.enter() and ExpandableSegments.enter()
+    assert calls == ["expandable_segments:True"] and ExpandableSegments.active()
+    ExpandableSegments.exit()
     assert calls == ["expandable_segments:True"]  # the other capture still holds it
-    capture._ExpandableSegments.exit()
+    ExpandableSegments.exit()
     assert calls == ["expandable_segments:True", "expandable_segments:False"]
-    assert capture._ExpandableSegments._users == 0 and not capture._ExpandableSegments.active()
+    assert ExpandableSegments._users == 0 and not ExpandableSegments.active()
     # another allocator backend (cudaMallocAsync) or a setting already on: nothing is touched
     monkeypatch.setattr(torch.cuda, "get_allocator_backend", lambda: "cudaMallocAsync")
-    assert not capture._ExpandableSegments.enter() and calls[-1] == "expandable_segments:False"
+    assert not ExpandableSegments.enter() and calls[-1] == "expandable_segments:False"
 
 
 def test_expandable_segments_already_on_reads_the_last_setting(monkeypatch):
-    import bcg.capture as capture
-
     monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:128, expandable_segments:True")
     monkeypatch.setattr(torch._C, "_accelerator_getAllocatorSettings", lambda: "", raising=False)
-    assert capture._ExpandableSegments._already_on()
+    assert ExpandableSegments._already_on()
     monkeypatch.setattr(torch._C, "_accelerator_getAllocatorSettings", lambda: "expandable_segments:False",
                         raising=False)
-    assert not capture._ExpandableSegments._already_on()  # the program switched it off later
+    assert not ExpandableSegments._already_on()  # the program switched it off later
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "")
     monkeypatch.setattr(torch._C, "_accelerator_getAllocatorSettings", lambda: "", raising=False)
-    assert not capture._ExpandableSegments._already_on()
+    assert not ExpandableSegments._already_on()

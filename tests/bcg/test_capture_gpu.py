@@ -12,9 +12,6 @@ from bcg.capture import (
     BreakableCUDAGraphCapture,
     BreakOutputMismatchError,
     _ACTIVE_CAPTURE,
-    _parked_segments,
-    _ExpandableSegments,
-    _pool_usable,
     break_graph,
     capture_after_warmup,
     current_replay_token,
@@ -22,6 +19,8 @@ from bcg.capture import (
     pool_reserved_bytes,
     replay_token_scope,
 )
+from bcg.pool import ExpandableSegments
+from bcg.streams import parked_segments, pool_usable
 
 pytestmark = pytest.mark.gpu
 MB = 1 << 20
@@ -158,7 +157,7 @@ def test_resetting_a_graph_keeps_the_cublas_workspace_of_graphs_captured_on_the_
     allocated = torch.cuda.memory_allocated()
     first.reset()
     assert torch.cuda.memory_allocated() == allocated          # the workspace was not freed
-    assert _parked_segments(stream) == 2
+    assert parked_segments(stream) == 2
     with torch.cuda.stream(stream):                               # would land in a freed workspace
         hog = [torch.full((MB // 4,), 7.0, device="cuda") for _ in range(64)]
     torch.cuda.current_stream().wait_stream(stream)
@@ -171,7 +170,7 @@ def test_resetting_a_graph_keeps_the_cublas_workspace_of_graphs_captured_on_the_
         assert torch.equal(out, expected)
     assert all(bool((h == 7.0).all()) for h in hog)
     second.reset()
-    assert _parked_segments(stream) == 0
+    assert parked_segments(stream) == 0
 
 
 def test_empty_segments_are_counted_and_skipped_without_warnings():
@@ -334,7 +333,7 @@ def test_exception_inside_capture_is_reraised_and_cleaned_up(where):
     _assert_clean()
     # An invalidated capture leaves its pool registered with torch's pinned-host allocator (no API
     # undoes that): the handle must not be captured into again.
-    assert _pool_usable(capture.pool) is (where != "illegal-op")
+    assert pool_usable(capture.pool) is (where != "illegal-op")
     assert not graph.captured
     with torch.cuda.stream(stream):
         assert not torch.cuda.is_current_stream_capturing()
@@ -478,7 +477,7 @@ def test_flux_capture_pool_stays_within_eager_peak_activation_memory():
     assert eager_peak > 32 * MB
     assert 0 < pool <= 1.25 * eager_peak
     # the temporary allocator setting is gone with the capture
-    assert _ExpandableSegments._users == 0 and not _ExpandableSegments.active()
+    assert ExpandableSegments._users == 0 and not ExpandableSegments.active()
 
 
 def test_allocator_setting_is_restored_after_a_capture_that_raises():
@@ -491,10 +490,10 @@ def test_allocator_setting_is_restored_after_a_capture_that_raises():
     graph = BreakableCUDAGraph()
     with pytest.raises(ValueError, match="boom"):
         with BreakableCUDAGraphCapture(graph):
-            assert _ExpandableSegments.active()
+            assert ExpandableSegments.active()
             forward(x)
     _assert_clean()
-    assert _ExpandableSegments._users == 0 and not _ExpandableSegments.active()
+    assert ExpandableSegments._users == 0 and not ExpandableSegments.active()
     graph, out = _capture(lambda t: t * 3, x)  # and the next capture works
     graph.replay()
     torch.cuda.synchronize()

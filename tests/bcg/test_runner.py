@@ -392,7 +392,7 @@ def test_debug_single_break_captures_the_whole_forward_as_one_break():
 
 def test_recorder_takes_a_fresh_pool_unless_a_live_entry_uses_it_and_leaves_streams_with_parked_graphs(
         monkeypatch):
-    from bcg import capture
+    from bcg import streams as bcg_streams
     from bcg.runner import _CudaRecorder
 
     handles, streams, emptied = iter(range(1, 100)), iter(range(1, 100)), []
@@ -400,7 +400,7 @@ def test_recorder_takes_a_fresh_pool_unless_a_live_entry_uses_it_and_leaves_stre
     monkeypatch.setattr(torch.cuda, "Stream", lambda *a, **k: ("stream", next(streams)))
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: emptied.append(1))
     parked = {}
-    monkeypatch.setattr(capture, "_parked_segments", lambda stream: parked.get(stream, 0))
+    monkeypatch.setattr(bcg_streams, "parked_segments", lambda stream: parked.get(stream, 0))
     recorder = _CudaRecorder(torch.device("cuda", 0), RunnerConfig())
     recorder._prepare(live_pools=set())
     assert recorder._pool == (0, 1) and recorder._stream == ("stream", 1) and emptied == []
@@ -410,7 +410,7 @@ def test_recorder_takes_a_fresh_pool_unless_a_live_entry_uses_it_and_leaves_stre
     # an internal assert (use_count > 0) -- a fresh handle, and the old memory handed back.
     recorder._prepare(live_pools={(0, 7)})
     assert recorder._pool == (0, 2) and emptied == [1]
-    monkeypatch.setattr(capture, "_UNUSABLE_POOLS", {(0, 2)})  # a failed capture_end left it registered
+    monkeypatch.setattr(bcg_streams, "_UNUSABLE_POOLS", {(0, 2)})  # a failed capture_end left it registered
     recorder._prepare(live_pools={(0, 2)})
     assert recorder._pool == (0, 3)
     assert recorder._stream == ("stream", 1)
