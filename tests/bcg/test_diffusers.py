@@ -106,7 +106,7 @@ def test_breaks_keep_outputs_and_capture_breaks_only_the_attention_core(name):
 
 
 def test_core_swap_is_reference_counted_and_restored_on_error():
-    from bcg.diffusers import _swapped_core
+    from bcg.diffusers.breaks import _swapped_core
 
     namespace = {"F": torch.nn.functional}
     with _swapped_core(namespace, "F"):
@@ -296,7 +296,7 @@ def test_accelerated_class_keeps_name_signature_and_outputs_and_is_undone():
 def test_device_facts_follow_the_placement():
     from diffusers.utils.torch_utils import get_module_execution_device
 
-    from bcg.diffusers import _device_facts
+    from bcg.diffusers.accelerated import _device_facts
 
     pipe = accelerate(load_pipeline("tiny-flux"), components=("transformer", "text_encoder"))
     facts = _device_facts(pipe)

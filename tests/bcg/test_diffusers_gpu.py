@@ -123,7 +123,7 @@ def test_flux_all_components_match_eager_bitwise(output_type):
 def test_accelerated_device_answers_are_diffusers_answers_on_cuda():
     from diffusers.utils.torch_utils import get_module_execution_device
 
-    from bcg.diffusers import _device_facts
+    from bcg.diffusers.accelerated import _device_facts
 
     pipe = load_pipeline("tiny-flux", device="cuda")
     plain = (pipe.device, pipe._execution_device, get_module_execution_device(pipe.text_encoder),
