@@ -17,6 +17,8 @@ _EXPORTS = {
     "replay_token_scope": "bcg.capture",
     "current_replay_token": "bcg.capture",
     "capture_after_warmup": "bcg.capture",
+    "is_capturing": "bcg.capture",
+    "BreakOutputMismatchError": "bcg.capture",
     # signatures and the runner
     "Signature": "bcg.signature",
     "signature_of": "bcg.signature",

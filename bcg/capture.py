@@ -77,6 +77,7 @@ __all__ = [
     "capture_after_warmup",
     "current_replay_token",
     "eager_on_graph",
+    "is_capturing",
     "pool_reserved_bytes",
     "replay_token_scope",
 ]
