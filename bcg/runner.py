@@ -35,9 +35,7 @@ valid. Replacing tensors (``module.weight = nn.Parameter(...)``, ``load_state_di
 ``runner.check_weights()``) afterwards. The runner checks a fingerprint of parameter/buffer addresses
 on every capture, on ``warmup()`` entry, and on every call when ``debug=True``, and resets when it changed.
 """
-import collections
 import contextlib
-import dataclasses
 import inspect
 import itertools
 import logging
@@ -47,10 +45,10 @@ import time
 import torch
 import torch.utils._pytree as pytree
 
-from bcg import capture as _capture
-from bcg import streams
-from bcg.capture import BreakableCUDAGraph, eager_on_graph, replay_token_scope
+from bcg.capture import eager_on_graph, replay_token_scope
 from bcg.config import RunnerConfig
+from bcg.entries import CaptureEntry, EntryCache
+from bcg.recorder import CudaRecorder
 from bcg.signature import _describe_with_leaves, _rebuild_kwargs
 
 logger = logging.getLogger(__name__)
@@ -59,209 +57,6 @@ __all__ = ["BreakableGraphRunner", "CaptureEntry", "EAGER_REASONS"]
 
 EAGER_REASONS = ("unseen", "blocked", "disabled", "no_cuda")
 _ARGS_KEY = "*args"  # where positional arguments that have no name go in a signature
-
-_OUT_TENSOR, _OUT_TUPLE, _OUT_TREE = 0, 1, 2
-
-
-@dataclasses.dataclass(eq=False)
-class CaptureEntry:
-    """One captured signature: its graph, static buffers, and how to hand outputs back."""
-
-    signature: object
-    graph: object
-    static_inputs: list           # tensor leaves, in signature order
-    output: object                # the static output structure, refreshed in place by replay
-    capture_ms: float
-    pool_bytes: int
-    host_inputs: tuple = ()       # indices of inputs that arrive on another device (e.g. CPU)
-    hits: int = 0
-    last_used: float = 0.0
-
-    def __post_init__(self):
-        leaves, self._out_spec = pytree.tree_flatten(self.output)
-        self._out_leaves = leaves
-        self._out_tensor_idx = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
-        if isinstance(self.output, torch.Tensor):
-            self._out_kind = _OUT_TENSOR
-        elif type(self.output) is tuple and all(isinstance(x, torch.Tensor) for x in self.output):
-            self._out_kind = _OUT_TUPLE
-        else:
-            self._out_kind = _OUT_TREE
-        # static buffers never move: their addresses are read once, here
-        self._device_inputs = [(i, s, s.data_ptr()) for i, s in enumerate(self.static_inputs)
-                               if i not in self.host_inputs]
-
-    @property
-    def key(self):
-        return self.signature.key
-
-    @property
-    def segments(self):
-        return getattr(self.graph, "num_segments", 0)
-
-    @property
-    def breaks(self):
-        return getattr(self.graph, "num_breaks", 0)
-
-    def copy_in(self, leaves):
-        """Copy call inputs into the static buffers, skipping those that already are the buffers."""
-        dst, src = [], []
-        for i, s, ptr in self._device_inputs:
-            t = leaves[i]
-            if t is not s and t.data_ptr() != ptr:
-                dst.append(s)
-                src.append(t)
-        if dst:
-            torch._foreach_copy_(dst, src)  # one launch for all same-device inputs
-        for i in self.host_inputs:
-            self.static_inputs[i].copy_(leaves[i])
-
-    def copy_out(self, copy):
-        """The outputs to hand to the caller: clones (safe to keep) or the static outputs."""
-        if not copy:
-            return self.output
-        if self._out_kind == _OUT_TENSOR:
-            return self.output.clone()
-        if self._out_kind == _OUT_TUPLE:
-            return tuple([t.clone() for t in self.output])
-        leaves = list(self._out_leaves)
-        for i in self._out_tensor_idx:
-            leaves[i] = leaves[i].clone()
-        return pytree.tree_unflatten(leaves, self._out_spec)
-
-    def release(self):
-        """Drop the graph and buffers; the pool reuses their memory for later captures."""
-        graph, self.graph = self.graph, None
-        if graph is not None and hasattr(graph, "reset"):
-            graph.reset()
-        self.static_inputs, self.output, self._out_leaves, self._device_inputs = [], None, [], []
-
-    def describe(self):
-        return {"key": self.key, "signature": self.signature.summary(), "segments": self.segments,
-                "breaks": self.breaks, "capture_ms": round(self.capture_ms, 3), "pool_bytes": self.pool_bytes,
-                "hits": self.hits, "last_used": self.last_used}
-
-
-class _EntryCache:
-    """Signature -> CaptureEntry, ordered by last use (least recently used first)."""
-
-    def __init__(self):
-        self._entries = collections.OrderedDict()
-
-    def __len__(self):
-        return len(self._entries)
-
-    def __contains__(self, signature):
-        return signature in self._entries
-
-    def get(self, signature):
-        return self._entries.get(signature)
-
-    def add(self, entry):
-        self._entries[entry.signature] = entry
-
-    def touch(self, signature):
-        self._entries.move_to_end(signature)
-
-    def pop_lru(self):
-        return self._entries.popitem(last=False)[1]
-
-    def pop(self, signature):
-        return self._entries.pop(signature)
-
-    def entries(self):
-        """Entries, least recently used first."""
-        return list(self._entries.values())
-
-    @property
-    def pool_bytes(self):
-        return sum(e.pool_bytes for e in self._entries.values())
-
-
-class _CudaRecorder:
-    """The CUDA part of a capture: warm-up run, capture into the shared pool, memory accounting."""
-
-    def __init__(self, device, config: RunnerConfig):
-        self.device = device
-        self.expandable_segments = config.pool_expandable_segments
-        self.raw_launch = config.raw_launch
-        self._pool = None
-        self._stream = None
-        self._last_stream_id = None
-        self._last_stream = None
-        self.pool_reserved_bytes = 0   # the pool's whole reservation, measured after each capture
-
-    def record(self, fn, args, kwargs, warmup_runs, token, live_pools=()):
-        """Returns (graph, static output, capture_ms, pool_bytes). Raises whatever the capture raises.
-
-        ``live_pools``: pool handles of this runner's live graphs (the capture shares one if it can)."""
-        with torch.cuda.device(self.device):
-            self._prepare(live_pools)
-            stream = self._stream  # capture_after_warmup orders it after the caller's stream and back
-            with torch.no_grad(), replay_token_scope(token):
-                graph = BreakableCUDAGraph()
-                before = self._pool_bytes()
-                try:
-                    output = _capture.capture_after_warmup(
-                        graph, fn, args, kwargs, pool=self._pool, stream=stream, warmup_runs=warmup_runs,
-                        expandable_segments=self.expandable_segments, raw_launch=self.raw_launch)
-                except BaseException:
-                    with contextlib.suppress(Exception):
-                        graph.reset()
-                    raise
-                torch.cuda.synchronize()
-                capture_ms = graph.capture_ms
-            after = self._pool_bytes()
-        self.pool_reserved_bytes = after[0]
-        # bytes this capture added to the pool (blocks freed by evicted entries are reused first)
-        return graph, output, capture_ms, max(0, after[1] - before[1])
-
-    def _prepare(self, live_pools):
-        """Pool handle and capture stream for the next capture.
-
-        Pool: torch frees a graph pool once the last graph using it is reset, and a freed pool's handle
-        cannot be captured into again (an internal assert in the allocators), so a capture takes a
-        fresh handle unless a live entry still uses the current one, or when a failed capture left
-        the handle registered (``bcg.streams.pool_usable``). empty_cache hands the old pool's memory back.
-
-        Stream: entries evicted while others captured on the same stream live are parked, not reset
-        (see ``bcg.streams.close_stream``: resetting would free the stream's cuBLAS workspace that the
-        others replay with). New captures then move to another stream, so the old one only loses
-        graphs and its parked segments are reset once its last graph goes."""
-        if self._pool is None or tuple(self._pool) not in live_pools or not streams.pool_usable(self._pool):
-            if self._pool is not None:
-                torch.cuda.empty_cache()
-            self._pool = torch.cuda.graph_pool_handle()
-        if self._stream is None or streams.parked_segments(self._stream):
-            self._stream = torch.cuda.Stream()
-
-    def _pool_bytes(self):
-        """(pool reserved bytes, the figure deltas are taken of). The pool's own segments when the
-        allocator snapshot has them, else the device's reserved bytes (counts eager allocations too)."""
-        try:
-            pool = _capture.pool_reserved_bytes(self._pool, self.device)
-            return pool, pool
-        except Exception:  # noqa: BLE001 -- an allocator without pool ids in its snapshot
-            return self.pool_reserved_bytes, torch.cuda.memory_reserved(self.device)
-
-    def order_after_previous(self):
-        """Order the caller's stream after the previous replay's stream when they differ: graphs of one
-        pool must not overlap, and static buffers must not be rewritten while a replay still reads them."""
-        stream_id = _current_stream_id(self.device)
-        if stream_id != self._last_stream_id:
-            current = torch.cuda.current_stream(self.device)
-            if self._last_stream is not None:
-                current.wait_stream(self._last_stream)
-            self._last_stream_id, self._last_stream = stream_id, current
-
-
-def _current_stream_id(device):
-    # torch.cuda.current_stream() builds a Stream object (~1 us); the raw getter is enough to compare
-    raw = getattr(torch._C, "_cuda_getCurrentStream", None)
-    if raw is not None:
-        return raw(device.index)
-    return torch.cuda.current_stream(device).cuda_stream
-
 
 def _resolve_device(module, device):
     if device is not None:
@@ -288,7 +83,7 @@ class BreakableGraphRunner:
         self._runner_config = config if config is not None else RunnerConfig.from_env()
         self._device_arg = device
         self._device = _resolve_device(module, device)
-        self._entries = _EntryCache()
+        self._entries = EntryCache()
         self._blocked = {}                  # Signature -> reason
         self._lock = threading.RLock()      # copy-in/replay/copy-out and captures; see module docstring
         self._stats_lock = threading.Lock()
@@ -307,7 +102,7 @@ class BreakableGraphRunner:
             from bcg.compile import compile_for_segments
             self._compiled = compile_for_segments(module, dynamic=self._runner_config.compile_dynamic,
                                                   mode=self._runner_config.compile_mode)
-        self._recorder = (_CudaRecorder(self._device, self._runner_config)
+        self._recorder = (CudaRecorder(self._device, self._runner_config)
                           if self._device.type == "cuda" else None)
         self._off = self._off_reason()
         if self._off is not None:
@@ -342,7 +137,7 @@ class BreakableGraphRunner:
                 with self._lock:
                     self._reset_locked()  # graphs of the old device (and its pool) are of no use now
                     self._device = device
-                    self._recorder = (_CudaRecorder(device, self._runner_config)
+                    self._recorder = (CudaRecorder(device, self._runner_config)
                                       if device.type == "cuda" else None)
         self.check_weights()
         self._off = self._off_reason()
@@ -493,7 +288,7 @@ class BreakableGraphRunner:
         if self._device_arg is None and self._recorder is None and torch.cuda.is_available():
             device = _resolve_device(self._module, None)
             if device.type == "cuda":
-                self._device, self._recorder = device, _CudaRecorder(device, self._runner_config)
+                self._device, self._recorder = device, CudaRecorder(device, self._runner_config)
                 self._off = self._off_reason()
 
     def _run_eager(self, reason, token, args, kwargs):
@@ -651,6 +446,6 @@ class BreakableGraphRunner:
     def _reset_locked(self):
         for entry in self._entries.entries():
             entry.release()
-        self._entries = _EntryCache()
+        self._entries = EntryCache()
         self._blocked.clear()
         self._fingerprint = None

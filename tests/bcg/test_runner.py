@@ -14,7 +14,7 @@ from torch import nn
 
 from bcg.capture import current_replay_token
 from bcg.config import RunnerConfig
-from bcg.runner import BreakableGraphRunner, _EntryCache
+from bcg.runner import BreakableGraphRunner
 from bcg.signature import signature_of
 
 
@@ -252,19 +252,6 @@ def test_lru_evicts_the_least_recently_used_entry():
     assert stats["replays"] == 4
 
 
-def test_entry_cache_orders_by_last_use():
-    cache = _EntryCache()
-
-    class E:
-        def __init__(self, name, size):
-            self.signature, self.pool_bytes = name, size
-    for name, size in (("a", 1), ("b", 2), ("c", 4)):
-        cache.add(E(name, size))
-    cache.touch("a")
-    assert [e.signature for e in cache.entries()] == ["b", "c", "a"] and cache.pool_bytes == 7
-    assert cache.pop_lru().signature == "b" and len(cache) == 2 and "b" not in cache
-
-
 def test_pool_budget_evicts_to_fit_and_refuses_an_entry_that_alone_exceeds_it():
     recorder = _RerunRecorder(pool_bytes=lambda kw: 100 * kw["x"].shape[0])
     runner = _runner(Affine(), recorder, pool_budget_bytes=450)
@@ -388,35 +375,6 @@ def test_debug_single_break_captures_the_whole_forward_as_one_break():
     runner.capture(x=_x(2))
     assert recorder.fns[0] is not module
     assert torch.equal(runner(x=_x(2, seed=3))[0], module(_x(2, seed=3))[0])
-
-
-def test_recorder_takes_a_fresh_pool_unless_a_live_entry_uses_it_and_leaves_streams_with_parked_graphs(
-        monkeypatch):
-    from bcg import streams as bcg_streams
-    from bcg.runner import _CudaRecorder
-
-    handles, streams, emptied = iter(range(1, 100)), iter(range(1, 100)), []
-    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: (0, next(handles)))
-    monkeypatch.setattr(torch.cuda, "Stream", lambda *a, **k: ("stream", next(streams)))
-    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: emptied.append(1))
-    parked = {}
-    monkeypatch.setattr(bcg_streams, "parked_segments", lambda stream: parked.get(stream, 0))
-    recorder = _CudaRecorder(torch.device("cuda", 0), RunnerConfig())
-    recorder._prepare(live_pools=set())
-    assert recorder._pool == (0, 1) and recorder._stream == ("stream", 1) and emptied == []
-    recorder._prepare(live_pools={(0, 1)})                  # a live entry shares the pool: keep it
-    assert recorder._pool == (0, 1) and emptied == []
-    # Every graph of the pool is gone: torch has freed it, and capturing into its handle would hit
-    # an internal assert (use_count > 0) -- a fresh handle, and the old memory handed back.
-    recorder._prepare(live_pools={(0, 7)})
-    assert recorder._pool == (0, 2) and emptied == [1]
-    monkeypatch.setattr(bcg_streams, "_UNUSABLE_POOLS", {(0, 2)})  # a failed capture_end left it registered
-    recorder._prepare(live_pools={(0, 2)})
-    assert recorder._pool == (0, 3)
-    assert recorder._stream == ("stream", 1)
-    parked[("stream", 1)] = 2                               # an evicted graph waits on this stream
-    recorder._prepare(live_pools={(0, 3)})
-    assert recorder._stream == ("stream", 2) and recorder._pool == (0, 3)
 
 
 def test_reset_drops_graphs_and_blocked_signatures():
