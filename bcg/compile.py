@@ -33,16 +33,14 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import logging
 import threading
 import time
-import types
 from typing import Any, Callable, Mapping
 
 import torch
 
-from bcg.capture import eager_on_graph
+from bcg.diffusers.compiled_breaks import install_compiled_breaks
 from bcg.signature import signature_of
 
 logger = logging.getLogger(__name__)
@@ -381,144 +379,6 @@ class CompiledForward:
             self._events.append(event)
         logger.debug("compiled graph %s of %s (%d ops, %.1f ms)%s", text, frame, ops, backend_ms,
                      f", recompile: {reasons[-1]}" if reasons else "")
-
-
-# --------------------------------------------------------------------------------------------------
-# breaks that dynamo sees on every call
-#
-# `bcg.diffusers.install_breaks` turns the attention core into a break only while a capture is open
-# (it swaps a module global for the duration of the processor call). Compiled code cannot follow that:
-# dynamo traces the warm-up call without the break (attention inside the graph), and the capture would
-# then need other code -- a recompile inside the capture. So for compiled segments every processor gets
-# a ``__call__`` whose *own* globals name an eager break for the attention core: the same bytecode, a copy
-# of its module's globals with one name replaced (nothing global is patched). For diffusers' native
-# attention backend the break is just ``F.scaled_dot_product_attention``: the permutes around it stay in
-# the compiled graphs and a replayed break is one C++ call (the cheapest break there is) and one copy.
-
-_BREAK_CLASS_ATTR = "__bcg_compiled_break_class__"
-
-
-# Host cost of this break, measured on an H200 (torch 2.11, 9.17 M Flux at 256²): SDPA picks cuDNN attention
-# for bf16 there, and a replayed break (cuDNN attention + bridge copy) costs about 48 µs of host time for
-# about 8 µs of GPU work, which makes a compiled-segments replay of a small model CPU-bound. Calling
-# torch's flash kernel directly was tried (session 2, run 2) without a measurable gain on that host;
-# benchmarks/bench_break_cost.py measures the candidates in isolation.
-@functools.lru_cache(maxsize=None)
-def _eager_sdpa():
-    return eager_on_graph(torch.nn.functional.scaled_dot_product_attention)
-
-
-def _native_backend_active() -> bool:
-    try:
-        from diffusers.models.attention_dispatch import AttentionBackendName, _AttentionBackendRegistry
-    except ImportError:  # pragma: no cover - diffusers without the dispatcher
-        return False
-    return _AttentionBackendRegistry.get_active_backend()[0] == AttentionBackendName.NATIVE
-
-
-def _lean_dispatch(dispatch):
-    """``dispatch_attention_fn`` with the native path as ``permute, eager SDPA, permute``; others: one break."""
-    eager_dispatch = eager_on_graph(dispatch)
-    eager_sdpa = _eager_sdpa()
-
-    def dispatch_attention_fn(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
-                              enable_gqa=False, attention_kwargs=None, *, backend=None, parallel_config=None):
-        if (backend is None and parallel_config is None and attn_mask is None and not attention_kwargs
-                and _native_backend_active()):
-            # what diffusers' _native_attention does without a mask or context parallelism
-            q, k, v = (x.permute(0, 2, 1, 3) for x in (query, key, value))
-            if dropout_p == 0.0 and not is_causal and scale is None and not enable_gqa:
-                out = eager_sdpa(q, k, v)  # positional only: the replayed break parses no keywords
-            else:
-                out = eager_sdpa(q, k, v, attn_mask=None, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
-                                 enable_gqa=enable_gqa)
-            return out.permute(0, 2, 1, 3)
-        return eager_dispatch(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
-                              attention_kwargs, backend=backend, parallel_config=parallel_config)
-
-    return dispatch_attention_fn
-
-
-def _functional_with_eager_sdpa():
-    functional = torch.nn.functional
-    proxy = types.ModuleType(functional.__name__)
-    proxy.__dict__.update(functional.__dict__)  # a real module object: dynamo reads its attributes plainly
-    proxy.scaled_dot_product_attention = _eager_sdpa()
-    return proxy
-
-
-def _with_core_break(call):
-    """`call` (a function) rebuilt over a copy of its globals whose attention core is an eager break."""
-    func = getattr(call, "__func__", call)
-    code, namespace = getattr(func, "__code__", None), getattr(func, "__globals__", None)
-    if code is None or namespace is None:
-        return None
-    replacements = {}
-    if "dispatch_attention_fn" in code.co_names and callable(namespace.get("dispatch_attention_fn")):
-        replacements["dispatch_attention_fn"] = _lean_dispatch(namespace["dispatch_attention_fn"])
-    if "scaled_dot_product_attention" in code.co_names:
-        for name in code.co_names:
-            if namespace.get(name) is torch.nn.functional:
-                replacements[name] = _functional_with_eager_sdpa()
-    if not replacements:
-        return None
-    new_globals = dict(namespace)
-    new_globals.update(replacements)
-    rebuilt = types.FunctionType(code, new_globals, func.__name__, func.__defaults__, func.__closure__)
-    rebuilt.__kwdefaults__ = func.__kwdefaults__
-    rebuilt.__qualname__, rebuilt.__doc__, rebuilt.__module__ = func.__qualname__, func.__doc__, func.__module__
-    return rebuilt
-
-
-def _compiled_break_class(base: type, whole: bool) -> type:
-    key = f"{_BREAK_CLASS_ATTR}{'whole' if whole else 'core'}__"
-    cached = base.__dict__.get(key)
-    if cached is not None:
-        return cached
-    original_call = base.__call__
-    call = None if whole else _with_core_break(original_call)
-    breaks_core = call is not None
-    if call is None:  # no attention core we can name: the whole processor call is the break
-        call = eager_on_graph(original_call)
-    cls = type(base.__name__, (base,), {
-        "__call__": call, "__module__": base.__module__, "__doc__": base.__doc__,
-        "__bcg_base__": base, "__bcg_breaks_core__": breaks_core, "__bcg_compiled__": True,
-    })
-    setattr(base, key, cls)
-    return cls
-
-
-def install_compiled_breaks(module) -> int:
-    """Make the attention core of every attention processor in `module` an eager break on *every* call.
-
-    Replaces breaks that `bcg.diffusers.install_breaks` placed (those act only during a capture, which
-    compiled code cannot follow); a processor it made a whole-call break stays a whole-call break.
-    `bcg.diffusers.remove_breaks` restores the original processors. Returns the number of processors.
-    """
-    module = getattr(module, "module", module) if hasattr(module, "warm_signatures") else module
-    count = 0
-    for sub in module.modules():
-        processor = getattr(sub, "processor", None)
-        if processor is None or not hasattr(sub, "set_processor"):
-            continue
-        current = type(processor)
-        if getattr(current, "__bcg_compiled__", False):
-            count += 1
-            continue
-        original = sub.__dict__.get("_bcg_original_processor", processor)
-        whole = getattr(current, "__bcg_base__", None) is not None and not getattr(current, "__bcg_breaks_core__", True)
-        try:
-            wrapper = object.__new__(_compiled_break_class(type(original), whole))
-            wrapper.__dict__ = original.__dict__  # one state, as install_breaks does
-        except (TypeError, AttributeError) as exc:
-            logger.warning("cannot place a compiled break in %s's processor %s (%s); attention stays compiled",
-                           type(sub).__name__, type(original).__name__, exc)
-            continue
-        object.__setattr__(sub, "_bcg_original_processor", original)
-        sub.processor = wrapper
-        count += 1
-    logger.info("compiled breaks in %d attention processors of %s", count, type(module).__name__)
-    return count
 
 
 def _dims(name, dims) -> tuple:
