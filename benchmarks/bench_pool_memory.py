@@ -1,6 +1,7 @@
 """Graph-pool memory of one breakable capture vs the eager forward's peak activation memory.
 
     python3 benchmarks/bench_pool_memory.py [--out benchmarks/results/bench_pool_memory.json]
+    python3 benchmarks/bench_pool_memory.py --plot-only benchmarks/results/bench_pool_memory.json
 
 For Flux transformers with a break at every attention call (diffusers, random weights, bf16), each
 capture into a fresh private pool in four ways:
@@ -12,12 +13,14 @@ Eager peak = ``max_memory_allocated()`` during one eager forward minus what was 
 (the bar's measure); ``eager_reserved_growth_mib`` is what the same forward made the allocator reserve
 from an emptied cache (the caching allocator's own fragmentation, for comparison);
 pool = bytes of the pool's segments in ``torch.cuda.memory_snapshot()``. Each capture's replay is
-compared with the eager output bit for bit. Issue 2's bar: pool <= 1.25x eager peak.
+compared with the eager output bit for bit. Issue 2's bar: pool <= 1.25x eager peak. A PNG (bars per
+case: eager peak, capture live peak, the pool of each mode, and the 1.25x line) is written next to the JSON.
 """
 from __future__ import annotations
 
 import argparse
 import gc
+import json
 import os
 import sys
 import time
@@ -148,12 +151,71 @@ def measure(case, mode):
     return row
 
 
+MODE_NAMES = {"plain": "pool, plain segments", "reserve": "pool, warm-up peak reserved",
+              "expandable": "pool, expandable segments (default)", "expandable_rp4": "pool, expandable + rp4"}
+
+
+def plot(result: dict, png_path: str) -> bool:
+    """Bars per case: eager peak, the capture's live peak, each mode's pool; a line at the 1.25x bar."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not importable: no plot (make it later with --plot-only JSON)", flush=True)
+        return False
+    rows = [r for r in result["results"] if "error" not in r]
+    cases = list(dict.fromkeys(r["case"] for r in rows))
+    if not cases:
+        print("no measured rows: no plot", flush=True)
+        return False
+    modes = list(dict.fromkeys(r["mode"] for r in rows))
+    series = [("eager peak (allocated)", "#9e9e9e", lambda c: _first(rows, c, "eager_peak_mib")),
+              ("capture live peak", "#bdbdbd", lambda c: _first(rows, c, "capture_live_peak_mib"))]
+    colors = ("#d62728", "#ff7f0e", "#1f77b4", "#17becf")
+    for mode, color in zip(modes, colors):
+        series.append((MODE_NAMES.get(mode, mode), color,
+                       lambda c, m=mode: next((r["pool_mib"] for r in rows if r["case"] == c and r["mode"] == m), 0.0)))
+    width = 0.8 / len(series)
+    fig, ax = plt.subplots(figsize=(8.5, 4.4))
+    for i, (name, color, value) in enumerate(series):
+        xs = [j + (i - (len(series) - 1) / 2) * width for j in range(len(cases))]
+        bars = ax.bar(xs, [value(c) or 0.0 for c in cases], width, label=name, color=color)
+        ax.bar_label(bars, fmt="%.0f", fontsize=7, padding=1)
+    for j, case in enumerate(cases):
+        bar = 1.25 * (_first(rows, case, "eager_peak_mib") or 0.0)
+        ax.hlines(bar, j - 0.45, j + 0.45, colors="black", linestyles="dashed",
+                  label="1.25 x eager peak (issue 2's bar)" if j == 0 else None)
+    ax.set_xticks(range(len(cases)), cases)
+    ax.set_ylabel("MiB")
+    machine = result.get("machine", {})
+    ax.set_title(f"Graph pool of one breakable capture vs the eager forward -- {machine.get('gpu', '?')}, "
+                 f"torch {machine.get('torch', '?')}", fontsize=9)
+    ax.set_ylim(0, ax.get_ylim()[1] * 1.45)
+    ax.legend(fontsize=7, loc="upper center", ncol=3)
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=120)
+    plt.close(fig)
+    print(f"wrote {png_path}", flush=True)
+    return True
+
+
+def _first(rows, case, field):
+    return next((r[field] for r in rows if r["case"] == case and r.get(field) is not None), None)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=DEFAULT_OUT)
     parser.add_argument("--cases", default=",".join(CASES))
     parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--plot-only", metavar="JSON", help="only make the PNG from an existing JSON")
     args = parser.parse_args(argv)
+    if args.plot_only:
+        with open(args.plot_only) as f:
+            result = json.load(f)
+        return 0 if plot(result, os.path.splitext(args.plot_only)[0] + ".png") else 1
     import torch
 
     from _common import machine_info, write_json
@@ -173,6 +235,7 @@ def main(argv=None):
             log(f"{case} {mode}: " + ", ".join(f"{k}={round(v, 3) if isinstance(v, float) else v}"
                                                for k, v in row.items() if k not in ("case", "mode")))
             write_json(args.out, result)
+    plot(result, os.path.splitext(args.out)[0] + ".png")
     return 0
 
 

@@ -51,3 +51,18 @@ def test_merge_keeps_the_later_run_per_measurement_and_reevaluates(tmp_path):
 def test_unknown_model_or_variant_is_refused_with_the_known_names():
     with pytest.raises(SystemExit, match="unknown model or variant 'flux-7b'.*flux-9m"):
         bench_compiled.main(["--models", "flux-7b", "--dry-run"])
+
+
+def test_pool_memory_plot_is_made_from_measured_rows_only(tmp_path):
+    import bench_pool_memory
+
+    rows = [{"case": "c", "mode": m, "eager_peak_mib": 70.0, "capture_live_peak_mib": 74.0, "pool_mib": p}
+            for m, p in (("plain", 142.0), ("expandable", 104.0))]
+    path = tmp_path / "pool.json"
+    path.write_text(json.dumps({"machine": {"gpu": "H200"}, "results": rows + [
+        {"case": "d", "mode": "plain", "error": "OutOfMemoryError: ..."}]}))
+    assert bench_pool_memory.main(["--plot-only", str(path)]) == 0
+    assert (tmp_path / "pool.png").stat().st_size > 0
+    path.write_text(json.dumps({"machine": {}, "results": [{"case": "d", "mode": "plain", "error": "x"}]}))
+    (tmp_path / "pool.png").unlink()
+    assert bench_pool_memory.main(["--plot-only", str(path)]) == 1 and not (tmp_path / "pool.png").exists()
