@@ -72,3 +72,16 @@ def write_json(path, obj) -> None:
         json.dump(obj, f, indent=2, default=str)
         f.write("\n")
     print(f"wrote {path}", file=sys.stderr)
+
+
+def pyplot():
+    """matplotlib.pyplot on the Agg backend, or None (with a note) where matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not importable: no plot (make it later with --plot-only JSON)", flush=True)
+        return None
+    return plt

@@ -465,13 +465,10 @@ def run(args):
 
 
 def plot(result, png_path):
-    try:
-        import matplotlib
+    from _common import pyplot
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not importable: no plot (make it later with --plot-only JSON)", flush=True)
+    plt = pyplot()
+    if plt is None:
         return False
     rows = [r for r in result["results"] if r.get("ms")]
     models = list(dict.fromkeys(r["model"] for r in rows))

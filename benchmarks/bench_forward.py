@@ -179,13 +179,10 @@ def run(args) -> dict:
 
 
 def plot(result: dict, png_path: str) -> bool:
-    try:
-        import matplotlib
+    from _common import pyplot
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not importable: no plot (make it later with --plot-only JSON)", flush=True)
+    plt = pyplot()
+    if plt is None:
         return False
     rows = result["results"]
     labels = [f"{r['size']}²\n({r['latent_tokens']} tokens)" for r in rows]

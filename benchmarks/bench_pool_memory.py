@@ -157,13 +157,10 @@ MODE_NAMES = {"plain": "pool, plain segments", "reserve": "pool, warm-up peak re
 
 def plot(result: dict, png_path: str) -> bool:
     """Bars per case: eager peak, the capture's live peak, each mode's pool; a line at the 1.25x bar."""
-    try:
-        import matplotlib
+    from _common import pyplot
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not importable: no plot (make it later with --plot-only JSON)", flush=True)
+    plt = pyplot()
+    if plt is None:
         return False
     rows = [r for r in result["results"] if "error" not in r]
     cases = list(dict.fromkeys(r["case"] for r in rows))
