@@ -2,6 +2,7 @@
 
     python3 benchmarks/bench_pipeline.py [--model tiny-flux] [--size 256x256] [--steps 4] \
         [--output-type pil] [--out benchmarks/results/bench_pipeline.json]
+    python3 benchmarks/bench_pipeline.py --plot-only benchmarks/results/bench_pipeline.json
 
 What is timed: the plain user call ``pipe(prompt=..., height=..., width=..., num_inference_steps=...,
 max_sequence_length=<prompt bucket>, generator=<fresh CPU generator, seed 0>, output_type=...)``
@@ -26,13 +27,15 @@ more calls run with a device synchronisation at each phase boundary and report t
 phase (``phases_ms``: text encoding, preparation of latents and timesteps, denoising loop, VAE decode,
 post-processing, the rest); the syncs cost a little, so the phases add up to slightly more than
 ``median_ms``. Target on an H200: ``bcg_all`` >= 5x faster than eager for tiny-flux at 256x256 with 4
-steps. Runs on a CPU too (everything eager there), which only checks that the script works.
+steps. Runs on a CPU too (everything eager there), which only checks that the script works. A PNG
+(per variant: the phases stacked, the median call time on top) is written next to the JSON.
 """
 from __future__ import annotations
 
 import argparse
 import functools
 import io
+import json
 import os
 import statistics
 import sys
@@ -44,7 +47,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _common import machine_info, write_json  # noqa: E402
+from _common import machine_info, pyplot, write_json  # noqa: E402
 
 from bcg.config import RunnerConfig  # noqa: E402
 from bcg.diffusers import accelerate, pipeline_info, pipeline_runners, plan_request, warmup_pipeline  # noqa: E402
@@ -166,6 +169,43 @@ def png_ms(out, repeats=5):
     return round(statistics.median(times), 3)
 
 
+PHASE_COLORS = ("#8c564b", "#bcbd22", "#1f77b4", "#2ca02c", "#9467bd", "#c7c7c7")
+
+
+def plot(results: dict, png_path: str) -> bool:
+    """Per variant a bar of its phases (stacked, synced run) labelled with the median call time."""
+    plt = pyplot()
+    if plt is None:
+        return False
+    names = [n for n, v in results["variants"].items() if v.get("phases_ms")]
+    if not names:
+        return False
+    fig, ax = plt.subplots(figsize=(8, 4.4))
+    bottoms = [0.0] * len(names)
+    for phase, color in zip(PHASES, PHASE_COLORS):
+        values = [results["variants"][n]["phases_ms"].get(phase, 0.0) for n in names]
+        ax.bar(range(len(names)), values, 0.6, bottom=bottoms, label=phase.replace("_", " "), color=color)
+        bottoms = [b + v for b, v in zip(bottoms, values)]
+    speedup = results.get("speedup_vs_eager", {})
+    for i, (name, top) in enumerate(zip(names, bottoms)):
+        entry = results["variants"][name]
+        text = f"{entry['median_ms']:.1f} ms" + (f"\n{speedup[name]:.2f}x" if name in speedup else "")
+        text += "" if entry.get("matches_eager", True) else "\nNOT bitwise"
+        ax.text(i, top, text, ha="center", va="bottom", fontsize=8)
+    ax.set_xticks(range(len(names)), [n.replace("_", " ") for n in names], fontsize=8)
+    ax.set_ylabel("ms per pipeline call (phases: synced run)")
+    ax.set_ylim(0, max(bottoms) * 1.25)
+    params, machine = results.get("params", {}), results.get("machine", {})
+    ax.set_title(f"{params.get('model', '?')} {params.get('size', '?')}, {params.get('steps', '?')} steps, "
+                 f"output_type={params.get('output_type', '?')} -- {machine.get('gpu', 'CPU')}", fontsize=9)
+    ax.legend(fontsize=7, ncol=3)
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=120)
+    plt.close(fig)
+    print(f"wrote {png_path}", file=sys.stderr)
+    return True
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="tiny-flux")
@@ -180,7 +220,11 @@ def main(argv=None):
     parser.add_argument("--dtype", default="bfloat16" if torch.cuda.is_available() else "float32")
     parser.add_argument("--prompt", default="a photo of a cat sitting on a red chair")
     parser.add_argument("--out", default="benchmarks/results/bench_pipeline.json")
+    parser.add_argument("--plot-only", metavar="JSON", help="only make the PNG from an existing JSON")
     args = parser.parse_args(argv)
+    if args.plot_only:
+        with open(args.plot_only) as f:
+            return plot(json.load(f), os.path.splitext(args.plot_only)[0] + ".png")
 
     dtype = getattr(torch, args.dtype)
     results = {"benchmark": "bench_pipeline", "command": "python3 " + " ".join(sys.argv), "machine": machine_info(),
@@ -258,6 +302,7 @@ def main(argv=None):
                              "met": results["speedup_vs_eager"]["bcg_all"] >= 5.0 and all_match}
     print(f"  speedup vs eager: {results['speedup_vs_eager']}", file=sys.stderr)
     write_json(args.out, results)
+    plot(results, os.path.splitext(args.out)[0] + ".png")
     return results
 
 

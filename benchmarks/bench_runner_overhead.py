@@ -1,6 +1,7 @@
 """Per-call overhead of BreakableGraphRunner (signature, copy-in, replay, copy-out) over bare graph.replay().
 
     python3 benchmarks/bench_runner_overhead.py [--out benchmarks/results/bench_runner_overhead.json]
+    python3 benchmarks/bench_runner_overhead.py --plot-only benchmarks/results/bench_runner_overhead.json
 
 Module: 10 small tensor inputs (256 float32 each), a handful of tiny kernels, one output, so the GPU
 finishes long before the CPU has launched the next call: per-call time is CPU time, which is what the
@@ -13,10 +14,12 @@ per-call time is wall time / calls, and the reported figure is the median over -
 - eager: the module called directly, for scale;
 - signature_only: ``signature_of`` on the same kwargs (CPU only; also measured without CUDA).
 overhead_us = variant - bare_replay; the issue's bar is overhead <= 30 us with copy_outputs on.
+A PNG (µs per call of each variant, the runs as dots, the bar as a line) is written next to the JSON.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -34,7 +37,6 @@ BAR_US = 30.0
 try:
     from _common import machine_info, write_json  # noqa: E402
 except ImportError:  # the shared helpers are optional: small equivalents
-    import json
     import platform
 
     def machine_info():
@@ -80,6 +82,42 @@ def per_call_us(fn, calls, repeats, sync=True):
     return statistics.median(samples), samples
 
 
+ORDER = ("signature_only", "bare_replay", "runner_static_inputs", "runner_no_copy", "runner_copy", "eager")
+
+
+def plot(result: dict, png_path: str) -> bool:
+    """µs per call of each variant (median bar, each run a dot) and the bar: bare replay + BAR_US."""
+    from _common import pyplot
+
+    plt = pyplot()
+    us = result.get("results_us", {})
+    names = [n for n in ORDER if n in us]
+    if plt is None or not names:
+        return False
+    fig, ax = plt.subplots(figsize=(7.5, 4.0))
+    colors = ["#1f77b4" if n.startswith("runner") else "#9e9e9e" for n in names]
+    bars = ax.bar(range(len(names)), [us[n] for n in names], 0.6, color=colors)
+    ax.bar_label(bars, fmt="%.1f", fontsize=8, label_type="center", color="white")
+    for i, n in enumerate(names):
+        samples = result.get("samples_us", {}).get(n, [])
+        ax.scatter([i] * len(samples), samples, s=6, color="black", zorder=3)
+    if "bare_replay" in us:
+        limit = us["bare_replay"] + result.get("bar_us", BAR_US)
+        ax.axhline(limit, color="black", linestyle="dashed", linewidth=1,
+                   label=f"bar: bare replay + {result.get('bar_us', BAR_US):g} µs (runner copy)")
+        ax.legend(fontsize=8, loc="upper left")
+    ax.set_xticks(range(len(names)), [n.replace("_", " ") for n in names], fontsize=8)
+    ax.set_ylabel("µs per call (median of runs)")
+    machine = result.get("machine", {})
+    ax.set_title(f"BreakableGraphRunner per-call overhead, {result.get('args', {}).get('inputs', '?')} inputs -- "
+                 f"{machine.get('gpu', 'CPU')}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=120)
+    plt.close(fig)
+    print(f"wrote {png_path}", flush=True)
+    return True
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=DEFAULT_OUT)
@@ -87,7 +125,11 @@ def main(argv=None):
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--inputs", type=int, default=10)
     parser.add_argument("--numel", type=int, default=256)
+    parser.add_argument("--plot-only", metavar="JSON", help="only make the PNG from an existing JSON")
     args = parser.parse_args(argv)
+    if args.plot_only:
+        with open(args.plot_only) as f:
+            return 0 if plot(json.load(f), os.path.splitext(args.plot_only)[0] + ".png") else 1
 
     from bcg.config import RunnerConfig
     from bcg.runner import BreakableGraphRunner
@@ -140,6 +182,7 @@ def main(argv=None):
     print(f"overhead over bare replay: {result['overhead_us']} (bar {BAR_US} us: "
           f"{'met' if result['meets_bar'] else 'NOT met'}); replay == eager: {result['replay_equals_eager']}")
     write_json(args.out, result)
+    plot(result, os.path.splitext(args.out)[0] + ".png")
     return 0
 
 

@@ -66,3 +66,24 @@ def test_pool_memory_plot_is_made_from_measured_rows_only(tmp_path):
     path.write_text(json.dumps({"machine": {}, "results": [{"case": "d", "mode": "plain", "error": "x"}]}))
     (tmp_path / "pool.png").unlink()
     assert bench_pool_memory.main(["--plot-only", str(path)]) == 1 and not (tmp_path / "pool.png").exists()
+
+
+def test_pipeline_and_runner_overhead_plots_are_made_from_their_json(tmp_path):
+    import bench_pipeline
+    import bench_runner_overhead
+
+    phases = {"text_encoding": 9.5, "prepare": 0.9, "denoising": 43.3, "vae_decode": 6.8, "postprocess": 1.7,
+              "other": 0.9}
+    pipeline = {"params": {"model": "tiny-flux"}, "machine": {}, "speedup_vs_eager": {"eager": 1.0, "bcg_all": 7.8},
+                "variants": {"eager": {"median_ms": 61.1, "phases_ms": phases, "matches_eager": True},
+                             "bcg_all": {"median_ms": 7.8, "phases_ms": {"denoising": 4.5}, "matches_eager": True}}}
+    path = tmp_path / "pipeline.json"
+    path.write_text(json.dumps(pipeline))
+    assert bench_pipeline.main(["--plot-only", str(path)]) is True and (tmp_path / "pipeline.png").exists()
+    overhead = {"machine": {}, "args": {"inputs": 10}, "bar_us": 30.0,
+                "results_us": {"bare_replay": 7.3, "runner_copy": 36.9}, "samples_us": {"runner_copy": [36.0, 48.0]}}
+    path = tmp_path / "overhead.json"
+    path.write_text(json.dumps(overhead))
+    assert bench_runner_overhead.main(["--plot-only", str(path)]) == 0 and (tmp_path / "overhead.png").exists()
+    path.write_text(json.dumps({"results_us": {}}))  # nothing measured: nothing to draw
+    assert bench_runner_overhead.main(["--plot-only", str(path)]) == 1
