@@ -211,6 +211,10 @@ class BreakableCUDAGraph:
         for step in steps:
             step()
 
+    def set_raw_launch(self, on: bool) -> None:
+        """Launch segments directly after the next replay (see ``bcg.raw_launch``), or through torch."""
+        self.raw_launch, self._fast_steps = bool(on), None
+
     def reset(self) -> None:
         """Drop the captured segments and bridges; the pool is released once no graph uses it.
 
@@ -237,9 +241,11 @@ class BreakableCUDAGraph:
         return f"BreakableCUDAGraph(segments={self.num_segments}, breaks={self.num_breaks})"
 
 
-def _segment_replay(segment: torch.cuda.CUDAGraph) -> Callable[[], None]:
-    # The C++ method directly skips the Python frame of CUDAGraph.replay on every replay; that wrapper
-    # only checks an input-liveness tracker, which we never enable.
+def segment_replay(segment: torch.cuda.CUDAGraph) -> Callable[[], None]:
+    """The replay step of one segment: torch's C++ ``replay`` bound to it where possible.
+
+    The C++ method skips the Python frame of ``CUDAGraph.replay`` on every replay; that wrapper only
+    checks an input-liveness tracker, which we never enable."""
     base = getattr(torch._C, "_CUDAGraph", None)
     if base is not None and isinstance(segment, base) and getattr(segment, "_tracker", None) is None:
         return types.MethodType(base.replay, segment)
@@ -448,7 +454,7 @@ class BreakableCUDAGraphCapture:
             self._empty += 1
         else:
             self._segment_at[len(self._steps)] = segment
-            self._steps.append(_segment_replay(segment))
+            self._steps.append(segment_replay(segment))
         # The segment that reads the pending bridges is closed: let the pool reuse them from now on.
         for index, bridges in self._pending:
             bridges.release()

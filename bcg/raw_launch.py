@@ -79,11 +79,13 @@ class RawLaunch:
             except Exception as exc:  # noqa: BLE001 - an older torch, or no instantiated exec
                 logger.info("bcg: no raw graph exec (%s); segments replay through torch", exc)
                 return steps
-            fast[index] = cls._step(launch, exec_ptr, device_index, steps[index])
+            fast[index] = cls.direct_step(launch, exec_ptr, device_index, steps[index])
         return tuple(fast)
 
     @staticmethod
-    def _step(launch, exec_ptr: int, device_index: int, fallback: Callable[[], None]) -> Callable[[], None]:
+    def direct_step(launch, exec_ptr: int, device_index: int, fallback: Callable[[], None]) -> Callable[[], None]:
+        """A replay step that launches the graph exec ``exec_ptr`` on the current stream, or calls
+        ``fallback`` (torch's replay) when the launch fails."""
         current_stream = torch._C._cuda_getCurrentRawStream
 
         def step():

@@ -57,7 +57,7 @@ def main(argv=None):
     import torch.nn.functional as F
 
     from _common import machine_info, write_json
-    from bcg.capture import _segment_replay
+    from bcg.capture import segment_replay
     from bcg.raw_launch import RawLaunch
 
     if not torch.cuda.is_available():
@@ -94,8 +94,8 @@ def main(argv=None):
         for _ in range(20):
             y = y * 1.0001 + 0.5
     launch = RawLaunch.launcher()
-    replay = _segment_replay(graph)
-    raw = RawLaunch._step(launch, graph.raw_cuda_graph_exec(), torch.cuda.current_device(), replay)
+    replay = segment_replay(graph)
+    raw = RawLaunch.direct_step(launch, graph.raw_cuda_graph_exec(), torch.cuda.current_device(), replay)
     for label, fn in {"CUDAGraph.replay()": graph.replay, "C++ replay (bcg default)": replay,
                       "cuGraphLaunch (raw_launch)": raw}.items():
         result["launch"][label] = cost(fn)

@@ -212,7 +212,7 @@ def _diagnose(replay, graph, args, out=None):
         # the same graph with segments launched directly (bcg.raw_launch.RawLaunch)
         if out is not None:
             reference = _replayed_output(graph, out)
-            graph.raw_launch, graph._fast_steps = True, None
+            graph.set_raw_launch(True)
             graph.replay()  # the first replay observes which segments draw random numbers
             torch.cuda.synchronize()
             row["raw_launch_ms"] = time_cuda(graph.replay, args.iters, args.warmup)
@@ -222,7 +222,7 @@ def _diagnose(replay, graph, args, out=None):
                 row["raw_launch_gpu_busy_ms"], row["raw_launch_kernels_per_call"] = gpu_busy_ms(graph.replay)
             except Exception as exc:  # noqa: BLE001
                 row["gpu_busy_error"] = f"{type(exc).__name__}: {exc}"
-            graph.raw_launch, graph._fast_steps = False, None
+            graph.set_raw_launch(False)
         row["breaks_only_ms"] = time_cuda(breaks_only, args.iters, args.warmup)
         row["breaks_only_host_ms"] = host_ms(breaks_only, args.iters)
         try:

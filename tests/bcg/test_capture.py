@@ -206,7 +206,7 @@ def fake_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: (0, 42))
     monkeypatch.setattr(torch.cuda, "memory_snapshot", lambda: [])
-    monkeypatch.setattr(capture, "_segment_replay", lambda segment: segment.replay)
+    monkeypatch.setattr(capture, "segment_replay", lambda segment: segment.replay)
     # fake segments cannot be launched directly: the current device never matches the capture's
     monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: -2, raising=False)
     return _FakeSegment
