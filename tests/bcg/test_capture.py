@@ -318,3 +318,28 @@ def test_graphs_on_one_stream_reset_their_segments_together(fake_cuda):
     assert fake_cuda.events == []
     third.reset()
     assert sorted(fake_cuda.events) == sorted(f"reset{i}" for i in range(1, 7))
+
+
+@needs_no_cuda
+def test_a_capture_whose_end_fails_keeps_its_segment_and_retires_the_pool(fake_cuda, monkeypatch):
+    from bcg import streams
+
+    monkeypatch.setattr(streams, "_UNUSABLE_POOLS", set())
+    monkeypatch.setattr(streams, "_FAILED_SEGMENTS", [])
+
+    def invalidated_end(self):
+        _FakeSegment.open = None
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    graph = BreakableCUDAGraph()
+    with pytest.raises(RuntimeError, match="not permitted"):
+        with BreakableCUDAGraphCapture(graph):
+            y = _kernel(torch.ones(2))
+            break_graph()
+            _kernel(y)
+            monkeypatch.setattr(_FakeSegment, "capture_end", invalidated_end)  # the second one fails
+    assert not graph.captured and fake_cuda.open is None and _ACTIVE_CAPTURE.get() is None
+    # torch's allocator still counts the failed segment's capture: it is kept alive, never reset, and
+    # its pool handle is not captured into again
+    assert [s.index for s in streams._FAILED_SEGMENTS] == [2] and "reset2" not in fake_cuda.events
+    assert not streams.pool_usable((0, 42)) and streams.pool_usable((0, 43))
