@@ -49,7 +49,7 @@ from bcg.capture import eager_on_graph, replay_token_scope
 from bcg.config import RunnerConfig
 from bcg.entries import CaptureEntry, EntryCache
 from bcg.recorder import CudaRecorder
-from bcg.signature import _describe_with_leaves, _rebuild_kwargs
+from bcg.signature import signature_with_leaves, rebuild_kwargs
 
 logger = logging.getLogger(__name__)
 
@@ -153,7 +153,7 @@ class BreakableGraphRunner:
             return self._run_eager(self._off[0], token, args, kwargs)
         if self._runner_config.debug:
             self.check_weights()
-        signature, leaves = _describe_with_leaves({**kwargs, _ARGS_KEY: args} if args else kwargs)
+        signature, leaves = signature_with_leaves({**kwargs, _ARGS_KEY: args} if args else kwargs)
         entry = self._entries.get(signature)
         if entry is None:
             if signature in self._blocked:
@@ -195,7 +195,7 @@ class BreakableGraphRunner:
         self._refresh_device()
         if self._off is not None:
             return False
-        signature, leaves = _describe_with_leaves({**kwargs, _ARGS_KEY: args} if args else kwargs)
+        signature, leaves = signature_with_leaves({**kwargs, _ARGS_KEY: args} if args else kwargs)
         if signature in self._entries:
             return True
         return self._capture(signature, args, kwargs, leaves, next(self._tokens))
@@ -399,7 +399,7 @@ class BreakableGraphRunner:
                 static_inputs.append(buffer)
                 if t.device != device:
                     host_inputs.append(i)
-        static = _rebuild_kwargs({**kwargs, _ARGS_KEY: args} if args else kwargs, static_inputs)
+        static = rebuild_kwargs({**kwargs, _ARGS_KEY: args} if args else kwargs, static_inputs)
         static_args = static.pop(_ARGS_KEY, ())
         fn = self._module if self._compiled is None else self._compiled
         if self._runner_config.debug_single_break:

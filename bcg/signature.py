@@ -18,7 +18,7 @@ short string (16 hex digits of sha256 over a canonical form) identical in every 
 version for signatures without identity parts; ``.summary()`` is for logs; ``.diff(other)`` lists the
 differences as ``"shape[1] 64 != 128 at hidden_states"``.
 
-`_describe_with_leaves` (the runner's hot path) returns the tensor leaves in the same traversal order
+`signature_with_leaves` (the runner's hot path) returns the tensor leaves in the same traversal order
 as `_rebuild` consumes them, so a runner can swap leaves for its static buffers.
 """
 import collections
@@ -31,7 +31,7 @@ import torch.utils._pytree as pytree
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Signature", "signature_of"]
+__all__ = ["Signature", "rebuild_kwargs", "signature_of", "signature_with_leaves"]
 
 # Descriptor tags. A descriptor is a small nested tuple; equal descriptors mean equal signatures.
 _TENSOR = "T"       # ("T", shape, dtype, device_type)
@@ -105,7 +105,7 @@ def _rebuild(value, leaves):
     return value
 
 
-def _describe_with_leaves(kwargs):
+def signature_with_leaves(kwargs):
     """(Signature, tensor leaves) of a call's keyword arguments, names sorted."""
     leaves = []
     items = []
@@ -121,7 +121,7 @@ def _describe_with_leaves(kwargs):
     return Signature(tuple(items)), leaves
 
 
-def _rebuild_kwargs(kwargs, leaves):
+def rebuild_kwargs(kwargs, leaves):
     """Keyword arguments with tensor leaves taken from `leaves` (a list in signature order)."""
     it = iter(leaves)
     rebuilt = {name: _rebuild(kwargs[name], it) for name in sorted(kwargs)}
@@ -130,7 +130,7 @@ def _rebuild_kwargs(kwargs, leaves):
 
 def signature_of(kwargs):
     """The `Signature` of a call with these keyword arguments (see the module docstring)."""
-    return _describe_with_leaves(kwargs)[0]
+    return signature_with_leaves(kwargs)[0]
 
 
 def _type_name(cls):

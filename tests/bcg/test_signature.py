@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from bcg.signature import Signature, _describe_with_leaves, _rebuild_kwargs, signature_of
+from bcg.signature import Signature, signature_with_leaves, rebuild_kwargs, signature_of
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -150,10 +150,10 @@ def test_leaves_come_back_in_signature_order_and_rebuild_round_trips():
     from diffusers.models.modeling_outputs import Transformer2DModelOutput
     kw = {"b": [torch.ones(1), {"t": torch.ones(2), "n": 3}], "a": torch.ones(3),
           "o": Transformer2DModelOutput(sample=torch.ones(4))}
-    sig, leaves = _describe_with_leaves(kw)
+    sig, leaves = signature_with_leaves(kw)
     assert [t.shape[0] for t in leaves] == [3, 1, 2, 4]   # names sorted: a, b, o
     fresh = [torch.full_like(t, 7.0) for t in leaves]
-    rebuilt = _rebuild_kwargs(kw, fresh)
+    rebuilt = rebuild_kwargs(kw, fresh)
     assert list(rebuilt) == ["b", "a", "o"]               # the caller's order is kept
     assert rebuilt["a"] is fresh[0] and rebuilt["b"][0] is fresh[1] and rebuilt["b"][1]["t"] is fresh[2]
     assert rebuilt["b"][1]["n"] == 3
