@@ -2,7 +2,7 @@
 resets segments only once no graph captured on their stream is left."""
 import torch
 
-from bcg.capture import _note_wait
+from bcg.capture import _ACTIVE_CAPTURE, _note_wait
 from bcg.streams import ForkTracker, close_stream, open_stream, parked_segments
 
 
@@ -18,6 +18,31 @@ def test_fork_tracker_patch_is_reference_counted_and_restored():
     finally:
         ForkTracker.remove()
     assert torch.cuda.Event.wait is original
+
+
+def test_waits_inside_a_capture_reach_it_with_the_waiting_stream(monkeypatch):
+    waited = []
+    monkeypatch.setattr(torch.cuda.Event, "wait", lambda event, stream=None: waited.append(stream))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: "current")
+
+    class Capture:  # what the hook calls on the capture in progress
+        noted = []
+
+        def _note_wait(self, stream):
+            self.noted.append(stream)
+
+    ForkTracker.install(_note_wait)
+    try:
+        torch.cuda.Event.wait("event", "outside")                 # no capture: only the real wait
+        token = _ACTIVE_CAPTURE.set(Capture())
+        try:
+            torch.cuda.Event.wait("event", "side")                # s.wait_event(e) / s.wait_stream(...)
+            torch.cuda.Event.wait("event")                        # e.wait(): the current stream waits
+        finally:
+            _ACTIVE_CAPTURE.reset(token)
+    finally:
+        ForkTracker.remove()
+    assert waited == ["outside", "side", None] and Capture.noted == ["side", "current"]
 
 
 class _LoggedSegment:
