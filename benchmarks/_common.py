@@ -85,3 +85,14 @@ def pyplot():
         print("matplotlib not importable: no plot (make it later with --plot-only JSON)", flush=True)
         return None
     return plt
+
+
+def add_plot_only(parser) -> None:
+    parser.add_argument("--plot-only", metavar="JSON", help="only make the PNG from an existing JSON")
+
+
+def plot_only(json_path: str, plot) -> int:
+    """Draw ``plot(result, png_path)`` from a written JSON, the PNG next to it; 0 when a PNG was written."""
+    with open(json_path) as f:
+        result = json.load(f)
+    return 0 if plot(result, os.path.splitext(json_path)[0] + ".png") else 1

@@ -523,6 +523,8 @@ def merge(paths, out):
 
 
 def main(argv=None):
+    from _common import add_plot_only, plot_only
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=DEFAULT_OUT, help="JSON path (the PNG goes next to it)")
     parser.add_argument("--models", default=",".join(MODELS), help=f"comma separated: {', '.join(MODELS)}")
@@ -541,7 +543,7 @@ def main(argv=None):
                         help="also record host ms per call, profiler kernel time per call and, for breakable "
                              "graphs, segments-only and breaks-only timings")
     parser.add_argument("--dry-run", action="store_true", help="print parameter counts and the plan only")
-    parser.add_argument("--plot-only", metavar="JSON", help="only make the PNG from an existing JSON")
+    add_plot_only(parser)
     parser.add_argument("--merge", nargs="+", metavar="JSON",
                         help="merge the results of several runs (same machine) into --out, re-evaluate the "
                              "targets and plot")
@@ -550,8 +552,7 @@ def main(argv=None):
         return merge(args.merge, args.out)
     args.dynamic = {"false": False, "true": True, "auto": None}[args.dynamic]
     if args.plot_only:
-        with open(args.plot_only) as f:
-            return 0 if plot(json.load(f), os.path.splitext(args.plot_only)[0] + ".png") else 1
+        return plot_only(args.plot_only, plot)
     from _common import write_json
 
     result = run(args)

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import sys
 import time
@@ -214,12 +213,12 @@ def main(argv=None) -> int:
     parser.add_argument("--sizes", default="256,512,1024", help="square image sizes, comma separated")
     parser.add_argument("--iters", type=int, default=50)
     parser.add_argument("--warmup", type=int, default=10)
-    parser.add_argument("--plot-only", metavar="JSON", help="only make the PNG from an existing JSON")
+    from _common import add_plot_only, plot_only
+
+    add_plot_only(parser)
     args = parser.parse_args(argv)
     if args.plot_only:
-        with open(args.plot_only) as f:
-            result = json.load(f)
-        return 0 if plot(result, os.path.splitext(args.plot_only)[0] + ".png") else 1
+        return plot_only(args.plot_only, plot)
     from _common import write_json
 
     result = run(args)

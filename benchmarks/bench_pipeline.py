@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import functools
 import io
-import json
 import os
 import statistics
 import sys
@@ -47,7 +46,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _common import machine_info, pyplot, write_json  # noqa: E402
+from _common import add_plot_only, machine_info, plot_only, pyplot, write_json  # noqa: E402
 
 from bcg.config import RunnerConfig  # noqa: E402
 from bcg.diffusers import accelerate, pipeline_info, pipeline_runners, plan_request, warmup_pipeline  # noqa: E402
@@ -220,11 +219,10 @@ def main(argv=None):
     parser.add_argument("--dtype", default="bfloat16" if torch.cuda.is_available() else "float32")
     parser.add_argument("--prompt", default="a photo of a cat sitting on a red chair")
     parser.add_argument("--out", default="benchmarks/results/bench_pipeline.json")
-    parser.add_argument("--plot-only", metavar="JSON", help="only make the PNG from an existing JSON")
+    add_plot_only(parser)
     args = parser.parse_args(argv)
     if args.plot_only:
-        with open(args.plot_only) as f:
-            return plot(json.load(f), os.path.splitext(args.plot_only)[0] + ".png")
+        return plot_only(args.plot_only, plot)
 
     dtype = getattr(torch, args.dtype)
     results = {"benchmark": "bench_pipeline", "command": "python3 " + " ".join(sys.argv), "machine": machine_info(),
@@ -303,8 +301,8 @@ def main(argv=None):
     print(f"  speedup vs eager: {results['speedup_vs_eager']}", file=sys.stderr)
     write_json(args.out, results)
     plot(results, os.path.splitext(args.out)[0] + ".png")
-    return results
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import sys
 import time
@@ -207,12 +206,12 @@ def main(argv=None):
     parser.add_argument("--out", default=DEFAULT_OUT)
     parser.add_argument("--cases", default=",".join(CASES))
     parser.add_argument("--modes", default=",".join(MODES))
-    parser.add_argument("--plot-only", metavar="JSON", help="only make the PNG from an existing JSON")
+    from _common import add_plot_only, plot_only
+
+    add_plot_only(parser)
     args = parser.parse_args(argv)
     if args.plot_only:
-        with open(args.plot_only) as f:
-            result = json.load(f)
-        return 0 if plot(result, os.path.splitext(args.plot_only)[0] + ".png") else 1
+        return plot_only(args.plot_only, plot)
     import torch
 
     from _common import machine_info, write_json

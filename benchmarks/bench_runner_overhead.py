@@ -125,11 +125,12 @@ def main(argv=None):
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--inputs", type=int, default=10)
     parser.add_argument("--numel", type=int, default=256)
-    parser.add_argument("--plot-only", metavar="JSON", help="only make the PNG from an existing JSON")
+    from _common import add_plot_only, plot_only
+
+    add_plot_only(parser)
     args = parser.parse_args(argv)
     if args.plot_only:
-        with open(args.plot_only) as f:
-            return 0 if plot(json.load(f), os.path.splitext(args.plot_only)[0] + ".png") else 1
+        return plot_only(args.plot_only, plot)
 
     from bcg.config import RunnerConfig
     from bcg.runner import BreakableGraphRunner

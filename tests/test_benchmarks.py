@@ -79,7 +79,7 @@ def test_pipeline_and_runner_overhead_plots_are_made_from_their_json(tmp_path):
                              "bcg_all": {"median_ms": 7.8, "phases_ms": {"denoising": 4.5}, "matches_eager": True}}}
     path = tmp_path / "pipeline.json"
     path.write_text(json.dumps(pipeline))
-    assert bench_pipeline.main(["--plot-only", str(path)]) is True and (tmp_path / "pipeline.png").exists()
+    assert bench_pipeline.main(["--plot-only", str(path)]) == 0 and (tmp_path / "pipeline.png").exists()
     overhead = {"machine": {}, "args": {"inputs": 10}, "bar_us": 30.0,
                 "results_us": {"bare_replay": 7.3, "runner_copy": 36.9}, "samples_us": {"runner_copy": [36.0, 48.0]}}
     path = tmp_path / "overhead.json"
