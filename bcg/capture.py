@@ -219,7 +219,7 @@ class BreakableCUDAGraph:
         """Drop the captured segments and bridges; the pool is released once no graph uses it.
 
         The segments' own reset waits while other graphs captured on the same stream are alive
-        (see ``close_stream``); their memory in the pool is free for reuse right away.
+        (see ``bcg.streams.close_stream``); their memory in the pool is free for reuse right away.
         """
         if self._capturing:
             raise RuntimeError("BreakableCUDAGraph.reset() inside its own capture")
@@ -392,8 +392,7 @@ class BreakableCUDAGraphCapture:
         graph._steps = tuple(self._steps[i] for i in kept)
         graph._segment_at = {new: self._segment_at[old] for new, old in enumerate(kept) if old in self._segment_at}
         graph._device_index = self._device_index
-        graph.raw_launch = self.raw_launch
-        graph._fast_steps = None
+        graph.set_raw_launch(self.raw_launch)
         graph._segments = self._segments
         graph._stream_key, self._stream_key = self._stream_key, None
         graph._bridges = self._bridge_sets

@@ -19,7 +19,6 @@ A PNG (µs per call of each variant, the runs as dots, the bar as a line) is wri
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -34,23 +33,7 @@ import torch  # noqa: E402
 DEFAULT_OUT = os.path.join(HERE, "results", "bench_runner_overhead.json")
 BAR_US = 30.0
 
-try:
-    from _common import machine_info, write_json  # noqa: E402
-except ImportError:  # the shared helpers are optional: small equivalents
-    import platform
-
-    def machine_info():
-        info = {"python": platform.python_version(), "torch": torch.__version__,
-                "cuda_available": torch.cuda.is_available()}
-        if torch.cuda.is_available():
-            info["gpu"] = torch.cuda.get_device_name()
-        return info
-
-    def write_json(path, obj):
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        with open(path, "w") as f:
-            json.dump(obj, f, indent=2, default=str)
-        print(f"wrote {path}", file=sys.stderr)
+from _common import add_plot_only, machine_info, plot_only, pyplot, write_json  # noqa: E402
 
 
 class TenInputs(torch.nn.Module):
@@ -87,8 +70,6 @@ ORDER = ("signature_only", "bare_replay", "runner_static_inputs", "runner_no_cop
 
 def plot(result: dict, png_path: str) -> bool:
     """µs per call of each variant (median bar, each run a dot) and the bar: bare replay + BAR_US."""
-    from _common import pyplot
-
     plt = pyplot()
     us = result.get("results_us", {})
     names = [n for n in ORDER if n in us]
@@ -125,8 +106,6 @@ def main(argv=None):
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--inputs", type=int, default=10)
     parser.add_argument("--numel", type=int, default=256)
-    from _common import add_plot_only, plot_only
-
     add_plot_only(parser)
     args = parser.parse_args(argv)
     if args.plot_only:

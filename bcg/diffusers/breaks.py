@@ -37,6 +37,8 @@ from typing import Any, Iterable
 
 import torch
 
+from bcg.capture import eager_on_graph, is_capturing
+
 logger = logging.getLogger(__name__)
 
 __all__ = ["install_breaks", "remove_breaks", "swapped_global", "unwrap_runner"]
@@ -50,26 +52,13 @@ _SWAP_LOCK = threading.Lock()
 _BREAK_MARK = "__bcg_break__"
 
 
-def _capturing() -> bool:
-    """True inside a breakable-graph capture of this context (and not inside one of its breaks)."""
-    from bcg.capture import is_capturing
-
-    return is_capturing()
-
-
-def _eager(fn):
-    from bcg.capture import eager_on_graph
-
-    return eager_on_graph(fn)
-
-
 class _FunctionalWithEagerAttention(types.ModuleType):
     """Stands in for ``torch.nn.functional`` with an eager-break ``scaled_dot_product_attention``."""
 
     def __init__(self, original):
         super().__init__(original.__name__)
         self.__bcg_original__ = original
-        self.scaled_dot_product_attention = _eager(original.scaled_dot_product_attention)
+        self.scaled_dot_product_attention = eager_on_graph(original.scaled_dot_product_attention)
 
     def __getattr__(self, name):
         return getattr(self.__bcg_original__, name)
@@ -124,7 +113,7 @@ def swapped_global(namespace: dict, name: str, make_replacement):
 
 
 def _eager_core(current):
-    return _FunctionalWithEagerAttention(current) if current is torch.nn.functional else _eager(current)
+    return _FunctionalWithEagerAttention(current) if current is torch.nn.functional else eager_on_graph(current)
 
 
 def _swapped_core(namespace: dict, name: str):
@@ -143,10 +132,10 @@ def _breaking_class(base: type, whole: bool) -> type:
         return cached
     original_call = base.__call__
     core = None if whole else _core_of(original_call)
-    whole_call = _eager(original_call)
+    whole_call = eager_on_graph(original_call)
 
     def __call__(self, *args, **kwargs):
-        if not _capturing():
+        if not is_capturing():
             return original_call(self, *args, **kwargs)
         if core is None:
             return whole_call(self, *args, **kwargs)
@@ -187,7 +176,7 @@ def _wrap_processor(module, whole: bool) -> bool:
 def _wrap_forward(module) -> bool:
     if getattr(module.__dict__.get("forward"), _BREAK_MARK, False):
         return True
-    forward = _eager(module.forward)
+    forward = eager_on_graph(module.forward)
     setattr(forward, _BREAK_MARK, True)
     object.__setattr__(module, "forward", forward)
     return True
