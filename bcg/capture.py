@@ -92,9 +92,19 @@ _REPLAY_TOKEN: contextvars.ContextVar[Any] = contextvars.ContextVar("bcg_replay_
 # replay token
 
 
+_FRESH = object()  # replay_token_scope's default: stands for "a new token", never a token itself
+
+
 @contextlib.contextmanager
-def replay_token_scope(token: Any):
-    """Make ``token`` visible to break functions (via ``current_replay_token()``) inside the block."""
+def replay_token_scope(token: Any = _FRESH):
+    """Make a token visible to break functions (via ``current_replay_token()``) inside the block.
+
+    Without an argument the scope opens a fresh token (a new ``object()``, equal to no other), so
+    each ``with replay_token_scope() as token:`` marks one replay; an explicit ``token`` (any value,
+    None included) is used as given. Yields the token.
+    """
+    if token is _FRESH:
+        token = object()
     reset = _REPLAY_TOKEN.set(token)
     try:
         yield token

@@ -79,6 +79,19 @@ def test_replay_token_scope_nests_and_restores_even_on_errors():
     assert current_replay_token() is None
 
 
+def test_replay_token_scope_without_an_argument_opens_a_fresh_token_each_time():
+    with replay_token_scope() as first:
+        assert first is not None and current_replay_token() is first
+        with replay_token_scope() as inner:
+            assert inner is not first and current_replay_token() is inner
+        assert current_replay_token() is first
+    with replay_token_scope() as second:
+        assert second is not first and second != first
+    with replay_token_scope(None) as explicit:     # an explicit token is used as given, None too
+        assert explicit is None and current_replay_token() is None
+    assert current_replay_token() is None
+
+
 def test_replay_token_is_per_thread():
     seen = []
     with replay_token_scope("main"):
