@@ -243,7 +243,7 @@ def build_tiny_sana():
     transformer = SanaTransformer2DModel(
         in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=16, num_layers=2,
         num_cross_attention_heads=2, cross_attention_head_dim=16, cross_attention_dim=32, caption_channels=32,
-        mlp_ratio=2.5, sample_size=8, patch_size=1,
+        mlp_ratio=2.5, sample_size=16, patch_size=1,  # 16: the smallest size with a resolution-binning table (512²)
     )
     vae = AutoencoderDC(
         in_channels=3, latent_channels=4, attention_head_dim=4,

@@ -102,3 +102,18 @@ def test_dtype_keeps_fp32_modules():
     assert pipe.transformer.scale_shift_table.dtype == torch.float32  # listed in _keep_in_fp32_modules
     assert pipe.text_encoder.dtype == torch.bfloat16
     assert load_pipeline("tiny-sd3", dtype="float64").vae.dtype == torch.float64
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_builtin_answers_the_call_diffusers_documents(name):
+    # pipe(prompt=..., height=..., width=...) with the pipeline's own defaults (resolution binning on
+    # for Sana and PixArt): the image comes back at the asked size.
+    pipe = load_pipeline(name)
+    kwargs = dict(prompt="a cat", height=256, width=256, num_inference_steps=1)
+    if name == "tiny-wan":
+        kwargs.update(num_frames=5)
+    out = pipe(**kwargs)
+    frames = out.frames[0] if name == "tiny-wan" else None
+    image = frames[0] if frames is not None else out.images[0]
+    size = image.shape[:2][::-1] if isinstance(image, np.ndarray) else image.size
+    assert tuple(size) == (256, 256)
