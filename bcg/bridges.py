@@ -3,8 +3,11 @@
 Contract: at capture, ``Bridges(name, out, fn, args, kwargs)`` allocates one buffer per tensor of the
 break's output (inside the next segment's capture, so from the pool) and hands the model the same
 structure over those buffers. At replay, ``make_step()`` calls the real break function with the held
-arguments and copies its outputs into the buffers in place; an output whose structure, shape or dtype
-changed raises ``BreakOutputMismatchError`` before anything is copied. ``release()`` drops the strong
+arguments and copies its outputs into the buffers in place. Python scalars (None, bool, int, float,
+complex, str) cannot be refreshed in place -- the segments after the break were captured with their
+capture-time values -- so replay checks them by value. An output whose structure, shape, dtype or
+Python value changed raises ``BreakOutputMismatchError`` before anything is copied, so no later segment
+runs with a stale value. ``release()`` drops the strong
 references once the segment that reads the buffers has ended, so the pool can reuse them.
 """
 from __future__ import annotations
@@ -36,10 +39,24 @@ def no_step() -> None:
     return None
 
 
+_SCALARS = (bool, int, float, complex, str)
+
+
 def _describe(x) -> str:
     if isinstance(x, torch.Tensor):
         return f"tensor{tuple(x.shape)} {x.dtype}"
+    if isinstance(x, _SCALARS):
+        return f"{type(x).__name__} {x!r}"
     return type(x).__name__
+
+
+def _same_scalar(a, b) -> bool:
+    """Equal Python scalars of one type; floats bit for bit (-0.0 is not 0.0, NaN is NaN)."""
+    if type(a) is float:
+        return a.hex() == b.hex()
+    if type(a) is complex:
+        return a.real.hex() == b.real.hex() and a.imag.hex() == b.imag.hex()
+    return a == b
 
 
 class Bridges:
@@ -82,8 +99,8 @@ class Bridges:
                 values[k] = v
             value = type(x)(values) if type(x) is not dict else values
             return ("map", type(x), specs), value
-        if x is None or isinstance(x, (bool, int, float, complex, str)):
-            return ("c", type(x)), x
+        if x is None or isinstance(x, _SCALARS):
+            return ("c", type(x), x), x
         raise TypeError(
             f"break function {self.name} returned {type(x).__name__} at {path}; break outputs must be "
             "tensors, None, python scalars, or tuples/lists/dicts of them"
@@ -106,7 +123,7 @@ class Bridges:
         fn, args, kwargs = self.fn, self.args, self.kwargs
         if fn is no_work:
             return no_step
-        if not self.targets and self.spec == ("c", type(None)):
+        if not self.targets and self.spec == ("c", type(None), None):
             return functools.partial(fn, *args, **kwargs)
         copy = self.make_copier()
         if kwargs:
@@ -174,11 +191,18 @@ class Bridges:
             for k, s in spec[2].items():
                 self._check(s, x[k], f"{path}[{k!r}]", leaves)
         elif type(x) is not spec[1]:
-            self._mismatch(path, spec[1].__name__, _describe(x))
+            self._mismatch(path, _describe(spec[2]), _describe(x))
+        elif spec[1] is not type(None) and not _same_scalar(x, spec[2]):
+            self._mismatch(path, _describe(spec[2]), _describe(x), scalar=True)
 
-    def _mismatch(self, path, expected, got):
+    def _mismatch(self, path, expected, got, scalar=False):
+        fix = ("the segments after a break were captured with its Python values: return a tensor for a "
+               "value that changes between calls, or pass it as an argument of the captured call (arguments "
+               "are part of the signature)"
+               if scalar else
+               "a graph replays fixed shapes: capture a new graph for this input (or make the break "
+               "return what it returned at capture)")
         raise BreakOutputMismatchError(
             f"break function {self.name} returned {got} at {path} during replay, but the graph was captured "
-            f"with {expected}; a graph replays fixed shapes: capture a new graph for this input (or make the "
-            "break return what it returned at capture)"
+            f"with {expected}; {fix}"
         )

@@ -8,7 +8,8 @@ Contract:
 - ``graph.replay()`` replays segment 0, break 0, segment 1, ... on the current stream. At replay the real
   break function runs with the captured arguments and its fresh outputs are copied into the *bridge
   buffers* that the next segment was captured against, so ``out`` is refreshed in place. A break output
-  whose structure, shape or dtype changed raises ``BreakOutputMismatchError``; nothing is copied then.
+  whose structure, shape, dtype or Python scalar value changed raises ``BreakOutputMismatchError`` from
+  ``replay()`` before the next segment runs; nothing is copied then (see ``bcg.bridges``).
 - Values produced during capture are undefined (kernels are recorded, not run): call ``replay()``.
 - Outside a capture ``eager_on_graph`` functions are plain calls, and they are always graph breaks for
   ``torch.compile``. Without CUDA everything imports; entering a capture raises ``RuntimeError``.

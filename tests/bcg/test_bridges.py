@@ -25,7 +25,7 @@ def test_bridges_copy_replay_outputs_in_place():
     assert torch.equal(single.result, torch.full((5,), 7.0))
 
     tree, copy_tree = _bridges({"h": torch.zeros(2), "extra": [None, 3, torch.zeros(1)]})
-    copy_tree({"h": torch.ones(2), "extra": [None, 4, torch.full((1,), 9.0)]})
+    copy_tree({"h": torch.ones(2), "extra": [None, 3, torch.full((1,), 9.0)]})
     assert torch.equal(tree.result["h"], torch.ones(2))
     assert tree.result["extra"][0] is None and tree.result["extra"][1] == 3
     assert torch.equal(tree.result["extra"][2], torch.full((1,), 9.0))
@@ -57,6 +57,33 @@ def test_bridge_shape_dtype_or_structure_change_raises_a_clear_error():
     copy_none(None)
     with pytest.raises(BreakOutputMismatchError, match="NoneType"):
         copy_none(torch.zeros(1))
+
+
+def test_a_python_scalar_output_that_changes_at_replay_raises_and_copies_nothing():
+    bridges, copy = _bridges((torch.zeros(3), 5, "fast", 0.5))
+    copy((torch.ones(3), 5, "fast", 0.5))                     # same values: copied
+    assert torch.equal(bridges.result[0], torch.ones(3))
+    with pytest.raises(BreakOutputMismatchError) as err:
+        copy((torch.full((3,), 2.0), 7, "fast", 0.5))
+    message = str(err.value)
+    assert "attn_core" in message and "output[1]" in message and "int 7" in message and "int 5" in message
+    assert "tensor" in message                                 # names the fix
+    assert torch.equal(bridges.result[0], torch.ones(3))      # nothing copied, not even the tensor
+    with pytest.raises(BreakOutputMismatchError, match=r"output\[2\]"):
+        copy((torch.ones(3), 5, "slow", 0.5))
+    with pytest.raises(BreakOutputMismatchError, match=r"output\[3\]"):
+        copy((torch.ones(3), 5, "fast", -0.5))
+    with pytest.raises(BreakOutputMismatchError, match="bool True"):
+        copy((torch.ones(3), True, "fast", 0.5))               # 1 == True, but another type
+
+    _, copy_single = _bridges(3)                               # a break that returns only a scalar
+    copy_single(3)
+    with pytest.raises(BreakOutputMismatchError, match="int 4"):
+        copy_single(4)
+    _, copy_float = _bridges({"scale": 0.0, "nan": float("nan")})
+    copy_float({"scale": 0.0, "nan": float("nan")})            # NaN is the value it was captured with
+    with pytest.raises(BreakOutputMismatchError, match=r"output\['scale'\]"):
+        copy_float({"scale": -0.0, "nan": float("nan")})       # -0.0 == 0.0, but 1 / x differs
 
 
 def test_released_bridges_drop_every_strong_reference_to_the_bridges():

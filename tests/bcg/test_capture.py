@@ -9,6 +9,7 @@ import torch
 from bcg.capture import (
     BreakableCUDAGraph,
     BreakableCUDAGraphCapture,
+    BreakOutputMismatchError,
     _ACTIVE_CAPTURE,
     break_graph,
     current_replay_token,
@@ -283,6 +284,40 @@ def test_capture_flow_orders_segments_and_breaks_and_uses_stubs(fake_cuda):
     events.clear()
     graph.reset()
     assert events == ["reset1", "reset2", "reset3", "reset4"] and not graph.captured
+
+
+@needs_no_cuda
+def test_a_break_whose_python_value_changes_stops_the_replay_before_the_next_segment(fake_cuda):
+    events = fake_cuda.events
+    host = {"steps": 5}
+
+    @eager_on_graph
+    def plan(t):
+        events.append(f"plan{host['steps']}")
+        return t, host["steps"]
+
+    def forward(x):
+        y, steps = plan(_kernel(x * 2))     # segment 1, then the break
+        return _kernel(y * steps)           # segment 2 was captured with steps == 5
+
+    graph = BreakableCUDAGraph()
+    with BreakableCUDAGraphCapture(graph):
+        forward(torch.ones(3))
+    try:
+        events.clear()
+        graph.replay()
+        assert events == ["segment1", "plan5", "segment2"]
+        host["steps"] = 7
+        events.clear()
+        with pytest.raises(BreakOutputMismatchError, match="int 7"):
+            graph.replay()
+        assert events == ["segment1", "plan7"]  # segment 2 never ran with the stale 5
+        host["steps"] = 5
+        events.clear()
+        graph.replay()                          # the graph itself is intact
+        assert events == ["segment1", "plan5", "segment2"]
+    finally:
+        graph.reset()                           # the stream ledger is per process: leave it empty
 
 
 @needs_no_cuda
