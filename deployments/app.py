@@ -11,6 +11,7 @@ place before Serve routes to a replica, including replicas the autoscaler adds l
 ``autoscaling`` set, ``num_replicas`` is not used; a scaled-up replica takes traffic once its warmup
 finished. ``router=power_of_two`` swaps in Serve's default router for comparisons: warm state is then
 ignored, and ``Coordinator.warmup`` cannot pin its capture calls (start-up warmup still works).
+The start-up plan (``warmup``) gets the limits requests get (``check_shape_limits``).
 """
 from __future__ import annotations
 
@@ -18,16 +19,18 @@ import logging
 from typing import Dict, List, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from ray.serve.config import RequestRouterConfig
 
+from bcg.buckets import ShapeKey
 from deployments.coordinator import Coordinator
 from deployments.ingress import Ingress
 from deployments.replica import Replica, normalize_key
 from deployments.router import DEFAULT_SPILL_THRESHOLD, ShapeAffinityRouter
-from deployments.schemas import RequestLimits
+from deployments.schemas import FieldError, RequestLimits, check_shape_limits
 
 logger = logging.getLogger(__name__)
 
-POWER_OF_TWO = "ray.serve._private.request_router:PowerOfTwoChoicesRequestRouter"
+POWER_OF_TWO = RequestRouterConfig().request_router_class  # Serve's default router
 
 
 class AutoscalingArgs(BaseModel):
@@ -69,6 +72,7 @@ class AppArgs(BaseModel):
     spill_threshold: Optional[int] = Field(DEFAULT_SPILL_THRESHOLD, ge=1)
     routing_stats_period_s: float = Field(1.0, gt=0)
     runner: Dict[str, Union[int, float, bool, str, None]] = Field(default_factory=dict)
+    components: Union[Literal["all"], List[str]] = "all"      # accelerated pipeline parts (bcg.diffusers.COMPONENTS)
     warmup_steps: int = Field(2, ge=1)
     default_steps: int = Field(4, ge=1)
     default_size: Optional[str] = None                         # None: the first warmup size, else 256x256
@@ -131,6 +135,39 @@ class AppArgs(BaseModel):
                 out[name.strip()] = _scalar(value.strip())
             return out
         return v
+
+    @field_validator("components", mode="before")
+    @classmethod
+    def _components(cls, v):
+        from bcg.diffusers import COMPONENTS
+        if isinstance(v, str) and v.strip() != "all":
+            v = [part.strip() for part in v.split(",") if part.strip()]
+        if isinstance(v, list):
+            if not v:
+                raise ValueError(f"components must name at least one of {list(COMPONENTS)}, or be 'all'")
+            for i, name in enumerate(v):
+                if name not in COMPONENTS:
+                    raise ValueError(f"components[{i}]: unknown component {name!r}; choose from "
+                                     f"{list(COMPONENTS)} or 'all'")
+            return list(dict.fromkeys(v))
+        return v.strip() if isinstance(v, str) else v
+
+    @model_validator(mode="after")
+    def _warmup_within_limits(self):
+        # the plan's keys get the limits requests get (the model's size multiple is checked at warmup)
+        limits = self.limits().model_copy(update={"size_multiple": self.size_multiple or 1})
+        for i, key in enumerate(self.warmup):
+            try:
+                check_shape_limits(ShapeKey.parse(key), limits)
+            except FieldError as exc:
+                raise ValueError(f"warmup[{i}] {key!r}: {exc.field}: {exc.msg}") from None
+        return self
+
+    def limits(self) -> RequestLimits:
+        """The request limits these args set (size multiple: the model's unless ``size_multiple``)."""
+        return RequestLimits(max_n=self.max_n, max_steps=self.max_steps, max_pixels=self.max_pixels,
+                             max_prompt_chars=self.max_prompt_chars, max_body_bytes=self.max_body_bytes,
+                             max_warmup_keys=self.max_warmup_keys)
 
     @field_validator("runner")
     @classmethod
@@ -212,11 +249,9 @@ def build_app(args: Optional[dict] = None):
     replica = Replica.options(**replica_options).bind(
         model=a.model, coordinator=coordinator, device=a.device, dtype=a.dtype, runner_config=a.runner,
         warmup_steps=a.warmup_steps, default_steps=a.default_steps, cpu_threads=a.cpu_threads,
-        gpu_memory_fraction=gpu_fraction, pipeline_hook=a.pipeline_hook,
+        gpu_memory_fraction=gpu_fraction, pipeline_hook=a.pipeline_hook, components=a.components,
     )
-    limits = RequestLimits(max_n=a.max_n, max_steps=a.max_steps, max_pixels=a.max_pixels,
-                           max_prompt_chars=a.max_prompt_chars, max_body_bytes=a.max_body_bytes,
-                           max_warmup_keys=a.max_warmup_keys).model_dump()
+    limits = a.limits().model_dump()
     limits["size_multiple"] = a.size_multiple
     logger.info("bcg app: %s x %s replicas, %.2f GPU each, warmup %s (%s)", a.model,
                 a.autoscaling or a.num_replicas, gpus, a.warmup, a.placement)

@@ -7,15 +7,22 @@ Contract:
   coordinator for this replica's share of the warmup plan and warms it, so a replica added by the
   autoscaler (or a restart) is warm for its share before Serve sends it a request, and its warm set is
   in the metadata the router reads before the first routing-stats poll.
-* The warm set is kept here, per *shape key*: a key is warm once its warmup ran successfully. On CUDA
-  that means the warmup captured the transformer's signatures (new captures, no failures, or every
-  transformer call already replayed); the key also stops being warm when the runner evicted one of
-  its signatures. Without CUDA nothing is captured: a key is warm once its warmup ran, and the
-  report says ``graphs_captured: false, reason: "no CUDA"``.
+* The pipeline's ``components`` are accelerated (``bcg.diffusers.accelerate``): by default all of
+  ``bcg.diffusers.COMPONENTS`` it has -- transformer(s), text encoders and the VAE decoder -- each
+  with its own runner.
+* The warm set is kept here, per *shape key*: the graphs (runner, signature) its warmup run used,
+  captured or replayed, in every runner. A key is warm exactly while all of them are live, so a key
+  whose graphs another key captured first (256x512 and 512x256 share the transformer's) is warm as
+  long as those graphs are, and stops being warm when a runner evicts one. A warmup that evicted
+  graphs runs the key a second time, which must replay everything. Failures (a capture, the
+  pipeline) leave the key cold. When no runner can capture (no CUDA) a key is warm once its warmup
+  ran, and the report says ``graphs_captured: false, reason: "no CUDA"``.
 * A request is *warm* when its shape key is in the warm set when it starts; replicas count warm and
-  cold requests, and (on GPU meaningful) transformer replays vs eager calls per request.
+  cold requests, and (on GPU meaningful) replays vs eager calls of all runners per request.
 * Pipelines are not thread-safe: every pipeline run (serving and warmup) holds one asyncio lock and
   runs on a single worker thread, so the event loop stays free for stats, health and routing probes.
+  Runner state is read on that thread after each run; stats and routing stats answer from that
+  snapshot, so they never wait for a capture in progress (a runner holds its lock while capturing).
 * ``record_routing_stats()`` publishes ``warm_keys``, ``queue_len`` (requests on this replica,
   running or waiting for the lock) and ``pool_bytes``; the router reads them.
 """
@@ -65,17 +72,37 @@ def request_shape_key(width: int, height: int, n: int, guidance_scale: Optional[
     return ShapeKey(height=height, width=width, batch_size=n, cfg=request_cfg(guidance_scale, info)).key
 
 
-def _counts(runners: dict) -> Dict[str, int]:
-    """Totals over a pipeline's runners: captures, replays, eager calls, capture failures, pool bytes."""
-    out = dict.fromkeys(("captures", "replays", "eager", "failures", "pool_bytes"), 0)
-    for runner in runners.values():
-        stats = runner.stats()
-        out["captures"] += int(stats.get("captures", 0))
-        out["replays"] += int(stats.get("replays", 0))
-        out["eager"] += int(stats.get("eager_calls_total", 0))
-        out["failures"] += int(stats.get("capture_failures", 0))
-        out["pool_bytes"] += int(stats.get("pool_bytes", 0))
-    return out
+def _counts(runner_stats: dict) -> Dict[str, int]:
+    """Totals over a pipeline's runners (their ``stats()`` by name): captures, replays, eager calls,
+    capture failures, evictions, pool bytes."""
+    fields = {"captures": "captures", "replays": "replays", "eager": "eager_calls_total",
+              "failures": "capture_failures", "evictions": "evictions", "pool_bytes": "pool_bytes"}
+    return {out: sum(int(st.get(name, 0)) for st in runner_stats.values()) for out, name in fields.items()}
+
+
+def _delta(before: dict, after: dict) -> Dict[str, int]:
+    """What happened between two runner-stats snapshots, as `_counts` totals."""
+    a, b = _counts(after), _counts(before)
+    return {k: a[k] - b[k] for k in a}
+
+
+def _graphs(runner_stats: dict) -> Dict[tuple, dict]:
+    """(component, signature key) -> the entry's record, for every live graph."""
+    return {(name, e["key"]): e for name, st in runner_stats.items() for e in st.get("entries", ())}
+
+
+def _used(before: dict, after: dict) -> frozenset:
+    """The live graphs a run between two snapshots replayed (a capture replays its graph too)."""
+    hits = {g: e.get("hits", 0) for g, e in _graphs(before).items()}
+    return frozenset(g for g, e in _graphs(after).items() if e.get("hits", 0) > hits.get(g, 0))
+
+
+def pipeline_components(pipe, components) -> List[str]:
+    """``"all"``: each of ``bcg.diffusers.COMPONENTS`` that `pipe` has; else `components` as given."""
+    from bcg.diffusers import COMPONENTS
+    if components == "all":
+        return [c for c in COMPONENTS if getattr(pipe, "vae" if c == "vae_decoder" else c, None) is not None]
+    return [components] if isinstance(components, str) else list(components)
 
 
 def resolve_hook(path: str):
@@ -116,7 +143,7 @@ class ReplicaEngine:
     def __init__(self, model: str, device: Optional[str] = None, dtype: Optional[str] = None,
                  runner_config: Optional[dict] = None, warmup_steps: int = 2,
                  cpu_threads: Optional[int] = None, gpu_memory_fraction: Optional[float] = None,
-                 pipeline_hook: Optional[str] = None):
+                 pipeline_hook: Optional[str] = None, components="all"):
         import torch
         from bcg.config import RunnerConfig
         from bcg.diffusers import accelerate, pipeline_info, pipeline_runners
@@ -134,51 +161,76 @@ class ReplicaEngine:
         pipe = load_pipeline(model, device=self.device, dtype=getattr(torch, dtype) if dtype else None)
         if pipeline_hook:
             resolve_hook(pipeline_hook)(pipe)  # from the app config (e.g. fault injection in tests)
-        self.pipe = accelerate(pipe, config=config)
+        self.pipe = accelerate(pipe, config=config, components=pipeline_components(pipe, components))
         self.pipe.set_progress_bar_config(disable=True)
         self.runners = pipeline_runners(self.pipe)
-        self.info = {**pipeline_info(self.pipe), "model": model, "device": self.device}
+        self.info = {**pipeline_info(self.pipe), "model": model, "device": self.device,
+                     "components": sorted(self.runners)}
         self.warmup_steps = warmup_steps
-        self._warmed: Dict[str, frozenset] = {}  # key -> signature keys its warmup captured
+        # key -> the graphs (component, signature key) its warmup used; replaced, never mutated, so
+        # other threads read it without a lock
+        self._warmed: Dict[str, frozenset] = {}
+        self.refresh()
 
-    def warm_keys(self) -> List[str]:
-        if not self.cuda:
-            return sorted(self._warmed)
-        live = {sig for r in self.runners.values() for sig in r.warm_signatures()}
-        return sorted(k for k, sigs in self._warmed.items() if sigs <= live)  # drop evicted ones
+    def refresh(self) -> dict:
+        """Read the runners' stats (on the pipeline thread) into the snapshot others read; returns it."""
+        stats = {name: r.stats() for name, r in self.runners.items()}
+        self._runner_stats, self._live = stats, frozenset(_graphs(stats))
+        return stats
 
     def runner_stats(self) -> dict:
-        return {name: r.stats() for name, r in self.runners.items()}
+        """The runners' stats after the last pipeline run (a snapshot: never waits for a capture)."""
+        return self._runner_stats
 
     def pool_bytes(self) -> int:
-        return _counts(self.runners)["pool_bytes"]
+        return _counts(self._runner_stats)["pool_bytes"]
+
+    def warm_keys(self) -> List[str]:
+        """Keys whose graphs are all live (every key whose warmup ran, where no runner can capture)."""
+        live = self._live
+        return sorted(k for k, graphs in self._warmed.items() if graphs <= live)
+
+    def graphs_off_reason(self) -> Optional[str]:
+        """Why no runner can capture graphs here (None when one can)."""
+        stats = self._runner_stats.values()
+        if any(st.get("enabled") for st in stats):
+            return None
+        if not self.cuda:
+            return "no CUDA"
+        return "; ".join(sorted({st.get("disabled_reason") or "disabled" for st in stats})) or "no runners"
+
+    def _warmup_run(self, key: str):
+        """One warmup run of `key`: (its report, what it did as `_counts` deltas, the graphs it used)."""
+        from bcg.diffusers import warmup_pipeline
+        before = self._runner_stats  # current: every run on this thread refreshes it
+        report = warmup_pipeline(self.pipe, [key], num_inference_steps=self.warmup_steps)["keys"][0]
+        after = self.refresh()
+        return report, _delta(before, after), _used(before, after)
 
     def warmup_key(self, key: str) -> dict:
         """Run the pipeline once for ``key`` inside the runners' ``warmup()``; returns what happened."""
-        from bcg.diffusers import warmup_pipeline
-        before = _counts(self.runners)
         t0 = time.perf_counter()
-        report = warmup_pipeline(self.pipe, [key], num_inference_steps=self.warmup_steps)["keys"][0]
-        capture_ms = (time.perf_counter() - t0) * 1e3
-        delta = {k: v - before[k] for k, v in _counts(self.runners).items()}
-        new_sigs = frozenset(s for sigs in report["captured"].values() for s in sigs)
-        failed = [r for rs in report["failed"].values() for r in rs]
-        if report["error"]:
-            ok, reason = False, report["error"]
-        elif failed:
-            ok, reason = False, "; ".join(failed)
-        elif not self.cuda:
-            ok, reason = True, "no CUDA"
-        elif new_sigs or (delta["eager"] == 0 and delta["replays"] > 0):
-            ok, reason = True, None  # captured now, or everything already replayed
-        else:
-            ok, reason = False, "warmup captured nothing (runner disabled?)"
+        before = self.refresh()
+        report, delta, used = self._warmup_run(key)
+        ok, reason = _warmup_outcome(report)
+        if ok and self.graphs_off_reason() is not None:
+            reason, used = self.graphs_off_reason(), frozenset()
+        elif ok and delta["evictions"]:
+            # A capture of this run may have evicted a graph an earlier call of the same run used: run
+            # the key again, which must replay everything (no capture, no eviction).
+            again, delta_again, used = self._warmup_run(key)
+            ok, reason = _warmup_outcome(again)
+            if ok and (delta_again["captures"] or delta_again["evictions"]):
+                ok, reason = False, ("its graphs do not fit in the runners at once (raise runner "
+                                     "max_entries or pool_budget_bytes)")
+        if ok and self.graphs_off_reason() is None and not used:
+            ok, reason = False, "warmup replayed and captured no graph"
         if ok:
-            self._warmed[report["key"]] = new_sigs
-        segments = sum(e.get("segments", 0) for st in self.runner_stats().values()
-                       for e in st.get("entries", []) if e.get("key") in new_sigs)
-        return {"key": report["key"], "ok": ok, "reason": reason, "capture_ms": capture_ms,
-                "captures": len(new_sigs), "segments": segments}
+            self._warmed = {**self._warmed, report["key"]: used}
+        new = set(_graphs(self._runner_stats)) - set(_graphs(before))
+        segments = sum(e.get("segments", 0) for g, e in _graphs(self._runner_stats).items() if g in new)
+        return {"key": report["key"], "ok": ok, "reason": reason, "capture_ms": (time.perf_counter() - t0) * 1e3,
+                "captures": _delta(before, self._runner_stats)["captures"], "segments": segments}
 
     def generate(self, request: ImageGenerationRequest, default_steps: int) -> dict:
         """Run one request; returns PNGs, its shape key and the runners' replays/eager calls for it."""
@@ -187,12 +239,23 @@ class ReplicaEngine:
             self.pipe, request.prompt, n=request.n, size=request.size,
             steps=request.num_inference_steps or default_steps, guidance=request.guidance_scale,
             seed=request.seed, prompt_buckets=False, info=self.info)
-        before = _counts(self.runners)
-        images = self.pipe(**kwargs).images
-        after = _counts(self.runners)
+        before = self.refresh()
+        try:
+            images = self.pipe(**kwargs).images
+        finally:
+            delta = _delta(before, self.refresh())  # a runner may drop a graph while serving
         return {"shape_key": key.key, "images": [_png(im) for im in images],
-                "replays": after["replays"] - before["replays"],
-                "eager_calls": after["eager"] - before["eager"]}
+                "replays": delta["replays"], "eager_calls": delta["eager"]}
+
+
+def _warmup_outcome(report: dict) -> tuple:
+    """(ok, reason) of one key's ``warmup_pipeline`` report: an error or a failed capture fails it."""
+    if report["error"]:
+        return False, report["error"]
+    failed = [r for rs in report["failed"].values() for r in rs]
+    if failed:
+        return False, "; ".join(failed)
+    return True, None
 
 
 @serve.deployment(
@@ -212,7 +275,7 @@ class Replica:
                  dtype: Optional[str] = None, runner_config: Optional[dict] = None,
                  warmup_steps: int = 2, default_steps: int = 4, cpu_threads: Optional[int] = None,
                  gpu_memory_fraction: Optional[float] = None, assign_timeout_s: float = 900.0,
-                 pipeline_hook: Optional[str] = None):
+                 pipeline_hook: Optional[str] = None, components="all"):
         ctx = serve.get_replica_context()
         self.replica_id = ctx.replica_id.unique_id
         self.rank = getattr(getattr(ctx, "rank", None), "rank", None)
@@ -228,7 +291,8 @@ class Replica:
         self.first_request_at: Optional[float] = None
         t0 = time.perf_counter()
         self.engine = await self._in_thread(ReplicaEngine, model, device, dtype, runner_config,
-                                            warmup_steps, cpu_threads, gpu_memory_fraction, pipeline_hook)
+                                            warmup_steps, cpu_threads, gpu_memory_fraction, pipeline_hook,
+                                            components)
         self.info = dict(self.engine.info)
         logger.info("replica %s: %s loaded on %s in %.1f s", self.replica_id, model, self.engine.device,
                     time.perf_counter() - t0)
@@ -291,8 +355,8 @@ class Replica:
             captured=[r["key"] for r in results if r["ok"]],
             failed={r["key"]: r["reason"] for r in results if not r["ok"]},
             warm_keys=self.engine.warm_keys(),
-            graphs_captured=self.engine.cuda and any(r.get("captures", 0) for r in results),
-            reason=None if self.engine.cuda else "no CUDA",
+            graphs_captured=any(r.get("captures", 0) for r in results),
+            reason=self.engine.graphs_off_reason(),
             segments=sum(r.get("segments", 0) for r in results),
             capture_ms=sum(r["capture_ms"] for r in results),
             pool_bytes=self.engine.pool_bytes(),

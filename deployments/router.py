@@ -15,12 +15,20 @@ Contract (one call of ``choose_replicas`` = one routing attempt, Serve retries w
   Serve's queue-length cache (what this router last saw) and else from the replica's routing stats;
   they count ongoing requests on the replica, which Serve caps at ``max_ongoing_requests``, so a
   threshold at or above that cap never spills.
-* a request without a key, or whose key no replica is warm for, gets the power-of-two answer: two
-  random replicas, Serve takes the less loaded one.
+* a request without a key, or whose key no replica is warm for, gets Serve's own power-of-two
+  answer (``PowerOfTwoChoicesRequestRouter.choose_replicas``, with Serve's locality and multiplexing
+  preferences, from ``LocalityMixin`` and ``MultiplexMixin``): two random replicas, Serve takes the
+  less loaded one.
 
-``should_backoff`` is always set: without it an empty answer makes Serve's routing loop spin and
-stalls every handle in the process. ``choose_replicas`` never raises (an exception would kill
-Serve's routing task and hang the request): on an internal error it logs and offers all replicas.
+``rank`` is pure: it returns the decision and the tiers; ``choose_replicas`` counts decisions in
+``decisions`` (this router's view; replicas count what they served) and asks Serve's power-of-two
+router for the fallback. ``should_backoff`` is always set: without it an empty answer makes Serve's
+routing loop spin and stalls every handle in the process. ``choose_replicas`` never raises (an
+exception would kill Serve's routing task and hang the request): on an internal error it logs and
+offers all replicas.
+
+Every router registers itself with ``deployments.routing_view`` (see there), so the coordinator and
+the ingress in the same process can read the warm state the routers decide on.
 
 ``on_request_routed`` is deliberately not used to mark a replica warm optimistically: the runner
 never captures outside warmup, so serving a key cold does not make a replica warm for it.
@@ -32,30 +40,39 @@ from __future__ import annotations
 
 import logging
 import random
-from typing import Dict, Iterable, List, Optional, Sequence
+from typing import Dict, Iterable, List, Optional, Tuple
 
-from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
+# Serve's default router, whose choose_replicas is the fallback here (Serve's experimental
+# CapacityQueueRouter delegates the same way); test_router checks that it is still Serve's default.
+from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequestRouter
+from ray.serve.request_router import LocalityMixin, MultiplexMixin, PendingRequest, RequestRouter, RunningReplica
+
+from deployments import routing_view
+from deployments.routing_view import WARM_KEYS, replica_warm_keys
 
 logger = logging.getLogger(__name__)
 
-# Keys of the dict a replica returns from record_routing_stats() / record_replica_metadata().
-WARM_KEYS = "warm_keys"
+# Keys of the dict a replica returns from record_routing_stats() / record_replica_metadata()
+# (besides WARM_KEYS).
 QUEUE_LEN = "queue_len"
 POOL_BYTES = "pool_bytes"
 
 DEFAULT_SPILL_THRESHOLD = 3
 
-
-def replica_warm_keys(replica: RunningReplica) -> frozenset:
-    """The shape keys a replica reports warm: routing stats when polled yet, else start-up metadata."""
-    keys = (replica.routing_stats or {}).get(WARM_KEYS)
-    if keys is None:
-        keys = (replica.replica_metadata or {}).get(WARM_KEYS, ())
-    return frozenset(keys)
+__all__ = ["POOL_BYTES", "QUEUE_LEN", "WARM_KEYS", "ShapeAffinityRouter", "replica_warm_keys"]
 
 
-class ShapeAffinityRouter(RequestRouter):
-    """Routes each request to a replica warm for its shape key; see the module docstring."""
+# Decisions of one ranking; a ranking whose tiers are None asks Serve's power-of-two router.
+DECISIONS = ("pinned", "warm", "spill", "no_warm", "unkeyed", "no_replicas")
+Ranking = Tuple[str, Optional[List[List[RunningReplica]]]]
+
+
+class ShapeAffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
+    """Routes each request to a replica warm for its shape key; see the module docstring.
+
+    No FIFOMixin: a replica chosen for a request must go to that request, not to the oldest pending
+    one, which may need another shape.
+    """
 
     def initialize_state(
         self,
@@ -76,7 +93,8 @@ class ShapeAffinityRouter(RequestRouter):
         self.target_kwarg = target_kwarg
         self.spill_threshold = None if spill_threshold is None else int(spill_threshold)
         # Router-local decision counters (this caller's view; replicas count what they served).
-        self.decisions: Dict[str, int] = {"pinned": 0, "warm": 0, "spill": 0, "no_warm": 0, "unkeyed": 0}
+        self.decisions: Dict[str, int] = dict.fromkeys(DECISIONS, 0)
+        routing_view.register(self)
 
     # -- load ------------------------------------------------------------------------------------
     def _load(self, replica: RunningReplica) -> int:
@@ -93,42 +111,33 @@ class ShapeAffinityRouter(RequestRouter):
         # Random tie-break: Serve takes the first of equally loaded replicas in list order.
         return sorted(replicas, key=lambda r: (self._load(r), random.random()))
 
-    @staticmethod
-    def _power_of_two(replicas: Sequence[RunningReplica]) -> List[List[RunningReplica]]:
-        if len(replicas) <= 2:
-            return [random.sample(list(replicas), len(replicas))]
-        return [random.sample(list(replicas), 2)]
-
     # -- ranking ---------------------------------------------------------------------------------
     def rank(self, candidate_replicas: List[RunningReplica],
-             pending_request: Optional[PendingRequest]) -> List[List[RunningReplica]]:
-        """The ranked tiers for one request (pure: reads replicas and the queue-length cache)."""
+             pending_request: Optional[PendingRequest]) -> Ranking:
+        """``(decision, tiers)`` for one request; tiers None: Serve's power-of-two answer.
+
+        Pure: reads the replicas and the queue-length cache, changes nothing."""
         if not candidate_replicas:
-            return []
+            return "no_replicas", []
         kwargs = pending_request.kwargs if pending_request is not None else {}
         target = kwargs.get(self.target_kwarg)
         if target:
-            self.decisions["pinned"] += 1
-            return [[r for r in candidate_replicas
-                     if target in (r.replica_id.unique_id, r.replica_id.to_full_id_str())]]
+            return "pinned", [[r for r in candidate_replicas
+                               if target in (r.replica_id.unique_id, r.replica_id.to_full_id_str())]]
         key = kwargs.get(self.shape_key_kwarg)
         if not key:
-            self.decisions["unkeyed"] += 1
-            return self._power_of_two(candidate_replicas)
+            return "unkeyed", None
         warm, cold = [], []
         for r in candidate_replicas:
             (warm if key in replica_warm_keys(r) else cold).append(r)
         if not warm:
-            self.decisions["no_warm"] += 1
-            return self._power_of_two(candidate_replicas)
+            return "no_warm", None
         warm = self._by_load(warm)
         if cold and self.spill_threshold is not None:
             cold = self._by_load(cold)
             if self._load(warm[0]) - self._load(cold[0]) >= self.spill_threshold:
-                self.decisions["spill"] += 1
-                return [cold, warm]
-        self.decisions["warm"] += 1
-        return [warm]
+                return "spill", [cold, warm]
+        return "warm", [warm]
 
     async def choose_replicas(
         self,
@@ -139,7 +148,12 @@ class ShapeAffinityRouter(RequestRouter):
             # Mandatory: an empty or all-full answer must sleep before the next attempt.
             pending_request.routing_context.should_backoff = True
         try:
-            return self.rank(candidate_replicas, pending_request)
+            decision, tiers = self.rank(candidate_replicas, pending_request)
+            self.decisions[decision] += 1
+            if tiers is None:
+                tiers = await PowerOfTwoChoicesRequestRouter.choose_replicas(
+                    self, candidate_replicas=candidate_replicas, pending_request=pending_request)
+            return tiers
         except Exception:  # never let Serve's routing task die
             logger.exception("ShapeAffinityRouter failed to rank replicas; offering all of them")
             return [list(candidate_replicas)]

@@ -5,7 +5,9 @@ user``) plus ``num_inference_steps``, ``guidance_scale`` and ``seed``; unknown f
 Static checks live in the model, which is strict: no type coercion (``"2"`` is not an int, ``true``
 is not a number), no NaN or infinity, bounded strings. The deployment's maxima (``RequestLimits``) and
 the model's size multiple are checked by ``check_request`` (and ``check_warmup`` for warmup plans), so
-the same limits apply to HTTP and to Python callers. Every error names the field it is about.
+the same limits apply to HTTP and to Python callers. What one pipeline run may compute (images per
+run, pixels, size multiple) is checked in one place, ``check_shape_limits``, for requests and warmup
+plan keys alike. Every error names the field it is about.
 """
 from __future__ import annotations
 
@@ -71,6 +73,28 @@ class FieldError(ValueError):
         return [{"loc": ["body", self.field], "msg": self.msg, "type": "value_error"}]
 
 
+def check_shape_limits(key: ShapeKey, limits: RequestLimits) -> ShapeKey:
+    """The deployment's limits on one pipeline run, for a request's shape key and a plan's key alike.
+
+    Raises FieldError naming the request field at fault (``n`` or ``size``); ``check_warmup`` reports
+    it under the plan key's own field. A key a request cannot have (``.p`` prompt bucket, ``.f``
+    frames: requests run at the model's default prompt length, as images) is an error too.
+    """
+    if key.batch_size > limits.max_n:
+        raise FieldError("n", f"at most {limits.max_n} images per request, got {key.batch_size}")
+    if key.prompt_bucket is not None:
+        raise FieldError("size", f"no prompt bucket ('.p{key.prompt_bucket}'): requests run at the model's "
+                                 "default prompt length, so no request has one")
+    try:
+        check_shape(key, limits.size_multiple)
+    except ValueError as exc:
+        raise FieldError("size", str(exc)) from None
+    if key.width * key.height * key.batch_size > limits.max_pixels:
+        raise FieldError("size", f"width*height*n must be at most {limits.max_pixels} pixels, got "
+                                 f"{key.width}x{key.height}x{key.batch_size}")
+    return key
+
+
 def check_request(req: ImageGenerationRequest, limits: RequestLimits, served_model: str,
                   default_size: str) -> tuple:
     """Apply the deployment limits; returns ``(width, height)`` or raises FieldError."""
@@ -82,36 +106,26 @@ def check_request(req: ImageGenerationRequest, limits: RequestLimits, served_mod
                          status_code=404)
     if len(req.prompt) > limits.max_prompt_chars:
         raise FieldError("prompt", f"at most {limits.max_prompt_chars} characters, got {len(req.prompt)}")
-    if req.n > limits.max_n:
-        raise FieldError("n", f"at most {limits.max_n} images per request, got {req.n}")
     if req.num_inference_steps is not None and req.num_inference_steps > limits.max_steps:
         raise FieldError("num_inference_steps", f"at most {limits.max_steps}, got {req.num_inference_steps}")
     width, height = parse_size(req.size or default_size)
-    try:
-        check_shape(ShapeKey(height=height, width=width, batch_size=req.n), limits.size_multiple)
-    except ValueError as exc:
-        raise FieldError("size", str(exc)) from None
-    if width * height * req.n > limits.max_pixels:
-        raise FieldError("size", f"width*height*n must be at most {limits.max_pixels} pixels, got "
-                         f"{width}x{height}x{req.n}")
+    check_shape_limits(ShapeKey(height=height, width=width, batch_size=req.n), limits)
     return width, height
 
 
 def check_warmup(plan: "WarmupRequest", limits: RequestLimits) -> List[str]:
-    """Normalise a warmup plan's keys under the deployment limits; raises FieldError ``keys[i]``."""
+    """Normalise a warmup plan's keys under the limits requests get; raises FieldError ``keys[i]``."""
     if len(plan.keys) > limits.max_warmup_keys:
         raise FieldError("keys", f"at most {limits.max_warmup_keys} keys per plan, got {len(plan.keys)}")
     keys = []
     for i, text in enumerate(plan.keys):
         try:
-            key = ShapeKey.parse(text)
-            check_shape(key, limits.size_multiple)
+            keys.append(check_shape_limits(ShapeKey.parse(text), limits).key)
+        except FieldError as exc:
+            # a key's batch is the request's n: name it, the rest reads the same for a key
+            raise FieldError(f"keys[{i}]", exc.msg if exc.field == "size" else f"{exc.field}: {exc.msg}") from None
         except ValueError as exc:
             raise FieldError(f"keys[{i}]", str(exc)) from None
-        if key.width * key.height * key.batch_size * key.num_frames > limits.max_pixels:
-            raise FieldError(f"keys[{i}]", f"width*height*batch must be at most {limits.max_pixels} pixels, "
-                             f"got {key.key!r}")
-        keys.append(key.key)
     return list(dict.fromkeys(keys))
 
 

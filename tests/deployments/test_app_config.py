@@ -23,6 +23,7 @@ def test_command_line_strings_are_parsed():
     assert a.warmup == ["256x256", "512x512.b2"]
     assert a.autoscaling.min_replicas == 1 and a.autoscaling.max_replicas == 4
     assert a.runner == {"max_entries": 2, "enabled": True}
+    assert parse_args({"components": "transformer, vae_decoder"}).components == ["transformer", "vae_decoder"]
     assert a.expected_replicas() == 1
 
 
@@ -33,6 +34,11 @@ def test_command_line_strings_are_parsed():
     ({"autoscaling": "4:1"}, "autoscaling"),
     ({"runner": {"max_entriez": 2}}, "runner"),
     ({"num_gpus_per_replica": -1}, "num_gpus_per_replica"),
+    ({"components": "transformer,vae"}, r"components\[1\]"),
+    ({"components": []}, "components"),
+    ({"warmup": "64x64,16x16.b4096"}, r"warmup\[1\].*at most 4 images"),   # the limits requests get
+    ({"warmup": "64x64.p1000000"}, r"warmup\[0\].*prompt bucket"),
+    ({"warmup": "1024x1024", "max_pixels": 4096}, r"warmup\[0\].*4096 pixels"),
 ])
 def test_bad_args_are_errors_naming_the_arg(args, named):
     with pytest.raises(ValueError, match=named) as info:
@@ -51,6 +57,7 @@ def test_build_app_binds_the_deployment_graph():
     router = dep._deployment_config.request_router_config
     assert router.request_router_kwargs == {"spill_threshold": 2}
     assert replica._bound_deployment.init_kwargs["gpu_memory_fraction"] == 0.5
+    assert replica._bound_deployment.init_kwargs["components"] == "all"   # transformer, text encoders, VAE
     assert coordinator._bound_deployment.init_kwargs["plan"]["keys"] == ["64x64"]
 
 

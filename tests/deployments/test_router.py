@@ -1,28 +1,43 @@
-"""ShapeAffinityRouter ranking with fake replicas: no cluster, no Ray workers."""
+"""ShapeAffinityRouter ranking and this process's routing view, with fake replicas: no cluster, no Ray
+workers. The routers get their replicas through Serve's own ``update_replicas`` (which also probes
+queue lengths), on one event loop for the whole module."""
 import asyncio
+import importlib
+import itertools
 from dataclasses import dataclass, field
 
 import pytest
 from ray.serve._private.common import DeploymentHandleSource, DeploymentID, ReplicaID, RequestMetadata
+from ray.serve.config import RequestRouterConfig
 from ray.serve.request_router import PendingRequest
 
-from deployments.router import ShapeAffinityRouter, replica_warm_keys
+from deployments import routing_view
+from deployments.router import PowerOfTwoChoicesRequestRouter, ShapeAffinityRouter, replica_warm_keys
 
-DEP = DeploymentID(name="Replica", app_name="bcg")
+_LOOP = asyncio.new_event_loop()
+_APPS = itertools.count()
+
+
+def run(coro):
+    return _LOOP.run_until_complete(coro)
 
 
 @dataclass
 class FakeReplica:
-    """What the router reads from a RunningReplica."""
+    """What the router (and Serve's RequestRouter base and mixins) read from a RunningReplica."""
     uid: str
     warm: tuple = ()
     queue_len: int = 0
     metadata: dict = field(default_factory=dict)
     max_ongoing_requests: int = 8
+    node_id: str = "other-node"
+    availability_zone: str = None
+    multiplexed_model_ids: frozenset = frozenset()
+    app: str = "bcg"
 
     @property
     def replica_id(self):
-        return ReplicaID(unique_id=self.uid, deployment_id=DEP)
+        return ReplicaID(unique_id=self.uid, deployment_id=DeploymentID(name="Replica", app_name=self.app))
 
     @property
     def routing_stats(self):
@@ -32,20 +47,33 @@ class FakeReplica:
     def replica_metadata(self):
         return dict(self.metadata)
 
+    async def get_queue_len(self, *, deadline_s):
+        return self.queue_len
 
-def make_router(**kwargs):
-    router = ShapeAffinityRouter(deployment_id=DEP, handle_source=DeploymentHandleSource.UNKNOWN)
+
+def make_router(replicas=(), app="bcg", **kwargs):
+    """A router that knows `replicas` (queue-length probes done); kwargs: Serve's constructor
+    options (locality) and request_router_kwargs."""
+    options = {k: kwargs.pop(k) for k in ("self_node_id", "prefer_local_node_routing") if k in kwargs}
+    router = ShapeAffinityRouter(deployment_id=DeploymentID(name="Replica", app_name=app),
+                                 handle_source=DeploymentHandleSource.UNKNOWN, **options)
     router.initialize_state(**kwargs)
+
+    async def register():
+        router.update_replicas(list(replicas))
+        for _ in range(50):  # let Serve's probes of the new replicas' queue lengths finish
+            await asyncio.sleep(0.001)
+    run(register())
     return router
 
 
-def choose(router, replicas, **kwargs):
+def choose(router, replicas, model_id="", **kwargs):
     async def go():
-        pr = PendingRequest(args=[], kwargs=kwargs,
-                            metadata=RequestMetadata(request_id="r", internal_request_id="i"))
+        pr = PendingRequest(args=[], kwargs=kwargs, metadata=RequestMetadata(
+            request_id="r", internal_request_id="i", multiplexed_model_id=model_id))
         ranks = await router.choose_replicas(replicas, pr)
         return ranks, pr
-    return asyncio.run(go())
+    return run(go())
 
 
 def uids(rank):
@@ -54,14 +82,14 @@ def uids(rank):
 
 def test_warm_replicas_first_least_loaded_first_and_backoff_set():
     a, b, c = FakeReplica("a", ("64x64",), 2), FakeReplica("b", ("64x64",), 0), FakeReplica("c", ("32x32",))
-    ranks, pr = choose(make_router(), [a, b, c], shape_key="64x64")
+    ranks, pr = choose(make_router([a, b, c]), [a, b, c], shape_key="64x64")
     assert [uids(r) for r in ranks] == [["b", "a"]]       # warm only; cold c is not a fallback tier
     assert pr.routing_context.should_backoff is True
 
 
 def test_queue_len_cache_beats_stale_routing_stats():
     a, b = FakeReplica("a", ("k",), 0), FakeReplica("b", ("k",), 0)
-    router = make_router()
+    router = make_router([a, b])
     router.replica_queue_len_cache.update(a.replica_id, 5)
     ranks, _ = choose(router, [a, b], shape_key="k")
     assert uids(ranks[0]) == ["b", "a"]
@@ -70,21 +98,23 @@ def test_queue_len_cache_beats_stale_routing_stats():
 def test_spills_to_cold_only_when_every_warm_replica_is_overloaded():
     warm = FakeReplica("w", ("k",), 3)
     cold = FakeReplica("c", ("other",), 0)
-    ranks, _ = choose(make_router(spill_threshold=3), [warm, cold], shape_key="k")
+    ranks, _ = choose(make_router([warm, cold], spill_threshold=3), [warm, cold], shape_key="k")
     assert [uids(r) for r in ranks] == [["c"], ["w"]]      # 3 - 0 >= 3: spill, warm as second tier
-    ranks, _ = choose(make_router(spill_threshold=4), [warm, cold], shape_key="k")
+    ranks, _ = choose(make_router([warm, cold], spill_threshold=4), [warm, cold], shape_key="k")
     assert [uids(r) for r in ranks] == [["w"]]             # under the threshold: wait for the warm one
     # a second, idle warm replica means not every warm replica is overloaded
     idle_warm = FakeReplica("w2", ("k",), 0)
-    ranks, _ = choose(make_router(spill_threshold=1), [warm, idle_warm, cold], shape_key="k")
+    reps = [warm, idle_warm, cold]
+    ranks, _ = choose(make_router(reps, spill_threshold=1), reps, shape_key="k")
     assert [uids(r) for r in ranks] == [["w2", "w"]]
-    ranks, _ = choose(make_router(spill_threshold=None), [FakeReplica("w", ("k",), 99), cold], shape_key="k")
+    busy = [FakeReplica("w", ("k",), 99), cold]
+    ranks, _ = choose(make_router(busy, spill_threshold=None), busy, shape_key="k")
     assert [uids(r) for r in ranks] == [["w"]]             # None: never spill
 
 
 def test_pinned_request_goes_to_that_replica_only():
     a, b = FakeReplica("a", ("k",)), FakeReplica("b", ())
-    router = make_router()
+    router = make_router([a, b])
     ranks, pr = choose(router, [a, b], shape_key="k", target_replica="b")
     assert [uids(r) for r in ranks] == [["b"]]
     ranks, _ = choose(router, [a, b], target_replica=b.replica_id.to_full_id_str())
@@ -94,13 +124,14 @@ def test_pinned_request_goes_to_that_replica_only():
     assert router.decisions["pinned"] == 3
 
 
-def test_unkeyed_or_unknown_key_gets_power_of_two():
+def test_unkeyed_or_unknown_key_gets_serves_power_of_two():
     reps = [FakeReplica(u, ("k",)) for u in "abcd"]
-    router = make_router()
+    router = make_router(reps)
     seen = set()
     for _ in range(50):
-        ranks, _ = choose(router, reps, shape_key="nobody-warm")
+        ranks, pr = choose(router, reps, shape_key="nobody-warm")
         assert len(ranks) == 1 and len(ranks[0]) == 2 and len(set(uids(ranks[0]))) == 2
+        assert pr.routing_context.should_backoff is True
         seen.update(uids(ranks[0]))
     assert seen == set("abcd")
     ranks, _ = choose(router, reps)
@@ -108,17 +139,58 @@ def test_unkeyed_or_unknown_key_gets_power_of_two():
     assert router.decisions["no_warm"] == 50 and router.decisions["unkeyed"] == 1
 
 
+def test_fallback_keeps_serves_multiplexing_and_locality():
+    # a multiplexed model id: Serve's power of two only offers the replicas that hold the model
+    reps = [FakeReplica("a"), FakeReplica("b", multiplexed_model_ids=frozenset({"m"})), FakeReplica("c")]
+    router = make_router(reps)
+    for _ in range(10):
+        ranks, _ = choose(router, reps, model_id="m", shape_key="nobody-warm")
+        assert [uids(r) for r in ranks] == [["b"]]
+    # locality: the first attempt offers the replicas on this router's node only
+    reps = [FakeReplica("far1"), FakeReplica("near", node_id="this-node"), FakeReplica("far2")]
+    router = make_router(reps, self_node_id="this-node", prefer_local_node_routing=True)
+    ranks, pr = choose(router, reps, shape_key="nobody-warm")
+    assert [uids(r) for r in ranks] == [["near"]] and pr.routing_context.tried_same_node
+    # ...but a replica warm for the key still beats locality
+    reps[0].warm = ("k",)
+    ranks, _ = choose(router, reps, shape_key="k")
+    assert [uids(r) for r in ranks] == [["far1"]]
+
+
+def test_fallback_is_serves_default_router():
+    # fails when Ray moves or replaces its default router: the import in deployments/router.py follows
+    module, _, name = RequestRouterConfig().request_router_class.partition(":")
+    assert getattr(importlib.import_module(module), name) is PowerOfTwoChoicesRequestRouter
+
+
+def test_rank_is_pure_and_choose_counts_decisions():
+    a, b = FakeReplica("a", ("k",), 0), FakeReplica("b", ("k",), 1)
+    router = make_router([a, b])
+
+    async def rank(**kwargs):
+        return router.rank([a, b], PendingRequest(args=[], kwargs=kwargs, metadata=RequestMetadata(
+            request_id="r", internal_request_id="i")))
+    assert run(rank(shape_key="k"))[0] == "warm" and run(rank(shape_key="x")) == ("no_warm", None)
+    assert run(rank()) == ("unkeyed", None) and run(rank(target_replica="a"))[0] == "pinned"
+    assert set(router.decisions.values()) == {0}
+    choose(router, [a, b], shape_key="k")
+    choose(router, [a, b], shape_key="x")
+    assert {k: v for k, v in router.decisions.items() if v} == {"warm": 1, "no_warm": 1}
+
+
 def test_metadata_warm_set_used_until_first_stats_poll():
     fresh = FakeReplica("new", warm=None, metadata={"warm_keys": ["k"]})
     assert replica_warm_keys(fresh) == {"k"}
-    ranks, _ = choose(make_router(), [fresh, FakeReplica("old", ("x",))], shape_key="k")
+    reps = [fresh, FakeReplica("old", ("x",))]
+    ranks, _ = choose(make_router(reps), reps, shape_key="k")
     assert [uids(r) for r in ranks] == [["new"]]
 
 
 def test_custom_kwarg_names_and_bad_threshold():
-    router = make_router(shape_key_kwarg="sig", target_kwarg="pin", spill_threshold=0, bogus=1)
+    reps = [FakeReplica("a", ("s",)), FakeReplica("b")]
+    router = make_router(reps, shape_key_kwarg="sig", target_kwarg="pin", spill_threshold=0, bogus=1)
     assert router.spill_threshold >= 1
-    ranks, _ = choose(router, [FakeReplica("a", ("s",)), FakeReplica("b")], sig="s")
+    ranks, _ = choose(router, reps, sig="s")
     assert [uids(r) for r in ranks] == [["a"]]
 
 
@@ -134,12 +206,39 @@ def test_never_raises_on_broken_replica():
 
 
 def test_empty_candidates():
-    ranks, pr = choose(make_router(), [], shape_key="k")
-    assert ranks == [] and pr.routing_context.should_backoff
+    router = make_router()
+    ranks, pr = choose(router, [], shape_key="k")
+    assert ranks == [] and pr.routing_context.should_backoff and router.decisions["no_replicas"] == 1
 
 
 @pytest.mark.parametrize("n", [1, 2])
 def test_power_of_two_with_few_replicas(n):
     reps = [FakeReplica(str(i)) for i in range(n)]
-    ranks, _ = choose(make_router(), reps)
+    ranks, _ = choose(make_router(reps), reps)
     assert sorted(uids(ranks[0])) == [str(i) for i in range(n)]
+
+
+# -- routing view ----------------------------------------------------------------------------------
+def test_routing_view_is_what_every_router_of_the_process_sees_warm():
+    app = f"view-{next(_APPS)}"
+    assert routing_view.view(app) is None
+    assert routing_view.lagging(app, {"k": ["a"]}) == {"k": ["a"]}      # no router: nothing seen yet
+    a, b = FakeReplica("a", ("k", "j"), app=app), FakeReplica("b", ("j",), app=app)
+    first = make_router([a, b], app=app)
+    assert routing_view.view(app) == {"a": {"k", "j"}, "b": {"j"}}
+    # a second router (another handle) that still has the old stats of "a"
+    stale_a = FakeReplica("a", ("j",), app=app)
+    second = make_router([stale_a, b], app=app)
+    assert routing_view.view(app) == {"a": {"j"}, "b": {"j"}}
+    assert routing_view.lagging(app, {"k": ["a"], "j": ["a", "b"]}) == {"k": ["a"]}
+    assert run(routing_view.wait_until_warm(app, {"k": ["a"]}, timeout_s=0.05)) is False
+    run(_update(second, [a, b]))
+    assert routing_view.lagging(app, {"k": ["a"], "j": ["a", "b"]}) == {}
+    assert run(routing_view.wait_until_warm(app, {"k": ["a"]}, timeout_s=0.05)) is True
+    # a replica no router knows any more is not waited for, unless it was the key's only one
+    assert routing_view.lagging(app, {"k": ["a", "gone"], "x": ["gone"]}) == {"x": ["gone"]}
+    assert first.app_name == second.app_name == app
+
+
+async def _update(router, replicas):
+    router.update_replicas(replicas)

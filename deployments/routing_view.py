@@ -1,0 +1,107 @@
+"""This process's routing view: the replicas' warm keys as its ShapeAffinityRouters see them.
+
+Serve builds one router per DeploymentHandle, inside the handle, and feeds it each replica's routing
+stats (``warm_keys``) from the controller, which polls the replicas every
+``request_routing_stats_period_s``. So right after a warmup the routers still route by the old warm
+sets. Every ShapeAffinityRouter registers itself here when Serve builds it, which lets code in the
+same process read what its routers will decide on:
+
+* ``view(app)``: replica id -> warm keys, as every router of this process sees them (None when this
+  process has no router yet: its handles have not received their deployment's config);
+* ``wait_until_warm(app, expected)``: returns once every router of this process sees each key warm
+  on the replicas ``expected`` names for it (the warmup report's ``keys``), or False after a timeout.
+
+The coordinator assigns start-up shares from the view (no call that waits on a busy replica), and the
+ingress answers ``POST /v1/warmup`` only after its routers see the new warm sets, so the next request
+for a warmed key lands on a replica warm for it. This module holds process state on purpose and is
+imported by reference from the router (whose own module Serve pickles by value), so the router and
+its readers share it. Routers run on Serve's router thread; readers copy what they read.
+"""
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+import weakref
+from typing import Dict, Iterable, List, Mapping, Optional
+
+# Key of the dict a replica returns from record_routing_stats() / record_replica_metadata().
+WARM_KEYS = "warm_keys"
+
+_routers: "weakref.WeakSet" = weakref.WeakSet()
+_lock = threading.Lock()
+
+
+def register(router) -> None:
+    """Called by ShapeAffinityRouter.initialize_state: this process now routes through `router`."""
+    with _lock:
+        _routers.add(router)
+
+
+def replica_warm_keys(replica) -> frozenset:
+    """The shape keys a replica reports warm: routing stats when polled yet, else start-up metadata."""
+    keys = (replica.routing_stats or {}).get(WARM_KEYS)
+    if keys is None:
+        keys = (replica.replica_metadata or {}).get(WARM_KEYS, ())
+    return frozenset(keys)
+
+
+def _replicas(router) -> list:
+    for _ in range(3):  # the router thread may replace or shrink its dict while we copy it
+        try:
+            return list(router.curr_replicas.copy().values())
+        except RuntimeError:
+            continue
+    return []
+
+
+def _router_views(app_name: str, deployment: Optional[str]) -> List[Dict[str, frozenset]]:
+    with _lock:
+        routers = [r for r in _routers if r.app_name == app_name]
+    views = []
+    for router in routers:
+        views.append({r.replica_id.unique_id: replica_warm_keys(r) for r in _replicas(router)
+                      if deployment is None or r.replica_id.deployment_id.name == deployment})
+    return views
+
+
+def view(app_name: str, deployment: Optional[str] = None) -> Optional[Dict[str, frozenset]]:
+    """Replica id -> warm keys, for the replicas every router of this process knows, each with the
+    keys every router sees warm on it; None when no router of `app_name` runs in this process."""
+    views = _router_views(app_name, deployment)
+    if not views:
+        return None
+    common = set(views[0]).intersection(*views[1:])
+    return {rid: frozenset.intersection(*(v[rid] for v in views)) for rid in common}
+
+
+def lagging(app_name: str, expected: Mapping[str, Iterable[str]],
+            deployment: Optional[str] = None) -> Dict[str, List[str]]:
+    """Per key, the expected replicas that some router of this process does not see warm for it yet.
+
+    A replica no router knows (gone since the report) is not waited for, unless it was the key's only
+    one. With no router in this process every expected replica lags."""
+    views = _router_views(app_name, deployment)
+    out: Dict[str, List[str]] = {}
+    for key, rids in expected.items():
+        rids = list(rids)
+        if not views:
+            missing = rids
+        else:
+            known = [rid for rid in rids if any(rid in v for v in views)]
+            missing = [rid for rid in (known or rids)
+                       if any(key not in v.get(rid, ()) for v in views)]
+        if missing:
+            out[key] = missing
+    return out
+
+
+async def wait_until_warm(app_name: str, expected: Mapping[str, Iterable[str]], timeout_s: float,
+                          deployment: Optional[str] = None, poll_s: float = 0.02) -> bool:
+    """Wait until ``lagging(...)`` is empty (True) or `timeout_s` passed (False)."""
+    deadline = time.monotonic() + timeout_s
+    while lagging(app_name, expected, deployment):
+        if time.monotonic() >= deadline:
+            return False
+        await asyncio.sleep(poll_s)
+    return True

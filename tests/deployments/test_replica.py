@@ -1,0 +1,71 @@
+"""ReplicaEngine without Ray: a shape key is warm exactly while every graph its warmup used is live.
+
+There is no CUDA here, so each runner gets ``_RerunRecorder`` (tests/bcg/test_runner.py), the CPU
+stand-in for the CUDA capture step: the runners' own cache logic (capture inside warmup only, replay,
+LRU eviction at ``max_entries``) runs for real; a "graph" replays by rerunning the module.
+"""
+import pytest
+
+from deployments.replica import ReplicaEngine
+from deployments.schemas import ImageGenerationRequest
+from tests.bcg.test_runner import _RerunRecorder
+
+# tiny-flux packs 16x16 pixels per token: 64x128 and 128x64 give the transformer the same input
+# signature (32 tokens), while the VAE decoder sees latents of different shapes.
+WIDE, TALL, SMALL = "128x64", "64x128", "64x64"
+
+
+def _engine(components, max_entries):
+    engine = ReplicaEngine("tiny-flux", device="cpu", cpu_threads=1, warmup_steps=1,
+                           runner_config={"max_entries": max_entries}, components=components)
+    for runner in engine.runners.values():
+        runner._recorder = _RerunRecorder()
+        runner._off = runner._off_reason()
+    engine.refresh()
+    assert engine.graphs_off_reason() is None
+    return engine
+
+
+def _generate(engine, size):
+    request = ImageGenerationRequest(prompt="a cat", size=size, num_inference_steps=1, seed=1)
+    return engine.generate(request, default_steps=1)
+
+
+def test_key_sharing_another_keys_graph_is_warm_only_while_that_graph_lives():
+    engine = _engine(["transformer"], max_entries=1)
+    assert engine.warmup_key(TALL)["captures"] == 1
+    shared = engine.warmup_key(WIDE)
+    assert shared["ok"] and shared["captures"] == 0        # replayed the graph TALL captured
+    assert engine.warm_keys() == sorted([TALL, WIDE])
+    assert _generate(engine, WIDE)["eager_calls"] == 0
+    # SMALL's capture evicts the one transformer graph both keys replay: neither is warm any more
+    assert engine.warmup_key(SMALL)["ok"]
+    assert engine.runner_stats()["transformer"]["evictions"] == 1
+    assert engine.warm_keys() == [SMALL]
+    out = _generate(engine, WIDE)
+    assert out["replays"] == 0 and out["eager_calls"] == 1    # what a warm flag would have hidden
+
+
+def test_warm_keys_account_for_every_runner_and_all_components_are_accelerated_by_default():
+    engine = _engine("all", max_entries=1)
+    assert sorted(engine.runners) == ["text_encoder", "text_encoder_2", "transformer", "vae_decoder"]
+    assert engine.info["components"] == sorted(engine.runners)
+    assert engine.warmup_key(TALL)["captures"] == 4            # one graph per runner
+    # WIDE replays the text encoders' and transformer's graphs; its VAE graph evicts TALL's
+    wide = engine.warmup_key(WIDE)
+    assert wide["ok"] and wide["captures"] == 1
+    assert engine.warm_keys() == [WIDE]
+    warm = _generate(engine, WIDE)
+    assert warm["eager_calls"] == 0 and warm["replays"] == 4   # 2 text encoders, 1 step, 1 decode
+    cold = _generate(engine, TALL)
+    assert cold["eager_calls"] == 1 and cold["replays"] == 3   # only the VAE decode ran eagerly
+
+
+def test_components_can_be_chosen_and_unknown_ones_are_errors():
+    engine = ReplicaEngine("tiny-flux", device="cpu", cpu_threads=1, components=["transformer", "vae_decoder"])
+    assert sorted(engine.runners) == ["transformer", "vae_decoder"]
+    assert engine.graphs_off_reason() == "no CUDA"
+    report = engine.warmup_key(SMALL)
+    assert report["ok"] and report["reason"] == "no CUDA" and engine.warm_keys() == [SMALL]
+    with pytest.raises(ValueError, match="text_encoder_3"):
+        ReplicaEngine("tiny-flux", device="cpu", cpu_threads=1, components=["text_encoder_3"])
