@@ -22,6 +22,7 @@ _EXPORTS = {
     # signatures and the runner
     "Signature": "bcg.signature",
     "signature_of": "bcg.signature",
+    "call_context": "bcg.signature",
     "RunnerConfig": "bcg.config",
     "BreakableGraphRunner": "bcg.runner",
     # diffusers integration and built-in models

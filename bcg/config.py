@@ -35,7 +35,14 @@ class RunnerConfig:
     max_segments: a capture with more graph segments than this disables the runner (with a reason):
         that many breaks means the graph saves little over eager.
     copy_outputs: return a clone of the static outputs (safe to keep across calls); False returns the
-        static outputs themselves, overwritten by the next replay of that signature.
+        static outputs themselves. They live in the graph pool that all of the runner's signatures
+        share, so the runner's next replay of *any* signature, from any thread, may overwrite them (a
+        graph captured earlier may use their memory for its intermediates), not only the next replay
+        of the same one: read or copy them before the runner replays again.
+    max_break_mismatches: a replay stopped by a break output mismatch (a break returned another shape,
+        dtype or Python value than at capture) is answered eagerly and the graph is kept; after this
+        many mismatches in a row for one signature its graph is dropped and the signature blocked
+        (eager until ``reset()``). 1 blocks at the first mismatch.
     debug: check on every call that the module's weights were not replaced (costs a walk over the
         parameters per call) and log each replay.
     debug_single_break: capture the whole forward as one eager break, to tell runner bugs from
@@ -60,6 +67,7 @@ class RunnerConfig:
     pool_budget_bytes: Optional[int] = None
     max_segments: int = 512
     copy_outputs: bool = True
+    max_break_mismatches: int = 3
     debug: bool = False
     debug_single_break: bool = False
     capture_warmup_runs: int = 1
@@ -78,6 +86,9 @@ class RunnerConfig:
                              f"got {self.pool_budget_bytes}")
         if self.max_segments < 1:
             raise ValueError(f"max_segments must be >= 1, got {self.max_segments}")
+        if self.max_break_mismatches < 1:
+            raise ValueError(f"max_break_mismatches must be >= 1 (1 blocks a signature at its first break "
+                             f"output mismatch), got {self.max_break_mismatches}")
         if self.capture_warmup_runs < 0:
             raise ValueError(f"capture_warmup_runs must be >= 0, got {self.capture_warmup_runs}")
         if self.compile and self.capture_warmup_runs < 1:

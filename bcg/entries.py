@@ -29,6 +29,8 @@ class CaptureEntry:
     host_inputs: tuple = ()       # indices of inputs that arrive on another device (e.g. CPU)
     hits: int = 0
     last_used: float = 0.0
+    break_mismatches: int = 0     # replays stopped by a break output mismatch (answered eagerly)
+    mismatch_streak: int = 0      # of those, how many in a row, up to the last replay
 
     def __post_init__(self):
         leaves, self._out_spec = pytree.tree_flatten(self.output)
@@ -92,7 +94,7 @@ class CaptureEntry:
     def describe(self):
         return {"key": self.key, "signature": self.signature.summary(), "segments": self.segments,
                 "breaks": self.breaks, "capture_ms": round(self.capture_ms, 3), "pool_bytes": self.pool_bytes,
-                "hits": self.hits, "last_used": self.last_used}
+                "hits": self.hits, "break_mismatches": self.break_mismatches, "last_used": self.last_used}
 
 
 class EntryCache:

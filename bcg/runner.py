@@ -8,12 +8,30 @@ runs once eagerly on the capture stream (lazy init), then is captured into the r
 When replay happens: ``runner(**kwargs)`` with a captured signature copies the inputs into the static
 buffers (skipped when the caller passes the static buffer itself), replays on the caller's current
 stream and returns a clone of the static outputs (``copy_outputs=False`` returns the static outputs,
-overwritten by the next replay of that signature). Replay runs under ``torch.no_grad()``: inference only.
+which the next replay of *any* signature may overwrite: all signatures share one pool). Replay runs
+under ``torch.no_grad()``: inference only, whatever the caller's grad mode.
+
+What a signature covers: the call's arguments (`bcg.signature`: shapes, dtypes, devices with their
+index, constants) and the state it runs in (`bcg.signature.call_context`: grad mode, autocast device
+types and dtypes). A call replays only a graph captured from a call with the same signature: a call
+with grad enabled only one warmed with grad enabled (whose replayed outputs still carry no autograd
+history), a call under autocast only one warmed under the same autocast. Under autocast the capture
+casts inside the graph (the autocast weight cache is off while capturing).
 
 When it falls back to eager (counted in ``stats()["eager_calls"]`` by reason): ``unseen`` signature
 (serving never captures), ``blocked`` (its capture failed: one warning with the signature and the
 reason), ``disabled`` (config, or a capture with more than ``max_segments`` segments), ``no_cuda``
-(no CUDA, or the module is not on a CUDA device). Capture errors, OOM included, never escape a call.
+(no CUDA, or the module is not on a CUDA device), ``break_output_mismatch`` (see below). Capture
+errors, OOM included, never escape a call.
+
+Break output mismatch: a break function that returns, at replay, another structure, shape, dtype or
+Python scalar value than at capture stops the replay before the next segment
+(``BreakOutputMismatchError``). The runner answers that call eagerly with the caller's own inputs (the
+segments that ran only touched static buffers), warns once per entry, and keeps the graph: the next
+call of the signature replays again, as a value that changes now and then (a host-side decision)
+still replays when it matches. After ``max_break_mismatches`` mismatches in a row (default 3) the graph
+is dropped and the signature blocked (one warning; ``blocked`` eager calls until ``reset()``), so a
+value that changes on every call stops costing a partial replay per call.
 
 Limits: ``max_entries`` graphs, least recently used evicted first; ``pool_budget_bytes`` caps the
 pool bytes attributed to live entries (growth of ``torch.cuda.memory_reserved`` during each capture;
@@ -45,17 +63,17 @@ import time
 import torch
 import torch.utils._pytree as pytree
 
-from bcg.capture import eager_on_graph, replay_token_scope
+from bcg.capture import BreakOutputMismatchError, eager_on_graph, replay_token_scope
 from bcg.config import RunnerConfig
 from bcg.entries import CaptureEntry, EntryCache
 from bcg.recorder import CudaRecorder
-from bcg.signature import signature_with_leaves, rebuild_kwargs
+from bcg.signature import call_context, signature_with_leaves, rebuild_kwargs
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["BreakableGraphRunner", "CaptureEntry", "EAGER_REASONS"]
 
-EAGER_REASONS = ("unseen", "blocked", "disabled", "no_cuda")
+EAGER_REASONS = ("unseen", "blocked", "disabled", "no_cuda", "break_output_mismatch")
 _ARGS_KEY = "*args"  # where positional arguments that have no name go in a signature
 
 def _resolve_device(module, device):
@@ -153,7 +171,8 @@ class BreakableGraphRunner:
             return self._run_eager(self._off[0], token, args, kwargs)
         if self._runner_config.debug:
             self.check_weights()
-        signature, leaves = signature_with_leaves({**kwargs, _ARGS_KEY: args} if args else kwargs)
+        signature, leaves = signature_with_leaves({**kwargs, _ARGS_KEY: args} if args else kwargs,
+                                                  call_context())
         entry = self._entries.get(signature)
         if entry is None:
             if signature in self._blocked:
@@ -164,6 +183,7 @@ class BreakableGraphRunner:
             entry = self._entries.get(signature)
             if entry is None:  # captured, then evicted by a capture on another thread
                 return self._run_eager("unseen", token, args, kwargs)
+        mismatch = None
         with self._lock:
             if entry.graph is None:  # evicted by another thread since the lookup
                 entry = None
@@ -176,14 +196,24 @@ class BreakableGraphRunner:
                     with replay_token_scope(token):
                         entry.graph.replay()
                     out = entry.copy_out(self._runner_config.copy_outputs)
+                except BreakOutputMismatchError as exc:
+                    mismatch = exc
                 finally:
                     torch._C._set_grad_enabled(grad)
-                entry.hits += 1
-                entry.last_used = time.time()
-                self._entries.touch(signature)
-                self._counts["replays"] += 1
+                if mismatch is None:
+                    entry.hits += 1
+                    entry.mismatch_streak = 0
+                    entry.last_used = time.time()
+                    self._entries.touch(signature)
+                    self._counts["replays"] += 1
+                else:
+                    self._break_mismatch_locked(signature, entry, mismatch)
         if entry is None:
             return self._run_eager("unseen", token, args, kwargs)
+        if mismatch is not None:
+            # The segments before the break ran on the static buffers and the rest never did; the
+            # caller's own inputs are untouched, so the eager run gives the result (same token).
+            return self._run_eager("break_output_mismatch", token, args, kwargs)
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug("replayed %s", signature.key)
         return out
@@ -195,7 +225,8 @@ class BreakableGraphRunner:
         self._refresh_device()
         if self._off is not None:
             return False
-        signature, leaves = signature_with_leaves({**kwargs, _ARGS_KEY: args} if args else kwargs)
+        signature, leaves = signature_with_leaves({**kwargs, _ARGS_KEY: args} if args else kwargs,
+                                                  call_context())
         if signature in self._entries:
             return True
         return self._capture(signature, args, kwargs, leaves, next(self._tokens))
@@ -404,10 +435,18 @@ class BreakableGraphRunner:
         fn = self._module if self._compiled is None else self._compiled
         if self._runner_config.debug_single_break:
             fn = self._whole_forward_fn()
-        graph, output, capture_ms, pool_bytes = self._recorder.record(
-            fn, static_args, static, self._runner_config.capture_warmup_runs, token,
-            live_pools={tuple(e.graph.pool) for e in self._entries.entries()
-                        if getattr(e.graph, "pool", None) is not None})
+        # Autocast caches its casts of weights until its context closes; a graph captured with the cache
+        # on would read a cast that is freed by then (make_graphed_callables refuses the cache for the
+        # same reason), so the capture casts inside the graph instead.
+        autocast_cache = torch.is_autocast_cache_enabled()
+        torch.set_autocast_cache_enabled(False)
+        try:
+            graph, output, capture_ms, pool_bytes = self._recorder.record(
+                fn, static_args, static, self._runner_config.capture_warmup_runs, token,
+                live_pools={tuple(e.graph.pool) for e in self._entries.entries()
+                            if getattr(e.graph, "pool", None) is not None})
+        finally:
+            torch.set_autocast_cache_enabled(autocast_cache)
         return CaptureEntry(signature=signature, graph=graph, static_inputs=static_inputs, output=output,
                             capture_ms=capture_ms, pool_bytes=pool_bytes, host_inputs=tuple(host_inputs),
                             last_used=time.time())
@@ -430,6 +469,24 @@ class BreakableGraphRunner:
 
             self._whole_forward = call
         return self._whole_forward
+
+    def _break_mismatch_locked(self, signature, entry, exc):
+        """A replay stopped at a break whose output differs from capture (see the module docstring)."""
+        entry.break_mismatches += 1
+        entry.mismatch_streak += 1
+        limit = self._runner_config.max_break_mismatches
+        if entry.mismatch_streak >= limit:
+            self._entries.pop(signature).release()  # under the lock the entry is still cached
+            self._blocked[signature] = f"{entry.mismatch_streak} break output mismatches in a row: {exc}"
+            logger.warning("graph of %s (%s) dropped after %d break output mismatches in a row, running it "
+                           "eagerly from now on: %s", signature.key, signature.summary(), entry.mismatch_streak,
+                           exc)
+        elif entry.break_mismatches == 1:
+            logger.warning("break output mismatch replaying %s (%s), answering eagerly; the graph replays "
+                           "again on the next call and is dropped after %d mismatches in a row "
+                           "(BCG_MAX_BREAK_MISMATCHES): %s", signature.key, signature.summary(), limit, exc)
+        else:
+            logger.debug("break output mismatch replaying %s: %s", signature.key, exc)
 
     def _block_locked(self, signature, reason):
         self._blocked[signature] = reason

@@ -1,10 +1,11 @@
 """Input signature of a call: what a captured graph is valid for.
 
 A CUDA graph replays fixed kernels on fixed addresses, so a capture is only valid for calls whose
-tensors have the same shapes, dtypes and device types, and whose non-tensor arguments send the
+tensors have the same shapes, dtypes and devices, and whose non-tensor arguments send the
 forward down the same control flow. `signature_of(kwargs)` describes exactly that:
 
-- every tensor leaf by (shape, dtype, device type) -- never by value or address;
+- every tensor leaf by (shape, dtype, device) -- never by value or address; a CUDA device with its
+  index (``cuda:1``), other devices by type;
 - None, bool, int, float, str, bytes, torch.dtype, torch.device, torch.Size and enum members by value
   (and type: ``True``, ``1`` and ``1.0`` are different signatures);
 - lists, tuples (namedtuples by their type), dicts (in insertion order, which the forward may see) and
@@ -12,6 +13,13 @@ forward down the same control flow. `signature_of(kwargs)` describes exactly tha
 - any other object by identity. Identity parts are per process: their ``.key`` embeds ``id()`` and
   differs between processes; a `Signature` holds a reference to such objects, so an id is never reused
   while a cached signature is alive.
+
+The state a call runs in is not an argument but changes its kernels or its control flow too: grad
+mode (``torch.is_grad_enabled()`` branches in models) and autocast (which casts and which kernels).
+`call_context()` reads it from the calling thread -- empty for inference (grad disabled, no autocast),
+else ``grad=enabled`` and ``autocast=cuda:bfloat16`` (enabled device types with their dtypes) -- and
+``signature_of(kwargs, context=call_context())`` keys it: the runner does so for every call. An empty
+context adds nothing, so an inference call's key is that of ``signature_of(kwargs)``.
 
 Top-level keyword order does not matter (names are sorted). A `Signature` is hashable; ``.key`` is a
 short string (16 hex digits of sha256 over a canonical form) identical in every process and Python
@@ -31,10 +39,10 @@ import torch.utils._pytree as pytree
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Signature", "rebuild_kwargs", "signature_of", "signature_with_leaves"]
+__all__ = ["Signature", "call_context", "rebuild_kwargs", "signature_of", "signature_with_leaves"]
 
 # Descriptor tags. A descriptor is a small nested tuple; equal descriptors mean equal signatures.
-_TENSOR = "T"       # ("T", shape, dtype, device_type)
+_TENSOR = "T"       # ("T", shape, dtype, device): "cuda:<index>", else the device type
 _VALUE = "V"        # ("V", type, value)
 _IDENT = "I"        # ("I", type, _Identity)
 _LIST = "L"         # ("L", type, (child, ...))   list, tuple, namedtuple
@@ -59,16 +67,35 @@ class _Identity:
         return id(self.obj)
 
 
-def _device_type(t):
-    # `t.device.type` builds a device object per call; the two flags are several times cheaper
-    return "cuda" if t.is_cuda else "cpu" if t.is_cpu else t.device.type
+def _device_name(t):
+    # `t.device` builds a device object per call; the flags and the index are several times cheaper
+    return f"cuda:{t.get_device()}" if t.is_cuda else "cpu" if t.is_cpu else t.device.type
+
+
+# call_context(): what a call's thread state adds to its signature. Absent entries mean the inference
+# defaults below (what Signature.diff reports for them).
+_CONTEXT_DEFAULTS = {"grad": "disabled", "autocast": "off"}
+_GRAD_ENABLED = (("grad", "enabled"),)
+_AUTOCAST_DEVICE_TYPES = ("cuda", "cpu")
+_any_autocast = getattr(torch._C, "_is_any_autocast_enabled", lambda: True)
+
+
+def call_context():
+    """The calling thread's grad mode and autocast state, as a signature context (see the module
+    docstring): ``()`` under ``torch.no_grad()`` without autocast."""
+    context = _GRAD_ENABLED if torch.is_grad_enabled() else ()
+    if not _any_autocast():
+        return context
+    autocast = ",".join(f"{device}:{_short_dtype(torch.get_autocast_dtype(device))}"
+                        for device in _AUTOCAST_DEVICE_TYPES if torch.is_autocast_enabled(device))
+    return context + (("autocast", autocast),) if autocast else context
 
 
 def _describe(value, leaves):
     """Descriptor of `value`; appends its tensor leaves to `leaves` in traversal order."""
     if isinstance(value, torch.Tensor):
         leaves.append(value)
-        return (_TENSOR, value.shape, value.dtype, _device_type(value))
+        return (_TENSOR, value.shape, value.dtype, _device_name(value))
     cls = type(value)
     if cls in _BY_VALUE or isinstance(value, enum.Enum):
         if cls is float and value != value:  # NaN never equals itself; describe it by name
@@ -105,8 +132,9 @@ def _rebuild(value, leaves):
     return value
 
 
-def signature_with_leaves(kwargs):
-    """(Signature, tensor leaves) of a call's keyword arguments, names sorted."""
+def signature_with_leaves(kwargs, context=()):
+    """(Signature, tensor leaves) of a call's keyword arguments, names sorted, in `context` (the
+    call's `call_context()`, or ``()`` for none)."""
     leaves = []
     items = []
     tensor = torch.Tensor
@@ -114,11 +142,11 @@ def signature_with_leaves(kwargs):
         value = kwargs[name]
         if isinstance(value, tensor):  # inlined common case: this runs on every call
             leaves.append(value)
-            items.append((name, (_TENSOR, value.shape, value.dtype,
-                                 "cuda" if value.is_cuda else "cpu" if value.is_cpu else value.device.type)))
+            items.append((name, (_TENSOR, value.shape, value.dtype, f"cuda:{value.get_device()}"
+                                 if value.is_cuda else "cpu" if value.is_cpu else value.device.type)))
         else:
             items.append((name, _describe(value, leaves)))
-    return Signature(tuple(items)), leaves
+    return Signature(tuple(items), context), leaves
 
 
 def rebuild_kwargs(kwargs, leaves):
@@ -128,9 +156,9 @@ def rebuild_kwargs(kwargs, leaves):
     return {name: rebuilt[name] for name in kwargs}  # keep the caller's order
 
 
-def signature_of(kwargs):
-    """The `Signature` of a call with these keyword arguments (see the module docstring)."""
-    return signature_with_leaves(kwargs)[0]
+def signature_of(kwargs, context=()):
+    """The `Signature` of a call with these keyword arguments, in `context` (see the module docstring)."""
+    return signature_with_leaves(kwargs, context)[0]
 
 
 def _type_name(cls):
@@ -263,18 +291,20 @@ def _kind(desc):
 class Signature:
     """Hashable description of a call's inputs; see the module docstring for what it covers."""
 
-    __slots__ = ("_items", "_hash", "_key")
+    __slots__ = ("_items", "_context", "_hash", "_key")
 
-    def __init__(self, items):
+    def __init__(self, items, context=()):
         self._items = items  # ((name, descriptor), ...) with names sorted
-        self._hash = hash(items)
+        self._context = context  # ((name, str), ...) from call_context(), in its fixed order
+        self._hash = hash((items, context))
         self._key = None
 
     def __hash__(self):
         return self._hash
 
     def __eq__(self, other):
-        return isinstance(other, Signature) and self._hash == other._hash and self._items == other._items
+        return (isinstance(other, Signature) and self._hash == other._hash and self._items == other._items
+                and self._context == other._context)
 
     def __repr__(self):
         return f"Signature({self.key}: {self.summary()})"
@@ -285,13 +315,19 @@ class Signature:
         return tuple(name for name, _ in self._items)
 
     @property
+    def context(self):
+        """The call state keyed besides the arguments, e.g. ``{"grad": "enabled"}`` (see `call_context`)."""
+        return dict(self._context)
+
+    @property
     def has_identity_parts(self):
         """True when some part is keyed by object identity (its `key` is then per process)."""
         return any(_has_identity(desc) for _, desc in self._items)
 
     def canonical(self):
         """The canonical string that `key` hashes."""
-        return ";".join(f"{name}={_canonical(desc)}" for name, desc in self._items)
+        return ";".join([f"{name}={_canonical(desc)}" for name, desc in self._items]
+                        + [f"@{name}={value}" for name, value in self._context])
 
     @property
     def key(self):
@@ -301,8 +337,10 @@ class Signature:
         return self._key
 
     def summary(self):
-        """One readable line, e.g. ``hidden_states=bfloat16[1, 256, 64]/cuda, return_dict=False``."""
-        return ", ".join(f"{name}={_readable(desc)}" for name, desc in self._items)
+        """One readable line, e.g. ``hidden_states=bfloat16[1, 256, 64]/cuda:0, return_dict=False``,
+        then the context if any (``@grad=enabled``)."""
+        return ", ".join([f"{name}={_readable(desc)}" for name, desc in self._items]
+                         + [f"@{name}={value}" for name, value in self._context])
 
     def diff(self, other):
         """Differences from `other` as strings like ``"shape[1] 64 != 128 at hidden_states"``."""
@@ -311,4 +349,8 @@ class Signature:
                             "build one with bcg.signature_of(kwargs)")
         out = []
         _diff_named(list(self._items), list(other._items), lambda name: name, out)
+        mine, theirs = dict(self._context), dict(other._context)
+        for name, default in _CONTEXT_DEFAULTS.items():
+            if mine.get(name, default) != theirs.get(name, default):
+                out.append(f"{name} {mine.get(name, default)} != {theirs.get(name, default)}")
         return out

@@ -18,11 +18,12 @@ def test_defaults_are_valid_and_frozen():
 def test_from_env_reads_every_kind_of_field():
     env = {"BCG_ENABLED": "0", "BCG_MAX_ENTRIES": "4", "BCG_POOL_BUDGET_BYTES": "2GiB",
            "BCG_MAX_SEGMENTS": "64", "BCG_COPY_OUTPUTS": "false", "BCG_DEBUG": "yes",
-           "BCG_DEBUG_SINGLE_BREAK": "on", "BCG_CAPTURE_WARMUP_RUNS": "2", "UNRELATED": "x"}
+           "BCG_DEBUG_SINGLE_BREAK": "on", "BCG_CAPTURE_WARMUP_RUNS": "2", "BCG_MAX_BREAK_MISMATCHES": "1",
+           "UNRELATED": "x"}
     config = RunnerConfig.from_env(env)
     assert config == RunnerConfig(enabled=False, max_entries=4, pool_budget_bytes=2 * 2**30, max_segments=64,
                                   copy_outputs=False, debug=True, debug_single_break=True,
-                                  capture_warmup_runs=2)
+                                  capture_warmup_runs=2, max_break_mismatches=1)
 
 
 @pytest.mark.parametrize("raw, expected", [("1_000_000", 10**6), ("512MB", 512 * 10**6), ("1.5GiB", 3 * 2**29),
@@ -33,7 +34,8 @@ def test_byte_budget_accepts_units_and_none(raw, expected):
 
 @pytest.mark.parametrize("name, raw", [("BCG_MAX_ENTRIES", "many"), ("BCG_MAX_ENTRIES", "0"),
                                        ("BCG_ENABLED", "maybe"), ("BCG_POOL_BUDGET_BYTES", "-5"),
-                                       ("BCG_POOL_BUDGET_BYTES", "2 parsecs"), ("BCG_MAX_SEGMENTS", "1.5")])
+                                       ("BCG_POOL_BUDGET_BYTES", "2 parsecs"), ("BCG_MAX_SEGMENTS", "1.5"),
+                                       ("BCG_MAX_BREAK_MISMATCHES", "0")])
 def test_bad_values_warn_and_keep_the_default(name, raw, caplog):
     good = {"BCG_COPY_OUTPUTS": "0"}
     with caplog.at_level(logging.WARNING, logger="bcg.config"):
@@ -59,3 +61,5 @@ def test_invalid_constructor_arguments_name_the_fix():
         RunnerConfig(pool_budget_bytes=0)
     with pytest.raises(ValueError, match="max_segments"):
         RunnerConfig(max_segments=0)
+    with pytest.raises(ValueError, match="1 blocks a signature at its first"):
+        RunnerConfig(max_break_mismatches=0)

@@ -12,10 +12,15 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
-from bcg.capture import current_replay_token
+from bcg.capture import BreakOutputMismatchError, current_replay_token
 from bcg.config import RunnerConfig
 from bcg.runner import BreakableGraphRunner
-from bcg.signature import signature_of
+from bcg.signature import call_context, signature_of
+
+
+def _key(kwargs):
+    """The key the runner gives a call with these arguments, made in this thread's current state."""
+    return signature_of(kwargs, context=call_context()).key
 
 
 class _RerunGraph:
@@ -38,8 +43,8 @@ class _RerunGraph:
 class _RerunRecorder:
     """Stands in for the CUDA recorder; `fail(attempt, kwargs)` may return an exception to raise."""
 
-    def __init__(self, segments=3, pool_bytes=0, fail=None):
-        self.segments, self.pool_bytes, self.fail = segments, pool_bytes, fail
+    def __init__(self, segments=3, pool_bytes=0, fail=None, graph_type=_RerunGraph):
+        self.segments, self.pool_bytes, self.fail, self.graph_type = segments, pool_bytes, fail, graph_type
         self.attempts = 0
         self.fns = []
 
@@ -54,7 +59,7 @@ class _RerunRecorder:
                 fn(*args, **kwargs)
             output = fn(*args, **kwargs)
         size = self.pool_bytes(kwargs) if callable(self.pool_bytes) else self.pool_bytes
-        return _RerunGraph(fn, args, kwargs, output, self.segments), output, 1.5, size
+        return self.graph_type(fn, args, kwargs, output, self.segments), output, 1.5, size
 
     def order_after_previous(self):
         pass
@@ -102,7 +107,8 @@ def test_without_cuda_everything_runs_eagerly_and_stats_say_why():
     assert torch.equal(out[0], module(x)[0])
     stats = runner.stats()
     assert stats["enabled"] is False and "CUDA" in stats["disabled_reason"]
-    assert stats["eager_calls"] == {"unseen": 0, "blocked": 0, "disabled": 0, "no_cuda": 1}
+    assert stats["eager_calls"] == {"unseen": 0, "blocked": 0, "disabled": 0, "no_cuda": 1,
+                                   "break_output_mismatch": 0}
     assert stats["captures"] == 0 and stats["replays"] == 0 and runner.warm_signatures() == []
 
 
@@ -184,7 +190,7 @@ def test_calls_capture_only_inside_warmup_then_replay_equals_eager():
     stats = runner.stats()
     assert stats["replays"] == 2 and stats["eager_calls"]["unseen"] == 1
     entry = stats["entries"][0]
-    assert entry["key"] == signature_of({"x": a, "scale": 2.0}).key and entry["hits"] == 2
+    assert entry["key"] == _key({"x": a, "scale": 2.0}) and entry["hits"] == 2
     assert entry["segments"] == 3 and entry["capture_ms"] == 1.5 and entry["last_used"] > 0
     assert "x=float32[4, 8]/cpu" in entry["signature"]
 
@@ -195,7 +201,46 @@ def test_capture_is_idempotent_and_accepts_positional_arguments():
     assert runner.capture(_x(2)) is True
     assert runner.capture(x=_x(2, seed=5)) is True
     assert recorder.attempts == 1 and runner.stats()["captures"] == 1
-    assert runner.warm_signatures() == [signature_of({"x": _x(2)}).key]
+    assert runner.warm_signatures() == [_key({"x": _x(2)})]
+
+
+def test_grad_mode_and_autocast_are_part_of_the_signature():
+    module = Affine()
+    recorder = _RerunRecorder()
+    runner = _runner(module, recorder)
+    x = _x(2)
+    with torch.no_grad():
+        runner.capture(x=x)
+        runner(x=x)                                         # replays
+    with_grad = runner(x=x)[0]                              # grad enabled: not the graph above
+    assert with_grad.requires_grad and torch.equal(with_grad, module(x)[0])
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        autocast = runner(x=x)[0]
+    assert autocast.dtype == torch.bfloat16
+    stats = runner.stats()
+    assert stats["replays"] == 1 and stats["eager_calls"]["unseen"] == 2 and recorder.attempts == 1
+    with runner.warmup(), torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        runner(x=x)                                         # its own entry
+        assert runner(x=x)[0].dtype == torch.bfloat16
+    summaries = [e["signature"] for e in runner.stats()["entries"]]
+    assert len(summaries) == 2 and summaries[0].endswith("@autocast=cpu:bfloat16")
+    assert runner.stats()["replays"] == 3
+
+
+def test_captures_run_with_the_autocast_weight_cache_off():
+    seen = []
+
+    class Recorder(_RerunRecorder):
+        def record(self, *args, **kwargs):
+            seen.append(torch.is_autocast_cache_enabled())
+            return super().record(*args, **kwargs)
+
+    runner = _runner(Affine(), Recorder())
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        assert torch.is_autocast_cache_enabled()
+        runner.capture(x=_x(2))
+        assert torch.is_autocast_cache_enabled()             # restored
+    assert seen == [False]
 
 
 def test_static_outputs_are_returned_when_copy_outputs_is_off():
@@ -238,7 +283,7 @@ def test_structured_outputs_round_trip_with_fresh_tensors():
 
 def test_lru_evicts_the_least_recently_used_entry():
     runner = _runner(Affine(), max_entries=2)
-    sig = {rows: signature_of({"x": _x(rows)}).key for rows in (1, 2, 3)}
+    sig = {rows: _key({"x": _x(rows)}) for rows in (1, 2, 3)}
     with runner.warmup():
         runner(x=_x(1))          # A
         runner(x=_x(2))          # B
@@ -265,7 +310,7 @@ def test_pool_budget_evicts_to_fit_and_refuses_an_entry_that_alone_exceeds_it():
     stats = runner.stats()
     assert stats["capture_failures"] == 1 and stats["eager_calls"]["blocked"] == 1
     assert "pool_budget_bytes=450" in stats["blocked"][0]["reason"]
-    assert runner.warm_signatures() == [signature_of({"x": _x(3)}).key]
+    assert runner.warm_signatures() == [_key({"x": _x(3)})]
 
 
 def test_too_many_segments_disable_the_runner_until_reset():
@@ -318,7 +363,7 @@ def test_out_of_memory_evicts_others_and_retries_once():
     assert torch.equal(out[0], Affine()(_x(2))[0])
     stats = runner.stats()
     assert recorder.attempts == 3 and stats["evictions"] == 1 and stats["captures"] == 2
-    assert runner.warm_signatures() == [signature_of({"x": _x(2)}).key]
+    assert runner.warm_signatures() == [_key({"x": _x(2)})]
 
 
 def test_out_of_memory_with_nothing_to_evict_blocks_and_keeps_serving():
@@ -406,3 +451,84 @@ def test_threads_never_see_each_others_inputs_or_outputs():
         t.join()
     assert errors == []
     assert runner.stats()["replays"] == 200
+
+
+# -- break output mismatches ----------------------------------------------------------------------
+
+
+class HostSteps(Affine):
+    """A forward whose break returns a host-side value (`steps`) that the rest of the forward uses."""
+
+    steps = 5
+
+    def forward(self, x):
+        return (x @ self.weight * self.steps,)
+
+
+class _HostValueGraph(_RerunGraph):
+    """Replays like a BreakableCUDAGraph whose break returns the module's `steps`: with another value
+    than at capture the replay stops at the break (BreakOutputMismatchError), after the segment
+    before it has left the static buffers in some state of its own."""
+
+    def __init__(self, fn, *rest):
+        super().__init__(fn, *rest)
+        self.captured_steps = fn.steps
+
+    def replay(self):
+        if self.fn.steps != self.captured_steps:
+            for t in pytree.tree_leaves((self.args, self.kwargs, self.output)):
+                t.fill_(float("nan"))
+            raise BreakOutputMismatchError(f"break function plan returned int {self.fn.steps} at output[1] "
+                                           f"during replay, but the graph was captured with int 5")
+        super().replay()
+
+
+def test_a_break_output_mismatch_is_answered_eagerly_and_the_graph_replays_next_time(caplog):
+    module = HostSteps()
+    runner = _runner(module, _RerunRecorder(graph_type=_HostValueGraph))
+    runner.capture(x=_x(2))
+    assert torch.equal(runner(x=_x(2, seed=1))[0], _x(2, seed=1) @ module.weight * 5)
+    module.steps = 7
+    x = _x(2, seed=2)
+    with caplog.at_level("WARNING", logger="bcg.runner"):
+        out = runner(x=x)[0]
+    assert torch.equal(out, x @ module.weight * 7)      # the caller's inputs, not the scribbled buffers
+    stats = runner.stats()
+    assert stats["eager_calls"]["break_output_mismatch"] == 1 and stats["replays"] == 1
+    assert stats["entries"][0]["break_mismatches"] == 1 and stats["entries"][0]["hits"] == 1
+    assert len([r for r in caplog.records if r.levelname == "WARNING"]) == 1
+    module.steps = 5                                     # the value it was captured with: replays again
+    assert torch.equal(runner(x=x)[0], x @ module.weight * 5)
+    assert runner.stats()["replays"] == 2 and runner.warm_signatures() == [_key({"x": x})]
+
+
+def test_a_signature_whose_break_output_keeps_changing_is_blocked_after_the_limit(caplog):
+    module = HostSteps()
+    runner = _runner(module, _RerunRecorder(graph_type=_HostValueGraph), max_break_mismatches=3)
+    runner.capture(x=_x(2))
+    with caplog.at_level("WARNING", logger="bcg.runner"):
+        for steps in (6, 7, 5, 8, 9, 10):                # a match (5) starts the count again
+            module.steps = steps
+            x = _x(2, seed=steps)
+            assert torch.equal(runner(x=x)[0], x @ module.weight * steps)
+        stats = runner.stats()
+        assert stats["eager_calls"]["break_output_mismatch"] == 5 and stats["replays"] == 1
+        assert runner.warm_signatures() == [] and stats["num_entries"] == 0   # dropped at 8, 9, 10
+        assert "3 break output mismatches in a row" in stats["blocked"][0]["reason"]
+        module.steps = 5
+        assert torch.equal(runner(x=_x(2))[0], _x(2) @ module.weight * 5)
+    stats = runner.stats()
+    assert stats["eager_calls"]["blocked"] == 1 and stats["replays"] == 1 and stats["capture_failures"] == 0
+    assert len([r for r in caplog.records if r.levelname == "WARNING"]) == 2   # first mismatch, block
+    assert runner.capture(x=_x(2)) is False
+    runner.reset()
+    assert runner.capture(x=_x(2)) is True
+
+
+def test_max_break_mismatches_of_one_blocks_at_the_first_mismatch():
+    module = HostSteps()
+    runner = _runner(module, _RerunRecorder(graph_type=_HostValueGraph), max_break_mismatches=1)
+    runner.capture(x=_x(2))
+    module.steps = 7
+    assert torch.equal(runner(x=_x(2))[0], _x(2) @ module.weight * 7)
+    assert runner.warm_signatures() == [] and runner.stats()["blocked"]

@@ -12,9 +12,14 @@ from torch import nn
 from bcg.capture import current_replay_token, eager_on_graph
 from bcg.config import RunnerConfig
 from bcg.runner import BreakableGraphRunner
-from bcg.signature import signature_of
+from bcg.signature import call_context, signature_of
 
 pytestmark = pytest.mark.gpu
+
+
+def _key(kwargs):
+    """The key the runner gives a call with these arguments, made in this thread's current state."""
+    return signature_of(kwargs, context=call_context()).key
 
 
 @eager_on_graph
@@ -122,6 +127,68 @@ def test_break_functions_see_a_token_per_call(module):
     assert len(tokens) == 4 and tokens[0] == tokens[1] and tokens[2] == tokens[3] and tokens[0] != tokens[2]
 
 
+@eager_on_graph
+def _host_plan(h, module):
+    """A break that returns a host-side value (like a step cache's decision) the forward uses."""
+    return torch.relu(h), module.steps
+
+
+class HostSteps(nn.Module):
+    def __init__(self, dim=32):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(dim, dim, generator=torch.Generator().manual_seed(0)) / dim ** 0.5)
+        self.steps = 5
+
+    def forward(self, x):
+        h, steps = _host_plan(x @ self.weight, self)
+        return (h * steps + 1,)
+
+
+def test_a_break_whose_python_value_changed_is_answered_eagerly_and_replays_when_it_matches():
+    module = HostSteps().cuda()
+    runner = BreakableGraphRunner(module, config=RunnerConfig())
+    x = _x(1, 16, seed=0)
+    assert runner.capture(x=x)
+    assert torch.equal(runner(x=x)[0], _eager(module, x=x)[0])
+    module.steps = 7
+    x = _x(1, 16, seed=1)
+    got = runner(x=x)[0]                                  # the graph has 5 baked in after the break
+    assert torch.equal(got, _eager(module, x=x)[0])
+    stats = runner.stats()
+    assert stats["eager_calls"]["break_output_mismatch"] == 1 and stats["replays"] == 1
+    assert stats["entries"][0]["break_mismatches"] == 1
+    module.steps = 5
+    x = _x(1, 16, seed=2)
+    assert torch.equal(runner(x=x)[0], _eager(module, x=x)[0])
+    assert runner.stats()["replays"] == 2
+
+
+def test_a_call_under_autocast_does_not_replay_a_graph_captured_without_it(module):
+    runner = BreakableGraphRunner(module, config=RunnerConfig())
+    x = _x(1, 16, seed=0)
+    runner.capture(x=x)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        got = runner(x=x)[0]
+        want = _eager(module, x=x)[0]                     # bf16 matmuls: not the float32 graph's values
+    assert torch.equal(got, want)
+    stats = runner.stats()
+    assert stats["replays"] == 0 and stats["eager_calls"]["unseen"] == 1
+    # captured under autocast it replays under autocast, bit for bit, also once the autocast context
+    # that cached the weights' casts has closed and freed them
+    with runner.warmup(), torch.autocast("cuda", dtype=torch.bfloat16):
+        runner(x=x)
+    with torch.cuda.stream(runner._recorder._stream):   # lands where the cached casts were
+        hog = [torch.full((32, 96), 7.0, device="cuda", dtype=torch.bfloat16) for _ in range(256)]
+    torch.cuda.current_stream().wait_stream(runner._recorder._stream)
+    for seed in (1, 2):
+        x = _x(1, 16, seed=seed)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            got = runner(x=x)[0]
+            want = _eager(module, x=x)[0]
+        assert torch.equal(got, want), f"seed {seed}"
+    assert runner.stats()["replays"] == 3 and all(bool((h == 7.0).all()) for h in hog)
+
+
 def _flux(breaks):
     from diffusers import FluxTransformer2DModel
     torch.manual_seed(0)
@@ -187,7 +254,7 @@ def test_lru_eviction_order_and_counted_eager_fallback(module):
         runner(x=b)
         runner(x=a)
         runner(x=c)
-    assert runner.warm_signatures() == [signature_of({"x": a}).key, signature_of({"x": c}).key]
+    assert runner.warm_signatures() == [_key({"x": a}), _key({"x": c})]
     got = runner(x=b)[0]
     assert torch.equal(got, _eager(module, x=b)[0])
     stats = runner.stats()
@@ -240,7 +307,7 @@ def test_pool_budget_evicts_lru_and_refuses_an_entry_larger_than_the_budget():
             runner(x=x, rows=rows)
             assert runner.stats()["pool_bytes"] <= 40 * mib
         assert runner.stats()["evictions"] >= 1
-        assert signature_of({"x": x, "rows": 16}).key not in runner.warm_signatures()
+        assert _key({"x": x, "rows": 16}) not in runner.warm_signatures()
         out = runner(x=x, rows=48)[0]                               # 48 MiB alone > 40 MiB: refused
     assert torch.equal(out, x.repeat(48, 1) * 2.0)
     stats = runner.stats()

@@ -160,3 +160,57 @@ def test_leaves_come_back_in_signature_order_and_rebuild_round_trips():
     assert isinstance(rebuilt["o"], Transformer2DModelOutput) and rebuilt["o"].sample is fresh[3]
     assert signature_of(rebuilt) == sig
     assert isinstance(sig, Signature)
+
+
+class _OnCuda(torch.Tensor):
+    """A CPU tensor that reports itself on CUDA device `index`: device indices without a GPU."""
+
+    index = 0
+
+    @property
+    def is_cuda(self):
+        return True
+
+    def get_device(self):
+        return self.index
+
+
+def _on_cuda(index, *shape):
+    t = torch.Tensor._make_subclass(_OnCuda, torch.zeros(*shape))
+    t.index = index
+    return t
+
+
+def test_cuda_tensors_are_keyed_by_device_index():
+    a, b = signature_of({"x": _on_cuda(0, 2, 3)}), signature_of({"x": _on_cuda(1, 2, 3)})
+    assert a == signature_of({"x": _on_cuda(0, 2, 3)})
+    assert a != b and a.key != b.key
+    assert "x=float32[2, 3]/cuda:1" in b.summary()
+    assert a.diff(b) == ["device cuda:0 != cuda:1 at x"]
+    nested_a = signature_of({"kw": [_on_cuda(0, 1)]})
+    assert nested_a != signature_of({"kw": [_on_cuda(1, 1)]})     # off the inlined fast path too
+
+
+def test_call_context_keys_grad_mode_and_autocast_state():
+    from bcg.signature import call_context
+
+    kw = _flux_like_kwargs()
+    with torch.no_grad():
+        inference = call_context()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            autocast = call_context()
+    with torch.enable_grad():
+        grad = call_context()
+    assert inference == ()
+    assert signature_of(kw, context=inference).key == signature_of(kw).key   # adds nothing
+    sigs = {name: signature_of(kw, context=ctx) for name, ctx in
+            (("inference", inference), ("autocast", autocast), ("grad", grad))}
+    assert len(set(sigs.values())) == 3 and len({s.key for s in sigs.values()}) == 3
+    assert sigs["grad"].context == {"grad": "enabled"}
+    assert sigs["autocast"].context == {"autocast": "cpu:bfloat16"}
+    assert sigs["grad"].summary().endswith("@grad=enabled")
+    assert "@autocast=cpu:bfloat16" in sigs["autocast"].summary()
+    assert sigs["inference"].diff(sigs["grad"]) == ["grad disabled != enabled"]
+    assert sigs["autocast"].diff(sigs["inference"]) == ["autocast cpu:bfloat16 != off"]
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.float16):
+        assert signature_of(kw, context=call_context()) != sigs["autocast"]     # the dtype counts
