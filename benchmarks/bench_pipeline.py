@@ -20,7 +20,9 @@ Variants:
 - ``bcg_transformer``: `accelerate(pipe)`: the transformer replays graphs, attention eager between them;
 - ``bcg_all``: transformer, text encoders and the VAE decoder replay graphs (the target variant);
 - ``bcg_all_one_graph``: as ``bcg_all`` with ``policy="none"``: the transformer forward is one graph
-  (no eager attention between segments); what the attention breaks cost end to end.
+  (no eager attention between segments); what the attention breaks cost end to end;
+- ``served``: the pipeline of a served replica (``deployments.replica.ReplicaEngine`` at its defaults:
+  its components, break policy and runner configuration), warmed with ``warmup_key`` as a replica is.
 
 Every variant must produce the eager image bit for bit (``matches_eager``). After the timed calls a few
 more calls run with a device synchronisation at each phase boundary and report the median time per
@@ -214,7 +216,7 @@ def main(argv=None):
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--phase-iters", type=int, default=5, help="calls of the per-phase breakdown")
     parser.add_argument("--output-type", default="pil", choices=("pil", "np", "pt", "latent"))
-    parser.add_argument("--variants", default="eager,host_only,bcg_transformer,bcg_all,bcg_all_one_graph")
+    parser.add_argument("--variants", default="eager,host_only,bcg_transformer,bcg_all,bcg_all_one_graph,served")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default="bfloat16" if torch.cuda.is_available() else "float32")
     parser.add_argument("--prompt", default="a photo of a cat sitting on a red chair")
@@ -247,7 +249,7 @@ def main(argv=None):
         return {**planned, "generator": torch.Generator("cpu").manual_seed(0)}
 
     variants = {"eager": None, "host_only": ("transformer",), "bcg_transformer": ("transformer",),
-                "bcg_all": ALL_COMPONENTS, "bcg_all_one_graph": ALL_COMPONENTS}
+                "bcg_all": ALL_COMPONENTS, "bcg_all_one_graph": ALL_COMPONENTS, "served": "replica"}
     chosen = [v.strip() for v in args.variants.split(",") if v.strip()]
     unknown = [v for v in chosen if v not in variants]
     if unknown or "eager" not in chosen:
@@ -255,11 +257,19 @@ def main(argv=None):
     reference = None
     for name in chosen:
         components = variants[name]
-        pipe = build()
+        entry = {}
+        if name == "served":
+            from deployments.replica import ReplicaEngine  # the replica's own pipeline, at its defaults
+
+            engine = ReplicaEngine(args.model, device=args.device, dtype=args.dtype, warmup_steps=args.steps)
+            entry["warmup"] = engine.warmup_key(key.key)
+            print(f"  served: warmup {entry['warmup']}", file=sys.stderr)
+            pipe, engine = engine.pipe, None
+        else:
+            pipe = build()
         if name == "eager":
             pipe.set_progress_bar_config(disable=True)  # as accelerate() does: a server draws no progress bar
-        entry = {}
-        if components is not None:
+        if components is not None and name != "served":
             present = tuple(c for c in components if c == "vae_decoder" or getattr(pipe, c, None) is not None)
             config = RunnerConfig(max_entries=8, enabled=name != "host_only")
             policy = "none" if name == "bcg_all_one_graph" else "attention"
