@@ -21,6 +21,7 @@ from typing import Any, Iterable
 import torch
 
 from bcg.diffusers.breaks import install_breaks, remove_breaks, swapped_global, unwrap_runner
+from bcg.diffusers.placement import placement_stats
 
 logger = logging.getLogger(__name__)
 
@@ -65,8 +66,14 @@ def pipeline_runners(pipe) -> dict:
 
 
 def pipeline_stats(pipe) -> dict:
-    """``runner.stats()`` of every runner `accelerate` installed, by component name."""
-    return {name: runner.stats() for name, runner in pipeline_runners(pipe).items()}
+    """``runner.stats()`` of every runner `accelerate` installed, by component name; a transformer's
+    also holds ``"placement"``: `placement_stats` (which places are breaks and why) or None."""
+    out = {}
+    for name, runner in pipeline_runners(pipe).items():
+        out[name] = runner.stats()
+        if name in _TRANSFORMERS:
+            out[name]["placement"] = placement_stats(runner.module)
+    return out
 
 
 def _parse_to_args(args, kwargs):
@@ -288,13 +295,16 @@ def _accelerated_class(base: type) -> type:
     return cls
 
 
-def accelerate(pipe, config=None, policy: Any = "attention", components: Iterable[str] = _TRANSFORMERS,
+def accelerate(pipe, config=None, policy: Any = "auto", components: Iterable[str] = _TRANSFORMERS,
                progress_bar: bool = False):
     """Install breaks and replace `components` of `pipe` by `BreakableGraphRunner`s; returns `pipe`.
 
     components: any of ``COMPONENTS``; ``"transformer"`` (default, with ``"transformer_2"`` when the
-    pipeline has one) gets breaks per `policy`, text encoders and ``"vae_decoder"`` run as one graph
-    each. Calling it again adds missing components and keeps existing runners. `unaccelerate` undoes it.
+    pipeline has one) gets breaks per `policy` (see `install_breaks`): ``"auto"`` (default) places
+    them only where the eager warm-up call before each capture saw a host operation a graph cannot
+    hold (`bcg.diffusers.placement`; ``pipeline_stats(pipe)["transformer"]["placement"]`` says where
+    and why), ``"attention"`` at every attention core. Text encoders and ``"vae_decoder"`` run as one
+    graph each. Calling it again adds missing components and keeps existing runners. `unaccelerate` undoes it.
     The pipeline then runs as before: ``pipe(prompt=..., height=..., width=...)``; graphs replay only
     for signatures captured in ``warmup_pipeline`` (or a runner's ``warmup()``), the rest runs eagerly.
 

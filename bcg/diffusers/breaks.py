@@ -38,6 +38,7 @@ from typing import Any, Iterable
 import torch
 
 from bcg.capture import eager_on_graph, is_capturing
+from bcg.hostops import Place
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +51,8 @@ __all__ = ["install_breaks", "remove_breaks", "swapped_global", "unwrap_runner"]
 # object itself, so no registry is kept here).
 _SWAP_LOCK = threading.Lock()
 _BREAK_MARK = "__bcg_break__"
+#: Where a module keeps its automatic (or pinned) placement: a `bcg.diffusers.placement.AutoPlacement`.
+PLACEMENT_ATTR = "_bcg_placement"
 
 
 class _FunctionalWithEagerAttention(types.ModuleType):
@@ -153,11 +156,13 @@ def _breaking_class(base: type, whole: bool) -> type:
     return cls
 
 
-def _has_processor(module) -> bool:
+def has_processor(module) -> bool:
+    """True for an attention layer: its processor call is where a break goes."""
     return hasattr(module, "set_processor") and getattr(module, "processor", None) is not None
 
 
-def _wrap_processor(module, whole: bool) -> bool:
+def wrap_processor(module, whole: bool) -> bool:
+    """Make `module`'s processor call a break during captures (the whole call, or its attention core)."""
     processor = module.processor
     if getattr(type(processor), "__bcg_base__", None) is not None:
         return True
@@ -173,24 +178,38 @@ def _wrap_processor(module, whole: bool) -> bool:
     return True
 
 
-def _wrap_forward(module) -> bool:
-    if getattr(module.__dict__.get("forward"), _BREAK_MARK, False):
+def wrap_forward(module) -> bool:
+    """Make `module`'s forward an eager break (an instance attribute; `remove_breaks` deletes it)."""
+    return wrap_method(module, "forward")
+
+
+def wrap_method(module, name: str) -> bool:
+    """Make the method `name` of `module` an eager break (an instance attribute; `remove_breaks` deletes it)."""
+    if getattr(module.__dict__.get(name), _BREAK_MARK, False):
         return True
-    forward = eager_on_graph(module.forward)
-    setattr(forward, _BREAK_MARK, True)
-    object.__setattr__(module, "forward", forward)
+    method = eager_on_graph(getattr(module, name))
+    setattr(method, _BREAK_MARK, True)
+    object.__setattr__(module, name, method)
     return True
 
 
-def _selector(policy):
-    single = isinstance(policy, (str, type)) or (callable(policy) and not isinstance(policy, Iterable))
-    items = [policy] if single else list(policy)
+def _policy_items(policy) -> list:
+    single = isinstance(policy, (str, type, Place)) or (callable(policy) and not isinstance(policy, Iterable))
+    return [policy] if single else list(policy)
+
+
+def _is_place(item) -> bool:
+    return isinstance(item, Place) or (isinstance(item, str) and ":" in item)
+
+
+def _selector(items):
     classes = tuple(i for i in items if isinstance(i, type))
     patterns = [i for i in items if isinstance(i, str)]
     funcs = [i for i in items if callable(i) and not isinstance(i, type)]
     bad = [i for i in items if not isinstance(i, (str, type)) and not callable(i)]
     if bad:
-        raise ValueError(f"break policy items must be module classes, name patterns or callables, got {bad!r}")
+        raise ValueError("break policy items must be module classes, name patterns ('blocks.*.attn'), places "
+                         f"('name:method', 'name:method/function') or (name, module) -> bool callables, got {bad!r}")
 
     def selected(name, module):
         return (isinstance(module, classes) or any(fnmatch.fnmatchcase(name, p) for p in patterns)
@@ -205,27 +224,36 @@ def unwrap_runner(module):
 
 
 def remove_breaks(module) -> int:
-    """Restore every processor and forward that `install_breaks` replaced; returns how many."""
+    """Restore every processor, forward and method that `install_breaks` replaced; returns how many.
+
+    Automatic and pinned placements are removed too (their forward, function swaps and memory of what
+    this instance probed; what the class remembers stays)."""
     removed = 0
     for sub in unwrap_runner(module).modules():
+        if sub.__dict__.pop(PLACEMENT_ATTR, None) is not None:
+            sub.__dict__.pop("forward", None)  # the placement's forward: not a break itself
         original = sub.__dict__.get("_bcg_original_processor")
         if original is not None:
             sub.processor = original
             del sub.__dict__["_bcg_original_processor"]
             removed += 1
-        if getattr(sub.__dict__.get("forward"), _BREAK_MARK, False):
-            del sub.__dict__["forward"]
+        for name in [n for n, v in sub.__dict__.items() if getattr(v, _BREAK_MARK, False)]:
+            del sub.__dict__[name]
             removed += 1
     return removed
 
 
 def install_breaks(module, policy: Any = "attention") -> int:
-    """Place eager breaks in `module` (a diffusers DiT, or a runner around one); returns how many.
+    """Place eager breaks in `module` (a diffusers DiT, or a runner around one); returns how many now.
 
-    policy: ``"attention"`` (attention core of every attention layer), ``"processor"`` (every whole
-    processor call), ``"none"``, or a selection of module classes / name patterns / ``(name, module)
-    -> bool`` callables whose processor call (or forward) becomes a break. Breaks installed before are
-    removed first. Given a runner, its graphs are dropped (``reset()``): they hold the old placement.
+    policy: ``"auto"`` (breaks only where capture needs them, found by probing the first eager call;
+    see `bcg.diffusers.placement`), ``"attention"`` (attention core of every attention layer),
+    ``"processor"`` (every whole processor call), ``"none"``, or a selection: module classes, name
+    patterns and ``(name, module) -> bool`` callables whose processor call (or forward) becomes a
+    break, and places (``"name:method"``, ``"name:method/function"``, as `auto_placement` returns them)
+    that are pinned as breaks. Breaks installed before are removed first. Given a runner, its graphs
+    are dropped (``reset()``): they hold the old placement. For ``"auto"`` the count is what the
+    module's class remembers for its config (0 until a probe has run).
     """
     if hasattr(module, "warm_signatures"):  # a runner: its graphs were captured with the old breaks
         module.reset()
@@ -233,19 +261,31 @@ def install_breaks(module, policy: Any = "attention") -> int:
     remove_breaks(module)
     if policy is None or policy == "none":
         return 0
+    if isinstance(policy, str) and policy == "auto":
+        from bcg.diffusers.placement import install_placement  # placement builds on this module
+
+        count = len(install_placement(module, probing=True).installed_places())
+        logger.info("auto break placement in %s: %d breaks remembered for its config", type(module).__name__, count)
+        return count
     count = 0
-    if policy in ("attention", "processor"):
+    if isinstance(policy, str) and policy in ("attention", "processor"):
         for sub in module.modules():
-            if _has_processor(sub):
-                count += _wrap_processor(sub, whole=policy == "processor")
+            if has_processor(sub):
+                count += wrap_processor(sub, whole=policy == "processor")
     else:
-        selected = _selector(policy)
-        for name, sub in module.named_modules():
-            if name and selected(name, sub):
-                count += _wrap_processor(sub, whole=True) if _has_processor(sub) else _wrap_forward(sub)
+        items = _policy_items(policy)
+        places = [i for i in items if _is_place(i)]
+        selection = [i for i in items if not _is_place(i)]
+        if selection:
+            selected = _selector(selection)
+            for name, sub in module.named_modules():
+                if name and selected(name, sub):
+                    count += wrap_processor(sub, whole=True) if has_processor(sub) else wrap_forward(sub)
+        if places:
+            from bcg.diffusers.placement import install_placement  # placement builds on this module
+
+            count += len(install_placement(module, probing=False, places=places).installed_places())
     if count == 0:
         logger.warning("install_breaks(policy=%r) found nothing to break in %s", policy, type(module).__name__)
     logger.info("installed %d breaks in %s (policy=%r)", count, type(module).__name__, policy)
     return count
-
-

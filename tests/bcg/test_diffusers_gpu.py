@@ -1,8 +1,9 @@
 """GPU: accelerated built-in pipelines replay graphs and give the eager pipeline's images bit for bit.
 
 For every family: two resolutions x CFG on/off, warmed by `warmup_pipeline`, then served by replay only
-(no eager transformer call); the captured transformer graphs have one break per attention layer. Prompts
-of different lengths in one bucket replay the same graph.
+(no eager transformer call); with ``policy="attention"`` the captured transformer graphs have one break per
+attention layer (automatic placement: test_placement_gpu.py). Prompts of different lengths in one bucket
+replay the same graph.
 """
 import numpy as np
 import pytest
@@ -58,7 +59,7 @@ def test_bcg_pipeline_matches_eager_bitwise(name):
     keys = [key for key, _ in expected.values()]
     assert len(set(keys)) == 4
 
-    accelerate(pipe, config=CONFIG)
+    accelerate(pipe, config=CONFIG, policy="attention")
     runner = pipeline_runners(pipe)["transformer"]
     report = warmup_pipeline(pipe, keys, num_inference_steps=STEPS)
     assert report["failed"] == 0, report

@@ -1,0 +1,307 @@
+"""Automatic break placement (``install_breaks(module, policy="auto")``): breaks only where capture needs them.
+
+Contract:
+- Installing puts a forward on the module instance (same signature) and no breaks, except those
+  remembered for its class and config (below). The first eager call of each *call structure* (device
+  type, number of positional arguments, names of the keyword arguments that are not None) is a probe:
+  it runs under a `bcg.hostops.HostOpProbe` and returns the ordinary eager result; each `Place` where
+  it saw a host operation a graph cannot hold (host syncs, host-to-device copies, host work: see
+  `bcg.hostops`) becomes a break at once: a submodule's forward (its attention processor, where it has
+  one), a method, or a global function called from a method -- the latter made a break by swapping
+  that name in the method's module globals for an `eager_on_graph` version for the duration of each
+  capture (outside a capture nothing changes). With a `BreakableGraphRunner`, the probe is the eager
+  warm-up call that precedes every capture, so the capture already has the breaks.
+- Found places are remembered per (model class, config, device type) on the class itself, so another
+  instance of the same configuration starts with them and probes nothing it already probed.
+  `auto_placement(module)` returns the places as strings; ``install_breaks(module, policy=places)``
+  pins them (no probe). `placement_stats(module)` says which places are breaks, why (op, kind and
+  source line) and from where (``probe``, ``remembered``, ``pinned``); each new break is logged (INFO).
+- Limits: host-to-device copies and host work are seen only with the module on its accelerator (a probe
+  on the CPU sees host syncs only); ops directly in the module's own forward that are not a torch
+  function called through a module global (``x.item()`` there) have no place: they are logged as
+  unplaced and capture fails on them. A capture without a probe first (``capture_warmup_runs=0``), a
+  path the probe did not take, or an op the probe cannot see (collectives, stream synchronisation) makes
+  capture fail: the runner blocks that signature and runs it eagerly, counted (``stats()["blocked"]``
+  names the error). Compiled calls (``torch.compile``) never probe and do not swap functions: they use
+  the module and method breaks already in place.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import inspect
+import json
+import logging
+import threading
+import time
+import types
+from typing import Any, Iterable, Mapping
+
+import torch
+
+from bcg.capture import eager_on_graph, is_capturing
+from bcg.diffusers.breaks import (
+    PLACEMENT_ATTR, has_processor, swapped_global, unwrap_runner, wrap_forward, wrap_method, wrap_processor,
+)
+from bcg.hostops import HostOp, HostOpProbe, Place, _device_of
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["AutoPlacement", "auto_placement", "placement_stats"]
+
+_MEMORY_ATTR = "__bcg_auto_placements__"  # on the model class: (config, device type) -> _Remembered
+
+
+@dataclasses.dataclass(frozen=True)
+class _Remembered:
+    """What probes of one (class, config, device type) found, and which call structures they covered."""
+
+    places: Mapping[Place, tuple[HostOp, ...]]
+    structures: frozenset
+    unplaced: tuple[HostOp, ...] = ()
+
+
+class _ModuleWithEagerFunctions(types.ModuleType):
+    """Stands in for a module global (``torch``) whose functions `names` are eager breaks."""
+
+    def __init__(self, original, names):
+        super().__init__(original.__name__)
+        self.__bcg_original__ = original
+        for name in names:
+            setattr(self, name, eager_on_graph(getattr(original, name)))
+
+    def __getattr__(self, name):
+        return getattr(self.__bcg_original__, name)
+
+
+def _config_key(module) -> str | None:
+    config = getattr(module, "config", None)
+    if not isinstance(config, Mapping):
+        return None  # a module without a diffusers-style config: nothing says two instances are alike
+    return json.dumps({k: config[k] for k in sorted(config)}, default=repr)
+
+
+def _memory(cls) -> dict:
+    memory = cls.__dict__.get(_MEMORY_ATTR)
+    if memory is None:
+        memory = {}
+        setattr(cls, _MEMORY_ATTR, memory)
+    return memory
+
+
+def _function_of(module, method: str, name: str):
+    """The function (decorators unwrapped) of `module`'s `method` whose code names global `name`."""
+    func = inspect.getattr_static(type(module), method, None)
+    for _ in range(8):
+        func = getattr(func, "__func__", func)
+        code = getattr(func, "__code__", None)
+        if code is not None and name in code.co_names and name in func.__globals__:
+            return func
+        func = getattr(func, "__wrapped__", None)
+        if func is None:
+            return None
+    return None
+
+
+class AutoPlacement:
+    """The break placement of one module under policy ``"auto"`` (``probing``) or pinned places."""
+
+    def __init__(self, module: torch.nn.Module, probing: bool):
+        self.module = module
+        self.probing = probing
+        self.original = module.forward
+        self.places: dict[Place, dict[str, Any]] = {}  # place -> {"ops": [...], "source": ..., "installed": bool}
+        self.unplaced: list[HostOp] = []
+        self.probes = 0
+        self.probe_ms = 0.0
+        self._probed: set = set()
+        self._swaps: dict[tuple[int, str], tuple[dict, str, frozenset]] = {}  # (id(globals), name) -> swap
+        self._lock = threading.RLock()
+        self._config = _config_key(module)
+
+        @functools.wraps(self.original)
+        def forward(*args, **kwargs):
+            return self._call(args, kwargs)
+
+        forward.__bcg_placement__ = self
+        self.forward = forward
+
+    # -- calls ------------------------------------------------------------------------------------
+
+    def _call(self, args, kwargs):
+        if torch.compiler.is_compiling():
+            return self.original(*args, **kwargs)
+        if is_capturing():
+            if not self._swaps:
+                return self.original(*args, **kwargs)
+            with contextlib.ExitStack() as stack:
+                for namespace, name, attrs in list(self._swaps.values()):
+                    stack.enter_context(swapped_global(namespace, name, functools.partial(_eager_global, attrs)))
+                return self.original(*args, **kwargs)
+        if self.probing:
+            device = _device_of(self.module)
+            key = (device.type, len(args), tuple(sorted(k for k, v in kwargs.items() if v is not None)))
+            if key not in self._probed and not self._adopt(key):
+                return self._probe(key, device, args, kwargs)
+        return self.original(*args, **kwargs)
+
+    def _probe(self, key, device, args, kwargs):
+        with self._lock:
+            if key in self._probed:
+                return self.original(*args, **kwargs)
+            start = time.perf_counter()
+            with HostOpProbe(self.module, device) as probe:
+                out = self.original(*args, **kwargs)
+            self.probe_ms += (time.perf_counter() - start) * 1e3
+            self.probes += 1
+            self._probed.add(key)
+            for place, ops in _covered(probe.findings, self.places).items():
+                self.add(place, ops, "probe")
+            for op in probe.unplaced:
+                if op not in self.unplaced:
+                    self.unplaced.append(op)
+                    logger.warning("break placement in %s: %s is in its own forward, where no break can hold it; "
+                                   "a capture will fail on it (the runner then blocks the signature)",
+                                   type(self.module).__name__, op)
+            self._remember(key)
+            logger.info("break placement in %s: probed %s on %s in %.1f ms: %d places, %d unplaced",
+                        type(self.module).__name__, key[1:], key[0], (time.perf_counter() - start) * 1e3,
+                        len(probe.findings), len(probe.unplaced))
+            return out
+
+    # -- places -----------------------------------------------------------------------------------
+
+    def add(self, place: Place, ops: Iterable[HostOp], source: str) -> bool:
+        """Make `place` a break (once); True when it is one. Raises ValueError when it names nothing."""
+        with self._lock:
+            record = self.places.get(place)
+            if record is not None:
+                record["ops"].extend(op for op in ops if op not in record["ops"])
+                return record["installed"]
+            installed = self._install(place)
+            self.places[place] = {"ops": list(ops), "source": source, "installed": installed}
+            if source != "pinned":
+                logger.info("break placement in %s: %s is a break (%s; %s)", type(self.module).__name__, place,
+                            source, "; ".join(str(op) for op in ops) or "no ops recorded")
+            return installed
+
+    def _install(self, place: Place) -> bool:
+        try:
+            sub = self.module.get_submodule(place.module) if place.module else self.module
+        except AttributeError:
+            raise ValueError(f"place {str(place)!r} names no submodule of {type(self.module).__name__}; use a "
+                             "name from named_modules() or from auto_placement()") from None
+        if not place.method:
+            return wrap_processor(sub, whole=True) if has_processor(sub) else wrap_forward(sub)
+        if not place.function:
+            if not callable(getattr(sub, place.method, None)):
+                raise ValueError(f"place {str(place)!r}: {type(sub).__name__} has no method {place.method!r}")
+            return wrap_method(sub, place.method)
+        head, _, attr = place.function.partition(".")
+        func = _function_of(sub, place.method, head)
+        if func is None:
+            logger.warning("break placement in %s: cannot find global %r of %s.%s; %s stays in the graph",
+                           type(self.module).__name__, head, type(sub).__name__, place.method, place)
+            return False
+        namespace = func.__globals__
+        slot = (id(namespace), head)
+        _, _, attrs = self._swaps.get(slot, (namespace, head, frozenset()))
+        self._swaps[slot] = (namespace, head, attrs | ({attr} if attr else frozenset()))
+        return True
+
+    def _remember(self, key) -> None:
+        if self._config is None:
+            return
+        memory = _memory(type(self.module))
+        slot = (self._config, key[0])
+        before = memory.get(slot) or _Remembered({}, frozenset())
+        places = dict(before.places)
+        for place, record in self.places.items():
+            places[place] = tuple(dict.fromkeys((*places.get(place, ()), *record["ops"])))
+        memory[slot] = _Remembered(places, before.structures | {key[1:]},
+                                   tuple(dict.fromkeys((*before.unplaced, *self.unplaced))))
+
+    def _adopt(self, key) -> bool:
+        """Take the places remembered for this class, config and device type; True when `key` was probed."""
+        if self._config is None:
+            return False
+        remembered = _memory(type(self.module)).get((self._config, key[0]))
+        if remembered is None:
+            return False
+        with self._lock:
+            for place, ops in remembered.places.items():
+                self.add(place, ops, "remembered")
+            self.unplaced.extend(op for op in remembered.unplaced if op not in self.unplaced)
+            if key[1:] not in remembered.structures:
+                return False
+            self._probed.add(key)
+            return True
+
+    def adopt_remembered(self) -> None:
+        """Install what is remembered for the module's current device type (at install time)."""
+        self._adopt((_device_of(self.module).type, None))
+
+    # -- reports ----------------------------------------------------------------------------------
+
+    def installed_places(self) -> list[Place]:
+        with self._lock:
+            return [p for p, r in sorted(self.places.items()) if r["installed"]]
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            return {
+                "policy": "auto" if self.probing else "pinned",
+                "probes": self.probes,
+                "probe_ms": round(self.probe_ms, 3),
+                "breaks": [{"place": str(p), "source": r["source"], "installed": r["installed"],
+                            "ops": [str(op) for op in r["ops"]]} for p, r in sorted(self.places.items())],
+                "unplaced": [str(op) for op in self.unplaced],
+            }
+
+
+def _covered(findings: Mapping[Place, list[HostOp]], installed: Mapping[Place, Any]) -> dict[Place, list[HostOp]]:
+    """`findings` with places inside a submodule that is itself a break folded into that submodule's place."""
+    modules = sorted({p.module for p in (*findings, *installed) if not p.method}, key=len)
+    out: dict[Place, list[HostOp]] = {}
+    for place, ops in sorted(findings.items()):
+        outer = next((m for m in modules if place.module == m or place.module.startswith(m + ".")), None)
+        key = place if outer is None else Place(outer)
+        out.setdefault(key, []).extend(op for op in ops if op not in out.get(key, ()))
+    return out
+
+
+def _eager_global(attrs, current):
+    """What a global becomes during a capture: its function as an eager break, or a module proxy."""
+    if isinstance(current, types.ModuleType):
+        return _ModuleWithEagerFunctions(current, sorted(attrs))
+    return eager_on_graph(current)
+
+
+def placement_of(module) -> AutoPlacement | None:
+    return unwrap_runner(module).__dict__.get(PLACEMENT_ATTR)
+
+
+def auto_placement(module) -> list[str]:
+    """The places that are breaks in `module` (or a runner around it), as strings that
+    ``install_breaks(module, policy=places)`` accepts: pass them to pin this placement elsewhere."""
+    state = placement_of(module)
+    return [] if state is None else [str(p) for p in state.installed_places()]
+
+
+def placement_stats(module) -> dict[str, Any] | None:
+    """Which places are breaks and why (see the module docstring); None without auto or pinned places."""
+    state = placement_of(module)
+    return None if state is None else state.stats()
+
+
+def install_placement(module: torch.nn.Module, probing: bool, places: Iterable = ()) -> AutoPlacement:
+    """Put an `AutoPlacement` on `module` (breaks removed before): probing (``"auto"``) or pinned `places`."""
+    state = AutoPlacement(module, probing)
+    object.__setattr__(module, "forward", state.forward)
+    module.__dict__[PLACEMENT_ATTR] = state
+    for place in places:
+        state.add(place if isinstance(place, Place) else Place.parse(place), (), "pinned")
+    if probing:
+        state.adopt_remembered()
+    return state

@@ -1,0 +1,110 @@
+"""GPU: automatic break placement captures what a plain capture cannot, and replays equal to eager bit for bit.
+
+The stand-ins of test_placement.py on CUDA, where the probe also sees host-to-device copies and host work:
+every planted op becomes a break at its place, the runner captures on the first try (nothing blocked), and
+replays with new inputs equal the eager module. The built-in pipelines, accelerated with the default
+``policy="auto"``, capture and replay the eager images bit for bit.
+"""
+import numpy as np
+import pytest
+import torch
+
+from bcg.config import RunnerConfig
+from bcg.diffusers import (
+    accelerate, auto_placement, install_breaks, pipeline_runners, pipeline_stats, placement_stats, warmup_pipeline,
+)
+from bcg.models import BUILTIN_MODELS, load_pipeline
+from bcg.runner import BreakableGraphRunner
+from tests.bcg.test_diffusers_gpu import STEPS, _requests, _run, _transformer_calls
+from tests.bcg.test_placement import H2D_PLACES, SYNC_PLACES, HostToDevice, Item, Planted, RoundTrip, rows
+
+pytestmark = pytest.mark.gpu
+
+CONFIG = RunnerConfig(max_entries=32)
+# every planted op on CUDA: the syncs, the host data made device tensors, and the CPU round trip
+ALL_PLACES = {**SYNC_PLACES, **H2D_PLACES, "blocks.5": "aten._to_copy.default"}
+OPS_PER_STAND_IN = {Item: 1, RoundTrip: 3, HostToDevice: 2}  # RoundTrip: to the host, host work, back
+
+
+def _cuda_rows(seed):
+    return rows(seed=seed).cuda()
+
+
+def _captured(model, x):
+    runner = BreakableGraphRunner(model, config=CONFIG)
+    assert runner.capture(x=x), runner.stats()["blocked"]
+    return runner
+
+
+def test_plain_capture_of_the_planted_model_fails_and_is_blocked():
+    """Without breaks the runner cannot capture it: what auto placement is for."""
+    model = Planted().cuda()
+    runner = BreakableGraphRunner(model, config=CONFIG)
+    assert not runner.capture(x=_cuda_rows(0))
+    assert len(runner.stats()["blocked"]) == 1
+
+
+def test_each_planted_op_becomes_a_break_and_replays_equal_to_eager_bitwise():
+    torch.manual_seed(0)
+    model = Planted().cuda()
+    install_breaks(model, "auto")
+    runner = _captured(model, _cuda_rows(0))
+    assert auto_placement(model) == sorted(ALL_PLACES)
+    stats = runner.stats()
+    assert stats["entries"][0]["breaks"] == len(ALL_PLACES) and not stats["blocked"]
+    ops = {b["place"]: [tuple(op.split(" ")[:2]) for op in b["ops"]] for b in placement_stats(model)["breaks"]}
+    for place, op in ALL_PLACES.items():
+        assert op in [name for _, name in ops[place]], (place, ops[place])
+    # the round trip: a copy to the host (a sync), host work, a copy back
+    assert {kind for kind, _ in ops["blocks.5"]} == {"host_sync", "host_compute", "host_to_device"}, ops["blocks.5"]
+    for seed in (1, 2, 3):
+        x = _cuda_rows(seed)
+        with torch.no_grad():
+            expected = model(x)
+        got = runner(x=x)
+        torch.cuda.synchronize()
+        assert torch.equal(got, expected), seed
+    stats = runner.stats()
+    assert stats["replays"] == 3 and stats["eager_calls_total"] == 0, stats["eager_calls"]
+
+
+@pytest.mark.parametrize("stand_in", [Item, RoundTrip, HostToDevice])
+def test_a_single_planted_op_captures_with_one_break(stand_in):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), stand_in(), torch.nn.Linear(8, 8)).cuda()
+    install_breaks(model, "auto")
+    runner = _captured(model, _cuda_rows(0))
+    # HostToDevice's function place sits inside its own module place: one break holds both ops
+    assert auto_placement(model) == ["1"]
+    assert len(placement_stats(model)["breaks"][0]["ops"]) == OPS_PER_STAND_IN[stand_in]
+    x = _cuda_rows(4)
+    with torch.no_grad():
+        expected = model(x)
+    assert torch.equal(runner(x=x), expected)
+    assert runner.stats()["entries"][0]["breaks"] == 1
+
+
+@pytest.mark.parametrize("name", sorted(BUILTIN_MODELS))
+def test_builtin_pipelines_capture_with_auto_placement_and_match_eager_bitwise(name):
+    pipe = load_pipeline(name, device="cuda")
+    requests = _requests(name)
+    expected = {label: _run(pipe, req) for label, req in requests}
+    keys = [key for key, _ in expected.values()]
+    accelerate(pipe, config=CONFIG)  # policy="auto" by default
+    runner = pipeline_runners(pipe)["transformer"]
+    report = warmup_pipeline(pipe, keys, num_inference_steps=STEPS)
+    placement = pipeline_stats(pipe)["transformer"]["placement"]
+    assert report["failed"] == 0 and not runner.stats()["blocked"], (report, placement)
+    assert placement["policy"] == "auto" and placement["probes"] >= 1 and placement["unplaced"] == [], placement
+    for entry in runner.stats()["entries"]:
+        if not placement["breaks"]:
+            assert entry["breaks"] == 0 and entry["segments"] == 1, (entry, placement)
+        else:
+            assert entry["breaks"] > 0, (entry, placement)
+    for label, req in requests:
+        before = runner.stats()
+        key, got = _run(pipe, req)
+        after = runner.stats()
+        assert np.array_equal(got, expected[label][1]), f"{name} {label}: replay differs from eager ({placement})"
+        assert after["replays"] - before["replays"] == _transformer_calls(name, key), label
+        assert after["eager_calls_total"] == before["eager_calls_total"]
