@@ -1,30 +1,40 @@
-"""Break placement in diffusers DiTs (`install_breaks(module, policy="attention")`), without editing
-diffusers and without permanent global patching:
+"""Break placement in diffusers DiTs (`install_breaks(module, policy)`), without editing diffusers and
+without permanent global patching. Policies:
 
-- Every attention layer's processor (``attn.processor``) is replaced by an instance of a small subclass
-  of its own class that shares the original's ``__dict__``: ``isinstance`` checks, ``attn_processors`` /
-  ``set_attn_processor``, ``set_attention_backend`` and the ``inspect.signature(processor.__call__)``
-  filtering that diffusers' ``Attention.forward`` does all keep working.
-- Outside a capture the subclass just calls the original processor. While a breakable-graph capture is
-  in progress (in this thread's context), it makes only the attention *core* a break: for the duration
-  of the processor call it swaps the core function in the processor's module globals --
-  ``dispatch_attention_fn``, or ``F`` (for ``F.scaled_dot_product_attention``) -- for an
-  `eager_on_graph` version, reference counted under a lock and restored in ``finally``. QKV
-  projections, norms, RoPE and output projections stay inside the graph segments. Outside a capture an
-  `eager_on_graph` function is a plain call, so another thread that meets the swapped name meanwhile
-  computes exactly what it would have.
-- Processors that call no swappable core (Sana's linear attention, custom processors) get the whole
-  processor call as one break.
-- ``policy="none"`` installs nothing (the forward is one segment); ``policy="processor"`` makes every
-  whole processor call a break; a selection (a module class, a ``fnmatch`` pattern on qualified module
-  names, or a list of these) makes each selected module's processor call -- or its ``forward`` when it
-  has no processor -- a break. `install_breaks` returns the number of break points, replaces breaks
-  installed earlier (so it is idempotent), and `remove_breaks` restores the original processors.
+- ``"auto"`` (the default of `bcg.diffusers.accelerate`): breaks only where capture needs them. The
+  first eager call (a runner's warm-up before each capture) is probed for host operations a graph
+  cannot hold, and each place found becomes a break: a submodule, a method, or a global function a
+  method calls. Found places are remembered per model class and config, reported by
+  `placement_stats`, and returned by `auto_placement` for pinning. See `bcg.diffusers.placement`
+  (the contract, the limits) and `bcg.hostops` (what counts as a host operation).
+- ``"attention"`` (this function's default): every attention layer's processor (``attn.processor``)
+  is replaced by an instance of a small subclass of its own class that shares the original's
+  ``__dict__``: ``isinstance`` checks, ``attn_processors`` / ``set_attn_processor``,
+  ``set_attention_backend`` and the ``inspect.signature(processor.__call__)`` filtering that diffusers'
+  ``Attention.forward`` does all keep working. Outside a capture the subclass just calls the original
+  processor. While a breakable-graph capture is in progress (in this thread's context), it makes only
+  the attention *core* a break: for the duration of the processor call it swaps the core function in
+  the processor's module globals -- ``dispatch_attention_fn``, or ``F`` (for
+  ``F.scaled_dot_product_attention``) -- for an `eager_on_graph` version, reference counted under a
+  lock and restored in ``finally``. QKV projections, norms, RoPE and output projections stay inside the
+  graph segments. Outside a capture an `eager_on_graph` function is a plain call, so another thread
+  that meets the swapped name meanwhile computes exactly what it would have. Processors that call no
+  swappable core (Sana's linear attention, custom processors) get the whole processor call as one break.
+- ``"none"`` installs nothing (the forward is one segment); ``"processor"`` makes every whole
+  processor call a break.
+- A selection (a module class, a ``fnmatch`` pattern on qualified module names, a ``(name, module) ->
+  bool`` callable, or a list of these) makes each selected module's processor call -- or its
+  ``forward`` when it has no processor -- a break; places in the list (``"name:method"``,
+  ``"name:method/function"``, as `auto_placement` returns them) are pinned breaks.
+
+`install_breaks` returns the number of break points installed now, replaces breaks installed earlier
+(so it is idempotent), and `remove_breaks` restores the original processors, forwards and methods.
 
 Checked with diffusers 0.42 on Flux, SD3, PixArt-Sigma, Sana and Wan 2.1 (the built-ins of `bcg.models`):
-on CPU, outputs are identical with and without breaks, and a recorded capture breaks exactly at each
-attention core (Sana: its linear-attention processor as a whole); tests/bcg/test_diffusers_gpu.py checks
-on CUDA that replayed pipelines give the eager images bit for bit.
+on CPU, outputs are identical with and without breaks, a recorded capture breaks exactly at each
+attention core (Sana: its linear-attention processor as a whole), and ``"auto"`` finds nothing to break
+(tests/bcg/test_placement.py); tests/bcg/test_diffusers_gpu.py and test_placement_gpu.py check on CUDA
+that replayed pipelines give the eager images bit for bit under both policies.
 """
 from __future__ import annotations
 

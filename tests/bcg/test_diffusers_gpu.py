@@ -69,11 +69,17 @@ def test_bcg_pipeline_matches_eager_bitwise(name):
         assert entry["breaks"] == ATTENTION_BREAKS[name], entry  # only the attention cores are eager
         assert entry["segments"] == ATTENTION_BREAKS[name] + 1
 
+    assert_served_by_replay(pipe, name, requests, expected)
+
+
+def assert_served_by_replay(pipe, name, requests, expected, note=""):
+    """Every request gives its eager image bit for bit, through replays only (no capture, no eager call)."""
+    runner = pipeline_runners(pipe)["transformer"]
     for label, req in requests:
         before = runner.stats()
         key, got = _run(pipe, req)
         after = runner.stats()
-        assert np.array_equal(got, expected[label][1]), f"{name} {label}: replay differs from eager"
+        assert np.array_equal(got, expected[label][1]), f"{name} {label}: replay differs from eager {note}"
         assert after["replays"] - before["replays"] == _transformer_calls(name, key), label
         assert after["captures"] == before["captures"] and after["eager_calls_total"] == before["eager_calls_total"]
 

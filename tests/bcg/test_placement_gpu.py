@@ -15,7 +15,7 @@ from bcg.diffusers import (
 )
 from bcg.models import BUILTIN_MODELS, load_pipeline
 from bcg.runner import BreakableGraphRunner
-from tests.bcg.test_diffusers_gpu import STEPS, _requests, _run, _transformer_calls
+from tests.bcg.test_diffusers_gpu import STEPS, _requests, _run, assert_served_by_replay
 from tests.bcg.test_placement import H2D_PLACES, SYNC_PLACES, HostToDevice, Item, Planted, RoundTrip, rows
 
 pytestmark = pytest.mark.gpu
@@ -101,10 +101,4 @@ def test_builtin_pipelines_capture_with_auto_placement_and_match_eager_bitwise(n
             assert entry["breaks"] == 0 and entry["segments"] == 1, (entry, placement)
         else:
             assert entry["breaks"] > 0, (entry, placement)
-    for label, req in requests:
-        before = runner.stats()
-        key, got = _run(pipe, req)
-        after = runner.stats()
-        assert np.array_equal(got, expected[label][1]), f"{name} {label}: replay differs from eager ({placement})"
-        assert after["replays"] - before["replays"] == _transformer_calls(name, key), label
-        assert after["eager_calls_total"] == before["eager_calls_total"]
+    assert_served_by_replay(pipe, name, requests, expected, note=str(placement))
