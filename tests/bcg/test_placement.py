@@ -408,3 +408,40 @@ def test_accelerate_places_breaks_automatically_by_default():
 
     placement = pipeline_stats(pipe)["transformer"]["placement"]
     assert placement["policy"] == "auto" and placement["probes"] == 1
+
+
+# --------------------------------------------------------------------------------------------------
+# Qwen-Image: a host int made a device tensor in its forward, a RoPE table copied from the host
+
+
+def tiny_qwen_image(device):
+    from diffusers import QwenImageTransformer2DModel
+
+    torch.manual_seed(0)
+    model = QwenImageTransformer2DModel(patch_size=2, in_channels=16, out_channels=4, num_layers=2,
+                                        attention_head_dim=16, num_attention_heads=2, joint_attention_dim=32,
+                                        axes_dims_rope=(4, 6, 6))
+    return model.to(device).eval()
+
+
+def qwen_image_inputs(device, seed=0, tokens=7, side=8):
+    g = torch.Generator().manual_seed(seed)
+    return dict(hidden_states=torch.randn(1, (side // 2) ** 2, 16, generator=g).to(device),
+                encoder_hidden_states=torch.randn(1, tokens, 32, generator=g).to(device),
+                encoder_hidden_states_mask=torch.ones(1, tokens).to(device),
+                timestep=torch.full((1,), 0.5).to(device), img_shapes=[(1, side // 2, side // 2)], return_dict=False)
+
+
+QWEN_IMAGE_PLACES = [":forward/compute_text_seq_len_from_mask", "pos_embed:_get_device_freqs"]
+
+
+def test_qwen_image_on_a_device_gets_breaks_at_its_two_host_to_device_helpers():
+    model = tiny_qwen_image("meta")
+    install_breaks(model, "auto")
+    model(**qwen_image_inputs("meta"))
+    assert auto_placement(model) == QWEN_IMAGE_PLACES
+    assert [op.split(" ")[:2] for b in placement_stats(model)["breaks"] for op in b["ops"]] == [
+        ["host_to_device", "torch.as_tensor"], ["host_to_device", "aten._to_copy.default"]]
+    with recording_capture() as rec:
+        model(**qwen_image_inputs("meta"))
+    assert met_breaks(rec) == ["compute_text_seq_len_from_mask", "QwenEmbedRope._get_device_freqs"]

@@ -16,7 +16,10 @@ from bcg.diffusers import (
 from bcg.models import BUILTIN_MODELS, load_pipeline
 from bcg.runner import BreakableGraphRunner
 from tests.bcg.test_diffusers_gpu import STEPS, _requests, _run, assert_served_by_replay
-from tests.bcg.test_placement import H2D_PLACES, SYNC_PLACES, HostToDevice, Item, Planted, RoundTrip, rows
+from tests.bcg.test_placement import (
+    H2D_PLACES, QWEN_IMAGE_PLACES, SYNC_PLACES, HostToDevice, Item, Planted, RoundTrip, qwen_image_inputs, rows,
+    tiny_qwen_image,
+)
 
 pytestmark = pytest.mark.gpu
 
@@ -102,3 +105,22 @@ def test_builtin_pipelines_capture_with_auto_placement_and_match_eager_bitwise(n
         else:
             assert entry["breaks"] > 0, (entry, placement)
     assert_served_by_replay(pipe, name, requests, expected, note=str(placement))
+
+
+def test_qwen_image_captures_with_auto_placement_where_a_plain_capture_is_blocked():
+    plain = BreakableGraphRunner(tiny_qwen_image("cuda"), config=CONFIG)
+    assert not plain.capture(**qwen_image_inputs("cuda"))  # a host int made a device tensor: capture fails
+    model = tiny_qwen_image("cuda")
+    install_breaks(model, "auto")
+    runner = BreakableGraphRunner(model, config=CONFIG)
+    assert runner.capture(**qwen_image_inputs("cuda")), runner.stats()["blocked"]
+    assert auto_placement(model) == QWEN_IMAGE_PLACES, placement_stats(model)
+    assert runner.stats()["entries"][0]["breaks"] == 2
+    for seed in (1, 2):
+        inputs = qwen_image_inputs("cuda", seed=seed)
+        with torch.no_grad():
+            expected = model(**inputs)[0]
+        got = runner(**inputs)[0]
+        torch.cuda.synchronize()
+        assert torch.equal(got, expected), seed
+    assert runner.stats()["replays"] == 2 and runner.stats()["eager_calls_total"] == 0
