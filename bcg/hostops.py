@@ -51,7 +51,7 @@ _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _HOST_READS = frozenset({"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "__complex__",
                          "numpy", "__array__", "__repr__", "__str__", "__format__"})
 # torch functions that make a tensor from Python data (a host-to-device copy when the result is on a device)
-_FROM_DATA = frozenset({"tensor", "as_tensor", "asarray"})
+_FROM_DATA = frozenset({"tensor", "as_tensor", "asarray", "new_tensor"})
 # aten ops (TorchDispatchMode) that read values on the host, or whose output shape depends on values
 _SYNC_OPS = frozenset({"_local_scalar_dense", "equal", "is_nonzero"})
 _VALUE_SHAPED_OPS = frozenset({"nonzero", "nonzero_numpy", "argwhere", "masked_select", "_unique", "_unique2",
@@ -83,6 +83,8 @@ class Place:
         if self.function and not self.method:
             raise ValueError(f"a function place needs the method that calls it, e.g. '{self.module}:forward/"
                              f"{self.function}'")
+        if self.method == "forward" and not self.function:
+            raise ValueError(f"a submodule's forward is the place {self.module!r} (without ':forward')")
         if not self.method and not self.module:
             raise ValueError("the probed module's own forward cannot be a break (it would be the whole call); "
                              "name a submodule, a method ('name:method') or a function ('name:forward/fn')")
@@ -202,9 +204,10 @@ class HostOpProbe:
                 return self._quietly(func, args, kwargs)
             if name in _FROM_DATA and self.device != HOST:
                 out = self._quietly(func, args, kwargs)
-                from_device = args and isinstance(args[0], torch.Tensor) and args[0].device == self.device
+                data = args[1] if name == "new_tensor" and len(args) > 1 else args[0] if args else None
+                from_device = isinstance(data, torch.Tensor) and data.device == self.device
                 if self._on_device(out) and not from_device:
-                    self._record(f"torch.{name}", "host_to_device", func)
+                    self._record(f"Tensor.{name}" if name == "new_tensor" else f"torch.{name}", "host_to_device", func)
                 return out
             return func(*args, **kwargs)
         finally:
@@ -365,8 +368,3 @@ class _DispatchRecorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types_, args=(), kwargs=None):
         return self.on_op(func, args, kwargs or {})
-
-
-def describe(findings: dict[Place, list[HostOp]]) -> list[dict[str, Any]]:
-    """JSON-friendly form of `HostOpProbe.findings`: place and ops, sorted by place."""
-    return [{"place": str(p), "ops": [str(o) for o in ops]} for p, ops in sorted(findings.items())]

@@ -153,7 +153,8 @@ class AutoPlacement:
             start = time.perf_counter()
             with HostOpProbe(self.module, device) as probe:
                 out = self.original(*args, **kwargs)
-            self.probe_ms += (time.perf_counter() - start) * 1e3
+            probe_ms = (time.perf_counter() - start) * 1e3
+            self.probe_ms += probe_ms
             self.probes += 1
             self._probed.add(key)
             for place, ops in _covered(probe.findings, self.places).items():
@@ -161,13 +162,13 @@ class AutoPlacement:
             for op in probe.unplaced:
                 if op not in self.unplaced:
                     self.unplaced.append(op)
-                    logger.warning("break placement in %s: %s is in its own forward, where no break can hold it; "
-                                   "a capture will fail on it (the runner then blocks the signature)",
-                                   type(self.module).__name__, op)
+                    logger.warning("break placement in %s: %s has no place (no submodule, method or global "
+                                   "function of its forward holds it); a capture fails on it and the runner then "
+                                   "blocks the signature", type(self.module).__name__, op)
             self._remember(key)
             logger.info("break placement in %s: probed %s on %s in %.1f ms: %d places, %d unplaced",
-                        type(self.module).__name__, key[1:], key[0], (time.perf_counter() - start) * 1e3,
-                        len(probe.findings), len(probe.unplaced))
+                        type(self.module).__name__, key[1:], key[0], probe_ms, len(probe.findings),
+                        len(probe.unplaced))
             return out
 
     # -- places -----------------------------------------------------------------------------------
@@ -177,7 +178,9 @@ class AutoPlacement:
         with self._lock:
             record = self.places.get(place)
             if record is not None:
-                record["ops"].extend(op for op in ops if op not in record["ops"])
+                for op in ops:
+                    if op not in record["ops"]:
+                        record["ops"].append(op)
                 return record["installed"]
             installed = self._install(place)
             self.places[place] = {"ops": list(ops), "source": source, "installed": installed}

@@ -96,17 +96,22 @@ class Planted(nn.Module):
         return self.out(x)
 
 
+class NewTensorBias(nn.Module):
+    def forward(self, x):
+        return x + x.new_tensor([0.5] * x.shape[-1])
+
+
 class HostToDevice(nn.Module):
-    """Only the host-to-device copies (no sync), so it runs on ``meta``."""
+    """Only host data made device tensors (no sync), so it runs on ``meta``."""
 
     def __init__(self, dim=8):
         super().__init__()
         self.proj = nn.Linear(dim, dim)
-        self.inner = nn.Sequential(nn.Linear(dim, dim))
+        self.bias = NewTensorBias()
 
     def forward(self, x):
         x = self.proj(x) + seq_len_tensor(x)
-        return self.inner(x) + torch.tensor([1.0] * x.shape[1], device=x.device)
+        return self.bias(x) + torch.tensor([1.0] * x.shape[1], device=x.device)
 
 
 SYNC_PLACES = {  # place -> op, on any device
@@ -164,7 +169,7 @@ def test_probe_on_a_device_finds_host_data_made_device_tensors_at_function_place
         model(rows().to("meta"))
     assert probe.device == torch.device("meta")
     found = {str(p): [op.op for op in ops] for p, ops in probe.findings.items()}
-    assert found == {place: [op] for place, op in H2D_PLACES.items()}
+    assert found == {**{place: [op] for place, op in H2D_PLACES.items()}, "bias": ["Tensor.new_tensor"]}
     assert {op.kind for ops in probe.findings.values() for op in ops} == {"host_to_device"}
 
 
@@ -208,6 +213,8 @@ def test_places_round_trip_through_strings_and_reject_what_names_nothing():
         assert str(Place.parse(text)) == text
     with pytest.raises(ValueError, match="own forward cannot be a break"):
         Place("")
+    with pytest.raises(ValueError, match="is the place 'blocks.0'"):
+        Place.parse("blocks.0:forward")
     with pytest.raises(ValueError, match="'module', 'module:method'"):
         Place.parse("blocks.0:for ward")
 
@@ -339,7 +346,7 @@ def test_found_placement_is_remembered_per_class_and_config_and_can_be_pinned():
     assert met_breaks(rec) == SYNC_BREAKS
     assert placement_stats(pinned)["probes"] == 0
     with pytest.raises(ValueError, match="names no submodule"):
-        install_breaks(pinned, ["nothing:forward"])
+        install_breaks(pinned, ["nothing:helper"])
 
 
 def test_remove_breaks_undoes_auto_placement():
