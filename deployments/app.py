@@ -262,7 +262,10 @@ def build_app(args: Optional[dict] = None):
     return ingress.bind(
         replica, coordinator, model=a.model, limits=limits, default_size=default_size,
         request_timeout_s=a.request_timeout_s, max_retries=a.max_retries, retry_after_s=a.retry_after_s,
-        api_key_env=a.api_key_env, auth_scope=a.auth_scope)
+        api_key_env=a.api_key_env, auth_scope=a.auth_scope,
+        # a warmup answers once the routers' stats show it: within a poll period or two; Serve's
+        # default router ignores warm state, so there is nothing to wait for
+        routing_sync_timeout_s=2 * a.routing_stats_period_s + 5 if a.router == "shape_affinity" else 0)
 
 
 __all__ = ["AppArgs", "build_app", "parse_args"]

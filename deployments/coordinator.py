@@ -13,8 +13,17 @@ Contract:
   The coordinator answers with that replica's share of the current plan: under-covered keys first
   (e.g. the share of a replica that died), then the least covered ones up to the per-replica quota.
   So replicas added by autoscaling or restarts warm their share without anyone calling warmup again.
+  Coverage comes from the routing view of this process (``deployments.routing_view``: the warm keys
+  the routers route by), so an assignment calls no replica and never waits for a busy one (Serve
+  gives a call to a replica a slot of its ``max_ongoing_requests``); without a ShapeAffinityRouter
+  (``router=power_of_two``) it asks the replicas.
   The plan and the assignment live in this (single-replica) deployment; after a restart of the
   coordinator the plan is the one it was deployed with.
+* Locks: one warmup at a time (``_warmup_lock``), and assignments one at a time (``_assign_lock``,
+  held for no replica call). Neither covers the other nor ``stats()``: a new replica's assignment and
+  ``GET /v1/stats`` are answered while a warmup runs (``stats()["warmup_in_progress"]`` says which).
+  A warmup adopts its plan and records its assignment before it captures, so an assignment made
+  meanwhile already counts the keys the running warmup puts on each replica.
 * The assignment functions are pure (``assign_shards``, ``share_for_new_replica``) and tested alone.
 """
 from __future__ import annotations
@@ -30,6 +39,7 @@ from typing import Dict, Iterable, List, Optional, Sequence
 
 from ray import serve
 
+from deployments import routing_view
 from deployments.schemas import WarmupRequest
 
 logger = logging.getLogger(__name__)
@@ -106,32 +116,35 @@ class Coordinator:
         self._pending: Dict[str, float] = {}        # assigned, not yet seen running -> assigned at
         self._seen: set = set()                     # replicas seen running at least once
         self._last_report: Optional[dict] = None
-        self._lock = asyncio.Lock()
+        self._warming: Optional[dict] = None        # the warmup in progress: plan keys, started at
+        self._warmup_lock = asyncio.Lock()
+        self._assign_lock = asyncio.Lock()
+        self._app = serve.get_replica_context().app_name
         self._handle = None
         self._replicas()  # start learning the replica set now, not on the first assign()
 
     def _replicas(self):
         if self._handle is None:
-            app = serve.get_replica_context().app_name
-            self._handle = serve.get_deployment_handle(self.replica_deployment, app_name=app)
+            self._handle = serve.get_deployment_handle(self.replica_deployment, app_name=self._app)
             if not self._handle.is_initialized:
                 self._handle._init()
         return self._handle
 
-    async def _live(self, method: str = "replica_info") -> Dict[str, dict]:
+    async def _ask(self, method: str = "replica_info") -> Dict[str, dict]:
         """Ask every running replica (one broadcast); returns replica id -> its answer."""
-        handle = self._replicas()
-        for _ in range(10):  # the handle learns the replica set by long poll (False while none run)
-            if handle.running_replicas_populated():
-                break
-            await asyncio.sleep(0.1)
-        try:
-            answers = await handle.broadcast(method).results_async(timeout_s=30, return_exceptions=True)
-        except Exception as exc:  # DeploymentUnavailableError: none running yet
-            logger.info("no running replicas answered %s: %s", method, exc)
-            answers = []
-        live = {a["replica"]: a for a in answers if isinstance(a, dict) and "replica" in a}
-        # Forget replicas that ran and are gone, and stale pending ones.
+        answers = await broadcast(self._replicas(), method, timeout_s=30)
+        return self._track({a["replica"]: a for a in answers if isinstance(a, dict) and "replica" in a})
+
+    def _view(self) -> Optional[Dict[str, dict]]:
+        """Replica id -> ``{"warm_keys"}`` as this process's routers see them (no replica call); None
+        without a ShapeAffinityRouter here."""
+        view = routing_view.view(self._app, self.replica_deployment)
+        if view is None:
+            return None
+        return self._track({rid: {"replica": rid, "warm_keys": sorted(keys)} for rid, keys in view.items()})
+
+    def _track(self, live: Dict[str, dict]) -> Dict[str, dict]:
+        """Forget replicas that ran and are gone, and stale pending ones; returns `live`."""
         now = time.time()
         for rid in list(self._assigned):
             if rid in live:
@@ -145,19 +158,22 @@ class Coordinator:
 
     async def assign(self, replica_id: str) -> List[str]:
         """The share of the plan a starting replica warms before it takes traffic."""
-        async with self._lock:
-            if self.plan is None:
+        async with self._assign_lock:
+            plan = self.plan
+            if plan is None:
                 return []
-            live = await self._live()
-            if self.plan.placement == "all":
-                keys = list(self.plan.keys)
+            if plan.placement == "all":
+                keys = list(plan.keys)
             else:
-                coverage = {rid: ks for rid, ks in self._assigned.items() if rid != replica_id}
+                live = self._view()
+                if live is None:
+                    live = await self._ask()
+                # what each replica holds or was told to hold (a warmup in progress included)
+                coverage = {rid: set(ks) for rid, ks in self._assigned.items() if rid != replica_id}
                 for rid, info in live.items():
                     if rid != replica_id:
-                        coverage[rid] = [k for k in info.get("warm_keys", []) if k in self.plan.keys]
-                keys = share_for_new_replica(self.plan.keys, self.plan.replication, coverage,
-                                             self.expected_replicas)
+                        coverage.setdefault(rid, set()).update(info.get("warm_keys", []))
+                keys = share_for_new_replica(plan.keys, plan.replication, coverage, self.expected_replicas)
             self._assigned[replica_id] = keys
             self._pending[replica_id] = time.time()
             logger.info("replica %s joins: warm %s", replica_id, keys)
@@ -169,51 +185,73 @@ class Coordinator:
         plan = WarmupRequest.model_validate(plan)
         plan = plan.model_copy(update={"keys": list(dict.fromkeys(normalize_key(k) for k in plan.keys))})
         t0 = time.perf_counter()
-        async with self._lock:
+        async with self._warmup_lock:
             self.plan = plan
-            live = await self._live()
-            rids = sorted(live)
-            if plan.placement == "all":
-                assignment = {rid: list(plan.keys) for rid in rids}
+            self._warming = {"keys": list(plan.keys), "started_at": time.time()}
+            try:
+                return await self._warmup(plan, t0)
+            finally:
+                self._warming = None
+
+    async def _warmup(self, plan: WarmupRequest, t0: float) -> dict:
+        live = await self._ask()
+        rids = sorted(live)
+        if plan.placement == "all":
+            assignment = {rid: list(plan.keys) for rid in rids}
+        else:
+            assignment = assign_shards(plan.keys, rids, plan.replication,
+                                       {rid: live[rid].get("warm_keys", []) for rid in rids})
+        for rid in rids:
+            self._assigned[rid] = assignment.get(rid, [])
+        handle = self._replicas()
+        # Only what is not warm yet is captured; one pinned call per replica.
+        todo = {rid: [k for k in keys if k not in live[rid].get("warm_keys", [])]
+                for rid, keys in assignment.items()}
+        calls = {rid: fresh_request_call(handle.warmup, keys, target_replica=rid)
+                 for rid, keys in todo.items() if keys}
+        results = await asyncio.gather(
+            *(asyncio.wait_for(c, self.capture_timeout_s) for c in calls.values()),
+            return_exceptions=True)
+        reports, errors = {}, {}
+        for rid, res in zip(calls, results):
+            if isinstance(res, BaseException):
+                errors[rid] = f"{type(res).__name__}: {res}"
+                calls[rid].cancel()
             else:
-                assignment = assign_shards(plan.keys, rids, plan.replication,
-                                           {rid: live[rid].get("warm_keys", []) for rid in rids})
-            handle = self._replicas()
-            # Only what is not warm yet is captured; one pinned call per replica.
-            todo = {rid: [k for k in keys if k not in live[rid].get("warm_keys", [])]
-                    for rid, keys in assignment.items()}
-            calls = {rid: fresh_request_call(handle.warmup, keys, target_replica=rid)
-                     for rid, keys in todo.items() if keys}
-            results = await asyncio.gather(
-                *(asyncio.wait_for(c, self.capture_timeout_s) for c in calls.values()),
-                return_exceptions=True)
-            reports, errors = {}, {}
-            for rid, res in zip(calls, results):
-                if isinstance(res, BaseException):
-                    errors[rid] = f"{type(res).__name__}: {res}"
-                    calls[rid].cancel()
-                else:
-                    reports[rid] = res
-            for rid in rids:
-                self._assigned[rid] = assignment.get(rid, [])
-                if rid not in reports:  # no capture needed: report its current state
-                    reports[rid] = {"replica": rid, "captured": [], "failed": {},
-                                    "warm_keys": live[rid].get("warm_keys", []),
-                                    "pool_bytes": live[rid].get("pool_bytes", 0)}
-                reports[rid]["assigned"] = assignment.get(rid, [])
-            self._last_report = merge_reports(plan, reports, errors, (time.perf_counter() - t0) * 1e3)
-            return self._last_report
+                reports[rid] = res
+        for rid in rids:
+            if rid not in reports:  # no capture needed: report its current state
+                reports[rid] = {"replica": rid, "captured": [], "failed": {},
+                                "warm_keys": live[rid].get("warm_keys", []),
+                                "pool_bytes": live[rid].get("pool_bytes", 0)}
+            reports[rid]["assigned"] = assignment.get(rid, [])
+        self._last_report = merge_reports(plan, reports, errors, (time.perf_counter() - t0) * 1e3)
+        return self._last_report
 
     async def stats(self) -> dict:
-        """Current per-replica stats (one broadcast) plus the plan and the last warmup report."""
-        async with self._lock:
-            live = await self._live("stats")
+        """Current per-replica stats (one broadcast) plus the plan, the warmup in progress if any and
+        the last warmup report. Takes no lock: answered while a warmup runs."""
+        live = await self._ask("stats")
         keys = merge_reports(self.plan, live, {})
-        return {"plan": keys["plan"], "replicas": live, "keys": keys["keys"],
-                "uncovered": keys["uncovered"], "last_warmup": self._last_report}
+        return {"plan": keys["plan"], "replicas": live, "keys": keys["keys"], "uncovered": keys["uncovered"],
+                "warmup_in_progress": self._warming, "last_warmup": self._last_report}
 
     def get_plan(self) -> Optional[dict]:
         return self.plan.model_dump() if self.plan else None
+
+
+async def broadcast(handle, method: str, *args, timeout_s: float = 30.0) -> list:
+    """``handle.broadcast(method, *args)``: every running replica's answer (exceptions included), or
+    ``[]`` when none runs. Waits up to 1 s for a new handle to learn the replica set (by long poll)."""
+    for _ in range(10):
+        if handle.running_replicas_populated():
+            break
+        await asyncio.sleep(0.1)
+    try:
+        return await handle.broadcast(method, *args).results_async(timeout_s=timeout_s, return_exceptions=True)
+    except Exception as exc:  # DeploymentUnavailableError: none running yet
+        logger.info("no running replicas of %s answered %s: %s", handle.deployment_name, method, exc)
+        return []
 
 
 def fresh_request_call(method, *args, **kwargs):

@@ -5,6 +5,12 @@ Routes: ``POST /v1/images/generations`` (OpenAI Images shape plus ``num_inferenc
 ``POST /v1/warmup`` (a ``WarmupRequest`` -> the coordinator's merged report), ``GET /v1/stats``,
 ``GET /v1/models``, ``GET /healthz``.
 
+Warm before traffic: ``POST /v1/warmup`` (and ``Ingress.warmup``) answers only once every ingress
+replica's routers see each warmed key warm where the report puts it (``routing_view``: routers read
+warm keys from routing stats that Serve refreshes every ``request_routing_stats_period_s``), so the
+next request for a warmed key lands on a replica warm for it; the report says
+``routing_synced: false`` when that took longer than ``routing_sync_timeout_s``.
+
 The ingress validates every request (``RequestGuard`` for the API key, body size and encoding;
 strict pydantic models for types and unknown fields; ``check_request``/``check_warmup`` for the
 deployment's limits and the model's size multiple), so nothing invalid reaches a replica; errors
@@ -119,7 +125,8 @@ async def _validation_error(request: Request, exc: RequestValidationError) -> JS
 class Ingress:
     def __init__(self, replica, coordinator, model: str = "tiny-flux", limits: Optional[dict] = None,
                  default_size: str = "256x256", request_timeout_s: float = 300.0, max_retries: int = 2,
-                 retry_after_s: float = 1.0, api_key_env: str = API_KEY_ENV, auth_scope: str = "all"):
+                 retry_after_s: float = 1.0, api_key_env: str = API_KEY_ENV, auth_scope: str = "all",
+                 routing_sync_timeout_s: float = 10.0):
         self.replica = replica
         self.coordinator = coordinator
         self.model = model
@@ -128,6 +135,7 @@ class Ingress:
         self.request_timeout_s = request_timeout_s
         self.max_retries = max_retries
         self.retry_after_s = retry_after_s
+        self.routing_sync_timeout_s = routing_sync_timeout_s  # 0: answer warmups without waiting
         self.created = int(time.time())
         self._info: Optional[dict] = None
         self._info_lock = asyncio.Lock()
@@ -193,7 +201,33 @@ class Ingress:
             plan = WarmupRequest.model_validate(plan)
         await self._model_info()
         plan = plan.model_copy(update={"keys": check_warmup(plan, self.limits)})
-        return await self.coordinator.warmup.remote(plan.model_dump())
+        report = await self.coordinator.warmup.remote(plan.model_dump())
+        warm = {key: rids for key, rids in report["keys"].items() if key in plan.keys and rids}
+        report["routing_synced"] = await self._sync_routing(warm)
+        return report
+
+    async def _sync_routing(self, warm: dict) -> bool:
+        """Wait until every ingress replica's routers see each key of `warm` warm on its replicas."""
+        from deployments.coordinator import broadcast
+        if not warm or self.routing_sync_timeout_s <= 0:
+            return True
+        ctx = serve.get_replica_context()
+        ingresses = serve.get_deployment_handle(ctx.deployment, app_name=ctx.app_name)
+        answers = await broadcast(ingresses, "await_warm_routing", warm,
+                                  timeout_s=self.routing_sync_timeout_s + 30)
+        return bool(answers) and all(answer is True for answer in answers)
+
+    async def await_warm_routing(self, warm: dict) -> bool:
+        """True once this replica's routers see each key of `warm` (key -> replica ids) warm there;
+        False after ``routing_sync_timeout_s``. (Called on every ingress replica after a warmup.)"""
+        from deployments import routing_view
+        await self._model_info()  # a replica handle that never sent a request has no router yet
+        ok = await routing_view.wait_until_warm(self.replica.app_name, warm, self.routing_sync_timeout_s,
+                                                deployment=self.replica.deployment_name)
+        if not ok:
+            logger.warning("routers still miss warm keys %s after %.1f s", routing_view.lagging(
+                self.replica.app_name, warm, self.replica.deployment_name), self.routing_sync_timeout_s)
+        return ok
 
     def ingress_stats(self) -> dict:
         """This ingress replica's failure counters (retries, lost, timeouts, rejected) and what its

@@ -3,6 +3,7 @@
 Starting Ray (~6 s), Serve (~2 s) and the app (two replicas loading tiny-flux, ~10 s) dominates the
 cost of these tests, so everything that needs a cluster shares this fixture.
 """
+import contextlib
 import os
 import socket
 from pathlib import Path
@@ -62,3 +63,20 @@ def serve_app(ray_serve):
     # external_scaler_enabled lets a test add a replica without redeploying (which would replace all).
     serve.run(app, name=APP, route_prefix="/", external_scaler_enabled=True)
     yield f"http://127.0.0.1:{ray_serve}", APP
+
+
+@contextlib.contextmanager
+def http_app(port: int, name: str, prefix: str, args: dict, timeout: float = 120):
+    """``build_app(args)`` deployed as `name` under `prefix`; yields an httpx client for it, then
+    deletes the app (module fixtures of the hardened, faults and warm-routing apps)."""
+    import httpx
+    from ray import serve
+
+    from deployments.app import build_app
+
+    serve.run(build_app(args), name=name, route_prefix=prefix)
+    try:
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}{prefix}", timeout=timeout) as client:
+            yield client
+    finally:
+        serve.delete(name)

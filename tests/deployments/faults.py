@@ -4,6 +4,7 @@ Each hook registers a forward pre-hook on the pipeline's transformer that acts o
 recognised by the number of packed latent tokens (tiny-flux: ``(W/16) * (H/16)``):
 
 * ``fail_96``: 96x96 raises (warmup and serving) and 112x112 sleeps ``SLOW_S`` per transformer call;
+* ``slow_112``: only the sleep of 112x112;
 * ``fail_capture_96`` (GPU): 96x96 raises only while a CUDA graph is being captured;
 * ``oom_capture_512x256`` (GPU): 512x256 raises ``torch.cuda.OutOfMemoryError`` while capturing.
 """
@@ -27,10 +28,15 @@ def _hidden_tokens(args, kwargs) -> int:
 
 def fail_96(pipe):
     def pre(module, args, kwargs):
-        tokens = _hidden_tokens(args, kwargs)
-        if tokens == _tokens(FAIL_SIZE):
+        if _hidden_tokens(args, kwargs) == _tokens(FAIL_SIZE):
             raise RuntimeError(f"injected fault for {FAIL_SIZE}")
-        if tokens == _tokens(SLOW_SIZE):
+    pipe.transformer.register_forward_pre_hook(pre, with_kwargs=True)
+    slow_112(pipe)
+
+
+def slow_112(pipe):
+    def pre(module, args, kwargs):
+        if _hidden_tokens(args, kwargs) == _tokens(SLOW_SIZE):
             time.sleep(SLOW_S)
     pipe.transformer.register_forward_pre_hook(pre, with_kwargs=True)
 

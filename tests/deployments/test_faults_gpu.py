@@ -12,8 +12,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from ray import serve
 
+from tests.deployments.conftest import http_app
 from tests.deployments.faults import FAIL_SIZE, OOM_SIZE
 
 APP, PREFIX = "bcg_faults_gpu", "/faults-gpu"
@@ -25,17 +25,14 @@ pytestmark = pytest.mark.gpu
 
 @pytest.fixture(scope="module")
 def gpu_app(ray_serve):
-    from deployments.app import build_app
-    serve.run(build_app({
+    with http_app(ray_serve, APP, PREFIX, {
         "num_replicas": 1, "num_gpus_per_replica": 1, "num_cpus_per_replica": 0,
         "warmup": [WARM, FAIL_SIZE, OOM_SIZE], "placement": "all", "default_steps": 4,
         "max_ongoing_requests": 2, "max_queued_requests": 8, "request_timeout_s": 120,
         "routing_stats_period_s": 0.2, "pipeline_hook": "tests.deployments.faults:fail_capture_96_and_oom_512x256",
         "graceful_shutdown_timeout_s": 5,
-    }), name=APP, route_prefix=PREFIX)
-    with httpx.Client(base_url=f"http://127.0.0.1:{ray_serve}{PREFIX}", timeout=300) as client:
+    }, timeout=300) as client:
         yield client
-    serve.delete(APP)
 
 
 def _stats(client):
@@ -73,7 +70,9 @@ def test_capture_error_and_oom_block_their_signatures_and_serving_goes_on(gpu_ap
     assert _stats(gpu_app)[1]["replica"] == rid  # same replica throughout
 
 
-def test_16_concurrent_requests_are_bitwise_the_sequential_ones(gpu_app):
+def test_16_requests_sent_at_once_are_bitwise_the_sequential_ones(gpu_app):
+    # The replica runs one pipeline at a time: this checks queued requests replay the graphs into the
+    # images of sequential ones, bit for bit, not pipelines running concurrently.
     # Warm WARM here: the fixture's OOM capture evicted every graph, so without this the test would
     # depend on the test above having re-warmed it.
     again = gpu_app.post("/v1/warmup", json={"keys": [WARM], "placement": "all"})
@@ -95,13 +94,13 @@ def test_16_concurrent_requests_are_bitwise_the_sequential_ones(gpu_app):
         return r
 
     with ThreadPoolExecutor(16) as pool:
-        concurrent = list(pool.map(post_as_a_client_would, bodies))
+        at_once = list(pool.map(post_as_a_client_would, bodies))
     assert all(r.headers.get("retry-after") for r in rejected)
-    assert [r.status_code for r in sequential + concurrent] == [200] * 32
+    assert [r.status_code for r in sequential + at_once] == [200] * 32
     seq = [r.json()["data"][0]["b64_json"] for r in sequential]
-    con = [r.json()["data"][0]["b64_json"] for r in concurrent]
-    assert len(set(seq)) == 16 and con == seq
-    assert all(r.json()["bcg"]["replays"] > 0 for r in concurrent)
+    sent = [r.json()["data"][0]["b64_json"] for r in at_once]
+    assert len(set(seq)) == 16 and sent == seq
+    assert all(r.json()["bcg"]["replays"] > 0 for r in at_once)
 
 
 def test_burst_leaks_no_gpu_memory_and_no_requests(gpu_app):

@@ -14,9 +14,8 @@ import httpx
 import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
-from ray import serve
 
-from tests.deployments.conftest import TEST_API_KEY, TEST_API_KEY_ENV
+from tests.deployments.conftest import TEST_API_KEY, TEST_API_KEY_ENV, http_app
 from tests.deployments.openapi_fuzz import requests_from_openapi
 
 APP, PREFIX = "bcg_edge", "/edge"
@@ -28,16 +27,13 @@ GEN = "/v1/images/generations"
 
 @pytest.fixture(scope="module")
 def edge(ray_serve):
-    from deployments.app import build_app
-    serve.run(build_app({
+    with http_app(ray_serve, APP, PREFIX, {
         "model": "tiny-flux", "num_replicas": 1, "num_cpus_per_replica": 0, "num_gpus_per_replica": 0,
         "device": "cpu", "warmup": "32x32,64x64", "placement": "all", "warmup_steps": 1, "default_steps": 1,
         "cpu_threads": 1, "routing_stats_period_s": 0.2, "max_ongoing_requests": 4, "max_queued_requests": 64,
         "request_timeout_s": 60, "api_key_env": TEST_API_KEY_ENV, "graceful_shutdown_timeout_s": 1, **LIMITS,
-    }), name=APP, route_prefix=PREFIX)
-    with httpx.Client(base_url=f"http://127.0.0.1:{ray_serve}{PREFIX}", timeout=60) as client:
+    }, timeout=60) as client:
         yield client
-    serve.delete(APP)
 
 
 def _post(client, path, body=None, content=None, headers=AUTH, **kw):
@@ -117,6 +113,8 @@ def test_wrong_content_type_is_rejected(edge):
     ({"keys": ["40x40"]}, "keys[0]"),
     ({"keys": ["32x32", "128x128"]}, "keys[1]"),       # over max_pixels
     ({"keys": ["16x16"] * 5}, "keys"),                # over max_warmup_keys
+    ({"keys": ["16x16", "16x16.b4096"]}, "keys[1]"),  # over max_n, as a request's n would be
+    ({"keys": ["16x16.p1000000"]}, "keys[0]"),         # a prompt bucket no request has
     ({"keys": ["32x32"], "replication": "2"}, "replication"),
     ({"keys": []}, "keys"),
     ({"keys": ["32x32"], "where": "all"}, "where"),
@@ -178,19 +176,22 @@ def test_nothing_from_a_request_is_unpickled_or_evaluated():
 
 
 # -- concurrency -----------------------------------------------------------------------------------
-def test_16_concurrent_requests_give_the_images_of_sequential_ones(edge):
+def test_16_requests_sent_at_once_give_the_images_of_sequential_ones(edge):
+    # The replica runs one pipeline at a time (one engine thread): this checks that 16 requests queued
+    # together through the proxy, ingress, router and replica give the images of 16 sent one by one
+    # (no state shared between queued requests), not pipelines running concurrently.
     bodies = [{"prompt": f"a lighthouse {i % 3}", "size": "32x32", "num_inference_steps": 2, "seed": 100 + i}
               for i in range(16)]
     sequential = [_post(edge, GEN, b) for b in bodies]
     assert [r.status_code for r in sequential] == [200] * 16
     with ThreadPoolExecutor(16) as pool:
-        concurrent = list(pool.map(lambda b: _post(edge, GEN, b), bodies))
-    assert [r.status_code for r in concurrent] == [200] * 16
+        at_once = list(pool.map(lambda b: _post(edge, GEN, b), bodies))
+    assert [r.status_code for r in at_once] == [200] * 16
     seq = [r.json()["data"][0]["b64_json"] for r in sequential]
-    con = [r.json()["data"][0]["b64_json"] for r in concurrent]
+    sent = [r.json()["data"][0]["b64_json"] for r in at_once]
     assert len(set(seq)) == 16                 # distinct seeds, distinct images
-    assert con == seq                          # exactly the same bytes (PNG of the same pixels)
-    assert len({r.json()["bcg"]["replica"] for r in sequential + concurrent}) == 1
+    assert sent == seq                         # exactly the same bytes (PNG of the same pixels)
+    assert len({r.json()["bcg"]["replica"] for r in sequential + at_once}) == 1
 
 
 # -- fuzzing from the OpenAPI schema ---------------------------------------------------------------

@@ -3,6 +3,7 @@
 Tests run in file order on one app: sharded warmup and warm routing first, then cold requests,
 `all` placement, HTTP, a call from another deployment, and last a scale-up (it adds a replica).
 """
+import asyncio
 import base64
 import io
 import time
@@ -13,6 +14,7 @@ import pytest
 from PIL import Image
 from ray import serve
 
+from deployments import routing_view
 from deployments.schemas import ImageGenerationRequest, ImageGenerationResponse
 from tests.deployments.conftest import PLAN_KEYS
 
@@ -98,7 +100,8 @@ def test_all_placement_warms_every_replica_for_every_key(serve_app):
     assert {k: sorted(report["keys"][k]) for k in keys} == {k: rids for k in keys}
     for rep in report["replicas"].values():
         assert sorted(rep["captured"]) == keys and rep["capture_ms"] > 0
-    time.sleep(0.6)  # routing stats period is 0.2 s
+    # this process's routers (the driver's handle) route by routing stats: wait until they show it
+    assert asyncio.run(routing_view.wait_until_warm(app, {k: report["keys"][k] for k in keys}, timeout_s=30))
     results = _generate_all(_replicas(app), keys * 3)
     assert all(r["warm"] for r in results)
 
