@@ -58,6 +58,7 @@ _VALUE_SHAPED_OPS = frozenset({"nonzero", "nonzero_numpy", "argwhere", "masked_s
                                "unique_dim", "unique_consecutive", "_ragged_to_dense"})
 _MASK_INDEX_OPS = frozenset({"index", "index_put", "index_put_", "_index_put_impl_", "_unsafe_index"})
 _COPY_OPS = frozenset({"_to_copy", "copy_", "copy", "_copy_from", "_copy_from_and_resize"})
+_BY_INPUTS = _SYNC_OPS | _VALUE_SHAPED_OPS | _MASK_INDEX_OPS | _COPY_OPS | {"repeat_interleave"}
 # frames that are never where an op "happens": the probe itself and torch's mode plumbing
 _OWN_FILES = frozenset({__file__, os.path.join(_TORCH_DIR, "overrides.py"),
                         os.path.join(_TORCH_DIR, "utils", "_python_dispatch.py")})
@@ -225,9 +226,12 @@ class HostOpProbe:
         """An aten op; classified before it runs where the inputs decide (it may fail: meta -> host)."""
         if self._quiet or threading.get_ident() != self._thread:
             return func(*args, **kwargs)
-        kind = classify(func, args, kwargs, None, self.device)
-        if kind is not None:
-            self._record(str(func), kind, self._api)
+        if decided_by_inputs(func):
+            kind = classify(func, args, kwargs, None, self.device)
+            if kind is not None:
+                self._record(str(func), kind, self._api)
+            return func(*args, **kwargs)
+        if self.device == HOST:  # on the host only syncs count, and those are decided by the inputs
             return func(*args, **kwargs)
         out = func(*args, **kwargs)
         kind = classify(func, args, kwargs, out, self.device)
@@ -311,38 +315,43 @@ def _called_module_function(frame, api) -> str | None:
     return None
 
 
+def decided_by_inputs(func) -> bool:
+    """True for aten ops that `classify` judges by their inputs alone (before they run)."""
+    return func.overloadpacket.__name__ in _BY_INPUTS
+
+
 def classify(func, args, kwargs, out, device: torch.device) -> str | None:
     """The kind of host operation aten op `func` is on `device` (None: a graph holds it).
 
-    `out` is the op's output, or ``None`` before it ran (then only what the inputs decide is classified).
+    Syncs, value-shaped ops and copies are judged by their inputs (`out` unused: it may be None, before
+    the op ran); any other op by its output `out`, which must be given.
     """
     name = func.overloadpacket.__name__
     inputs = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
     on_device = any(t.device == device for t in inputs)
     if name in _SYNC_OPS or name in _VALUE_SHAPED_OPS:
         return "host_sync" if on_device else None
-    if name in _MASK_INDEX_OPS and len(args) > 1:
-        indices = [i for i in (args[1] or ()) if isinstance(i, torch.Tensor)]
+    if name in _MASK_INDEX_OPS:
+        indices = [i for i in (args[1] or ()) if isinstance(i, torch.Tensor)] if len(args) > 1 else []
         if any(i.dtype in (torch.bool, torch.uint8) and i.device == device for i in indices):
             return "host_sync"
-    if (name == "repeat_interleave" and func._overloadname in ("Tensor", "self_Tensor") and on_device
-            and kwargs.get("output_size") is None):
-        return "host_sync"
+        host_index = any(i.device == HOST and i.dim() > 0 for i in indices)
+        return "host_to_device" if device != HOST and on_device and host_index else None
+    if name == "repeat_interleave":
+        by_values = func._overloadname in ("Tensor", "self_Tensor") and kwargs.get("output_size") is None
+        return "host_sync" if by_values and on_device else None
     if device == HOST:
         return None
-    if name in _COPY_OPS and inputs:
+    if name in _COPY_OPS:
         if name == "_to_copy":
             source = args[0]
-            target = kwargs.get("device") or source.device
+            target = torch.device(kwargs.get("device") or source.device)
         else:
             target, source = args[0].device, args[1] if len(args) > 1 else args[0]
-        target, src = torch.device(target), source.device
-        if src == HOST and target == device:
+        if source.device == HOST and target == device:
             return "host_to_device"
-        if src == device and target == HOST:
+        if source.device == device and target == HOST:
             return "host_sync"
-        return None
-    if out is None:
         return None
     outputs = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
     if any(t.device == device for t in outputs) and any(t.device == HOST and t.dim() > 0 for t in inputs):

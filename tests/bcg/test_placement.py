@@ -197,9 +197,10 @@ def test_classify_copies_host_work_and_value_shaped_ops():
     assert classify(aten.index_select.default, (d, 0, h.long()), {}, torch.empty(4, device="meta"), dev) \
         == "host_to_device"
     assert classify(aten.nonzero.default, (d,), {}, None, dev) == "host_sync"
-    assert classify(aten.nonzero.default, (h,), {}, None, dev) is None  # host work, classified after
+    assert classify(aten.nonzero.default, (h,), {}, None, dev) is None  # on the host, not on the device
     assert classify(aten.index.Tensor, (d, [d > 0]), {}, None, dev) == "host_sync"
     assert classify(aten.index.Tensor, (d, [d.long()]), {}, None, dev) is None
+    assert classify(aten.index.Tensor, (d, [h.long()]), {}, None, dev) == "host_to_device"
     assert classify(aten.repeat_interleave.Tensor, (d.long(),), {}, None, dev) == "host_sync"
     assert classify(aten.repeat_interleave.Tensor, (d.long(),), {"output_size": 8}, None, dev) is None
     # on the host (CPU stand-ins) only syncs count
