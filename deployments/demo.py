@@ -81,6 +81,7 @@ def main(argv=None) -> int:
                      f"pool {rep.get('pool_bytes', 0) / 2**20:.1f} MiB")
             for key in sizes:
                 _say(f"  {key}: warm on {report['keys'][key]}")
+            _say(f"  routers route by the new warm sets: {report.get('routing_synced')}")
             prompts = ["a watercolor painting of a mountain lake", "a robot reading a book in a library",
                        "a red boat on a calm sea", "a castle on a hill in the fog"]
             requests = [(p, s) for s in sizes for p in prompts[:2]] + [(prompts[2], "96x96" if not gpu else "384x384")]
