@@ -30,6 +30,8 @@ def test_two_replicas_on_one_gpu_capture_shards_and_replay_warm_requests(ray_ser
         assert all(r["warm"] and r["replays"] > 0 and r["eager_calls"] == 0 for r in warm), warm
         cold = handle.generate.remote(ImageGenerationRequest(prompt="a cat", size="384x384"),
                                       shape_key="384x384").result(timeout_s=300)
-        assert not cold["warm"] and cold["replays"] == 0 and cold["eager_calls"] > 0
+        # its transformer (4 steps) and VAE decoder graphs are unseen; the text encoders' graphs do
+        # not depend on the size (prompts padded to a fixed length) and replay
+        assert not cold["warm"] and cold["eager_calls"] == 4 + 1 and cold["replays"] == 2
     finally:
         serve.delete(APP)
