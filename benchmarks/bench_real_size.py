@@ -206,7 +206,7 @@ def measure(variant, model, inputs, args):
     import torch
 
     from bcg.config import RunnerConfig
-    from bcg.diffusers import install_breaks, remove_breaks
+    from bcg.diffusers import install_breaks, placement_stats, remove_breaks
     from bcg.runner import BreakableGraphRunner
 
     row = {"variant": variant}
@@ -280,7 +280,7 @@ def measure(variant, model, inputs, args):
     entries = stats.get("entries", [])
     row.update(segments=[e.get("segments") for e in entries], replays=stats.get("replays"),
                eager_by_reason=stats.get("eager_by_reason", stats.get("eager")),
-               placement=getattr(model, "__bcg_placement__", None) or stats.get("placement"))
+               placement=placement_stats(model))
     result = _first(out).clone()
     runner.reset()
     del runner

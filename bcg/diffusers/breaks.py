@@ -253,7 +253,7 @@ def remove_breaks(module) -> int:
     return removed
 
 
-def install_breaks(module, policy: Any = "attention") -> int:
+def install_breaks(module, policy: Any = "auto") -> int:
     """Place eager breaks in `module` (a diffusers DiT, or a runner around one); returns how many now.
 
     policy: ``"auto"`` (breaks only where capture needs them, found by probing the first eager call;

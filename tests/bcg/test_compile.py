@@ -158,7 +158,7 @@ def test_flux_compiled_with_attention_breaks_matches_eager_and_breaks_every_atte
     inputs = _flux_inputs(36)
     with torch.no_grad():
         expected = module(**inputs).sample
-    assert install_breaks(module) == 2          # capture-only breaks, as accelerate() installs them
+    assert install_breaks(module, "attention") == 2  # capture-only breaks at every attention core
     compiled = compile_for_segments(module, backend="eager")  # ... made visible to dynamo
     processors = [m.processor for m in module.modules() if hasattr(m, "set_processor")]
     assert all(getattr(type(p), "__bcg_compiled__", False) for p in processors)

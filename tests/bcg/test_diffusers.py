@@ -96,7 +96,7 @@ def _core_globals(transformer):
 def test_breaks_keep_outputs_and_capture_breaks_only_the_attention_core(name):
     pipe = load_pipeline(name)
     reference = _run(pipe, name)
-    assert install_breaks(pipe.transformer) == len(_attention_modules(pipe.transformer)) > 0
+    assert install_breaks(pipe.transformer, "attention") == len(_attention_modules(pipe.transformer)) > 0
     assert np.array_equal(_run(pipe, name), reference)  # outside a capture: plain calls
     globals_before = _core_globals(pipe.transformer)
     with recording_capture() as rec:
@@ -127,9 +127,9 @@ def test_install_breaks_is_idempotent_and_removable():
     pipe = load_pipeline("tiny-flux")
     transformer = pipe.transformer
     originals = [m.processor for m in _attention_modules(transformer)]
-    assert install_breaks(transformer) == 6
+    assert install_breaks(transformer, "attention") == 6
     wrapped = [m.processor for m in _attention_modules(transformer)]
-    assert install_breaks(transformer) == 6
+    assert install_breaks(transformer, "attention") == 6
     assert all(type(p).__bcg_base__ is type(o) for p, o in zip(wrapped, originals))
     assert remove_breaks(transformer) == 6
     assert [m.processor for m in _attention_modules(transformer)] == originals
@@ -142,7 +142,7 @@ def test_wrapped_processors_look_like_the_originals():
     pipe = load_pipeline("tiny-flux")
     attn = _attention_modules(pipe.transformer)[0]
     original = attn.processor
-    install_breaks(pipe.transformer)
+    install_breaks(pipe.transformer, "attention")
     assert isinstance(attn.processor, FluxAttnProcessor)
     assert type(attn.processor).__name__ == "FluxAttnProcessor"
     # Attention.forward filters kwargs by this signature: it must be the processor's, not (*args, **kwargs)
@@ -151,7 +151,7 @@ def test_wrapped_processors_look_like_the_originals():
     attn.set_attention_backend("native")  # writes processor state: shared with the original
     assert original._attention_backend == attn.processor._attention_backend
     pipe.transformer.set_attn_processor(pipe.transformer.attn_processors)  # round trip keeps the wrappers
-    assert install_breaks(pipe.transformer) == 6
+    assert install_breaks(pipe.transformer, "attention") == 6
 
 
 def test_policy_none_and_whole_processor():
