@@ -12,6 +12,7 @@ The pipelines produce real (if meaningless) images: 128x128 in 2 steps takes wel
 - `tiny-pixart`: PixArtSigmaPipeline (T5, PixArt transformer, AutoencoderKL, DPM-Solver).
 - `tiny-sana`: SanaPipeline (Gemma2, Sana linear-attention transformer, DC-AE).
 - `tiny-wan`: WanPipeline, text-to-video (UMT5, Wan transformer, Wan causal 3D VAE).
+- `tiny-qwen-image`: QwenImagePipeline (Qwen2.5-VL, Qwen-Image MMDiT, Qwen-Image causal 3D VAE).
 
 `load_pipeline(name_or_path, device=None, dtype=None)` accepts a built-in name or a local directory in
 diffusers format (`DiffusionPipeline.from_pretrained(..., local_files_only=True)`); anything else is a
@@ -55,41 +56,58 @@ a woman in a yellow dress dancing in the street, people watching, slow motion
 simple black and white line drawing of a house, a tree and the sun
 """
 
+# Qwen-Image wraps every prompt in a chat template and drops the embeddings of its first
+# `QwenImagePipeline.prompt_template_encode_start_idx` (34) tokens: the `qwen` tokenizer learns this system
+# line too, so the template's prefix is 34 tokens here as in Qwen's own tokenizer (one per word or mark).
+_QWEN_SYSTEM = (
+    "Describe the image by detailing the color, shape, size, texture, quantity, text, spatial relationships of "
+    "the objects and background:"
+)
+_QWEN_SPECIALS = ("<|im_start|>", "<|im_end|>")
 
-def _train_bpe(vocab_size: int = 512):
+
+def _train_bpe(vocab_size: int = 512, chat: bool = False):
+    """Byte-level BPE on the corpus; `chat`: Qwen's framing (no prefix space, chat specials, system line)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=True)
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=not chat)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=["<pad>", "</s>", "<s>", "<unk>"],
+        special_tokens=["<pad>", "</s>", "<s>", "<unk>", *(_QWEN_SPECIALS if chat else ())],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     lines = [line.strip() for line in _CORPUS.strip().splitlines()]
+    if chat:
+        lines += [f"<|im_start|>system\n{_QWEN_SYSTEM}<|im_end|>\n<|im_start|>user\n{line}<|im_end|>\n"
+                  "<|im_start|>assistant\n" for line in lines]
     tok.train_from_iterator(lines * 4, trainer)
     return tok
 
 
 def build_tokenizer(style: str, model_max_length: int):
-    """A PreTrainedTokenizerFast with CLIP (`<s> x </s>`), T5 (`x </s>`) or Gemma (`<s> x`) framing.
+    """A PreTrainedTokenizerFast with CLIP (`<s> x </s>`), T5 (`x </s>`), Gemma (`<s> x`) or Qwen framing.
 
     Ids: `<pad>`=0, `</s>`=1, `<s>`=2, `<unk>`=3. `vocab_size` of the result is what text encoders need.
+    `qwen` adds no tokens (the pipeline's chat template frames the prompt); it knows `<|im_start|>`=4 and
+    `<|im_end|>`=5, has 640 tokens and no prefix space, like Qwen2's tokenizer.
     """
     from tokenizers import processors
     from transformers import PreTrainedTokenizerFast
 
-    tok = _train_bpe()
-    specials = {"<pad>": 0, "</s>": 1, "<s>": 2}
     templates = {
         "clip": ("<s> $A </s>", [("<s>", 2), ("</s>", 1)]),
         "t5": ("$A </s>", [("</s>", 1)]),
         "gemma": ("<s> $A", [("<s>", 2)]),
+        "qwen": ("$A", []),
     }
     if style not in templates:
         raise ValueError(f"tokenizer style must be one of {sorted(templates)}, got {style!r}")
+    chat = style == "qwen"
+    tok = _train_bpe(640, chat=True) if chat else _train_bpe()
+    specials = {"<pad>": 0, "</s>": 1, "<s>": 2} | ({"<|im_start|>": 4, "<|im_end|>": 5} if chat else {})
     single, special_tokens = templates[style]
     assert all(tok.token_to_id(name) == idx for name, idx in specials.items())
     tok.post_processor = processors.TemplateProcessing(single=single, special_tokens=special_tokens)
@@ -101,6 +119,7 @@ def build_tokenizer(style: str, model_max_length: int):
         unk_token="<unk>",
         model_max_length=model_max_length,
         padding_side="right",
+        **({"additional_special_tokens": list(_QWEN_SPECIALS)} if chat else {}),
     )
 
 
@@ -286,12 +305,52 @@ def build_tiny_wan():
     )
 
 
+@_seeded
+def build_tiny_qwen_image():
+    """QwenImagePipeline: tiny Qwen2.5-VL (its last hidden state is the text input), 2 Qwen-Image blocks,
+    Qwen-Image causal 3D VAE (8x spatial), flow-matching Euler with dynamic shifting."""
+    from diffusers import (
+        AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImagePipeline, QwenImageTransformer2DModel,
+    )
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    tokenizer = build_tokenizer("qwen", 1024 + 34)  # the pipeline's tokenizer_max_length + its template prefix
+    # Token ids live in this tokenizer's vocabulary; the vision tower (never called for text) is minimal.
+    text_encoder = Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(
+        text_config=dict(
+            vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=2048,
+            bos_token_id=2, eos_token_id=1, pad_token_id=0,
+            rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 1e6},
+        ),
+        vision_config=dict(depth=1, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=32,
+                           fullatt_block_indexes=[0]),
+    )).eval()
+    transformer = QwenImageTransformer2DModel(
+        patch_size=2, in_channels=16, out_channels=4, num_layers=2, attention_head_dim=16, num_attention_heads=2,
+        joint_attention_dim=32, axes_dims_rope=(4, 6, 6),
+    )
+    vae = AutoencoderKLQwenImage(
+        base_dim=8, z_dim=4, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True],
+        latents_mean=[0.0] * 4, latents_std=[1.0] * 4,
+    ).eval()
+    _randomize_zero_params(transformer, vae)
+    scheduler = FlowMatchEulerDiscreteScheduler(
+        shift=1.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=0.9, base_image_seq_len=256,
+        max_image_seq_len=8192, time_shift_type="exponential",  # no shift_terminal: NaN sigmas at 1 step
+    )
+    return QwenImagePipeline(
+        scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, transformer=transformer.eval(),
+    )
+
+
 BUILTIN_MODELS: dict[str, Callable] = {
     "tiny-flux": build_tiny_flux,
     "tiny-sd3": build_tiny_sd3,
     "tiny-pixart": build_tiny_pixart,
     "tiny-sana": build_tiny_sana,
     "tiny-wan": build_tiny_wan,
+    "tiny-qwen-image": build_tiny_qwen_image,
 }
 
 

@@ -2,10 +2,15 @@
 `plan_request` turns a request (prompt, n, size, steps, guidance, seed) into its `ShapeKey` and the
 pipeline's keyword arguments, `generate` runs it, `warmup_pipeline` runs the pipeline once per shape
 key inside every runner's ``warmup()``.
+
+Qwen-Image trims its text embeddings to the longest prompt, so each prompt length would be a transformer
+signature of its own: `plan_request` makes such a pipeline pad embeddings and mask to
+``max_sequence_length`` (the prompt bucket) with mask zeros, as the T5 pipelines pad their ids.
 """
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import logging
 import time
@@ -27,13 +32,16 @@ __all__ = ["count_prompt_tokens", "generate", "pipeline_info", "plan_request", "
 
 _FAMILIES = {
     "FluxPipeline": "flux", "StableDiffusion3Pipeline": "sd3", "PixArtSigmaPipeline": "pixart",
-    "PixArtAlphaPipeline": "pixart", "SanaPipeline": "sana", "WanPipeline": "wan",
+    "PixArtAlphaPipeline": "pixart", "SanaPipeline": "sana", "WanPipeline": "wan", "QwenImagePipeline": "qwen-image",
 }
 # Families that run the negative branch as a second transformer call (the others batch it).
-_CFG_SEPARATE = {"flux", "wan"}
+_CFG_SEPARATE = {"flux", "wan", "qwen-image"}
 # The tokenizer whose padding length is `max_sequence_length` (the prompt-bucketed input).
 _BUCKET_TOKENIZER = {"flux": "tokenizer_2", "sd3": "tokenizer_3", "pixart": "tokenizer", "sana": "tokenizer",
-                     "wan": "tokenizer"}
+                     "wan": "tokenizer", "qwen-image": "tokenizer"}
+# The call argument that is the CFG scale where it is not `guidance_scale` (Qwen-Image's `guidance_scale`
+# is an input for guidance-distilled transformers, which it ignores otherwise).
+_CFG_SCALE_ARG = {"qwen-image": "true_cfg_scale"}
 
 
 def _call_defaults(pipe) -> dict:
@@ -69,7 +77,7 @@ def pipeline_info(pipe) -> dict:
     max_tokens = defaults.get("max_sequence_length")
     tokenizer = getattr(pipe, _BUCKET_TOKENIZER.get(family, "tokenizer"), None)
     buckets = buckets_up_to(max_tokens) if isinstance(max_tokens, int) and tokenizer is not None else ()
-    guidance = defaults.get("guidance_scale")
+    guidance = defaults.get(_CFG_SCALE_ARG.get(family, "guidance_scale"))
     return {
         "family": family,
         "pipeline_class": type(pipe).__name__,
@@ -87,12 +95,52 @@ def pipeline_info(pipe) -> dict:
 
 
 def count_prompt_tokens(pipe, prompt: str, info: dict | None = None) -> int | None:
-    """Tokens of `prompt` (special tokens included) in the tokenizer that `max_sequence_length` pads."""
+    """Tokens of `prompt` (special tokens included) in the tokenizer that `max_sequence_length` pads.
+
+    For Qwen-Image: the tokens of its embeddings, the chat-templated prompt less the dropped template prefix.
+    """
     info = info or pipeline_info(pipe)
     tokenizer = getattr(pipe, _BUCKET_TOKENIZER.get(info["family"], "tokenizer"), None)
     if tokenizer is None:
         return None
+    if info["family"] == "qwen-image":
+        text = pipe.prompt_template_encode.format(prompt)
+        ids = tokenizer(text, add_special_tokens=True, truncation=False, verbose=False)["input_ids"]
+        return len(ids) - pipe.prompt_template_encode_start_idx
     return len(tokenizer(prompt, add_special_tokens=True, truncation=False, verbose=False)["input_ids"])
+
+
+def _padded_encode_prompt(encode_prompt):
+    """Wrap a Qwen-Image `encode_prompt` so its embeddings and mask come back `max_sequence_length` long.
+
+    Padded positions get zero embeddings and mask 0: the transformer's joint attention masks them out as
+    keys, and the text stream never feeds the image stream otherwise (per-token norms and MLPs), so the
+    image changes only by float rounding (tests/bcg/test_qwen_image.py measures it). The mask is always a
+    tensor (diffusers returns None when nothing is padded), so a prompt that fills its bucket exactly has
+    the same signature as a shorter one.
+    """
+    @functools.wraps(encode_prompt)
+    def encode(*args, max_sequence_length: int = 1024, **kwargs):
+        embeds, mask = encode_prompt(*args, max_sequence_length=max_sequence_length, **kwargs)
+        batch, length = embeds.shape[:2]
+        if mask is None:
+            mask = torch.ones(batch, length, dtype=torch.long, device=embeds.device)
+        if length < max_sequence_length:
+            embeds = torch.nn.functional.pad(embeds, (0, 0, 0, max_sequence_length - length))
+            mask = torch.nn.functional.pad(mask, (0, max_sequence_length - length))
+        return embeds, mask
+
+    encode.__bcg_padded__ = True
+    return encode
+
+
+def _pad_prompts(pipe) -> None:
+    """Make `pipe` (Qwen-Image) pad its prompt embeddings to ``max_sequence_length``; idempotent.
+
+    An instance attribute, so the class, other pipelines and ``save_pretrained`` are untouched.
+    """
+    if not getattr(pipe.encode_prompt, "__bcg_padded__", False):
+        pipe.encode_prompt = _padded_encode_prompt(pipe.encode_prompt)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -118,8 +166,10 @@ def plan_request(
     """Validate a request; return its `ShapeKey` and the keyword arguments for ``pipe(**kwargs)``.
 
     size is ``"WxH"`` (default: the pipeline's). guidance is the model's guidance knob: the CFG scale
-    (CFG runs when > 1) for SD3/PixArt/Sana/Wan; for Flux the embedded guidance, or the true-CFG scale
-    when a `negative_prompt` is given. Prompt buckets (on by default) set ``max_sequence_length`` to the
+    (CFG runs when > 1) for SD3/PixArt/Sana/Wan, and for Qwen-Image (its ``true_cfg_scale``; the negative
+    prompt defaults to ``" "``); for Flux the embedded guidance, or the true-CFG scale
+    when a `negative_prompt` is given. Qwen-Image's pipeline is made to pad its prompt embeddings to
+    ``max_sequence_length`` (see `_padded_encode_prompt`). Prompt buckets (on by default) set ``max_sequence_length`` to the
     smallest bucket holding the prompt; `prompt_bucket` forces one; ``prompt_buckets=False`` keeps the
     pipeline's default length (key without ``.p``). Nothing runs on a device here.
     """
@@ -138,6 +188,13 @@ def plan_request(
             kwargs.update(negative_prompt=negative_prompt, true_cfg_scale=float(guidance or 4.0))
         elif guidance is not None:
             kwargs["guidance_scale"] = float(guidance)
+    elif family == "qwen-image":
+        scale = guidance if guidance is not None else info["default_guidance"]
+        cfg = scale is not None and scale > 1
+        kwargs["true_cfg_scale"] = float(scale) if scale is not None else 1.0
+        if cfg:
+            kwargs["negative_prompt"] = negative_prompt if negative_prompt is not None else " "
+        _pad_prompts(pipe)
     else:
         scale = guidance if guidance is not None else info["default_guidance"]
         cfg = scale is not None and scale > 1
