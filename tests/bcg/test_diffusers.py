@@ -30,6 +30,7 @@ EXPECTED_BREAKS = {
     "tiny-pixart": ["scaled_dot_product_attention"] * 4,
     "tiny-sana": ["SanaLinearAttnProcessor2_0.__call__", "scaled_dot_product_attention"] * 2,
     "tiny-wan": ["dispatch_attention_fn"] * 4,
+    "tiny-qwen-image": ["dispatch_attention_fn"] * 2,
 }
 
 
@@ -204,7 +205,7 @@ def test_accelerated_pipeline_matches_plain_with_cfg(name):
     assert isinstance(pipe.transformer, BreakableGraphRunner)
     assert np.array_equal(_run(pipe, name, **overrides), reference)
     stats = runners["transformer"].stats()
-    calls_per_step = 2 if name in ("tiny-flux", "tiny-wan") else 1  # CFG as a second call vs batched
+    calls_per_step = 2 if name in ("tiny-flux", "tiny-wan", "tiny-qwen-image") else 1  # CFG as a second call vs batched
     assert stats["eager_calls"]["no_cuda"] == calls_per_step
     assert stats["captures"] == 0
     assert json.loads(json.dumps(pipeline_info(pipe)))["family"] == pipeline_info(load_pipeline(name))["family"]
@@ -435,7 +436,7 @@ def test_pipeline_info_is_plain_and_right():
     info = {name: pipeline_info(load_pipeline(name)) for name in FAMILIES}
     json.dumps(info)
     assert {n: i["size_multiple"] for n, i in info.items()} == {
-        "tiny-flux": 16, "tiny-sd3": 16, "tiny-pixart": 16, "tiny-sana": 32, "tiny-wan": 16}
+        "tiny-flux": 16, "tiny-sd3": 16, "tiny-pixart": 16, "tiny-sana": 32, "tiny-wan": 16, "tiny-qwen-image": 16}
     assert [n for n, i in info.items() if i["is_video"]] == ["tiny-wan"]
     assert info["tiny-wan"]["frame_multiple"] == 4
     assert info["tiny-flux"]["prompt_buckets"] == [32, 64, 128, 256, 512]
