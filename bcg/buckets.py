@@ -13,10 +13,11 @@ e.g. ``"768x512.f17.b2.cfg.p128"``. Sizes are written **width x height**, as in 
 ``size`` field ("1792x1024" is landscape). `ShapeKey.parse` is the inverse and also accepts a bare
 ``"WxH"``.
 
-Prompt buckets: all pipelines bcg knows (Flux, SD3, PixArt-Sigma, Sana, Wan) already pad their T5/Gemma
-text input to ``max_sequence_length`` (ids and attention mask alike). Choosing that length per request as
-the smallest bucket that holds the prompt (`prompt_bucket`) makes prompts of different lengths share one
-graph without touching the embeddings; the bucket then is the ``max_sequence_length`` passed to the
+Prompt buckets: Flux, SD3, PixArt-Sigma, Sana and Wan pad their T5/Gemma text input to
+``max_sequence_length`` (ids and attention mask alike); Qwen-Image trims its embeddings to the prompt, and
+`bcg.diffusers.plan_request` makes it pad them (and their mask, with zeros) to that length too. Choosing
+that length per request as the smallest bucket that holds the prompt (`prompt_bucket`) makes prompts of
+different lengths share one graph; the bucket then is the ``max_sequence_length`` passed to the
 pipeline. Prompts longer than the largest bucket are truncated by the pipeline, as they would be anyway.
 
 Validation helpers raise ``ValueError`` whose message names the fix.

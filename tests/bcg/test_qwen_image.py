@@ -10,7 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from bcg.diffusers import count_prompt_tokens, generate, pipeline_info, plan_request
+from bcg.diffusers import (
+    accelerate, count_prompt_tokens, generate, pipeline_info, pipeline_stats, plan_request, warmup_pipeline,
+)
 from bcg.models import build_tokenizer, load_pipeline
 from bcg.signature import signature_of
 
@@ -84,6 +86,15 @@ def test_pipeline_info_and_requests_follow_true_cfg(pipe):
         plan_request(pipe, SHORT, size="72x64")
 
 
+def test_warmup_reproduces_its_keys_without_cuda():
+    pipe = accelerate(load_pipeline("tiny-qwen-image"))
+    report = warmup_pipeline(pipe, ["64x64.p32", "64x64.cfg.p32", "64x64"], num_inference_steps=1)
+    assert [k["error"] for k in report["keys"]] == [None, None, None], report
+    assert report["captured"] == 0  # no CUDA: eager
+    # one call, then CFG's two, then one at the pipeline's default length (512)
+    assert pipeline_stats(pipe)["transformer"]["eager_calls"]["no_cuda"] == 4
+
+
 @pytest.mark.parametrize("guidance", [1.0, 4.0])
 def test_prompts_of_one_bucket_give_one_transformer_signature(pipe, guidance):
     signatures = {}
@@ -98,6 +109,23 @@ def test_prompts_of_one_bucket_give_one_transformer_signature(pipe, guidance):
     _, kwargs = plan_request(pipe, SHORT, size="64x64", steps=1, seed=0, guidance=guidance, prompt_bucket=64)
     seen, _ = _transformer_signatures(pipe, kwargs)
     assert {s.key for s in seen}.isdisjoint(signatures[SHORT])
+
+
+def test_requests_without_a_bucket_pad_to_the_pipelines_length(pipe):
+    key, kwargs = plan_request(pipe, SHORT, size="64x64", steps=1, guidance=1.0, prompt_buckets=False)
+    assert key.prompt_bucket is None and "max_sequence_length" not in kwargs
+    seen = []
+    hook = pipe.transformer.register_forward_pre_hook(
+        lambda module, args, kw: seen.append((kw["encoder_hidden_states"], kw["encoder_hidden_states_mask"])),
+        with_kwargs=True)
+    try:
+        pipe(**kwargs)
+    finally:
+        hook.remove()
+    (embeds, mask), = seen
+    assert embeds.shape == (1, 512, 32) and mask.shape == (1, 512)  # QwenImagePipeline's max_sequence_length
+    tokens = count_prompt_tokens(pipe, SHORT)
+    assert mask[0, :tokens].all() and not mask[0, tokens:].any() and not embeds[0, tokens:].any()
 
 
 def test_a_prompt_that_fills_its_bucket_keeps_the_signature(pipe):
