@@ -99,7 +99,6 @@ def _run_router(router: str, a, keys, gpus: float) -> dict:
     warm_view = coordinator.stats.remote().result(timeout_s=120)
     warmup = {rid: st["warmups"] for rid, st in warm_view["replicas"].items()}
     _say(f"[{router}] running after {deploy_s:.1f} s; key -> warm replicas: {warm_view['keys']}")
-    time.sleep(1.5)  # kept from before the ingress waited for its routers; drop with the next measured run
 
     # a few untimed requests per key (allocator, cuDNN heuristics), then the measured workload
     for key in keys:
