@@ -4,46 +4,33 @@ Capture a forward as CUDA graph segments with eager break functions between them
 per input signature, replay while serving and run eagerly when no graph fits. No Ray in here.
 
 Public names are re-exported lazily so that importing one part never drags in the others
-(``bcg.capture`` needs only torch; ``bcg.diffusers`` needs diffusers).
+(``bcg.graphs.capture`` needs only torch; ``bcg.diffusers`` needs diffusers).
 """
-from importlib import import_module
+from bcg._lazy import lazy_exports
 
 _EXPORTS = {
     # capture
-    "BreakableCUDAGraph": "bcg.capture",
-    "BreakableCUDAGraphCapture": "bcg.capture",
-    "eager_on_graph": "bcg.capture",
-    "break_graph": "bcg.capture",
-    "replay_token_scope": "bcg.capture",
-    "current_replay_token": "bcg.capture",
-    "capture_after_warmup": "bcg.capture",
-    "is_capturing": "bcg.capture",
-    "BreakOutputMismatchError": "bcg.capture",
+    "BreakableCUDAGraph": "bcg.graphs.capture",
+    "BreakableCUDAGraphCapture": "bcg.graphs.capture",
+    "eager_on_graph": "bcg.graphs.capture",
+    "break_graph": "bcg.graphs.capture",
+    "replay_token_scope": "bcg.graphs.capture",
+    "current_replay_token": "bcg.graphs.capture",
+    "capture_after_warmup": "bcg.graphs.capture",
+    "is_capturing": "bcg.graphs.capture",
+    "BreakOutputMismatchError": "bcg.graphs.capture",
     # signatures and the runner
-    "Signature": "bcg.signature",
-    "signature_of": "bcg.signature",
-    "call_context": "bcg.signature",
-    "RunnerConfig": "bcg.config",
-    "BreakableGraphRunner": "bcg.runner",
+    "Signature": "bcg.runtime.signature",
+    "signature_of": "bcg.runtime.signature",
+    "call_context": "bcg.runtime.signature",
+    "RunnerConfig": "bcg.runtime.config",
+    "BreakableGraphRunner": "bcg.runtime.runner",
     # diffusers integration and built-in models
-    "ShapeKey": "bcg.buckets",
+    "ShapeKey": "bcg.diffusers.buckets",
     "install_breaks": "bcg.diffusers",
     "accelerate": "bcg.diffusers",
-    "load_pipeline": "bcg.models",
-    "BUILTIN_MODELS": "bcg.models",
+    "load_pipeline": "bcg.diffusers.models",
+    "BUILTIN_MODELS": "bcg.diffusers.models",
 }
 
-__all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name):
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'bcg' has no attribute {name!r}")
-    value = getattr(import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__():
-    return __all__
+__all__, __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

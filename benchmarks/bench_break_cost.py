@@ -11,7 +11,7 @@ around a batch). Variants: ``F.scaled_dot_product_attention`` (torch's backend c
 ``torch._scaled_dot_product_flash_attention``, the same through ``torch.ops.aten``, and with the
 bridge copy: ``F.scaled_dot_product_attention`` (what a replayed compiled break does) and flash. Segment launches: one
 captured graph of 40 small kernels replayed with ``CUDAGraph.replay()`` vs ``cuGraphLaunch``
-(``bcg.raw_launch.RawLaunch``).
+(``bcg.graphs.raw_launch.RawLaunch``).
 """
 from __future__ import annotations
 
@@ -57,8 +57,8 @@ def main(argv=None):
     import torch.nn.functional as F
 
     from _common import machine_info, write_json
-    from bcg.capture import segment_replay
-    from bcg.raw_launch import RawLaunch
+    from bcg.graphs.capture import segment_replay
+    from bcg.graphs.raw_launch import RawLaunch
 
     if not torch.cuda.is_available():
         raise SystemExit("bench_break_cost needs CUDA")

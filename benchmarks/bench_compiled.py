@@ -9,7 +9,7 @@ Variants (each built fresh per model from the same seed; ``torch._dynamo.reset()
 - eager: the module called directly;
 - one_graph: one torch.cuda.CUDAGraph of the whole forward;
 - segments: `bcg.diffusers.install_breaks(policy="attention")` + a BreakableCUDAGraph (attention eager);
-- compiled_segments: `bcg.compile.compile_for_segments` (inductor, no inductor CUDA graphs, static shapes
+- compiled_segments: `bcg.runtime.compile.compile_for_segments` (inductor, no inductor CUDA graphs, static shapes
   by default) -> warm-up calls on the capture stream (compile, autotune) -> BreakableCUDAGraph capture;
 - inductor_one_graph: the same compile without breaks -> warm-up -> one torch.cuda.CUDAGraph;
 - reduce_overhead: torch.compile(mode="reduce-overhead", dynamic=False), called with
@@ -209,7 +209,7 @@ def _diagnose(replay, graph, args, out=None):
                 step()
         row["segments_only_ms"] = time_cuda(segments_only, args.iters, args.warmup)
         row["segments_only_host_ms"] = host_ms(segments_only, args.iters)
-        # the same graph with segments launched directly (bcg.raw_launch.RawLaunch)
+        # the same graph with segments launched directly (bcg.graphs.raw_launch.RawLaunch)
         if out is not None:
             reference = _replayed_output(graph, out)
             graph.set_raw_launch(True)
@@ -237,7 +237,7 @@ def measure(variant, model, name, size, args, state):
     import torch
 
     from _common import time_cuda
-    from bcg.capture import BreakableCUDAGraph, BreakableCUDAGraphCapture
+    from bcg.graphs.capture import BreakableCUDAGraph, BreakableCUDAGraphCapture
 
     static = make_inputs(name, size, "cuda", torch.bfloat16)
     row = {"model": name, "size": size, "variant": variant}
@@ -289,7 +289,7 @@ def measure(variant, model, name, size, args, state):
     if variant == "segments":
         forward_fn = model
     else:
-        from bcg.compile import compile_for_segments
+        from bcg.runtime.compile import compile_for_segments
 
         forward_fn = state.get("compiled")
         if forward_fn is None:

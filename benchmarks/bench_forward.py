@@ -73,7 +73,7 @@ def bench_size(model, size, iters, warmup, with_breaks):
     import torch
 
     from _common import time_cuda
-    from bcg.capture import BreakableCUDAGraph, BreakableCUDAGraphCapture
+    from bcg.graphs.capture import BreakableCUDAGraph, BreakableCUDAGraphCapture
 
     dev, dtype = "cuda", torch.bfloat16
     static = make_inputs(size, dev, dtype)

@@ -50,9 +50,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _common import add_plot_only, machine_info, plot_only, pyplot, write_json  # noqa: E402
 
-from bcg.config import RunnerConfig  # noqa: E402
+from bcg.runtime.config import RunnerConfig  # noqa: E402
 from bcg.diffusers import accelerate, pipeline_info, pipeline_runners, plan_request, warmup_pipeline  # noqa: E402
-from bcg.models import load_pipeline  # noqa: E402
+from bcg.diffusers.models import load_pipeline  # noqa: E402
 
 ALL_COMPONENTS = ("transformer", "text_encoder", "text_encoder_2", "text_encoder_3", "vae_decoder")
 PHASES = ("text_encoding", "prepare", "denoising", "vae_decode", "postprocess", "other")

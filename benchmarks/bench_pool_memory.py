@@ -31,7 +31,7 @@ sys.path.insert(1, os.path.dirname(HERE))
 DEFAULT_OUT = os.path.join(HERE, "results", "bench_pool_memory.json")
 MB = 1 << 20
 CASES = {
-    # the GPU test's model and inputs (tests/bcg/test_capture_gpu.py): batch 4 x 16384 latent tokens
+    # the GPU test's model and inputs (tests/bcg/graphs/test_capture_gpu.py): batch 4 x 16384 latent tokens
     "flux-tiny-b4-16k": dict(config=dict(patch_size=1, in_channels=16, num_layers=2, num_single_layers=4,
                                          attention_head_dim=16, num_attention_heads=2, joint_attention_dim=32,
                                          pooled_projection_dim=32, axes_dims_rope=(4, 6, 6)),
@@ -77,7 +77,7 @@ def build(case):
 def measure(case, mode):
     import torch
 
-    from bcg.capture import BreakableCUDAGraph, BreakableCUDAGraphCapture, pool_reserved_bytes
+    from bcg.graphs.capture import BreakableCUDAGraph, BreakableCUDAGraphCapture, pool_reserved_bytes
 
     model, inputs = build(case)
 

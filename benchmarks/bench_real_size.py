@@ -205,9 +205,9 @@ def measure(variant, model, inputs, args):
     """(row, output) of one variant on the already built model."""
     import torch
 
-    from bcg.config import RunnerConfig
+    from bcg.runtime.config import RunnerConfig
     from bcg.diffusers import install_breaks, placement_stats, remove_breaks
-    from bcg.runner import BreakableGraphRunner
+    from bcg.runtime.runner import BreakableGraphRunner
 
     row = {"variant": variant}
     cuda = torch.cuda.is_available()

@@ -111,9 +111,9 @@ def main(argv=None):
     if args.plot_only:
         return plot_only(args.plot_only, plot)
 
-    from bcg.config import RunnerConfig
-    from bcg.runner import BreakableGraphRunner
-    from bcg.signature import signature_of
+    from bcg.runtime.config import RunnerConfig
+    from bcg.runtime.runner import BreakableGraphRunner
+    from bcg.runtime.signature import signature_of
 
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"

@@ -68,7 +68,7 @@ def _workload(keys, n, seed):
 
 
 def _request(key: str, seed: int, steps: int):
-    from bcg.buckets import ShapeKey
+    from bcg.diffusers.buckets import ShapeKey
     from deployments.schemas import ImageGenerationRequest
     k = ShapeKey.parse(key)
     return ImageGenerationRequest(prompt="a photo of a cat sitting on a red chair", size=k.size, n=k.batch_size,

@@ -3,7 +3,7 @@
 Public names are re-exported lazily, so importing one module (e.g. the router in a proxy process)
 does not import the others.
 """
-from importlib import import_module
+from bcg._lazy import lazy_exports
 
 _EXPORTS = {
     "build_app": "deployments.app",
@@ -17,17 +17,4 @@ _EXPORTS = {
     "WarmupRequest": "deployments.schemas",
 }
 
-__all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name):
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'deployments' has no attribute {name!r}")
-    value = getattr(import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__():
-    return __all__
+__all__, __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

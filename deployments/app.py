@@ -21,7 +21,7 @@ from typing import Dict, List, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from ray.serve.config import RequestRouterConfig
 
-from bcg.buckets import ShapeKey
+from bcg.diffusers.buckets import ShapeKey
 from deployments.coordinator import Coordinator
 from deployments.ingress import Ingress
 from deployments.replica import Replica, normalize_key
@@ -172,7 +172,7 @@ class AppArgs(BaseModel):
     @field_validator("runner")
     @classmethod
     def _runner_fields(cls, v):
-        from bcg.config import RunnerConfig
+        from bcg.runtime.config import RunnerConfig
         try:
             RunnerConfig(**v)
         except TypeError as exc:

@@ -46,7 +46,7 @@ logger = logging.getLogger(__name__)
 
 def normalize_key(key: str) -> str:
     """A shape key or size (``"256x256"``) in the canonical ``ShapeKey.key`` form."""
-    from bcg.buckets import ShapeKey
+    from bcg.diffusers.buckets import ShapeKey
     return ShapeKey.parse(key).key
 
 
@@ -68,7 +68,7 @@ def request_shape_key(width: int, height: int, n: int, guidance_scale: Optional[
     No prompt bucket: requests run at the pipeline's default ``max_sequence_length``, so one graph per
     size serves every prompt length and a plan of plain sizes covers all requests.
     """
-    from bcg.buckets import ShapeKey
+    from bcg.diffusers.buckets import ShapeKey
     return ShapeKey(height=height, width=width, batch_size=n, cfg=request_cfg(guidance_scale, info)).key
 
 
@@ -145,9 +145,9 @@ class ReplicaEngine:
                  cpu_threads: Optional[int] = None, gpu_memory_fraction: Optional[float] = None,
                  pipeline_hook: Optional[str] = None, components="all"):
         import torch
-        from bcg.config import RunnerConfig
+        from bcg.runtime.config import RunnerConfig
         from bcg.diffusers import accelerate, pipeline_info, pipeline_runners
-        from bcg.models import load_pipeline
+        from bcg.diffusers.models import load_pipeline
 
         if cpu_threads:
             torch.set_num_threads(int(cpu_threads))

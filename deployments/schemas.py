@@ -15,7 +15,7 @@ from typing import Annotated, Dict, List, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from bcg.buckets import ShapeKey, check_shape, parse_size
+from bcg.diffusers.buckets import ShapeKey, check_shape, parse_size
 
 
 class RequestLimits(BaseModel):

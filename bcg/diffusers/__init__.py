@@ -6,14 +6,29 @@
   operations a graph cannot hold; `auto_placement` / `placement_stats` say where and why;
 - `bcg.diffusers.accelerated`: `accelerate` / `unaccelerate` make a pipeline's transformer (and
   optionally its text encoders and VAE decoder) a `BreakableGraphRunner`;
-- `bcg.diffusers.pipelines`: `pipeline_info`, `plan_request`, `generate`, `warmup_pipeline`.
-"""
-from bcg.diffusers.accelerated import COMPONENTS, accelerate, pipeline_runners, pipeline_stats, unaccelerate
-from bcg.diffusers.breaks import install_breaks, remove_breaks
-from bcg.diffusers.pipelines import count_prompt_tokens, generate, pipeline_info, plan_request, warmup_pipeline
-from bcg.diffusers.placement import auto_placement, placement_stats
+- `bcg.diffusers.pipelines`: `pipeline_info`, `plan_request`, `generate`, `warmup_pipeline`;
+- `bcg.diffusers.buckets`: `ShapeKey`, size and prompt buckets, warmup plans;
+- `bcg.diffusers.models`: the built-in tiny pipelines (`load_pipeline`, `BUILTIN_MODELS`).
 
-__all__ = [
-    "COMPONENTS", "install_breaks", "remove_breaks", "auto_placement", "placement_stats", "accelerate", "unaccelerate",
-    "pipeline_runners", "pipeline_stats", "pipeline_info", "plan_request", "generate", "warmup_pipeline", "count_prompt_tokens",
-]
+Names are re-exported lazily: `bcg.diffusers.buckets` does not import torch or diffusers.
+"""
+from bcg._lazy import lazy_exports
+
+_EXPORTS = {
+    "COMPONENTS": "bcg.diffusers.accelerated",
+    "accelerate": "bcg.diffusers.accelerated",
+    "pipeline_runners": "bcg.diffusers.accelerated",
+    "pipeline_stats": "bcg.diffusers.accelerated",
+    "unaccelerate": "bcg.diffusers.accelerated",
+    "install_breaks": "bcg.diffusers.breaks",
+    "remove_breaks": "bcg.diffusers.breaks",
+    "count_prompt_tokens": "bcg.diffusers.pipelines",
+    "generate": "bcg.diffusers.pipelines",
+    "pipeline_info": "bcg.diffusers.pipelines",
+    "plan_request": "bcg.diffusers.pipelines",
+    "warmup_pipeline": "bcg.diffusers.pipelines",
+    "auto_placement": "bcg.diffusers.placement",
+    "placement_stats": "bcg.diffusers.placement",
+}
+
+__all__, __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

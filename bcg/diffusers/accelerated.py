@@ -118,7 +118,7 @@ class _DeviceFacts:
 
 
 def _runner_class():
-    from bcg.runner import BreakableGraphRunner
+    from bcg.runtime.runner import BreakableGraphRunner
 
     return BreakableGraphRunner
 
@@ -312,7 +312,7 @@ def accelerate(pipe, config=None, policy: Any = "auto", components: Iterable[str
     queries and hook resets cost no module walks (see `_accelerated_class`), and its progress bar is
     turned off unless `progress_bar` is true: a server has no terminal to draw it on.
     """
-    from bcg.runner import BreakableGraphRunner
+    from bcg.runtime.runner import BreakableGraphRunner
 
     components = [components] if isinstance(components, str) else list(components)
     unknown = [c for c in components if c not in COMPONENTS]

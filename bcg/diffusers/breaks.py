@@ -6,7 +6,7 @@ without permanent global patching. Policies:
   cannot hold, and each place found becomes a break: a submodule, a method, or a global function a
   method calls. Found places are remembered per model class and config, reported by
   `placement_stats`, and returned by `auto_placement` for pinning. See `bcg.diffusers.placement`
-  (the contract, the limits) and `bcg.hostops` (what counts as a host operation).
+  (the contract, the limits) and `bcg.runtime.hostops` (what counts as a host operation).
 - ``"attention"`` (this function's default): every attention layer's processor (``attn.processor``)
   is replaced by an instance of a small subclass of its own class that shares the original's
   ``__dict__``: ``isinstance`` checks, ``attn_processors`` / ``set_attn_processor``,
@@ -30,10 +30,10 @@ without permanent global patching. Policies:
 `install_breaks` returns the number of break points installed now, replaces breaks installed earlier
 (so it is idempotent), and `remove_breaks` restores the original processors, forwards and methods.
 
-Checked with diffusers 0.42 on Flux, SD3, PixArt-Sigma, Sana and Wan 2.1 (the built-ins of `bcg.models`):
+Checked with diffusers 0.42 on Flux, SD3, PixArt-Sigma, Sana and Wan 2.1 (the built-ins of `bcg.diffusers.models`):
 on CPU, outputs are identical with and without breaks, a recorded capture breaks exactly at each
 attention core (Sana: its linear-attention processor as a whole), and ``"auto"`` finds nothing to break
-(tests/bcg/test_placement.py); tests/bcg/test_diffusers_gpu.py and test_placement_gpu.py check on CUDA
+(tests/bcg/diffusers/test_placement.py); tests/bcg/diffusers/test_diffusers_gpu.py and test_placement_gpu.py check on CUDA
 that replayed pipelines give the eager images bit for bit under both policies.
 """
 from __future__ import annotations
@@ -47,8 +47,8 @@ from typing import Any, Iterable
 
 import torch
 
-from bcg.capture import eager_on_graph, is_capturing
-from bcg.hostops import Place
+from bcg.graphs.capture import eager_on_graph, is_capturing
+from bcg.runtime.hostops import Place
 
 logger = logging.getLogger(__name__)
 

@@ -1,5 +1,5 @@
 """Breaks for compiled segments: the attention core of every attention processor as an eager break
-that dynamo sees on every call (`install_compiled_breaks`, used by `bcg.compile.compile_for_segments`).
+that dynamo sees on every call (`install_compiled_breaks`, used by `bcg.runtime.compile.compile_for_segments`).
 
 `bcg.diffusers.install_breaks` turns the attention core into a break only while a capture is open
 (it swaps a module global for the duration of the processor call). Compiled code cannot follow that:
@@ -18,7 +18,7 @@ import types
 
 import torch
 
-from bcg.capture import eager_on_graph
+from bcg.graphs.capture import eager_on_graph
 
 logger = logging.getLogger(__name__)
 

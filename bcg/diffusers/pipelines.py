@@ -18,8 +18,8 @@ from typing import Any, Iterable
 
 import torch
 
-from bcg.buckets import ShapeKey, buckets_up_to, check_shape, parse_plan, parse_size
-from bcg.buckets import prompt_bucket as _bucket_for
+from bcg.diffusers.buckets import ShapeKey, buckets_up_to, check_shape, parse_plan, parse_size
+from bcg.diffusers.buckets import prompt_bucket as _bucket_for
 from bcg.diffusers.accelerated import pipeline_runners
 from bcg.diffusers.breaks import unwrap_runner
 
@@ -115,7 +115,7 @@ def _padded_encode_prompt(encode_prompt):
 
     Padded positions get zero embeddings and mask 0: the transformer's joint attention masks them out as
     keys, and the text stream never feeds the image stream otherwise (per-token norms and MLPs), so the
-    image changes only by float rounding (tests/bcg/test_qwen_image.py measures it). The mask is always a
+    image changes only by float rounding (tests/bcg/diffusers/test_qwen_image.py measures it). The mask is always a
     tensor (diffusers returns None when nothing is padded), so a prompt that fills its bucket exactly has
     the same signature as a shorter one.
     """

@@ -4,9 +4,9 @@ Contract:
 - Installing puts a forward on the module instance (same signature) and no breaks, except those
   remembered for its class and config (below). The first eager call of each *call structure* (device
   type, number of positional arguments, names of the keyword arguments that are not None) is a probe:
-  it runs under a `bcg.hostops.HostOpProbe` and returns the ordinary eager result; each `Place` where
+  it runs under a `bcg.runtime.hostops.HostOpProbe` and returns the ordinary eager result; each `Place` where
   it saw a host operation a graph cannot hold (host syncs, host-to-device copies, host work: see
-  `bcg.hostops`) becomes a break at once: a submodule's forward (its attention processor, where it has
+  `bcg.runtime.hostops`) becomes a break at once: a submodule's forward (its attention processor, where it has
   one), a method, or a global function called from a method -- the latter made a break by swapping
   that name in the method's module globals for an `eager_on_graph` version for the duration of each
   capture (outside a capture nothing changes). With a `BreakableGraphRunner`, the probe is the eager
@@ -40,11 +40,11 @@ from typing import Any, Iterable, Mapping
 
 import torch
 
-from bcg.capture import eager_on_graph, is_capturing
+from bcg.graphs.capture import eager_on_graph, is_capturing
 from bcg.diffusers.breaks import (
     PLACEMENT_ATTR, has_processor, swapped_global, unwrap_runner, wrap_forward, wrap_method, wrap_processor,
 )
-from bcg.hostops import HostOp, HostOpProbe, Place, _device_of
+from bcg.runtime.hostops import HostOp, HostOpProbe, Place, _device_of
 
 logger = logging.getLogger(__name__)
 

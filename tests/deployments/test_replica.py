@@ -1,6 +1,6 @@
 """ReplicaEngine without Ray: a shape key is warm exactly while every graph its warmup used is live.
 
-There is no CUDA here, so each runner gets ``_RerunRecorder`` (tests/bcg/test_runner.py), the CPU
+There is no CUDA here, so each runner gets ``_RerunRecorder`` (tests/bcg/runtime/test_runner.py), the CPU
 stand-in for the CUDA capture step: the runners' own cache logic (capture inside warmup only, replay,
 LRU eviction at ``max_entries``) runs for real; a "graph" replays by rerunning the module.
 """
@@ -8,7 +8,7 @@ import pytest
 
 from deployments.replica import ReplicaEngine
 from deployments.schemas import ImageGenerationRequest
-from tests.bcg.test_runner import _RerunRecorder
+from tests.bcg.runtime.test_runner import _RerunRecorder
 
 # tiny-flux packs 16x16 pixels per token: 64x128 and 128x64 give the transformer the same input
 # signature (32 tokens), while the VAE decoder sees latents of different shapes.

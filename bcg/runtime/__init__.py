@@ -1,0 +1,12 @@
+"""The runner: a module's calls, keyed by input signature, replayed from captured graphs or run eagerly.
+
+- `bcg.runtime.runner`: `BreakableGraphRunner` (decides eager / replay / capture per call);
+- `bcg.runtime.signature`: `Signature`, `signature_of`, `call_context`;
+- `bcg.runtime.entries`: the signature-keyed cache of captures;
+- `bcg.runtime.recorder`: how a runner captures (on the capture stream, in the shared pool);
+- `bcg.runtime.config`: `RunnerConfig` and its ``BCG_*`` environment variables;
+- `bcg.runtime.compile`: compiled segments (`RunnerConfig(compile=True)`);
+- `bcg.runtime.hostops`: the probe that finds host operations a graph cannot hold.
+
+Builds on `bcg.graphs`; knows nothing of diffusers.
+"""

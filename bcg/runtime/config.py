@@ -1,0 +1,167 @@
+"""Runner configuration: one frozen dataclass, read from ``BCG_*`` environment variables in one place.
+
+`RunnerConfig()` holds the defaults; `RunnerConfig.from_env()` overrides each field from the variable
+``BCG_<FIELD NAME IN CAPITALS>`` (``BCG_MAX_ENTRIES=8``, ``BCG_COPY_OUTPUTS=0``, ...). A value that does
+not parse or fails validation logs one warning naming the variable and keeps the default, so a typo in
+a deployment never takes a replica down. Adding a field (``compile: bool`` is planned) needs no parsing
+code: values are parsed by the field's annotated type.
+"""
+import dataclasses
+import logging
+import os
+import re
+import typing
+from typing import Optional
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["RunnerConfig"]
+
+_ENV_PREFIX = "BCG_"
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+_BYTE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+               "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "t": 10**12, "tb": 10**12}
+
+
+@dataclasses.dataclass(frozen=True)
+class RunnerConfig:
+    """How a `BreakableGraphRunner` captures, caches and replays.
+
+    enabled: False runs every call eagerly (eager reason ``disabled``).
+    max_entries: captured signatures kept; the least recently *used* one is evicted for a new one.
+    pool_budget_bytes: cap on graph-pool bytes attributed to live entries (None: no cap); a capture
+        that alone exceeds it is refused and its signature blocked.
+    max_segments: a capture with more graph segments than this disables the runner (with a reason):
+        that many breaks means the graph saves little over eager.
+    copy_outputs: return a clone of the static outputs (safe to keep across calls); False returns the
+        static outputs themselves. They live in the graph pool that all of the runner's signatures
+        share, so the runner's next replay of *any* signature, from any thread, may overwrite them (a
+        graph captured earlier may use their memory for its intermediates), not only the next replay
+        of the same one: read or copy them before the runner replays again.
+    max_break_mismatches: a replay stopped by a break output mismatch (a break returned another shape,
+        dtype or Python value than at capture) is answered eagerly and the graph is kept; after this
+        many mismatches in a row for one signature its graph is dropped and the signature blocked
+        (eager until ``reset()``). 1 blocks at the first mismatch.
+    debug: check on every call that the module's weights were not replaced (costs a walk over the
+        parameters per call) and log each replay.
+    debug_single_break: capture the whole forward as one eager break, to tell runner bugs from
+        capture bugs: replay then runs the module eagerly on the static buffers.
+    capture_warmup_runs: eager runs on the capture stream before capturing (lazy init, autotuning).
+    pool_expandable_segments: grow the graph pool as expandable segments during captures (one mapped
+        range instead of one cudaMalloc per size class; measured 104 MiB instead of 118-142 MiB for one
+        Flux capture, see ``bcg.graphs.pool.ExpandableSegments``). False: plain segments, reserved up front
+        to the warm-up's peak.
+    raw_launch: launch graph segments that draw no random numbers with ``cuGraphLaunch`` directly after
+        their first replay (less host time per segment; experimental, see ``bcg.graphs.raw_launch.RawLaunch``).
+    compile: compile the module with inductor (without inductor's own CUDA graphs) and capture the
+        compiled code as segments, breaks still eager (see ``bcg.runtime.compile``). Compilation happens in the
+        warm-up run before each capture, so it is part of warmup; cold calls while serving never compile.
+    compile_dynamic: None lets dynamo decide (one recompile per size-dependent frame on the second
+        shape), True compiles dynamic shapes from the start, False specialises per shape.
+    compile_mode: inductor mode: None/"default" or "max-autotune-no-cudagraphs".
+    """
+
+    enabled: bool = True
+    max_entries: int = 16
+    pool_budget_bytes: Optional[int] = None
+    max_segments: int = 512
+    copy_outputs: bool = True
+    max_break_mismatches: int = 3
+    debug: bool = False
+    debug_single_break: bool = False
+    capture_warmup_runs: int = 1
+    pool_expandable_segments: bool = True
+    raw_launch: bool = False
+    compile: bool = False
+    compile_dynamic: Optional[bool] = None
+    compile_mode: Optional[str] = None
+
+    def __post_init__(self):
+        if self.max_entries < 1:
+            raise ValueError(f"max_entries must be >= 1, got {self.max_entries}; "
+                             "use enabled=False to turn graphs off")
+        if self.pool_budget_bytes is not None and self.pool_budget_bytes <= 0:
+            raise ValueError(f"pool_budget_bytes must be a positive byte count or None for no budget, "
+                             f"got {self.pool_budget_bytes}")
+        if self.max_segments < 1:
+            raise ValueError(f"max_segments must be >= 1, got {self.max_segments}")
+        if self.max_break_mismatches < 1:
+            raise ValueError(f"max_break_mismatches must be >= 1 (1 blocks a signature at its first break "
+                             f"output mismatch), got {self.max_break_mismatches}")
+        if self.capture_warmup_runs < 0:
+            raise ValueError(f"capture_warmup_runs must be >= 0, got {self.capture_warmup_runs}")
+        if self.compile and self.capture_warmup_runs < 1:
+            raise ValueError("compile=True needs capture_warmup_runs >= 1: compilation must happen "
+                             "before the capture")
+
+    @classmethod
+    def env_var(cls, field_name):
+        """The environment variable that sets `field_name`."""
+        return _ENV_PREFIX + field_name.upper()
+
+    @classmethod
+    def from_env(cls, environ=None, **overrides):
+        """Defaults, overridden by ``BCG_*`` variables of `environ` (default os.environ), then by
+        `overrides`. Bad environment values warn and keep the default; bad overrides raise."""
+        environ = os.environ if environ is None else environ
+        values = {}
+        defaults = cls()
+        for field in dataclasses.fields(cls):
+            name = cls.env_var(field.name)
+            raw = environ.get(name)
+            if raw is None:
+                continue
+            try:
+                value = _parse(raw, field.type)
+                dataclasses.replace(defaults, **{field.name: value})  # validates this field alone
+            except ValueError as exc:
+                logger.warning("ignoring %s=%r: %s; keeping the default %r",
+                               name, raw, exc, getattr(defaults, field.name))
+                continue
+            values[field.name] = value
+        try:
+            config = cls(**values)
+        except ValueError as exc:  # fields valid alone but not together
+            logger.warning("ignoring BCG_* settings %s: %s; using the defaults", values, exc)
+            config = defaults
+        return dataclasses.replace(config, **overrides) if overrides else config
+
+    def as_dict(self):
+        return dataclasses.asdict(self)
+
+
+def _parse(raw, annotation):
+    """Parse an environment string by the field's annotated type (bool, int, float, str, Optional)."""
+    text = raw.strip()
+    base, optional = annotation, False
+    if typing.get_origin(annotation) is typing.Union:
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        base, optional = args[0], len(args) < len(typing.get_args(annotation))
+    if optional and text.lower() in {"", "none", "null", "0"}:
+        return None
+    if base is bool:
+        if text.lower() in _TRUE:
+            return True
+        if text.lower() in _FALSE:
+            return False
+        raise ValueError("expected one of 1/0, true/false, yes/no, on/off")
+    if base is int:
+        return _parse_int(text)
+    if base is float:
+        try:
+            return float(text)
+        except ValueError:
+            raise ValueError("expected a number") from None
+    return text
+
+
+def _parse_int(text):
+    """An integer, optionally with a byte unit: ``4096``, ``2GiB``, ``512MB``, ``1_000``."""
+    match = re.fullmatch(r"([0-9][0-9_]*(?:\.[0-9]+)?)\s*([a-zA-Z]*)", text)
+    if not match or match.group(2).lower() not in _BYTE_UNITS:
+        raise ValueError("expected an integer, optionally with a unit like 512MiB or 2GB")
+    number, unit = match.group(1).replace("_", ""), _BYTE_UNITS[match.group(2).lower()]
+    if "." in number and unit == 1:
+        raise ValueError("expected an integer")
+    return int(float(number) * unit) if "." in number else int(number) * unit

@@ -1,0 +1,99 @@
+"""The CUDA side of a runner's capture: the warm-up run and the capture into the runner's one graph
+pool (`CudaRecorder.record`), the pool handle and capture stream each capture uses, the pool bytes it
+added, and the stream order between replays from different caller streams.
+"""
+import contextlib
+
+import torch
+
+from bcg.graphs import capture as _capture
+from bcg.graphs import streams
+from bcg.graphs.capture import BreakableCUDAGraph, replay_token_scope
+from bcg.runtime.config import RunnerConfig
+
+__all__ = ["CudaRecorder", "current_stream_id"]
+
+
+class CudaRecorder:
+    """The CUDA part of a capture: warm-up run, capture into the shared pool, memory accounting."""
+
+    def __init__(self, device, config: RunnerConfig):
+        self.device = device
+        self.expandable_segments = config.pool_expandable_segments
+        self.raw_launch = config.raw_launch
+        self._pool = None
+        self._stream = None
+        self._last_stream_id = None
+        self._last_stream = None
+        self.pool_reserved_bytes = 0   # the pool's whole reservation, measured after each capture
+
+    def record(self, fn, args, kwargs, warmup_runs, token, live_pools=()):
+        """Returns (graph, static output, capture_ms, pool_bytes). Raises whatever the capture raises.
+
+        ``live_pools``: pool handles of this runner's live graphs (the capture shares one if it can)."""
+        with torch.cuda.device(self.device):
+            self._prepare(live_pools)
+            stream = self._stream  # capture_after_warmup orders it after the caller's stream and back
+            with torch.no_grad(), replay_token_scope(token):
+                graph = BreakableCUDAGraph()
+                before = self._pool_bytes()
+                try:
+                    output = _capture.capture_after_warmup(
+                        graph, fn, args, kwargs, pool=self._pool, stream=stream, warmup_runs=warmup_runs,
+                        expandable_segments=self.expandable_segments, raw_launch=self.raw_launch)
+                except BaseException:
+                    with contextlib.suppress(Exception):
+                        graph.reset()
+                    raise
+                torch.cuda.synchronize()
+                capture_ms = graph.capture_ms
+            after = self._pool_bytes()
+        self.pool_reserved_bytes = after[0]
+        # bytes this capture added to the pool (blocks freed by evicted entries are reused first)
+        return graph, output, capture_ms, max(0, after[1] - before[1])
+
+    def _prepare(self, live_pools):
+        """Pool handle and capture stream for the next capture.
+
+        Pool: torch frees a graph pool once the last graph using it is reset, and a freed pool's handle
+        cannot be captured into again (an internal assert in the allocators), so a capture takes a
+        fresh handle unless a live entry still uses the current one, or when a failed capture left
+        the handle registered (``bcg.graphs.streams.pool_usable``). empty_cache hands the old pool's memory back.
+
+        Stream: entries evicted while others captured on the same stream live are parked, not reset
+        (see ``bcg.graphs.streams.close_stream``: resetting would free the stream's cuBLAS workspace that the
+        others replay with). New captures then move to another stream, so the old one only loses
+        graphs and its parked segments are reset once its last graph goes."""
+        if self._pool is None or tuple(self._pool) not in live_pools or not streams.pool_usable(self._pool):
+            if self._pool is not None:
+                torch.cuda.empty_cache()
+            self._pool = torch.cuda.graph_pool_handle()
+        if self._stream is None or streams.parked_segments(self._stream):
+            self._stream = torch.cuda.Stream()
+
+    def _pool_bytes(self):
+        """(pool reserved bytes, the figure deltas are taken of). The pool's own segments when the
+        allocator snapshot has them, else the device's reserved bytes (counts eager allocations too)."""
+        try:
+            pool = _capture.pool_reserved_bytes(self._pool, self.device)
+            return pool, pool
+        except Exception:  # noqa: BLE001 -- an allocator without pool ids in its snapshot
+            return self.pool_reserved_bytes, torch.cuda.memory_reserved(self.device)
+
+    def order_after_previous(self):
+        """Order the caller's stream after the previous replay's stream when they differ: graphs of one
+        pool must not overlap, and static buffers must not be rewritten while a replay still reads them."""
+        stream_id = current_stream_id(self.device)
+        if stream_id != self._last_stream_id:
+            current = torch.cuda.current_stream(self.device)
+            if self._last_stream is not None:
+                current.wait_stream(self._last_stream)
+            self._last_stream_id, self._last_stream = stream_id, current
+
+
+def current_stream_id(device):
+    # torch.cuda.current_stream() builds a Stream object (~1 us); the raw getter is enough to compare
+    raw = getattr(torch._C, "_cuda_getCurrentStream", None)
+    if raw is not None:
+        return raw(device.index)
+    return torch.cuda.current_stream(device).cuda_stream

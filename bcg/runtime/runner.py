@@ -1,0 +1,508 @@
+"""BreakableGraphRunner: a per-signature cache of breakable CUDA graphs around one module.
+
+What is captured: one `BreakableCUDAGraph` per input `Signature` (see bcg.runtime.signature), only inside
+``with runner.warmup():`` or through an explicit ``runner.capture(**kwargs)``. Every tensor input is
+copied into a static device buffer (CPU inputs too, so the graph only reads device memory); the module
+runs once eagerly on the capture stream (lazy init), then is captured into the runner's one graph pool.
+
+When replay happens: ``runner(**kwargs)`` with a captured signature copies the inputs into the static
+buffers (skipped when the caller passes the static buffer itself), replays on the caller's current
+stream and returns a clone of the static outputs (``copy_outputs=False`` returns the static outputs,
+which the next replay of *any* signature may overwrite: all signatures share one pool). Replay runs
+under ``torch.no_grad()``: inference only, whatever the caller's grad mode.
+
+What a signature covers: the call's arguments (`bcg.runtime.signature`: shapes, dtypes, devices with their
+index, constants) and the state it runs in (`bcg.runtime.signature.call_context`: grad mode, autocast device
+types and dtypes). A call replays only a graph captured from a call with the same signature: a call
+with grad enabled only one warmed with grad enabled (whose replayed outputs still carry no autograd
+history), a call under autocast only one warmed under the same autocast. Under autocast the capture
+casts inside the graph (the autocast weight cache is off while capturing).
+
+When it falls back to eager (counted in ``stats()["eager_calls"]`` by reason): ``unseen`` signature
+(serving never captures), ``blocked`` (its capture failed: one warning with the signature and the
+reason), ``disabled`` (config, or a capture with more than ``max_segments`` segments), ``no_cuda``
+(no CUDA, or the module is not on a CUDA device), ``break_output_mismatch`` (see below). Capture
+errors, OOM included, never escape a call.
+
+Break output mismatch: a break function that returns, at replay, another structure, shape, dtype or
+Python scalar value than at capture stops the replay before the next segment
+(``BreakOutputMismatchError``). The runner answers that call eagerly with the caller's own inputs (the
+segments that ran only touched static buffers), warns once per entry, and keeps the graph: the next
+call of the signature replays again, as a value that changes now and then (a host-side decision)
+still replays when it matches. After ``max_break_mismatches`` mismatches in a row (default 3) the graph
+is dropped and the signature blocked (one warning; ``blocked`` eager calls until ``reset()``), so a
+value that changes on every call stops costing a partial replay per call.
+
+Limits: ``max_entries`` graphs, least recently used evicted first; ``pool_budget_bytes`` caps the
+pool bytes attributed to live entries (growth of ``torch.cuda.memory_reserved`` during each capture;
+memory an evicted entry leaves in the shared pool is reused by later captures rather than released).
+Captures grow the pool as expandable segments (``RunnerConfig.pool_expandable_segments``), or else
+reserve the last warm-up run's peak up front (see ``bcg.graphs.capture.capture_after_warmup``); measuring
+that peak resets ``torch.cuda``'s peak memory statistics.
+
+Concurrency: calls from any thread or asyncio task are safe. One lock per runner covers copy-in,
+replay and copy-out of every entry -- not one per entry -- because all entries share one pool: two
+graphs of the pool must never run at the same time. A caller on a different CUDA stream than the
+previous replay is first ordered after it. Eager calls take no lock (except during warmup, so that
+they never launch work on the device while a capture is in progress).
+
+Weights: graphs hold the addresses of parameters and buffers. Update weights in place
+(``param.data.copy_(new)`` / ``module.load_state_dict(sd)`` without ``assign=True``) and every graph stays
+valid. Replacing tensors (``module.weight = nn.Parameter(...)``, ``load_state_dict(..., assign=True)``,
+``.to()`` to another dtype or device) makes replays read stale memory: call ``runner.reset()`` (or
+``runner.check_weights()``) afterwards. The runner checks a fingerprint of parameter/buffer addresses
+on every capture, on ``warmup()`` entry, and on every call when ``debug=True``, and resets when it changed.
+"""
+import contextlib
+import inspect
+import itertools
+import logging
+import threading
+import time
+
+import torch
+import torch.utils._pytree as pytree
+
+from bcg.graphs.capture import BreakOutputMismatchError, eager_on_graph, replay_token_scope
+from bcg.runtime.config import RunnerConfig
+from bcg.runtime.entries import CaptureEntry, EntryCache
+from bcg.runtime.recorder import CudaRecorder
+from bcg.runtime.signature import call_context, signature_with_leaves, rebuild_kwargs
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["BreakableGraphRunner", "CaptureEntry", "EAGER_REASONS"]
+
+EAGER_REASONS = ("unseen", "blocked", "disabled", "no_cuda", "break_output_mismatch")
+_ARGS_KEY = "*args"  # where positional arguments that have no name go in a signature
+
+def _resolve_device(module, device):
+    if device is not None:
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None and torch.cuda.is_available():
+            device = torch.device("cuda", torch.cuda.current_device())
+        return device
+    tensor = next(itertools.chain(module.parameters(), module.buffers()), None) \
+        if isinstance(module, torch.nn.Module) else None
+    if tensor is not None:
+        return tensor.device
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+class BreakableGraphRunner:
+    """Replays captured breakable CUDA graphs of `module` per input signature; see the module docstring.
+
+    Unknown attributes proxy to the module (``runner.config``, ``runner.dtype``, ...), so a runner can
+    stand in for ``pipe.transformer``. The runner's own configuration is ``runner.runner_config``.
+    """
+
+    def __init__(self, module, device=None, config=None):
+        self._module = module
+        self._runner_config = config if config is not None else RunnerConfig.from_env()
+        self._device_arg = device
+        self._device = _resolve_device(module, device)
+        self._entries = EntryCache()
+        self._blocked = {}                  # Signature -> reason
+        self._lock = threading.RLock()      # copy-in/replay/copy-out and captures; see module docstring
+        self._stats_lock = threading.Lock()
+        self._tokens = itertools.count(1)
+        self._warming = 0
+        self._counts = dict(captures=0, capture_failures=0, replays=0, evictions=0)
+        self._eager = dict.fromkeys(EAGER_REASONS, 0)
+        self._runtime_disabled = None       # reason the runner turned itself off, until reset()
+        self._fingerprint = None
+        self._positional_names = None
+        self._whole_forward = None
+        # RunnerConfig.compile: inductor kernels (no inductor CUDA graphs) captured as segments. The
+        # compiled forward is built once here; compilation itself happens in the warm-up run of a capture.
+        self._compiled = None
+        if self._runner_config.compile:
+            from bcg.runtime.compile import compile_for_segments
+            self._compiled = compile_for_segments(module, dynamic=self._runner_config.compile_dynamic,
+                                                  mode=self._runner_config.compile_mode)
+        self._recorder = (CudaRecorder(self._device, self._runner_config)
+                          if self._device.type == "cuda" else None)
+        self._off = self._off_reason()
+        if self._off is not None:
+            logger.info("graph runner for %s runs eagerly: %s", type(module).__name__, self._off[1])
+
+    # -- proxying ---------------------------------------------------------------------------------
+
+    def __getattr__(self, name):
+        module = self.__dict__.get("_module")
+        if module is None:
+            raise AttributeError(name)
+        return getattr(module, name)
+
+    def __repr__(self):
+        return f"BreakableGraphRunner({type(self._module).__name__}, entries={len(self._entries)}, " \
+               f"enabled={self._off is None})"
+
+    @property
+    def module(self):
+        return self._module
+
+    @property
+    def runner_config(self):
+        return self._runner_config
+
+    def to(self, *args, **kwargs):
+        """Move the module (like nn.Module.to) and return the runner; graphs are dropped if weights moved."""
+        self._module.to(*args, **kwargs)
+        if self._device_arg is None:
+            device = _resolve_device(self._module, None)
+            if device != self._device:
+                with self._lock:
+                    self._reset_locked()  # graphs of the old device (and its pool) are of no use now
+                    self._device = device
+                    self._recorder = (CudaRecorder(device, self._runner_config)
+                                      if device.type == "cuda" else None)
+        self.check_weights()
+        self._off = self._off_reason()
+        return self
+
+    # -- calls ------------------------------------------------------------------------------------
+
+    def __call__(self, *args, **kwargs):
+        if args:
+            args, kwargs = self._bind(args, kwargs)
+        token = next(self._tokens)
+        if self._off is not None:
+            return self._run_eager(self._off[0], token, args, kwargs)
+        if self._runner_config.debug:
+            self.check_weights()
+        signature, leaves = signature_with_leaves({**kwargs, _ARGS_KEY: args} if args else kwargs,
+                                                  call_context())
+        entry = self._entries.get(signature)
+        if entry is None:
+            if signature in self._blocked:
+                return self._run_eager("blocked", token, args, kwargs)
+            if not self._warming or not self._capture(signature, args, kwargs, leaves, token):
+                reason = self._off[0] if self._off else "blocked" if signature in self._blocked else "unseen"
+                return self._run_eager(reason, token, args, kwargs)
+            entry = self._entries.get(signature)
+            if entry is None:  # captured, then evicted by a capture on another thread
+                return self._run_eager("unseen", token, args, kwargs)
+        mismatch = None
+        with self._lock:
+            if entry.graph is None:  # evicted by another thread since the lookup
+                entry = None
+            else:
+                self._recorder.order_after_previous()
+                entry.copy_in(leaves)
+                grad = torch.is_grad_enabled()
+                torch._C._set_grad_enabled(False)  # torch.no_grad() costs several us per call
+                try:
+                    with replay_token_scope(token):
+                        entry.graph.replay()
+                    out = entry.copy_out(self._runner_config.copy_outputs)
+                except BreakOutputMismatchError as exc:
+                    mismatch = exc
+                finally:
+                    torch._C._set_grad_enabled(grad)
+                if mismatch is None:
+                    entry.hits += 1
+                    entry.mismatch_streak = 0
+                    entry.last_used = time.time()
+                    self._entries.touch(signature)
+                    self._counts["replays"] += 1
+                else:
+                    self._break_mismatch_locked(signature, entry, mismatch)
+        if entry is None:
+            return self._run_eager("unseen", token, args, kwargs)
+        if mismatch is not None:
+            # The segments before the break ran on the static buffers and the rest never did; the
+            # caller's own inputs are untouched, so the eager run gives the result (same token).
+            return self._run_eager("break_output_mismatch", token, args, kwargs)
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug("replayed %s", signature.key)
+        return out
+
+    def capture(self, *args, **kwargs):
+        """Capture the signature of this call if not yet captured. True when a graph is ready for it."""
+        if args:
+            args, kwargs = self._bind(args, kwargs)
+        self._refresh_device()
+        if self._off is not None:
+            return False
+        signature, leaves = signature_with_leaves({**kwargs, _ARGS_KEY: args} if args else kwargs,
+                                                  call_context())
+        if signature in self._entries:
+            return True
+        return self._capture(signature, args, kwargs, leaves, next(self._tokens))
+
+    @contextlib.contextmanager
+    def warmup(self):
+        """Inside this context, calls capture signatures not captured yet (then replay them)."""
+        self._refresh_device()
+        self.check_weights()
+        with self._lock:
+            self._warming += 1
+        try:
+            yield self
+        finally:
+            with self._lock:
+                self._warming -= 1
+
+    def warm_signatures(self):
+        """Keys of the captured signatures, least recently used first."""
+        return [e.key for e in self._entries.entries()]
+
+    def reset(self):
+        """Drop every graph and blocked signature; re-enable a runner that disabled itself."""
+        with self._lock:
+            self._reset_locked()
+            self._runtime_disabled = None
+            self._off = self._off_reason()
+        if self._recorder is not None and torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    def check_weights(self):
+        """Reset if the module's parameters or buffers were replaced since the graphs were captured.
+        Returns True when the graphs were still valid."""
+        fingerprint = self._weights_fingerprint()
+        with self._lock:
+            if self._fingerprint is None or fingerprint == self._fingerprint:
+                self._fingerprint = fingerprint
+                return True
+            logger.warning("weights of %s were replaced (not updated in place); dropping %d captured "
+                           "graphs. Update weights with param.data.copy_() to keep graphs valid",
+                           type(self._module).__name__, len(self._entries))
+            self._reset_locked()
+            self._fingerprint = fingerprint
+            return False
+
+    def stats(self):
+        """Counters, eager calls by reason, pool bytes and one record per captured signature."""
+        with self._lock:
+            counts = dict(self._counts)
+            entries = [e.describe() for e in reversed(self._entries.entries())]
+            blocked = [{"key": s.key, "signature": s.summary(), "reason": r} for s, r in self._blocked.items()]
+            pool_bytes = self._entries.pool_bytes
+        with self._stats_lock:
+            eager = dict(self._eager)
+        config = self._runner_config
+        return {
+            **counts,
+            "eager_calls": eager,
+            "eager_calls_total": sum(eager.values()),
+            "enabled": self._off is None,
+            "disabled_reason": self._off[1] if self._off else None,
+            "device": str(self._device),
+            "num_entries": len(entries),
+            "max_entries": config.max_entries,
+            "pool_bytes": pool_bytes,
+            "pool_reserved_bytes": getattr(self._recorder, "pool_reserved_bytes", 0),
+            "pool_budget_bytes": config.pool_budget_bytes,
+            "entries": entries,
+            "blocked": blocked,
+            "compile": self._compiled.stats() if self._compiled is not None else None,
+        }
+
+    # -- internals --------------------------------------------------------------------------------
+
+    def _off_reason(self):
+        """(eager reason, explanation) when nothing can be captured, else None."""
+        if not self._runner_config.enabled:
+            return ("disabled", "disabled by config (RunnerConfig.enabled=False or BCG_ENABLED=0)")
+        if self._runtime_disabled:
+            return ("disabled", self._runtime_disabled)
+        if self._recorder is None:
+            if self._device.type == "cuda" or not torch.cuda.is_available():
+                return ("no_cuda", "CUDA is not available (torch.cuda.is_available() is False)")
+            return ("no_cuda", f"module is on {self._device}; graphs need a CUDA device: move it with "
+                               "runner.to('cuda') or pass device='cuda'")
+        return None
+
+    def _refresh_device(self):
+        # a module moved after the runner was built (e.g. pipe.to("cuda")) is picked up at warmup/capture
+        if self._device_arg is None and self._recorder is None and torch.cuda.is_available():
+            device = _resolve_device(self._module, None)
+            if device.type == "cuda":
+                self._device, self._recorder = device, CudaRecorder(device, self._runner_config)
+                self._off = self._off_reason()
+
+    def _run_eager(self, reason, token, args, kwargs):
+        with self._stats_lock:
+            self._eager[reason] += 1
+        lock = self._lock if self._warming else contextlib.nullcontext()
+        fn = self._module
+        if self._compiled is not None:
+            # while serving, a cold call uses what is compiled and never stalls on a new compilation
+            fn = self._compiled if self._warming else self._compiled.run_cached
+        with lock, replay_token_scope(token):
+            return fn(*args, **kwargs)
+
+    def _bind(self, args, kwargs):
+        """Name positional arguments after the module's forward parameters where they have names."""
+        names = self._positional_names
+        if names is None:
+            forward = getattr(self._module, "forward", self._module)
+            names = []
+            try:
+                for p in inspect.signature(forward).parameters.values():
+                    if p.kind is not inspect.Parameter.POSITIONAL_OR_KEYWORD:
+                        break
+                    names.append(p.name)
+            except (TypeError, ValueError):  # no introspectable signature: keep arguments positional
+                pass
+            self._positional_names = names = tuple(names)
+        count = min(len(args), len(names))
+        bound = dict(zip(names, args[:count]))
+        for name in bound:
+            if name in kwargs:
+                raise TypeError(f"{type(self._module).__name__}.forward got multiple values for argument "
+                                f"{name!r}: pass it either positionally or by keyword")
+        bound.update(kwargs)
+        return args[count:], bound
+
+    def _weights_fingerprint(self):
+        module = self._module
+        if not isinstance(module, torch.nn.Module):
+            return ()
+        return tuple(t.data_ptr() for t in itertools.chain(module.parameters(), module.buffers()))
+
+    def _capture(self, signature, args, kwargs, leaves, token):
+        """Capture one signature (under the lock). Never raises: failures block the signature."""
+        config = self._runner_config
+        with self._lock:
+            if signature in self._entries:
+                return True
+            if signature in self._blocked or self._off is not None:
+                return False
+            fingerprint = self._weights_fingerprint()
+            if self._fingerprint is not None and fingerprint != self._fingerprint and len(self._entries):
+                logger.warning("weights of %s were replaced; dropping %d captured graphs",
+                               type(self._module).__name__, len(self._entries))
+                self._reset_locked()
+            self._fingerprint = fingerprint
+            while len(self._entries) >= config.max_entries:
+                self._evict_lru_locked("max_entries")
+            try:
+                try:
+                    entry = self._record(signature, args, kwargs, leaves, token)
+                except torch.cuda.OutOfMemoryError:
+                    if not len(self._entries):
+                        raise
+                    logger.warning("out of memory capturing %s; evicting %d graphs and retrying once",
+                                   signature.summary(), len(self._entries))
+                    while len(self._entries):
+                        self._evict_lru_locked("out of memory")
+                    torch.cuda.empty_cache()  # lets the pool grow into memory the eager cache held
+                    entry = self._record(signature, args, kwargs, leaves, token)
+            except Exception as exc:  # noqa: BLE001 -- the runner is the one place that falls back
+                kind = "out of memory" if isinstance(exc, torch.cuda.OutOfMemoryError) else "capture raised"
+                self._block_locked(signature, f"{kind}: {type(exc).__name__}: {exc}")
+                return False
+            if entry.segments > config.max_segments:
+                entry.release()
+                self._runtime_disabled = (
+                    f"capture of {signature.summary()} produced {entry.segments} graph segments > "
+                    f"max_segments={config.max_segments}; place fewer breaks or raise BCG_MAX_SEGMENTS")
+                self._counts["capture_failures"] += 1
+                logger.warning("disabling graph runner: %s", self._runtime_disabled)
+                self._reset_locked()
+                self._off = self._off_reason()
+                return False
+            budget = config.pool_budget_bytes
+            if budget is not None:
+                if entry.pool_bytes > budget:
+                    entry.release()
+                    self._block_locked(signature, f"capture needs {entry.pool_bytes} pool bytes > "
+                                                  f"pool_budget_bytes={budget}; raise BCG_POOL_BUDGET_BYTES")
+                    return False
+                while len(self._entries) and self._entries.pool_bytes + entry.pool_bytes > budget:
+                    self._evict_lru_locked("pool budget")
+            self._entries.add(entry)
+            self._counts["captures"] += 1
+            logger.info("captured %s (%s): %d segments, %d breaks, %.1f ms, %d pool bytes", signature.key,
+                        signature.summary(), entry.segments, entry.breaks, entry.capture_ms, entry.pool_bytes)
+            return True
+
+    def _record(self, signature, args, kwargs, leaves, token):
+        """Static buffers, warm-up, capture: a new CaptureEntry (not yet in the cache)."""
+        device = self._device
+        static_inputs, host_inputs = [], []
+        with torch.no_grad():
+            for i, t in enumerate(leaves):
+                buffer = torch.empty(t.shape, dtype=t.dtype, device=device)
+                buffer.copy_(t)
+                static_inputs.append(buffer)
+                if t.device != device:
+                    host_inputs.append(i)
+        static = rebuild_kwargs({**kwargs, _ARGS_KEY: args} if args else kwargs, static_inputs)
+        static_args = static.pop(_ARGS_KEY, ())
+        fn = self._module if self._compiled is None else self._compiled
+        if self._runner_config.debug_single_break:
+            fn = self._whole_forward_fn()
+        # Autocast caches its casts of weights until its context closes; a graph captured with the cache
+        # on would read a cast that is freed by then (make_graphed_callables refuses the cache for the
+        # same reason), so the capture casts inside the graph instead.
+        autocast_cache = torch.is_autocast_cache_enabled()
+        torch.set_autocast_cache_enabled(False)
+        try:
+            graph, output, capture_ms, pool_bytes = self._recorder.record(
+                fn, static_args, static, self._runner_config.capture_warmup_runs, token,
+                live_pools={tuple(e.graph.pool) for e in self._entries.entries()
+                            if getattr(e.graph, "pool", None) is not None})
+        finally:
+            torch.set_autocast_cache_enabled(autocast_cache)
+        return CaptureEntry(signature=signature, graph=graph, static_inputs=static_inputs, output=output,
+                            capture_ms=capture_ms, pool_bytes=pool_bytes, host_inputs=tuple(host_inputs),
+                            last_used=time.time())
+
+    def _whole_forward_fn(self):
+        """The module call as one eager break. Its output crosses the break as a flat list of leaves
+        (what a break may return) and is rebuilt around the refreshed leaves, so any pytree round-trips."""
+        if self._whole_forward is None:
+            module, spec_box = self._module, [None]
+
+            def whole_forward(*args, **kwargs):
+                leaves, spec_box[0] = pytree.tree_flatten(module(*args, **kwargs))
+                return leaves
+
+            single_break = eager_on_graph(whole_forward)
+
+            def call(*args, **kwargs):
+                leaves = single_break(*args, **kwargs)
+                return pytree.tree_unflatten(leaves, spec_box[0])
+
+            self._whole_forward = call
+        return self._whole_forward
+
+    def _break_mismatch_locked(self, signature, entry, exc):
+        """A replay stopped at a break whose output differs from capture (see the module docstring)."""
+        entry.break_mismatches += 1
+        entry.mismatch_streak += 1
+        limit = self._runner_config.max_break_mismatches
+        if entry.mismatch_streak >= limit:
+            self._entries.pop(signature).release()  # under the lock the entry is still cached
+            self._blocked[signature] = f"{entry.mismatch_streak} break output mismatches in a row: {exc}"
+            logger.warning("graph of %s (%s) dropped after %d break output mismatches in a row, running it "
+                           "eagerly from now on: %s", signature.key, signature.summary(), entry.mismatch_streak,
+                           exc)
+        elif entry.break_mismatches == 1:
+            logger.warning("break output mismatch replaying %s (%s), answering eagerly; the graph replays "
+                           "again on the next call and is dropped after %d mismatches in a row "
+                           "(BCG_MAX_BREAK_MISMATCHES): %s", signature.key, signature.summary(), limit, exc)
+        else:
+            logger.debug("break output mismatch replaying %s: %s", signature.key, exc)
+
+    def _block_locked(self, signature, reason):
+        self._blocked[signature] = reason
+        self._counts["capture_failures"] += 1
+        logger.warning("graph capture failed for %s (%s), running it eagerly from now on: %s",
+                       signature.key, signature.summary(), reason)
+
+    def _evict_lru_locked(self, why):
+        entry = self._entries.pop_lru()
+        entry.release()
+        self._counts["evictions"] += 1
+        logger.info("evicted graph %s (%s) to make room: %s", entry.key, entry.signature.summary(), why)
+
+    def _reset_locked(self):
+        for entry in self._entries.entries():
+            entry.release()
+        self._entries = EntryCache()
+        self._blocked.clear()
+        self._fingerprint = None
