@@ -11,7 +11,8 @@ follows from a few request properties, which `ShapeKey` holds:
 ``.key`` is a stable, readable string: ``"1024x1024"`` for the plain case, else suffixes in a fixed order,
 e.g. ``"768x512.f17.b2.cfg.p128"``. Sizes are written **width x height**, as in the OpenAI Images API
 ``size`` field ("1792x1024" is landscape). `ShapeKey.parse` is the inverse and also accepts a bare
-``"WxH"``.
+``"WxH"``. `request_shape_key` is the key of a request, computed once where the request enters and
+carried with it from there.
 
 Prompt buckets: Flux, SD3, PixArt-Sigma, Sana and Wan pad their T5/Gemma text input to
 ``max_sequence_length`` (ids and attention mask alike); Qwen-Image trims its embeddings to the prompt, and
@@ -27,11 +28,14 @@ from __future__ import annotations
 import dataclasses
 import logging
 import re
-from typing import Iterable
+from typing import Iterable, Mapping
+
+from bcg.diffusers.families import family_named
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["PROMPT_BUCKETS", "ShapeKey", "parse_size", "prompt_bucket", "buckets_up_to", "check_shape", "parse_plan"]
+__all__ = ["PROMPT_BUCKETS", "ShapeKey", "buckets_up_to", "check_shape", "parse_plan", "parse_size", "prompt_bucket",
+           "request_shape_key"]
 
 PROMPT_BUCKETS = (32, 64, 128, 256, 512)
 
@@ -117,9 +121,6 @@ class ShapeKey:
             cfg=fields.get("cfg", False), prompt_bucket=fields.get("p"),
         )
 
-    def replace(self, **changes) -> "ShapeKey":
-        return dataclasses.replace(self, **changes)
-
 
 def buckets_up_to(max_tokens: int, buckets: Iterable[int] = PROMPT_BUCKETS) -> tuple[int, ...]:
     """The buckets below `max_tokens`, then `max_tokens` itself (the pipeline's own limit)."""
@@ -138,16 +139,8 @@ def prompt_bucket(num_tokens: int, buckets: Iterable[int] = PROMPT_BUCKETS) -> i
     return ordered[-1]
 
 
-def check_shape(
-    key: ShapeKey,
-    size_multiple: int,
-    *,
-    frame_multiple: int | None = None,
-    max_pixels: int | None = None,
-    max_batch_size: int | None = None,
-    prompt_buckets: Iterable[int] | None = None,
-) -> ShapeKey:
-    """Raise ``ValueError`` naming the fix when `key` cannot run on a pipeline with these limits.
+def check_shape(key: ShapeKey, size_multiple: int, *, frame_multiple: int | None = None) -> ShapeKey:
+    """Raise ``ValueError`` naming the fix when `key` cannot run on a pipeline with these multiples.
 
     `size_multiple` is ``vae_scale_factor * patch_size`` (what the latent patching needs); for video,
     `frame_multiple` is the VAE's temporal compression and frames must be ``k * frame_multiple + 1``;
@@ -160,8 +153,6 @@ def check_shape(
             f"size must be WxH with both sides multiples of {size_multiple}, got '{key.size}' "
             f"(nearest valid: '{fix_w}x{fix_h}')"
         )
-    if max_pixels is not None and key.width * key.height > max_pixels:
-        raise ValueError(f"size '{key.size}' has more than the {max_pixels} pixels this model allows; use a smaller size")
     if frame_multiple is None:
         if key.num_frames != 1:
             raise ValueError(f"this model makes images: num_frames must be 1, got {key.num_frames}")
@@ -170,13 +161,35 @@ def check_shape(
         raise ValueError(
             f"num_frames must be k*{frame_multiple}+1 (e.g. {below} or {below + frame_multiple}), got {key.num_frames}"
         )
-    if max_batch_size is not None and key.batch_size > max_batch_size:
-        raise ValueError(f"n (batch size) must be at most {max_batch_size}, got {key.batch_size}")
-    if prompt_buckets is not None and key.prompt_bucket is not None:
-        allowed = sorted(prompt_buckets)
-        if key.prompt_bucket not in allowed:
-            raise ValueError(f"prompt bucket must be one of {allowed}, got {key.prompt_bucket}")
     return key
+
+
+def request_shape_key(
+    info: Mapping,
+    *,
+    size: str | None = None,
+    n: int = 1,
+    guidance: float | None = None,
+    negative_prompt: str | None = None,
+    num_frames: int | None = None,
+    prompt_bucket: int | None = None,
+) -> ShapeKey:
+    """The shape key of a request to a pipeline that `info` describes (``bcg.diffusers.pipeline_info``).
+
+    Computed once where a request enters (the serving layer's ingress, `bcg.diffusers.plan_request` for
+    direct callers) and carried with the request from there. Size defaults to the pipeline's, frames to
+    the pipeline's for video (1 for images); CFG follows the family's `CfgRule`; the prompt bucket is
+    the one given (None: the pipeline's default length). Nothing is checked against the pipeline's
+    multiples here (`check_shape` does that); a size that is not ``"WxH"`` or a bad `n` raise.
+    """
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"n must be a positive int, got {n!r}")
+    width, height = parse_size(size or info["default_size"])
+    if num_frames is None:
+        num_frames = info["default_frames"] if info["is_video"] else 1
+    cfg = family_named(info["family"]).cfg.runs_cfg(guidance, negative_prompt, info["default_guidance"])
+    return ShapeKey(height=height, width=width, num_frames=num_frames, batch_size=n, cfg=cfg,
+                    prompt_bucket=prompt_bucket)
 
 
 def parse_plan(items: Iterable[str | ShapeKey] | str) -> list[ShapeKey]:

@@ -1,7 +1,8 @@
 """Pipeline facts, requests and warmup: `pipeline_info` (family, defaults, limits of a diffusers pipeline),
-`plan_request` turns a request (prompt, n, size, steps, guidance, seed) into its `ShapeKey` and the
-pipeline's keyword arguments, `generate` runs it, `warmup_pipeline` runs the pipeline once per shape
-key inside every runner's ``warmup()``.
+`plan_request` turns a request (prompt, n, size, steps, guidance, seed) or a request carrying its
+`ShapeKey` into the pipeline's keyword arguments, `generate` runs it, `warmup_pipeline` runs the
+pipeline once per shape key inside every runner's ``warmup()``. What differs between families is their
+record in `bcg.diffusers.families`.
 
 Qwen-Image trims its text embeddings to the longest prompt, so each prompt length would be a transformer
 signature of its own: `plan_request` makes such a pipeline pad embeddings and mask to
@@ -18,10 +19,11 @@ from typing import Any, Iterable
 
 import torch
 
-from bcg.diffusers.buckets import ShapeKey, buckets_up_to, check_shape, parse_plan, parse_size
-from bcg.diffusers.buckets import prompt_bucket as _bucket_for
 from bcg.diffusers.accelerated import pipeline_runners
 from bcg.diffusers.breaks import unwrap_runner
+from bcg.diffusers.buckets import ShapeKey, buckets_up_to, check_shape, parse_plan, parse_size, request_shape_key
+from bcg.diffusers.buckets import prompt_bucket as _bucket_for
+from bcg.diffusers.families import family_named, family_of
 
 logger = logging.getLogger(__name__)
 
@@ -29,19 +31,6 @@ __all__ = ["count_prompt_tokens", "generate", "pipeline_info", "plan_request", "
 
 # --------------------------------------------------------------------------------------------------
 # pipeline facts
-
-_FAMILIES = {
-    "FluxPipeline": "flux", "StableDiffusion3Pipeline": "sd3", "PixArtSigmaPipeline": "pixart",
-    "PixArtAlphaPipeline": "pixart", "SanaPipeline": "sana", "WanPipeline": "wan", "QwenImagePipeline": "qwen-image",
-}
-# Families that run the negative branch as a second transformer call (the others batch it).
-_CFG_SEPARATE = {"flux", "wan", "qwen-image"}
-# The tokenizer whose padding length is `max_sequence_length` (the prompt-bucketed input).
-_BUCKET_TOKENIZER = {"flux": "tokenizer_2", "sd3": "tokenizer_3", "pixart": "tokenizer", "sana": "tokenizer",
-                     "wan": "tokenizer", "qwen-image": "tokenizer"}
-# The call argument that is the CFG scale where it is not `guidance_scale` (Qwen-Image's `guidance_scale`
-# is an input for guidance-distilled transformers, which it ignores otherwise).
-_CFG_SCALE_ARG = {"qwen-image": "true_cfg_scale"}
 
 
 def _call_defaults(pipe) -> dict:
@@ -58,35 +47,35 @@ def _call_defaults(pipe) -> dict:
 
 def pipeline_info(pipe) -> dict:
     """Plain facts the serving layer needs: family, size multiple, defaults, prompt buckets, video or not."""
-    family = _FAMILIES.get(type(pipe).__name__, "generic")
+    family = family_of(pipe)
     defaults = _call_defaults(pipe)
     transformer = unwrap_runner(getattr(pipe, "transformer", None))
     config = getattr(transformer, "config", None)
     patch = getattr(config, "patch_size", 1) or 1
     patch = patch[-1] if isinstance(patch, (tuple, list)) else patch
-    is_video = "num_frames" in defaults["__params__"]
+    is_video = family.video if family.video is not None else "num_frames" in defaults["__params__"]
     if is_video:
         spatial = getattr(pipe, "vae_scale_factor_spatial", 8)
     else:
         spatial = getattr(pipe, "vae_scale_factor", 8)
-    size_multiple = spatial * (2 if family == "flux" else patch)
+    size_multiple = spatial * (family.latent_packing or patch)
     height, width = defaults.get("height"), defaults.get("width")
     if not isinstance(height, int) or not isinstance(width, int):
         sample = getattr(pipe, "default_sample_size", None) or getattr(config, "sample_size", 64)
         height = width = int(sample) * spatial
     max_tokens = defaults.get("max_sequence_length")
-    tokenizer = getattr(pipe, _BUCKET_TOKENIZER.get(family, "tokenizer"), None)
+    tokenizer = getattr(pipe, family.prompt_tokenizer, None)
     buckets = buckets_up_to(max_tokens) if isinstance(max_tokens, int) and tokenizer is not None else ()
-    guidance = defaults.get(_CFG_SCALE_ARG.get(family, "guidance_scale"))
+    guidance = defaults.get(family.cfg.scale_arg)
     return {
-        "family": family,
+        "family": family.name,
         "pipeline_class": type(pipe).__name__,
         "is_video": is_video,
         "size_multiple": int(size_multiple),
         "default_size": f"{width}x{height}",
         "default_steps": defaults.get("num_inference_steps"),
         "default_guidance": float(guidance) if isinstance(guidance, (int, float)) else None,
-        "cfg_calls": "separate" if family in _CFG_SEPARATE else "batched",
+        "cfg_calls": "separate" if family.cfg.separate_calls else "batched",
         "max_prompt_tokens": max_tokens if isinstance(max_tokens, int) else None,
         "prompt_buckets": list(buckets),
         "frame_multiple": getattr(pipe, "vae_scale_factor_temporal", None) if is_video else None,
@@ -97,13 +86,14 @@ def pipeline_info(pipe) -> dict:
 def count_prompt_tokens(pipe, prompt: str, info: dict | None = None) -> int | None:
     """Tokens of `prompt` (special tokens included) in the tokenizer that `max_sequence_length` pads.
 
-    For Qwen-Image: the tokens of its embeddings, the chat-templated prompt less the dropped template prefix.
+    For a family whose pipeline wraps prompts in a chat template (Qwen-Image): the tokens of its
+    embeddings, the templated prompt less the template prefix the pipeline drops.
     """
-    info = info or pipeline_info(pipe)
-    tokenizer = getattr(pipe, _BUCKET_TOKENIZER.get(info["family"], "tokenizer"), None)
+    family = family_named((info or pipeline_info(pipe))["family"])
+    tokenizer = getattr(pipe, family.prompt_tokenizer, None)
     if tokenizer is None:
         return None
-    if info["family"] == "qwen-image":
+    if family.prompt_template:
         text = pipe.prompt_template_encode.format(prompt)
         ids = tokenizer(text, add_special_tokens=True, truncation=False, verbose=False)["input_ids"]
         return len(ids) - pipe.prompt_template_encode_start_idx
@@ -151,7 +141,8 @@ def plan_request(
     pipe,
     prompt: str,
     *,
-    n: int = 1,
+    key: ShapeKey | str | None = None,
+    n: int | None = None,
     size: str | None = None,
     num_frames: int | None = None,
     steps: int | None = None,
@@ -165,61 +156,52 @@ def plan_request(
 ) -> tuple[ShapeKey, dict]:
     """Validate a request; return its `ShapeKey` and the keyword arguments for ``pipe(**kwargs)``.
 
-    size is ``"WxH"`` (default: the pipeline's). guidance is the model's guidance knob: the CFG scale
-    (CFG runs when > 1) for SD3/PixArt/Sana/Wan, and for Qwen-Image (its ``true_cfg_scale``; the negative
-    prompt defaults to ``" "``); for Flux the embedded guidance, or the true-CFG scale
-    when a `negative_prompt` is given. Qwen-Image's pipeline is made to pad its prompt embeddings to
-    ``max_sequence_length`` (see `_padded_encode_prompt`). Prompt buckets (on by default) set ``max_sequence_length`` to the
-    smallest bucket holding the prompt; `prompt_bucket` forces one; ``prompt_buckets=False`` keeps the
-    pipeline's default length (key without ``.p``). Nothing runs on a device here.
+    A request that carries its `key` (computed where it entered, see `request_shape_key`) runs at that
+    key: size, n, frames and prompt bucket come from it, and those the call gives as well must agree
+    with it, as must whether its guidance runs CFG, else ``ValueError``. Without a key, the key is
+    computed here: size is ``"WxH"`` (default: the pipeline's); prompt buckets (on by default) set
+    ``max_sequence_length`` to the smallest bucket holding the prompt, `prompt_bucket` forces one,
+    ``prompt_buckets=False`` keeps the pipeline's default length (key without ``.p``).
+
+    guidance is the model's guidance knob, read by the family's `CfgRule`: the CFG scale (CFG runs
+    when > 1) for SD3/PixArt/Sana/Wan and Qwen-Image (its ``true_cfg_scale``; the negative prompt
+    defaults to ``" "``); for Flux the embedded guidance, or the true-CFG scale when a
+    `negative_prompt` is given. Qwen-Image's pipeline is made to pad its prompt embeddings to
+    ``max_sequence_length`` (see `_padded_encode_prompt`). Nothing runs on a device here.
     """
     info = info or pipeline_info(pipe)
+    family = family_named(info["family"])
     if not isinstance(prompt, str) or not prompt:
         raise ValueError("prompt must be a non-empty string")
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ValueError(f"n must be a positive int, got {n!r}")
-    width, height = parse_size(size or info["default_size"])
-    frames = num_frames if num_frames is not None else info["default_frames"] if info["is_video"] else 1
-    family = info["family"]
-    kwargs: dict[str, Any] = {"prompt": prompt, "height": height, "width": width, "output_type": output_type}
-    if family == "flux":
-        cfg = negative_prompt is not None and (guidance is None or guidance > 1)
-        if cfg:
-            kwargs.update(negative_prompt=negative_prompt, true_cfg_scale=float(guidance or 4.0))
-        elif guidance is not None:
-            kwargs["guidance_scale"] = float(guidance)
-    elif family == "qwen-image":
-        scale = guidance if guidance is not None else info["default_guidance"]
-        cfg = scale is not None and scale > 1
-        kwargs["true_cfg_scale"] = float(scale) if scale is not None else 1.0
-        if cfg:
-            kwargs["negative_prompt"] = negative_prompt if negative_prompt is not None else " "
-        _pad_prompts(pipe)
+    if key is None:
+        if prompt_bucket is None and prompt_buckets and info["prompt_buckets"]:
+            allowed = info["prompt_buckets"] if prompt_buckets is True else \
+                buckets_up_to(info["max_prompt_tokens"], prompt_buckets)
+            tokens = count_prompt_tokens(pipe, prompt, info)
+            prompt_bucket = _bucket_for(tokens, allowed) if tokens is not None else None
+        key = request_shape_key(info, size=size, n=1 if n is None else n, guidance=guidance,
+                                negative_prompt=negative_prompt, num_frames=num_frames, prompt_bucket=prompt_bucket)
     else:
-        scale = guidance if guidance is not None else info["default_guidance"]
-        cfg = scale is not None and scale > 1
-        if scale is not None:
-            kwargs["guidance_scale"] = float(scale)
-        if cfg and negative_prompt is not None:
-            kwargs["negative_prompt"] = negative_prompt
-    if prompt_bucket is None and prompt_buckets and info["prompt_buckets"]:
-        allowed = info["prompt_buckets"] if prompt_buckets is True else \
-            buckets_up_to(info["max_prompt_tokens"], prompt_buckets)
-        tokens = count_prompt_tokens(pipe, prompt, info)
-        prompt_bucket = _bucket_for(tokens, allowed) if tokens is not None else None
-    if prompt_bucket is not None:
+        key = ShapeKey.parse(key)
+        _check_agrees(key, size=size, n=n, num_frames=num_frames, prompt_bucket=prompt_bucket)
+    cfg, guidance_kwargs = family.cfg.call_kwargs(guidance, negative_prompt, info["default_guidance"])
+    if cfg != key.cfg:
+        raise ValueError(f"shape key {key.key} {'runs' if key.cfg else 'runs no'} CFG, but on {family.name} "
+                         f"guidance={guidance!r} with negative_prompt={negative_prompt!r} "
+                         f"{'does' if cfg else 'does not'}")
+    check_shape(key, info["size_multiple"], frame_multiple=info["frame_multiple"] if info["is_video"] else None)
+    kwargs: dict[str, Any] = {"prompt": prompt, "height": key.height, "width": key.width,
+                              "output_type": output_type, **guidance_kwargs, **family.fixed_kwargs}
+    if key.prompt_bucket is not None:
         if not info["max_prompt_tokens"]:
             raise ValueError(f"{info['pipeline_class']} takes no max_sequence_length; use prompt_buckets=False")
-        kwargs["max_sequence_length"] = int(prompt_bucket)
-    key = ShapeKey(height=height, width=width, num_frames=frames, batch_size=n, cfg=cfg, prompt_bucket=prompt_bucket)
-    check_shape(key, info["size_multiple"], frame_multiple=info["frame_multiple"] if info["is_video"] else None)
+        kwargs["max_sequence_length"] = key.prompt_bucket
+    if family.trims_prompt_embeds:
+        _pad_prompts(pipe)
     if info["is_video"]:
-        kwargs.update(num_frames=frames, num_videos_per_prompt=n)
+        kwargs.update(num_frames=key.num_frames, num_videos_per_prompt=key.batch_size)
     else:
-        kwargs["num_images_per_prompt"] = n
-    if family in ("pixart", "sana"):
-        # exact sizes (no aspect-ratio bins) and no caption cleaning (needs bs4/ftfy, changes prompts)
-        kwargs.update(use_resolution_binning=False, clean_caption=False)
+        kwargs["num_images_per_prompt"] = key.batch_size
     if steps is not None:
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
             raise ValueError(f"steps (num_inference_steps) must be a positive int, got {steps!r}")
@@ -228,6 +210,17 @@ def plan_request(
         # a CPU generator: the same seed gives the same image on every device and with or without graphs
         kwargs["generator"] = torch.Generator("cpu").manual_seed(int(seed))
     return key, kwargs
+
+
+def _check_agrees(key: ShapeKey, **given) -> None:
+    """Raise when a request field given beside its shape key contradicts the key."""
+    carried = {"size": key.size, "n": key.batch_size, "num_frames": key.num_frames,
+               "prompt_bucket": key.prompt_bucket}
+    if given["size"] is not None:
+        given["size"] = "{}x{}".format(*parse_size(given["size"]))
+    wrong = [f"{name}={value!r}" for name, value in given.items() if value is not None and value != carried[name]]
+    if wrong:
+        raise ValueError(f"request fields {', '.join(wrong)} disagree with its shape key {key.key}")
 
 
 def generate(pipe, prompt: str, **request) -> list:
@@ -242,21 +235,10 @@ def generate(pipe, prompt: str, **request) -> list:
 
 
 def _warmup_request(pipe, key: ShapeKey, info: dict, steps: int, prompt: str) -> dict:
-    guidance, negative = None, None
-    if info["family"] == "flux":
-        negative = "" if key.cfg else None
-    else:
-        default = info["default_guidance"]
-        guidance = (default if default and default > 1 else 4.0) if key.cfg else 1.0
-    planned, kwargs = plan_request(
-        pipe, prompt, n=key.batch_size, size=key.size, num_frames=key.num_frames if info["is_video"] else None,
-        steps=steps, guidance=guidance, seed=0, negative_prompt=negative, prompt_buckets=False,
-        prompt_bucket=key.prompt_bucket, output_type="np", info=info,
-    )
-    if planned != key:
-        raise ValueError(f"shape key {key.key} cannot be reproduced on {info['pipeline_class']} "
-                         f"(a request for it plans {planned.key})")
-    return kwargs
+    """The call arguments of a request at `key`: its guidance runs CFG exactly when the key does."""
+    guidance, negative = family_named(info["family"]).cfg.request_for(key.cfg, info["default_guidance"])
+    return plan_request(pipe, prompt, key=key, steps=steps, guidance=guidance, negative_prompt=negative,
+                        seed=0, output_type="np", info=info)[1]
 
 
 def warmup_pipeline(pipe, plan, num_inference_steps: int = 2, prompt: str = "a photo of a cat") -> dict:

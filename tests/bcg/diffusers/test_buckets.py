@@ -1,8 +1,8 @@
-"""ShapeKey strings, parsing, prompt buckets and shape validation."""
+"""ShapeKey strings, parsing, prompt buckets, shape validation and the shape key of a request."""
 import pytest
 
 from bcg.diffusers.buckets import (
-    PROMPT_BUCKETS, ShapeKey, buckets_up_to, check_shape, parse_plan, parse_size, prompt_bucket,
+    PROMPT_BUCKETS, ShapeKey, buckets_up_to, check_shape, parse_plan, parse_size, prompt_bucket, request_shape_key,
 )
 
 
@@ -67,21 +67,49 @@ def test_check_shape_names_the_multiple_and_a_fix():
         check_shape(ShapeKey(height=7, width=1000), 16)
 
 
-def test_check_shape_frames_batch_and_buckets():
+def test_check_shape_frames():
     check_shape(ShapeKey(64, 64, num_frames=9), 16, frame_multiple=4)
     with pytest.raises(ValueError, match=r"k\*4\+1 \(e.g. 5 or 9\)"):
         check_shape(ShapeKey(64, 64, num_frames=8), 16, frame_multiple=4)
     with pytest.raises(ValueError, match="num_frames must be 1"):
         check_shape(ShapeKey(64, 64, num_frames=5), 16)
-    with pytest.raises(ValueError, match="at most 4"):
-        check_shape(ShapeKey(64, 64, batch_size=5), 16, max_batch_size=4)
-    with pytest.raises(ValueError, match="prompt bucket must be one of"):
-        check_shape(ShapeKey(64, 64, prompt_bucket=100), 16, prompt_buckets=(32, 64, 128))
-    with pytest.raises(ValueError, match="pixels"):
-        check_shape(ShapeKey(2048, 2048), 16, max_pixels=1024 * 1024)
 
 
 def test_parse_plan_from_strings_and_keys():
     plan = parse_plan(["256x256", ShapeKey(512, 512, cfg=True), "256x256", "512x512.cfg"])
     assert [k.key for k in plan] == ["256x256", "512x512.cfg"]
     assert [k.key for k in parse_plan("64x64, 128x64.b2")] == ["64x64", "128x64.b2"]
+
+
+# What pipeline_info says of the built-in pipelines, as far as a request's key depends on it.
+FLUX = {"family": "flux", "default_size": "1024x1024", "is_video": False, "default_frames": 1,
+        "default_guidance": 3.5}
+SD3 = {**FLUX, "family": "sd3", "default_guidance": 7.0}
+WAN = {"family": "wan", "default_size": "832x480", "is_video": True, "default_frames": 81,
+       "default_guidance": 5.0}
+QWEN = {**FLUX, "family": "qwen-image", "default_guidance": 4.0}
+
+
+def test_request_shape_key_defaults_come_from_the_pipeline():
+    assert request_shape_key(FLUX).key == "1024x1024"
+    assert request_shape_key(WAN, size="64x32").key == "64x32.f81.cfg"
+    assert request_shape_key(WAN, size="64x32", num_frames=9, guidance=1.0, n=2).key == "64x32.f9.b2"
+    assert request_shape_key(SD3, size="128x64", prompt_bucket=64).key == "128x64.cfg.p64"
+    with pytest.raises(ValueError, match="n must be a positive int"):
+        request_shape_key(SD3, n=0)
+    with pytest.raises(ValueError, match="WxH"):
+        request_shape_key(SD3, size="64")
+
+
+@pytest.mark.parametrize("info, guidance, negative, cfg", [
+    (FLUX, None, None, False),        # Flux: guidance is embedded; CFG needs a negative prompt
+    (FLUX, 7.0, None, False),
+    (FLUX, None, "", True),
+    (FLUX, 1.0, "blurry", False),
+    (SD3, None, None, True),          # the pipeline's default scale (7) runs CFG
+    (SD3, 1.0, "blurry", False),
+    (QWEN, None, None, True),         # true_cfg_scale 4 with the default negative prompt " "
+    (QWEN, 1.0, None, False),
+])
+def test_request_shape_key_follows_the_family_cfg_rule(info, guidance, negative, cfg):
+    assert request_shape_key(info, size="64x64", guidance=guidance, negative_prompt=negative).cfg is cfg

@@ -1,0 +1,150 @@
+"""Model families: one record per diffusers pipeline family, all the serving layer knows of it.
+
+A `ModelFamily` says how a request becomes a call of that family's pipeline:
+
+- its CFG rule (`CfgRule`): which call argument is the CFG scale, whether CFG needs a negative prompt,
+  whether the negative branch is a second transformer call or batched into the first;
+- its size multiple: the VAE's spatial factor times `latent_packing` (Flux packs 2x2 latents) or, when
+  that is None, the transformer's patch size;
+- its prompt bucketing: the tokenizer whose padding length is ``max_sequence_length``, whether prompt
+  tokens are counted inside a chat template, whether the pipeline trims its text embeddings (then
+  `bcg.diffusers.plan_request` pads them to the bucket);
+- frames (`video`), call arguments it always needs (`fixed_kwargs`), and the step-wise batching hooks
+  of continuous batching (`batching`, None until a family has them).
+
+The size default and the defaults of the call (steps, guidance, frames) are the pipeline's own and are
+read from it by `bcg.diffusers.pipeline_info`. `family_of(pipe)` finds a pipeline's record by its class
+name; a pipeline of no known family gets `GENERIC`. A new family is one record here plus its built-in
+tiny pipeline in `bcg.diffusers.models` (the name in `builtin`). No torch or diffusers import: the
+ingress reads these records.
+"""
+from __future__ import annotations
+
+import dataclasses
+from types import MappingProxyType
+from typing import Any, Mapping, Optional, Protocol, Sequence, runtime_checkable
+
+__all__ = ["FAMILIES", "GENERIC", "BatchingHooks", "CfgRule", "ModelFamily", "family_named", "family_of"]
+
+# The CFG scale a request for a CFG shape key gets when the pipeline's default scale would not run CFG.
+DEFAULT_CFG_SCALE = 4.0
+
+
+@dataclasses.dataclass(frozen=True)
+class CfgRule:
+    """How a request's ``guidance`` (and negative prompt) turn into classifier-free guidance.
+
+    Without `embedded_arg`, CFG runs when the scale (the request's, else the pipeline's default) is
+    above 1. With it (Flux), ``guidance`` is the transformer's embedded guidance, and CFG runs only when
+    the request brings a negative prompt, with ``guidance`` (default `DEFAULT_CFG_SCALE`) as its scale.
+    """
+
+    scale_arg: str = "guidance_scale"             # the call argument that is the CFG scale
+    embedded_arg: Optional[str] = None            # the call argument of embedded guidance, if any
+    default_negative_prompt: Optional[str] = None # the negative prompt CFG uses when a request has none
+    separate_calls: bool = False                  # the negative branch is a second transformer call
+
+    def call_kwargs(self, guidance: Optional[float], negative_prompt: Optional[str],
+                    default_scale: Optional[float]) -> tuple[bool, dict]:
+        """``(cfg, kwargs)``: whether the request runs CFG, and the guidance arguments of its call."""
+        if self.embedded_arg is not None:
+            cfg = negative_prompt is not None and (guidance is None or guidance > 1)
+            if not cfg:
+                return False, ({} if guidance is None else {self.embedded_arg: float(guidance)})
+            scale = guidance or DEFAULT_CFG_SCALE
+        else:
+            scale = guidance if guidance is not None else default_scale
+            cfg = scale is not None and scale > 1
+            if scale is None:
+                return False, {}
+        kwargs: dict = {self.scale_arg: float(scale)}
+        negative = negative_prompt if negative_prompt is not None else self.default_negative_prompt
+        if cfg and negative is not None:
+            kwargs["negative_prompt"] = negative
+        return cfg, kwargs
+
+    def runs_cfg(self, guidance: Optional[float], negative_prompt: Optional[str],
+                 default_scale: Optional[float]) -> bool:
+        return self.call_kwargs(guidance, negative_prompt, default_scale)[0]
+
+    def request_for(self, cfg: bool, default_scale: Optional[float]) -> tuple[Optional[float], Optional[str]]:
+        """``(guidance, negative_prompt)`` of a request that runs CFG exactly when `cfg` (warmup's requests)."""
+        if self.embedded_arg is not None:
+            return None, ("" if cfg else None)
+        if not cfg:
+            return 1.0, None
+        return (default_scale if default_scale and default_scale > 1 else DEFAULT_CFG_SCALE), None
+
+
+@runtime_checkable
+class BatchingHooks(Protocol):
+    """What a step-wise batching engine (issue 14, ``bcg.diffusers.batching``) needs of a family.
+
+    Requests of one shape key share a denoising loop: each is prepared alone (its prompt embeddings,
+    latents, scheduler state and generator), joins the running batch at a step boundary, and leaves
+    when its steps are done. A family without hooks runs one pipeline call per request.
+    """
+
+    def prepare(self, pipe: Any, kwargs: Mapping[str, Any]) -> Any:
+        """One request's state, from the call arguments `bcg.diffusers.plan_request` made for it."""
+
+    def step(self, pipe: Any, states: Sequence[Any]) -> None:
+        """One denoising step of every state in `states` (same shape key), as one transformer batch."""
+
+    def finish(self, pipe: Any, state: Any) -> Any:
+        """The decoded output of a request whose steps are done."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelFamily:
+    """One family of diffusers pipelines; see the module docstring for each part."""
+
+    name: str
+    pipeline_classes: tuple[str, ...]
+    builtin: Optional[str] = None                 # the built-in tiny pipeline (bcg.diffusers.models)
+    cfg: CfgRule = CfgRule()
+    latent_packing: Optional[int] = None          # None: the transformer's patch size
+    prompt_tokenizer: str = "tokenizer"           # its padding length is max_sequence_length
+    prompt_template: bool = False                 # tokens counted in the chat template, less its prefix
+    trims_prompt_embeds: bool = False             # embeddings trimmed to the prompt: pad them to the bucket
+    video: Optional[bool] = False                 # None: video when the call takes num_frames
+    fixed_kwargs: Mapping[str, Any] = dataclasses.field(default_factory=lambda: MappingProxyType({}), hash=False)
+    batching: Optional[BatchingHooks] = None
+
+
+# Exact sizes (no aspect-ratio bins) and prompts as given (caption cleaning needs bs4/ftfy).
+_EXACT = MappingProxyType({"use_resolution_binning": False, "clean_caption": False})
+
+GENERIC = ModelFamily("generic", (), video=None)
+
+FAMILIES: dict[str, ModelFamily] = {f.name: f for f in (
+    ModelFamily("flux", ("FluxPipeline",), builtin="tiny-flux",
+                cfg=CfgRule(scale_arg="true_cfg_scale", embedded_arg="guidance_scale", separate_calls=True),
+                latent_packing=2, prompt_tokenizer="tokenizer_2"),
+    ModelFamily("sd3", ("StableDiffusion3Pipeline",), builtin="tiny-sd3", prompt_tokenizer="tokenizer_3"),
+    ModelFamily("pixart", ("PixArtSigmaPipeline", "PixArtAlphaPipeline"), builtin="tiny-pixart",
+                fixed_kwargs=_EXACT),
+    ModelFamily("sana", ("SanaPipeline",), builtin="tiny-sana", fixed_kwargs=_EXACT),
+    ModelFamily("wan", ("WanPipeline",), builtin="tiny-wan", cfg=CfgRule(separate_calls=True), video=True),
+    # Qwen-Image's `guidance_scale` feeds guidance-distilled transformers only; `true_cfg_scale` is CFG.
+    ModelFamily("qwen-image", ("QwenImagePipeline",), builtin="tiny-qwen-image",
+                cfg=CfgRule(scale_arg="true_cfg_scale", default_negative_prompt=" ", separate_calls=True),
+                prompt_template=True, trims_prompt_embeds=True),
+    GENERIC,
+)}
+
+_BY_CLASS = {cls: family for family in FAMILIES.values() for cls in family.pipeline_classes}
+
+
+def family_of(pipe) -> ModelFamily:
+    """The family of a pipeline (instance or class), by class name; `GENERIC` when none claims it."""
+    cls = pipe if isinstance(pipe, type) else type(pipe)
+    return _BY_CLASS.get(cls.__name__, GENERIC)
+
+
+def family_named(name: str) -> ModelFamily:
+    """The family called `name` (``pipeline_info(pipe)["family"]``)."""
+    try:
+        return FAMILIES[name]
+    except KeyError:
+        raise ValueError(f"unknown model family {name!r}; known: {', '.join(FAMILIES)}") from None

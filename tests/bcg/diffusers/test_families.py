@@ -1,0 +1,70 @@
+"""Model-family records: every family has its built-in pipeline, and each CFG rule inverts for warmup."""
+import pytest
+
+from bcg.diffusers import pipeline_info, plan_request
+from bcg.diffusers.families import FAMILIES, GENERIC, BatchingHooks, family_named, family_of
+from bcg.diffusers.models import BUILTIN_MODELS, load_pipeline
+
+NAMED = [f for f in FAMILIES.values() if f is not GENERIC]
+
+
+def test_every_family_names_a_builtin_pipeline_of_its_own_class():
+    assert sorted(f.builtin for f in NAMED) == sorted(BUILTIN_MODELS)
+    for family in NAMED:
+        pipe = load_pipeline(family.builtin)
+        assert family_of(pipe) is family and type(pipe).__name__ in family.pipeline_classes
+        assert pipeline_info(pipe)["family"] == family.name
+        assert hasattr(pipe, family.prompt_tokenizer)
+
+
+def test_unknown_pipelines_are_generic_and_unknown_names_are_errors():
+    class MyPipeline:
+        pass
+
+    assert family_of(MyPipeline()) is GENERIC and family_of(MyPipeline) is GENERIC
+    assert family_named("generic") is GENERIC
+    with pytest.raises(ValueError, match="known: flux"):
+        family_named("flux2")
+
+
+@pytest.mark.parametrize("family", NAMED, ids=lambda f: f.name)
+@pytest.mark.parametrize("default_scale", [None, 1.0, 3.5, 7.0])
+@pytest.mark.parametrize("cfg", [False, True])
+def test_the_request_a_cfg_rule_makes_for_a_key_runs_cfg_as_the_key_says(family, default_scale, cfg):
+    guidance, negative = family.cfg.request_for(cfg, default_scale)
+    ran, kwargs = family.cfg.call_kwargs(guidance, negative, default_scale)
+    assert ran is cfg and family.cfg.runs_cfg(guidance, negative, default_scale) is cfg
+    assert ("negative_prompt" in kwargs) is (cfg and (negative is not None or family.cfg.default_negative_prompt
+                                                     is not None))
+    if cfg:
+        assert kwargs[family.cfg.scale_arg] > 1
+
+
+def test_a_request_carrying_its_key_runs_at_it_and_contradictions_are_errors():
+    pipe = load_pipeline("tiny-sd3")
+    key, kwargs = plan_request(pipe, "a cat", key="128x64.b2.cfg.p64", size="128x64", n=2, steps=1)
+    assert key.key == "128x64.b2.cfg.p64"
+    assert (kwargs["width"], kwargs["height"], kwargs["num_images_per_prompt"]) == (128, 64, 2)
+    assert kwargs["max_sequence_length"] == 64 and kwargs["guidance_scale"] > 1
+    with pytest.raises(ValueError, match=r"n=1 disagree"):
+        plan_request(pipe, "a cat", key="128x64.b2.cfg", n=1)
+    with pytest.raises(ValueError, match=r"size='64x64' disagree"):
+        plan_request(pipe, "a cat", key="128x64.cfg", size="64x64")
+    with pytest.raises(ValueError, match="runs no CFG"):
+        plan_request(pipe, "a cat", key="128x64")            # the default scale 7 runs CFG
+
+
+def test_families_leave_a_typed_place_for_batching_hooks():
+    assert all(f.batching is None for f in FAMILIES.values())
+
+    class Hooks:
+        def prepare(self, pipe, kwargs):
+            return kwargs
+
+        def step(self, pipe, states):
+            pass
+
+        def finish(self, pipe, state):
+            return state
+
+    assert isinstance(Hooks(), BatchingHooks)
