@@ -9,8 +9,8 @@ A `ModelFamily` says how a request becomes a call of that family's pipeline:
 - its prompt bucketing: the tokenizer whose padding length is ``max_sequence_length``, whether prompt
   tokens are counted inside a chat template, whether the pipeline trims its text embeddings (then
   `bcg.diffusers.plan_request` pads them to the bucket);
-- frames (`video`), call arguments it always needs (`fixed_kwargs`), and the step-wise batching hooks
-  of continuous batching (`batching`, None until a family has them).
+- frames (`video`), call arguments it always needs (`fixed_kwargs`), and where its step-wise batching
+  hooks are (`batching`, for `bcg.diffusers.batching`; None: one pipeline call per request).
 
 The size default and the defaults of the call (steps, guidance, frames) are the pipeline's own and are
 read from it by `bcg.diffusers.pipeline_info`. `family_of(pipe)` finds a pipeline's record by its class
@@ -21,6 +21,7 @@ ingress reads these records.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 from types import MappingProxyType
 from typing import Any, Mapping, Optional, Protocol, Sequence, runtime_checkable
 
@@ -78,20 +79,29 @@ class CfgRule:
 
 @runtime_checkable
 class BatchingHooks(Protocol):
-    """What a step-wise batching engine (issue 14, ``bcg.diffusers.batching``) needs of a family.
+    """What the step-wise batching engine (`bcg.diffusers.batching.StepBatcher`) needs of a family.
 
     Requests of one shape key share a denoising loop: each is prepared alone (its prompt embeddings,
-    latents, scheduler state and generator), joins the running batch at a step boundary, and leaves
-    when its steps are done. A family without hooks runs one pipeline call per request.
+    latents, scheduler and generator), joins the running batch at a step boundary and leaves decoded
+    when its steps are done. `bcg.diffusers.step_families` implements these for the flow-matching
+    families. A family without hooks runs one pipeline call per request.
     """
 
-    def prepare(self, pipe: Any, kwargs: Mapping[str, Any]) -> Any:
+    name: str
+
+    def batchable(self, kwargs: dict) -> Optional[str]:
+        """None when a request's call arguments can run step-wise, else why it runs alone."""
+
+    def prepare(self, pipe: Any, kwargs: dict) -> Any:
         """One request's state, from the call arguments `bcg.diffusers.plan_request` made for it."""
 
-    def step(self, pipe: Any, states: Sequence[Any]) -> None:
-        """One denoising step of every state in `states` (same shape key), as one transformer batch."""
+    def forward(self, pipe: Any, states: list, bucket: int) -> list:
+        """The noise prediction of every state, rows of all states in one transformer batch of `bucket` rows."""
 
-    def finish(self, pipe: Any, state: Any) -> Any:
+    def step(self, pipe: Any, states: list, bucket: Optional[int] = None) -> None:
+        """`forward`, then each state's scheduler step."""
+
+    def finish(self, pipe: Any, state: Any) -> list:
         """The decoded output of a request whose steps are done."""
 
 
@@ -109,19 +119,30 @@ class ModelFamily:
     trims_prompt_embeds: bool = False             # embeddings trimmed to the prompt: pad them to the bucket
     video: Optional[bool] = False                 # None: video when the call takes num_frames
     fixed_kwargs: Mapping[str, Any] = dataclasses.field(default_factory=lambda: MappingProxyType({}), hash=False)
-    batching: Optional[BatchingHooks] = None
+    # "module:Class" of its BatchingHooks: imported when first asked for, as the hooks need torch
+    batching: Optional[str] = None
+
+    def batching_hooks(self) -> Optional[BatchingHooks]:
+        """A new instance of this family's step-wise batching hooks; None when it has none."""
+        if self.batching is None:
+            return None
+        module, _, name = self.batching.partition(":")
+        return getattr(importlib.import_module(module), name)()
 
 
 # Exact sizes (no aspect-ratio bins) and prompts as given (caption cleaning needs bs4/ftfy).
 _EXACT = MappingProxyType({"use_resolution_binning": False, "clean_caption": False})
+
+_STEPS = "bcg.diffusers.step_families:"
 
 GENERIC = ModelFamily("generic", (), video=None)
 
 FAMILIES: dict[str, ModelFamily] = {f.name: f for f in (
     ModelFamily("flux", ("FluxPipeline",), builtin="tiny-flux",
                 cfg=CfgRule(scale_arg="true_cfg_scale", embedded_arg="guidance_scale", separate_calls=True),
-                latent_packing=2, prompt_tokenizer="tokenizer_2"),
-    ModelFamily("sd3", ("StableDiffusion3Pipeline",), builtin="tiny-sd3", prompt_tokenizer="tokenizer_3"),
+                latent_packing=2, prompt_tokenizer="tokenizer_2", batching=_STEPS + "FluxStepFamily"),
+    ModelFamily("sd3", ("StableDiffusion3Pipeline",), builtin="tiny-sd3", prompt_tokenizer="tokenizer_3",
+                batching=_STEPS + "SD3StepFamily"),
     ModelFamily("pixart", ("PixArtSigmaPipeline", "PixArtAlphaPipeline"), builtin="tiny-pixart",
                 fixed_kwargs=_EXACT),
     ModelFamily("sana", ("SanaPipeline",), builtin="tiny-sana", fixed_kwargs=_EXACT),
@@ -137,9 +158,10 @@ _BY_CLASS = {cls: family for family in FAMILIES.values() for cls in family.pipel
 
 
 def family_of(pipe) -> ModelFamily:
-    """The family of a pipeline (instance or class), by class name; `GENERIC` when none claims it."""
+    """The family of a pipeline (instance or class) by the name of its class or of a base class (an
+    accelerated pipeline may subclass its own); `GENERIC` when none claims it."""
     cls = pipe if isinstance(pipe, type) else type(pipe)
-    return _BY_CLASS.get(cls.__name__, GENERIC)
+    return next((_BY_CLASS[c.__name__] for c in cls.__mro__ if c.__name__ in _BY_CLASS), GENERIC)
 
 
 def family_named(name: str) -> ModelFamily:

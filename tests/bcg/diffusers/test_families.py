@@ -54,17 +54,12 @@ def test_a_request_carrying_its_key_runs_at_it_and_contradictions_are_errors():
         plan_request(pipe, "a cat", key="128x64")            # the default scale 7 runs CFG
 
 
-def test_families_leave_a_typed_place_for_batching_hooks():
-    assert all(f.batching is None for f in FAMILIES.values())
-
-    class Hooks:
-        def prepare(self, pipe, kwargs):
-            return kwargs
-
-        def step(self, pipe, states):
-            pass
-
-        def finish(self, pipe, state):
-            return state
-
-    assert isinstance(Hooks(), BatchingHooks)
+def test_batching_hooks_are_found_through_the_family_record():
+    from bcg.diffusers.step_families import step_family_for
+    batched = {f.name for f in FAMILIES.values() if f.batching is not None}
+    assert batched == {"flux", "sd3"}
+    for family in NAMED:
+        hooks = family.batching_hooks()
+        found = step_family_for(load_pipeline(family.builtin))
+        assert type(hooks) is type(found)
+        assert hooks is None or isinstance(hooks, BatchingHooks)
