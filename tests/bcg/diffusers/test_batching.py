@@ -1,0 +1,302 @@
+"""Continuous batching (`StepBatcher`) on the built-in tiny Flux and SD3 pipelines, CPU float32.
+
+Every request is checked against the image it gets alone from ``pipe(**kwargs)`` with the same seed and
+steps. Alone through the batcher (bucket 1, one request) the transformer sees the pipeline's own inputs:
+bitwise equal. Batched, rows of other requests (and padding rows) share the transformer's matmuls, which
+CPU kernels may block differently for another row count.
+"""
+import concurrent.futures
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from bcg.diffusers.batching import BatcherConfig, StepBatcher
+from bcg.diffusers.models import load_pipeline
+from bcg.diffusers.pipelines import plan_request
+from bcg.diffusers.step_families import FluxStepFamily
+from bcg.runtime.signature import signature_of
+
+SIZE = "64x64"
+# Largest |batched - alone| over the pixels of an image in [0, 1], seen on CPU float32 (torch 2.13,
+# 2 threads) with these models: 3.1e-6 (SD3 with CFG, 3 requests padded to bucket 4), 1.7e-6 (Flux),
+# i.e. the last bits of float32 through a few matmuls. The bound leaves about 3x room; a row that saw
+# another request's inputs, timestep or guidance is off by > 1e-2.
+BATCH_TOLERANCE = 1e-5
+
+
+@pytest.fixture(scope="module")
+def flux():
+    return load_pipeline("tiny-flux")
+
+
+@pytest.fixture(scope="module")
+def sd3():
+    return load_pipeline("tiny-sd3")
+
+
+@pytest.fixture(params=["flux", "sd3"])
+def pipe(request, flux, sd3):
+    return {"flux": flux, "sd3": sd3}[request.param]
+
+
+def _request(prompt, **kw):
+    return {"prompt": prompt, "size": SIZE, "output_type": "np", **kw}
+
+
+REQUESTS = [
+    _request("a photo of a cat", seed=1, steps=3, guidance=3.0),
+    _request("an astronaut riding a horse on the moon, digital art", seed=2, steps=2, guidance=5.0),
+    _request("a dog", seed=3, steps=4, guidance=2.0),
+]
+
+
+def _alone(pipe, request):
+    request = dict(request)
+    _, kwargs = plan_request(pipe, request.pop("prompt"), **request)
+    return np.asarray(pipe(**kwargs).images)
+
+
+def _submit(batcher, request):
+    request = dict(request)
+    return batcher.submit(request.pop("prompt"), **request)
+
+
+def _drain(batcher, futures, max_steps=200):
+    for _ in range(max_steps):
+        if all(f.done() for f in futures):
+            return
+        batcher.step()
+    raise AssertionError("requests not answered")
+
+
+def _diff(future, expected):
+    return float(np.abs(np.asarray(future.result(timeout=0)) - expected).max())
+
+
+def test_alone_is_bitwise_the_pipeline_image(pipe):
+    batcher = StepBatcher(pipe)
+    for request in REQUESTS:
+        future = _submit(batcher, request)
+        _drain(batcher, [future])
+        assert _diff(future, _alone(pipe, request)) == 0.0
+    stats = batcher.stats()
+    assert stats["leaves"] == 3 and stats["batch_size_histogram"] == {1: 9}
+
+
+def test_batched_requests_with_own_seeds_steps_and_guidance_match_their_alone_images(pipe):
+    batcher = StepBatcher(pipe)
+    futures = [_submit(batcher, r) for r in REQUESTS]
+    _drain(batcher, futures)
+    diffs = [_diff(f, _alone(pipe, r)) for f, r in zip(futures, REQUESTS)]
+    assert max(diffs) <= BATCH_TOLERANCE, diffs
+    stats = batcher.stats()
+    # 3 rows for 2 steps (padded to bucket 4), then 2 rows, then the 4-step request alone
+    assert stats["batch_size_histogram"] == {3: 2, 2: 1, 1: 1}
+    assert stats["bucket_histogram"] == {4: 2, 2: 1, 1: 1} and stats["padded_rows"] == 2
+    assert stats["admitted_at_start"] == 3 and stats["leaves"] == 3 and stats["failed"] == 0
+    # the images differ from each other: no row took another's seed or prompt
+    images = [np.asarray(f.result()) for f in futures]
+    assert np.abs(images[0] - images[1]).max() > 1e-2 and np.abs(images[0] - images[2]).max() > 1e-2
+
+
+def test_flux_true_cfg_requests_batch_with_their_own_scales(flux):
+    requests = [_request("a cat", seed=5, steps=2, guidance=2.0, negative_prompt="blurry"),
+                _request("a boat on a calm sea", seed=6, steps=2, guidance=6.0, negative_prompt="dark")]
+    batcher = StepBatcher(flux)
+    futures = [_submit(batcher, r) for r in requests]
+    _drain(batcher, futures)
+    assert max(_diff(f, _alone(flux, r)) for f, r in zip(futures, requests)) <= BATCH_TOLERANCE
+    assert batcher.stats()["batch_size_histogram"] == {2: 2}
+
+
+def test_request_joining_mid_run_leaves_when_its_own_steps_are_done(pipe):
+    long, short = _request("a red chair", seed=7, steps=5), _request("a blue lake", seed=8, steps=2)
+    batcher = StepBatcher(pipe)
+    first = _submit(batcher, long)
+    batcher.step()
+    batcher.step()
+    second = _submit(batcher, short)
+    batcher.step()  # second joins at this step boundary: its step 0, first's step 2
+    assert not first.done() and not second.done()
+    batcher.step()
+    assert second.done() and not first.done()  # it leaves, answered, before the first finishes
+    _drain(batcher, [first])
+    assert _diff(first, _alone(pipe, long)) <= BATCH_TOLERANCE
+    assert _diff(second, _alone(pipe, short)) <= BATCH_TOLERANCE
+    stats = batcher.stats()
+    assert stats["joins_mid_run"] == 1 and stats["admitted_at_start"] == 1
+    assert stats["batch_size_histogram"] == {1: 3, 2: 2} and stats["steps"] == 5
+
+
+def test_max_batch_size_counts_image_rows_and_the_rest_waits(flux):
+    requests = [_request("a cat", seed=1, steps=2, n=2), _request("a dog", seed=2, steps=2),
+                _request("a fox", seed=3, steps=2)]
+    batcher = StepBatcher(flux, max_batch_size=3, batch_buckets=(1, 2, 3))
+    futures = [_submit(batcher, r) for r in requests]
+    batcher.step()
+    assert batcher.load() == {"64x64.p32": {"running_rows": 3, "queued_rows": 1, "free_rows": 0}}
+    _drain(batcher, futures)
+    assert max(_diff(f, _alone(flux, r)) for f, r in zip(futures, requests)) <= BATCH_TOLERANCE
+    assert len(futures[0].result()) == 2
+    assert batcher.stats()["batch_size_histogram"] == {3: 2, 1: 2}
+    assert batcher.load() == {}
+
+
+def test_a_request_failing_in_preparation_fails_alone(flux):
+    good = [_request("a cat", seed=1, steps=2), _request("a dog", seed=2, steps=3)]
+    batcher = StepBatcher(flux)
+    futures = [_submit(batcher, good[0])]
+    key, kwargs = plan_request(flux, "a fox", size=SIZE, steps=2, output_type="np")
+    # two generators for one image: diffusers' prepare_latents refuses it
+    bad = batcher.submit_planned(key, {**kwargs, "generator": [torch.Generator().manual_seed(0)] * 2})
+    futures.append(_submit(batcher, good[1]))
+    _drain(batcher, futures + [bad])
+    with pytest.raises(ValueError, match="list of generators of length 2"):
+        bad.result()
+    assert max(_diff(f, _alone(flux, r)) for f, r in zip(futures, good)) <= BATCH_TOLERANCE
+    stats = batcher.stats()
+    assert stats["failed"] == 1 and stats["leaves"] == 2 and stats["batch_size_histogram"] == {2: 2, 1: 1}
+
+
+class _FailsOnMarkedRows(FluxStepFamily):
+    """Fault injection: the transformer step raises whenever a marked request is in the batch."""
+
+    batch_args = FluxStepFamily.batch_args | {"_mark"}
+
+    def prepare(self, pipe, kwargs):
+        marked = kwargs.pop("_mark", False)
+        state = super().prepare(pipe, kwargs)
+        state.marked = marked
+        return state
+
+    def forward(self, pipe, states, bucket):
+        if any(getattr(s, "marked", False) for s in states):
+            raise RuntimeError("injected transformer failure")
+        return super().forward(pipe, states, bucket)
+
+
+def test_a_failing_batched_step_is_retried_per_request_and_only_the_culprit_fails(flux):
+    batcher = StepBatcher(flux, family=_FailsOnMarkedRows())
+    good = [_request("a cat", seed=1, steps=2), _request("a dog", seed=2, steps=2)]
+    futures = [_submit(batcher, r) for r in good]
+    key, kwargs = plan_request(flux, "a fox", size=SIZE, steps=2, output_type="np", seed=3)
+    bad = batcher.submit_planned(key, {**kwargs, "_mark": True})
+    _drain(batcher, futures + [bad])
+    with pytest.raises(RuntimeError, match="injected"):
+        bad.result()
+    assert max(_diff(f, _alone(flux, r)) for f, r in zip(futures, good)) <= BATCH_TOLERANCE
+    stats = batcher.stats()
+    assert stats["isolation_retries"] == 1 and stats["failed"] == 1 and stats["leaves"] == 2
+
+
+def test_a_request_that_cannot_be_planned_fails_on_its_future(flux):
+    batcher = StepBatcher(flux)
+    future = batcher.submit("a cat", size="65x64")
+    with pytest.raises(ValueError, match="multiples of 16"):
+        future.result(timeout=0)
+    assert batcher.stats()["failed"] == 1 and not batcher.step()
+
+
+def test_pipelines_without_step_hooks_and_unbatched_arguments_run_alone(flux):
+    seen = []
+    batcher = StepBatcher(flux, family=None)
+    future = _submit(batcher, REQUESTS[0])
+    assert batcher.step() and future.done()
+    assert _diff(future, _alone(flux, REQUESTS[0])) == 0.0
+    batcher = StepBatcher(flux)
+    key, kwargs = plan_request(flux, "a cat", size=SIZE, steps=2, output_type="np", seed=1)
+    future = batcher.submit_planned(key, {**kwargs, "callback_on_step_end": lambda p, i, t, kw: seen.append(i) or kw})
+    _drain(batcher, [future])
+    assert seen == [0, 1] and batcher.stats()["ran_alone"] == 1
+    assert list(batcher.stats()["alone_reasons"]) == ["arguments ['callback_on_step_end'] are not step-batched"]
+
+
+def test_a_batch_of_b_rows_has_the_transformer_signature_of_the_pipeline_with_b_images(pipe):
+    """So `warmup_pipeline` on ``<key>.b<bucket>`` captures the graphs the batcher replays."""
+    def signatures(run):
+        seen = []
+        hook = pipe.transformer.register_forward_pre_hook(
+            lambda module, args, kw: seen.append(signature_of(kw).key), with_kwargs=True)
+        try:
+            run()
+        finally:
+            hook.remove()
+        return set(seen)
+
+    batcher = StepBatcher(pipe)
+
+    def batched():
+        _drain(batcher, [_submit(batcher, _request(p, seed=i, steps=2)) for i, p in enumerate(["a", "b c", "d"])])
+
+    _, kwargs = plan_request(pipe, "a cat", size=SIZE, n=4, steps=2, output_type="np")
+    assert signatures(batched) == signatures(lambda: pipe(**kwargs))  # 3 rows: the bucket-4 graph
+    assert [k.key for k in batcher.warmup_plan(["64x64.p32"])] == [
+        "64x64.p32", "64x64.b2.p32", "64x64.b4.p32", "64x64.b8.p32"]
+
+
+def test_groups_of_different_keys_take_turns(sd3):
+    requests = [_request("a cat", seed=1, steps=2), _request("a dog", seed=2, steps=2, guidance=1.0)]  # cfg, no cfg
+    batcher = StepBatcher(sd3)
+    futures = [_submit(batcher, r) for r in requests]
+    batcher.step()
+    batcher.step()
+    assert batcher.stats()["running_requests"] == {"64x64.cfg.p32": 1, "64x64.p32": 1}
+    _drain(batcher, futures)
+    assert max(_diff(f, _alone(sd3, r)) for f, r in zip(futures, requests)) == 0.0  # each ran alone: bitwise
+
+
+def test_max_wait_holds_a_new_batch_until_it_is_full_or_the_wait_is_over(flux):
+    batcher = StepBatcher(flux, max_batch_size=2, max_wait_ms=100)
+    first = _submit(batcher, _request("a cat", seed=1, steps=2))
+    assert not batcher.step()  # held: alone and waited less than 100 ms
+    second = _submit(batcher, _request("a dog", seed=2, steps=2))
+    assert batcher.step()  # full: runs at once
+    _drain(batcher, [first, second])
+    assert batcher.stats()["batch_size_histogram"] == {2: 2}
+    start = time.perf_counter()
+    third = _submit(batcher, _request("a fox", seed=3, steps=2))
+    while not batcher.step(wait_s=1.0):
+        pass
+    assert time.perf_counter() - start >= 0.1
+    _drain(batcher, [third])
+
+
+def test_loop_thread_answers_requests_submitted_from_many_threads(flux):
+    requests = [_request(f"a cat number {i}", seed=i, steps=2 + i % 2) for i in range(6)]
+    with StepBatcher(flux, max_batch_size=4) as batcher:
+        with concurrent.futures.ThreadPoolExecutor(6) as pool:
+            futures = list(pool.map(lambda r: _submit(batcher, r), requests))
+        done = batcher.call_between_steps(lambda: threading.current_thread().name)
+        assert done.result(timeout=30) == "bcg-step-batcher"
+        results = [f.result(timeout=60) for f in futures]
+    assert all(len(r) == 1 for r in results)
+    assert max(_diff(f, _alone(flux, r)) for f, r in zip(futures, requests)) <= BATCH_TOLERANCE
+    stats = batcher.stats()
+    assert stats["leaves"] == 6 and stats["failed"] == 0 and stats["submitted"] == 6
+    assert sum(rows * steps for rows, steps in stats["batch_size_histogram"].items()) == 2 * 3 + 3 * 3
+
+
+def test_close_fails_what_is_left_and_cancelled_requests_are_skipped(flux):
+    batcher = StepBatcher(flux)
+    cancelled = _submit(batcher, _request("a cat", seed=1, steps=2))
+    assert cancelled.cancel()
+    running = _submit(batcher, _request("a dog", seed=2, steps=3))
+    batcher.step()
+    assert batcher.stats()["cancelled"] == 1 and running.running()
+    batcher.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        running.result(timeout=0)
+    with pytest.raises(RuntimeError, match="closed"):
+        _submit(batcher, REQUESTS[0])
+
+
+def test_config_is_checked():
+    with pytest.raises(ValueError, match="max_batch_size"):
+        BatcherConfig(max_batch_size=0)
+    with pytest.raises(ValueError, match="batch_buckets"):
+        BatcherConfig(batch_buckets=())
+    assert BatcherConfig(batch_buckets=(4, 1, 2)).batch_buckets == (1, 2, 4)
+    assert [BatcherConfig().bucket_for(r) for r in (1, 3, 5, 9)] == [1, 4, 8, 9]
