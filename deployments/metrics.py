@@ -1,0 +1,216 @@
+"""Replica metrics through Ray Serve's metrics API, for the Ray dashboard and its Prometheus endpoint.
+
+Contract:
+
+* One `ReplicaMetrics` per replica. Its metrics are ``ray.serve.metrics`` Counters, Gauges and
+  Histograms, so Serve adds the ``deployment``, ``replica`` and ``application`` tags, and Ray exports
+  them with a ``ray_`` prefix (Counters also get ``_total``): ``bcg_requests`` is scraped as
+  ``ray_bcg_requests_total{key=..., warm=..., deployment=..., replica=..., application=...}``.
+* Events the replica sees go in directly: `record_request` (warm/cold per shape key, latency),
+  `record_warmup` (per key, ok or not, seconds), `record_batch` (batch sizes, once batching lands).
+* Everything the runners count goes in through `update(stats)`, which takes the replica's ``stats()``
+  dict (runner stats under ``"runner"``) or a pipeline's ``{component: runner.stats()}``
+  (``bcg.diffusers.pipeline_stats``). Monotone counters become Counter increments by their delta from
+  the previous `update` (a counter that went down was reset, e.g. ``runner.reset()``: its new value
+  is all new); levels become Gauges. Capture seconds are summed over graphs not seen before (a runner
+  keeps no running total; ``capture_ms_total`` in a runner's stats is used instead where present).
+* `update` must run periodically -- from the replica's ``record_routing_stats`` (every routing-stats
+  period) is the place: Ray 2.60 drops a Gauge's series from the Prometheus endpoint about two export
+  intervals (``metrics_report_interval_ms``, 10 s) after its last ``set``, so every update sets every
+  level again (a key that went cold keeps reading 0). It is cheap (a few dozen metric calls) and never
+  touches the pipeline or a GPU.
+* Ray computes a Histogram's ``_sum`` from bucket midpoints (an approximation); ``_count`` and the
+  buckets are exact.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Dict, Mapping, Tuple
+
+from ray.serve import metrics as serve_metrics
+
+from deployments.router import QUEUE_LEN, WARM_KEYS
+
+logger = logging.getLogger(__name__)
+
+# Batch-size buckets (upper bounds) and request-latency buckets in seconds: a tiny model's request on a
+# CPU takes ~0.1 s, a FLUX.1-dev 1024² request at 28 steps several seconds, a cold one minutes.
+BATCH_SIZE_BOUNDARIES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
+LATENCY_S_BOUNDARIES = (0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64, 128)
+WARMUP_S_BOUNDARIES = (0.1, 0.5, 1, 2, 5, 10, 20, 40, 80, 160, 320)
+
+# runner.stats() counters -> (metric name, description). All per component.
+RUNNER_COUNTERS = {
+    "replays": ("bcg_replays", "Graph replays of a component's runner."),
+    "captures": ("bcg_captures", "Graphs captured by a component's runner."),
+    "capture_failures": ("bcg_capture_failures", "Captures that failed (the signature is then blocked)."),
+    "evictions": ("bcg_evictions", "Graphs evicted from a runner's cache."),
+}
+# runner.stats() levels -> (metric name, description). All per component.
+RUNNER_GAUGES = {
+    "pool_bytes": ("bcg_pool_bytes", "Bytes the live graphs of a runner hold in its graph pool."),
+    "pool_reserved_bytes": ("bcg_pool_reserved_bytes", "Bytes the runner's graph pool has reserved."),
+    "num_entries": ("bcg_graphs", "Live captured graphs (signatures) of a runner."),
+    "enabled": ("bcg_graphs_enabled", "1 when the runner can capture graphs, 0 when it runs eager only."),
+}
+
+
+def counter_delta(previous: float, current: float) -> float:
+    """What a monotone counter added since `previous`; a counter that went down was reset to zero."""
+    return current - previous if current >= previous else current
+
+
+def runner_totals(runner_stats: Mapping[str, dict]) -> Dict[Tuple[str, Tuple[Tuple[str, str], ...]], float]:
+    """The monotone counters of ``{component: runner.stats()}``, flattened to
+    ``{(metric name, sorted tag items): value}``; capture seconds excluded (see `_CaptureSeconds`)."""
+    out: Dict[Tuple[str, Tuple[Tuple[str, str], ...]], float] = {}
+    for component, st in runner_stats.items():
+        tags = (("component", component),)
+        for field, (name, _) in RUNNER_COUNTERS.items():
+            out[(name, tags)] = float(st.get(field, 0) or 0)
+        for reason, n in (st.get("eager_calls") or {}).items():
+            out[("bcg_eager_calls", (("component", component), ("reason", reason)))] = float(n or 0)
+        compiled = st.get("compile") or {}
+        if compiled:
+            out[("bcg_compile_seconds", tags)] = float(compiled.get("compile_ms_total", 0) or 0) / 1e3
+            out[("bcg_recompiles", tags)] = float(compiled.get("recompiles", 0) or 0)
+        if "capture_ms_total" in st:
+            out[("bcg_capture_seconds", tags)] = float(st["capture_ms_total"] or 0) / 1e3
+    return out
+
+
+def runner_levels(runner_stats: Mapping[str, dict]) -> Dict[Tuple[str, Tuple[Tuple[str, str], ...]], float]:
+    """The levels of ``{component: runner.stats()}`` as ``{(metric name, tag items): value}``."""
+    out = {}
+    for component, st in runner_stats.items():
+        tags = (("component", component),)
+        for field, (name, _) in RUNNER_GAUGES.items():
+            if field in st:
+                out[(name, tags)] = float(st[field] or 0)
+    return out
+
+
+class _CaptureSeconds:
+    """Capture seconds of graphs not seen before, from the runners' ``entries`` (each live graph's
+    ``capture_ms``). A graph is identified by (component, signature key, capture_ms): one evicted and
+    captured again is a new graph with its own capture time."""
+
+    def __init__(self):
+        self._seen: Dict[str, set] = {}  # component -> (signature key, capture_ms) of its live graphs
+
+    def new_seconds(self, runner_stats: Mapping[str, dict]) -> Dict[str, float]:
+        out: Dict[str, float] = {}
+        for component, st in runner_stats.items():
+            if "capture_ms_total" in st:
+                continue  # the runner keeps the exact total; runner_totals reports it
+            seen = self._seen.get(component, set())
+            live = {(e.get("key"), e.get("capture_ms")) for e in st.get("entries") or ()}
+            seconds = sum(float(ms or 0) for _, ms in live - seen) / 1e3
+            if seconds:
+                out[component] = seconds
+            # only live graphs can come back under the same identity: the set never outgrows the cache
+            self._seen[component] = live
+        return out
+
+
+class ReplicaMetrics:
+    """A replica's Ray Serve metrics; see the module docstring. Thread-safe."""
+
+    def __init__(self):
+        m = serve_metrics
+        self._lock = threading.Lock()
+        self._requests = m.Counter("bcg_requests", description="Requests served, by shape key and warm/cold.",
+                                   tag_keys=("key", "warm"))
+        self._latency = m.Histogram("bcg_request_latency_seconds",
+                                    description="Request latency on the replica (lock wait included).",
+                                    boundaries=list(LATENCY_S_BOUNDARIES), tag_keys=("key", "warm"))
+        self._warmups = m.Counter("bcg_warmup_keys", description="Shape keys warmed, by outcome.",
+                                  tag_keys=("key", "ok"))
+        self._warmup_s = m.Histogram("bcg_warmup_seconds", description="Seconds one shape key's warmup took.",
+                                     boundaries=list(WARMUP_S_BOUNDARIES), tag_keys=("key", "ok"))
+        self._batch = m.Histogram("bcg_batch_size", description="Requests per batched denoising step.",
+                                  boundaries=list(BATCH_SIZE_BOUNDARIES))
+        self._counters = {
+            name: m.Counter(name, description=desc, tag_keys=("component",))
+            for name, desc in RUNNER_COUNTERS.values()
+        }
+        self._counters.update({
+            "bcg_eager_calls": m.Counter("bcg_eager_calls", description="Eager calls of a runner, by reason.",
+                                         tag_keys=("component", "reason")),
+            "bcg_capture_seconds": m.Counter("bcg_capture_seconds", description="Seconds spent capturing graphs.",
+                                             tag_keys=("component",)),
+            "bcg_compile_seconds": m.Counter("bcg_compile_seconds", description="Seconds spent compiling segments.",
+                                             tag_keys=("component",)),
+            "bcg_recompiles": m.Counter("bcg_recompiles", description="torch.compile recompilations.",
+                                        tag_keys=("component",)),
+            "bcg_request_errors": m.Counter("bcg_request_errors", description="Requests that raised."),
+        })
+        self._gauges = {name: m.Gauge(name, description=desc, tag_keys=("component",))
+                        for name, desc in RUNNER_GAUGES.values()}
+        self._key_warm = m.Gauge("bcg_key_warm", description="1 while the replica is warm for a shape key.",
+                                 tag_keys=("key",))
+        self._replica_gauges = {
+            "bcg_warm_keys": m.Gauge("bcg_warm_keys", description="Shape keys this replica is warm for."),
+            "bcg_queue_len": m.Gauge("bcg_queue_len", description="Requests on the replica, running or waiting."),
+            "bcg_cuda_allocated_bytes": m.Gauge("bcg_cuda_allocated_bytes",
+                                                description="torch.cuda.memory_allocated() of the replica."),
+            "bcg_cuda_reserved_bytes": m.Gauge("bcg_cuda_reserved_bytes",
+                                               description="torch.cuda.memory_reserved() of the replica."),
+        }
+        self._last: Dict[Tuple[str, Tuple[Tuple[str, str], ...]], float] = {}
+        self._capture = _CaptureSeconds()
+        self._keys: set = set()
+
+    # -- events ------------------------------------------------------------------------------------
+    def record_request(self, key: str, warm: bool, latency_s: float) -> None:
+        tags = {"key": key, "warm": "true" if warm else "false"}
+        self._requests.inc(1, tags=tags)
+        self._latency.observe(max(float(latency_s), 0.0), tags=tags)
+
+    def record_error(self) -> None:
+        self._counters["bcg_request_errors"].inc(1)
+
+    def record_warmup(self, key: str, ok: bool, seconds: float) -> None:
+        tags = {"key": key, "ok": "true" if ok else "false"}
+        self._warmups.inc(1, tags=tags)
+        self._warmup_s.observe(max(float(seconds), 0.0), tags=tags)
+
+    def record_batch(self, size: int) -> None:
+        self._batch.observe(int(size))
+
+    # -- snapshots ---------------------------------------------------------------------------------
+    def update(self, stats: Mapping) -> None:
+        """Counters by their delta since the last call, levels as they are (see the module docstring)."""
+        runner_stats = stats["runner"] if "runner" in stats else stats
+        with self._lock:
+            totals = runner_totals(runner_stats)
+            for (name, tags), value in totals.items():
+                delta = counter_delta(self._last.get((name, tags), 0.0), value)
+                if delta > 0:
+                    self._counters[name].inc(delta, tags=dict(tags))
+            self._last.update(totals)  # a component missing from this snapshot keeps its totals
+            for component, seconds in self._capture.new_seconds(runner_stats).items():
+                if seconds > 0:
+                    self._counters["bcg_capture_seconds"].inc(seconds, tags={"component": component})
+            for (name, tags), value in runner_levels(runner_stats).items():
+                self._gauges[name].set(value, tags=dict(tags))
+            if "runner" in stats:
+                self._update_replica(stats)
+
+    def _update_replica(self, stats: Mapping) -> None:
+        warm = frozenset(stats.get(WARM_KEYS) or ())
+        self._keys |= warm  # a key that went cold reads 0 (the plan bounds how many keys there are)
+        for key in self._keys:
+            self._key_warm.set(1 if key in warm else 0, tags={"key": key})
+        self._replica_gauges["bcg_warm_keys"].set(len(warm))
+        if QUEUE_LEN in stats:
+            self._replica_gauges["bcg_queue_len"].set(float(stats[QUEUE_LEN]))
+        memory = stats.get("cuda_memory") or {}
+        for field, name in (("allocated_bytes", "bcg_cuda_allocated_bytes"),
+                            ("reserved_bytes", "bcg_cuda_reserved_bytes")):
+            if field in memory:
+                self._replica_gauges[name].set(float(memory[field]))
+
+
+__all__ = ["ReplicaMetrics", "counter_delta", "runner_levels", "runner_totals"]
