@@ -47,7 +47,9 @@ from typing import Any, Iterable
 
 import torch
 
+from bcg.diffusers.compiled_breaks import install_compiled_breaks
 from bcg.graphs.capture import eager_on_graph, is_capturing
+from bcg.runtime.compile import COMPILED_BREAKS_ATTR
 from bcg.runtime.hostops import Place
 
 logger = logging.getLogger(__name__)
@@ -238,8 +240,10 @@ def remove_breaks(module) -> int:
 
     Automatic and pinned placements are removed too (their forward, function swaps and memory of what
     this instance probed; what the class remembers stays)."""
+    module = unwrap_runner(module)
+    module.__dict__.pop(COMPILED_BREAKS_ATTR, None)
     removed = 0
-    for sub in unwrap_runner(module).modules():
+    for sub in module.modules():
         if sub.__dict__.pop(PLACEMENT_ATTR, None) is not None:
             sub.__dict__.pop("forward", None)  # the placement's forward: not a break itself
         original = sub.__dict__.get("_bcg_original_processor")
@@ -271,6 +275,9 @@ def install_breaks(module, policy: Any = "auto") -> int:
     remove_breaks(module)
     if policy is None or policy == "none":
         return 0
+    # Breaks placed here act only while a capture is open, which compiled code cannot follow: tell
+    # compile_for_segments how to make them visible to dynamo (see bcg.diffusers.compiled_breaks).
+    module.__dict__[COMPILED_BREAKS_ATTR] = install_compiled_breaks
     if isinstance(policy, str) and policy == "auto":
         from bcg.diffusers.placement import install_placement  # placement builds on this module
 

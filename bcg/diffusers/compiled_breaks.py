@@ -1,5 +1,6 @@
 """Breaks for compiled segments: the attention core of every attention processor as an eager break
-that dynamo sees on every call (`install_compiled_breaks`, used by `bcg.runtime.compile.compile_for_segments`).
+that dynamo sees on every call (`install_compiled_breaks`). `bcg.diffusers.install_breaks` leaves it on
+the module for `bcg.runtime.compile.compile_for_segments` to call (``COMPILED_BREAKS_ATTR``).
 
 `bcg.diffusers.install_breaks` turns the attention core into a break only while a capture is open
 (it swaps a module global for the duration of the processor call). Compiled code cannot follow that:
@@ -30,8 +31,8 @@ _BREAK_CLASS_ATTR = "__bcg_compiled_break_class__"
 # Host cost of this break, measured on an H200 (torch 2.11, 9.17 M Flux at 256²): SDPA picks cuDNN attention
 # for bf16 there, and a replayed break (cuDNN attention + bridge copy) costs about 48 µs of host time for
 # about 8 µs of GPU work, which makes a compiled-segments replay of a small model CPU-bound. Calling
-# torch's flash kernel directly was tried (session 2, run 2) without a measurable gain on that host;
-# benchmarks/bench_break_cost.py measures the candidates in isolation.
+# torch's flash kernel directly gains nothing measurable there (benchmarks/bench_break_cost.py measures
+# the candidates in isolation), so the break stays the public SDPA.
 @functools.lru_cache(maxsize=None)
 def _eager_sdpa():
     return eager_on_graph(torch.nn.functional.scaled_dot_product_attention)

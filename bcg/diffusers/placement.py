@@ -14,7 +14,7 @@ Contract:
 - Found places are remembered per (model class, config, device type) on the class itself, so another
   instance of the same configuration starts with them and probes nothing it already probed.
   `auto_placement(module)` returns the places as strings; ``install_breaks(module, policy=places)``
-  pins them (no probe). `placement_stats(module)` says which places are breaks, why (op, kind and
+  pins them (no probe); `forget(module)` drops what is remembered for its class and config. `placement_stats(module)` says which places are breaks, why (op, kind and
   source line) and from where (``probe``, ``remembered``, ``pinned``); each new break is logged (INFO).
 - Limits: host-to-device copies and host work are seen only with the module on its accelerator (a probe
   on the CPU sees host syncs only); ops directly in the module's own forward that are not a torch
@@ -48,7 +48,7 @@ from bcg.runtime.hostops import HostOp, HostOpProbe, Place, _device_of
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["AutoPlacement", "auto_placement", "placement_stats"]
+__all__ = ["AutoPlacement", "auto_placement", "forget", "placement_stats"]
 
 _MEMORY_ATTR = "__bcg_auto_placements__"  # on the model class: (config, device type) -> _Remembered
 
@@ -296,6 +296,16 @@ def placement_stats(module) -> dict[str, Any] | None:
     """Which places are breaks and why (see the module docstring); None without auto or pinned places."""
     state = placement_of(module)
     return None if state is None else state.stats()
+
+
+def forget(module) -> None:
+    """Forget what probes found for `module`'s class and config (every device type): the next
+    ``"auto"`` placement of such a module probes afresh. Breaks already placed stay."""
+    module = unwrap_runner(module)
+    config = _config_key(module)
+    memory = _memory(type(module))
+    for slot in [slot for slot in memory if slot[0] == config]:
+        del memory[slot]
 
 
 def install_placement(module: torch.nn.Module, probing: bool, places: Iterable = ()) -> AutoPlacement:

@@ -40,18 +40,22 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from bcg.diffusers.compiled_breaks import install_compiled_breaks
-from bcg.runtime.signature import signature_of
+from bcg.runtime.signature import call_arguments, signature_of
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CompileEvent", "CompiledForward", "DEFAULT_INDUCTOR_OPTIONS", "compile_for_segments",
-           "install_compiled_breaks"]
+__all__ = ["COMPILED_BREAKS_ATTR", "CompileEvent", "CompiledForward", "DEFAULT_INDUCTOR_OPTIONS",
+           "compile_for_segments"]
 
 #: Inductor without its own CUDA graphs: the breakable capture records the kernels instead.
 DEFAULT_INDUCTOR_OPTIONS = {"triton.cudagraphs": False}
 
-_ARGS_KEY = "*args"  # where positional arguments go in a signature (as in bcg.runtime.runner)
+#: A module may carry, under this instance attribute, ``make_visible(module)``: what turns the breaks placed
+#: in it into breaks that dynamo sees on every call. Breaks that act only while a capture is open (so a
+#: compiled warm-up call would trace without them) need it; the code that placed them sets it, and
+#: `compile_for_segments` calls it. The core knows no kind of break placement itself.
+COMPILED_BREAKS_ATTR = "__bcg_compiled_breaks__"
+
 _MAX_EVENTS = 512    # compile events kept for stats(); counters keep counting past it
 
 
@@ -218,7 +222,7 @@ class CompiledForward:
 
     def __call__(self, *args, **kwargs):
         """Run the compiled forward; compiles what this call needs (never inside a CUDA capture)."""
-        signature = signature_of({**kwargs, _ARGS_KEY: args} if args else kwargs)
+        signature = signature_of(call_arguments(args, kwargs))
         self._mark(kwargs)
         with self._lock:
             record = self._signatures.get(signature)
@@ -394,7 +398,7 @@ def _dims(name, dims) -> tuple:
 
 
 def compile_for_segments(module, *, backend="inductor", mode=None, options=None, dynamic=None,
-                         mark_dynamic: Mapping[str, Any] | None = None, breaks="attention", inference=True,
+                         mark_dynamic: Mapping[str, Any] | None = None, breaks="installed", inference=True,
                          recompile_limit=None) -> CompiledForward:
     """Compile `module` for capture as breakable CUDA graph segments; returns a `CompiledForward`.
 
@@ -403,15 +407,18 @@ def compile_for_segments(module, *, backend="inductor", mode=None, options=None,
     options: inductor options merged over ``{"triton.cudagraphs": False}``.
     dynamic: None (automatic dynamic), True (dynamic from the first compile) or False (static per size).
     mark_dynamic: ``{input name: dim or dims}`` marked dynamic before each call (a hint, never an error).
-    breaks: "attention" (default) makes the attention core of every attention processor an eager break
-        that dynamo sees (`install_compiled_breaks`); None leaves the module as it is (its own
-        ``eager_on_graph`` calls still break).
+    breaks: ``"installed"`` (default) makes the breaks placed in the module visible to dynamo with the
+        function their placement left on it (`COMPILED_BREAKS_ATTR`; ``bcg.diffusers.install_breaks``
+        leaves one that makes every attention core a break), if any; a callable ``breaks(module)`` does
+        that instead; None leaves the module as it is (its own ``eager_on_graph`` calls still break).
     inference: run calls under ``torch.no_grad()`` (a grad-mode change would recompile every frame).
     recompile_limit: dynamo's per-frame recompile limit during calls (None: torch's default).
     """
-    if breaks == "attention":
-        install_compiled_breaks(module)
-    elif breaks is not None:
-        raise ValueError(f"breaks must be 'attention' or None, got {breaks!r}")
+    if breaks == "installed":
+        breaks = module.__dict__.get(COMPILED_BREAKS_ATTR) if isinstance(module, torch.nn.Module) else None
+    elif breaks is not None and not callable(breaks):
+        raise ValueError(f"breaks must be 'installed', a callable breaks(module) or None, got {breaks!r}")
+    if breaks is not None:
+        breaks(module)
     return CompiledForward(module, backend=backend, mode=mode, options=options, dynamic=dynamic,
                            mark_dynamic=mark_dynamic, inference=inference, recompile_limit=recompile_limit)

@@ -18,6 +18,7 @@ with grad enabled only one warmed with grad enabled (whose replayed outputs stil
 history), a call under autocast only one warmed under the same autocast. Under autocast the capture
 casts inside the graph (the autocast weight cache is off while capturing).
 
+One method (``_decide``) chooses, for every call, between replay, capture (only while warming) and eager.
 When it falls back to eager (counted in ``stats()["eager_calls"]`` by reason): ``unseen`` signature
 (serving never captures), ``blocked`` (its capture failed: one warning with the signature and the
 reason), ``disabled`` (config, or a capture with more than ``max_segments`` segments), ``no_cuda``
@@ -59,6 +60,7 @@ import itertools
 import logging
 import threading
 import time
+import typing
 
 import torch
 import torch.utils._pytree as pytree
@@ -67,14 +69,26 @@ from bcg.graphs.capture import BreakOutputMismatchError, eager_on_graph, replay_
 from bcg.runtime.config import RunnerConfig
 from bcg.runtime.entries import CaptureEntry, EntryCache
 from bcg.runtime.recorder import CudaRecorder
-from bcg.runtime.signature import call_context, signature_with_leaves, rebuild_kwargs
+from bcg.runtime.signature import ARGS_KEY, call_arguments, call_context, rebuild_kwargs, signature_with_leaves
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["BreakableGraphRunner", "CaptureEntry", "EAGER_REASONS"]
 
 EAGER_REASONS = ("unseen", "blocked", "disabled", "no_cuda", "break_output_mismatch")
-_ARGS_KEY = "*args"  # where positional arguments that have no name go in a signature
+
+
+class _Decision(typing.NamedTuple):
+    """What a call runs (`BreakableGraphRunner._decide`): ``"replay"`` `entry`, ``"capture"`` first, or
+    ``"eager"`` counted under `reason` (one of `EAGER_REASONS`)."""
+
+    action: str
+    entry: CaptureEntry | None = None
+    reason: str | None = None
+
+
+_CAPTURE = _Decision("capture")
+_EAGER = {reason: _Decision("eager", reason=reason) for reason in EAGER_REASONS}
 
 def _resolve_device(module, device):
     if device is not None:
@@ -167,56 +181,19 @@ class BreakableGraphRunner:
         if args:
             args, kwargs = self._bind(args, kwargs)
         token = next(self._tokens)
-        if self._off is not None:
-            return self._run_eager(self._off[0], token, args, kwargs)
-        if self._runner_config.debug:
-            self.check_weights()
-        signature, leaves = signature_with_leaves({**kwargs, _ARGS_KEY: args} if args else kwargs,
-                                                  call_context())
-        entry = self._entries.get(signature)
-        if entry is None:
-            if signature in self._blocked:
-                return self._run_eager("blocked", token, args, kwargs)
-            if not self._warming or not self._capture(signature, args, kwargs, leaves, token):
-                reason = self._off[0] if self._off else "blocked" if signature in self._blocked else "unseen"
-                return self._run_eager(reason, token, args, kwargs)
-            entry = self._entries.get(signature)
-            if entry is None:  # captured, then evicted by a capture on another thread
-                return self._run_eager("unseen", token, args, kwargs)
-        mismatch = None
-        with self._lock:
-            if entry.graph is None:  # evicted by another thread since the lookup
-                entry = None
-            else:
-                self._recorder.order_after_previous()
-                entry.copy_in(leaves)
-                grad = torch.is_grad_enabled()
-                torch._C._set_grad_enabled(False)  # torch.no_grad() costs several us per call
-                try:
-                    with replay_token_scope(token):
-                        entry.graph.replay()
-                    out = entry.copy_out(self._runner_config.copy_outputs)
-                except BreakOutputMismatchError as exc:
-                    mismatch = exc
-                finally:
-                    torch._C._set_grad_enabled(grad)
-                if mismatch is None:
-                    entry.hits += 1
-                    entry.mismatch_streak = 0
-                    entry.last_used = time.time()
-                    self._entries.touch(signature)
-                    self._counts["replays"] += 1
-                else:
-                    self._break_mismatch_locked(signature, entry, mismatch)
-        if entry is None:
-            return self._run_eager("unseen", token, args, kwargs)
-        if mismatch is not None:
-            # The segments before the break ran on the static buffers and the rest never did; the
-            # caller's own inputs are untouched, so the eager run gives the result (same token).
-            return self._run_eager("break_output_mismatch", token, args, kwargs)
-        if logger.isEnabledFor(logging.DEBUG):
-            logger.debug("replayed %s", signature.key)
-        return out
+        signature = leaves = None
+        if self._off is None:  # a runner that is off skips the signature: it only runs eagerly
+            if self._runner_config.debug:
+                self.check_weights()
+            signature, leaves = signature_with_leaves(call_arguments(args, kwargs), call_context())
+        decision = self._decide(signature, may_capture=bool(self._warming))
+        if decision.action == "capture":
+            self._capture(signature, args, kwargs, leaves, token)
+            decision = self._decide(signature, may_capture=False)
+        if decision.action != "replay":
+            return self._run_eager(decision.reason, token, args, kwargs)
+        out, reason = self._replay(decision.entry, signature, leaves, token)
+        return out if reason is None else self._run_eager(reason, token, args, kwargs)
 
     def capture(self, *args, **kwargs):
         """Capture the signature of this call if not yet captured. True when a graph is ready for it."""
@@ -225,10 +202,7 @@ class BreakableGraphRunner:
         self._refresh_device()
         if self._off is not None:
             return False
-        signature, leaves = signature_with_leaves({**kwargs, _ARGS_KEY: args} if args else kwargs,
-                                                  call_context())
-        if signature in self._entries:
-            return True
+        signature, leaves = signature_with_leaves(call_arguments(args, kwargs), call_context())
         return self._capture(signature, args, kwargs, leaves, next(self._tokens))
 
     @contextlib.contextmanager
@@ -322,6 +296,48 @@ class BreakableGraphRunner:
                 self._device, self._recorder = device, CudaRecorder(device, self._runner_config)
                 self._off = self._off_reason()
 
+    def _decide(self, signature, may_capture):
+        """The one place that chooses what a call of `signature` runs: replay its entry, capture it
+        first (only when `may_capture`: inside ``warmup()`` or ``capture()``; serving never captures),
+        or run eagerly, counted under the reason."""
+        if self._off is not None:
+            return _EAGER[self._off[0]]
+        entry = self._entries.get(signature)
+        if entry is not None:
+            return _Decision("replay", entry)
+        if signature in self._blocked:
+            return _EAGER["blocked"]
+        return _CAPTURE if may_capture else _EAGER["unseen"]
+
+    def _replay(self, entry, signature, leaves, token):
+        """Replay `entry` under the lock: (outputs, None), or (None, eager reason) when the entry went
+        meanwhile or a break output mismatched (then the caller's own inputs are untouched: the segments
+        that ran only read the static buffers, so the eager run gives the result, with the same token)."""
+        with self._lock:
+            if entry.graph is None:  # evicted by another thread since the decision
+                return None, "unseen"
+            self._recorder.order_after_previous()
+            entry.copy_in(leaves)
+            grad = torch.is_grad_enabled()
+            torch._C._set_grad_enabled(False)  # torch.no_grad() costs several us per call
+            try:
+                with replay_token_scope(token):
+                    entry.graph.replay()
+                out = entry.copy_out(self._runner_config.copy_outputs)
+            except BreakOutputMismatchError as exc:
+                self._break_mismatch_locked(signature, entry, exc)
+                return None, "break_output_mismatch"
+            finally:
+                torch._C._set_grad_enabled(grad)
+            entry.hits += 1
+            entry.mismatch_streak = 0
+            entry.last_used = time.time()
+            self._entries.touch(signature)
+            self._counts["replays"] += 1
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug("replayed %s", signature.key)
+        return out, None
+
     def _run_eager(self, reason, token, args, kwargs):
         with self._stats_lock:
             self._eager[reason] += 1
@@ -363,61 +379,81 @@ class BreakableGraphRunner:
         return tuple(t.data_ptr() for t in itertools.chain(module.parameters(), module.buffers()))
 
     def _capture(self, signature, args, kwargs, leaves, token):
-        """Capture one signature (under the lock). Never raises: failures block the signature."""
-        config = self._runner_config
+        """Capture one signature and cache it, in small steps under the lock. True when a graph is ready
+        for it. Never raises: a failed capture blocks the signature (see `_block_locked`)."""
         with self._lock:
-            if signature in self._entries:
-                return True
-            if signature in self._blocked or self._off is not None:
-                return False
-            fingerprint = self._weights_fingerprint()
-            if self._fingerprint is not None and fingerprint != self._fingerprint and len(self._entries):
-                logger.warning("weights of %s were replaced; dropping %d captured graphs",
-                               type(self._module).__name__, len(self._entries))
-                self._reset_locked()
-            self._fingerprint = fingerprint
-            while len(self._entries) >= config.max_entries:
+            decision = self._decide(signature, may_capture=True)
+            if decision.action != "capture":
+                return decision.action == "replay"
+            self._drop_graphs_if_weights_replaced()
+            while len(self._entries) >= self._runner_config.max_entries:
                 self._evict_lru_locked("max_entries")
             try:
-                try:
-                    entry = self._record(signature, args, kwargs, leaves, token)
-                except torch.cuda.OutOfMemoryError:
-                    if not len(self._entries):
-                        raise
-                    logger.warning("out of memory capturing %s; evicting %d graphs and retrying once",
-                                   signature.summary(), len(self._entries))
-                    while len(self._entries):
-                        self._evict_lru_locked("out of memory")
-                    torch.cuda.empty_cache()  # lets the pool grow into memory the eager cache held
-                    entry = self._record(signature, args, kwargs, leaves, token)
+                entry = self._record_evicting_on_oom(signature, args, kwargs, leaves, token)
             except Exception as exc:  # noqa: BLE001 -- the runner is the one place that falls back
                 kind = "out of memory" if isinstance(exc, torch.cuda.OutOfMemoryError) else "capture raised"
                 self._block_locked(signature, f"{kind}: {type(exc).__name__}: {exc}")
                 return False
-            if entry.segments > config.max_segments:
-                entry.release()
-                self._runtime_disabled = (
-                    f"capture of {signature.summary()} produced {entry.segments} graph segments > "
-                    f"max_segments={config.max_segments}; place fewer breaks or raise BCG_MAX_SEGMENTS")
-                self._counts["capture_failures"] += 1
-                logger.warning("disabling graph runner: %s", self._runtime_disabled)
-                self._reset_locked()
-                self._off = self._off_reason()
+            if not self._within_max_segments(signature, entry) or not self._within_pool_budget(signature, entry):
                 return False
-            budget = config.pool_budget_bytes
-            if budget is not None:
-                if entry.pool_bytes > budget:
-                    entry.release()
-                    self._block_locked(signature, f"capture needs {entry.pool_bytes} pool bytes > "
-                                                  f"pool_budget_bytes={budget}; raise BCG_POOL_BUDGET_BYTES")
-                    return False
-                while len(self._entries) and self._entries.pool_bytes + entry.pool_bytes > budget:
-                    self._evict_lru_locked("pool budget")
             self._entries.add(entry)
             self._counts["captures"] += 1
             logger.info("captured %s (%s): %d segments, %d breaks, %.1f ms, %d pool bytes", signature.key,
                         signature.summary(), entry.segments, entry.breaks, entry.capture_ms, entry.pool_bytes)
             return True
+
+    def _drop_graphs_if_weights_replaced(self):
+        """Before a capture: graphs captured with other weight tensors read stale memory (module docstring)."""
+        fingerprint = self._weights_fingerprint()
+        if self._fingerprint is not None and fingerprint != self._fingerprint and len(self._entries):
+            logger.warning("weights of %s were replaced; dropping %d captured graphs",
+                           type(self._module).__name__, len(self._entries))
+            self._reset_locked()
+        self._fingerprint = fingerprint
+
+    def _record_evicting_on_oom(self, signature, args, kwargs, leaves, token):
+        """`_record`; when it runs out of memory with graphs cached, evict them all and try once more."""
+        try:
+            return self._record(signature, args, kwargs, leaves, token)
+        except torch.cuda.OutOfMemoryError:
+            if not len(self._entries):
+                raise
+            logger.warning("out of memory capturing %s; evicting %d graphs and retrying once",
+                           signature.summary(), len(self._entries))
+            while len(self._entries):
+                self._evict_lru_locked("out of memory")
+            torch.cuda.empty_cache()  # lets the pool grow into memory the eager cache held
+            return self._record(signature, args, kwargs, leaves, token)
+
+    def _within_max_segments(self, signature, entry):
+        """False (and the runner disabled until reset()) when the capture has more than max_segments."""
+        limit = self._runner_config.max_segments
+        if entry.segments <= limit:
+            return True
+        entry.release()
+        self._runtime_disabled = (
+            f"capture of {signature.summary()} produced {entry.segments} graph segments > "
+            f"max_segments={limit}; place fewer breaks or raise BCG_MAX_SEGMENTS")
+        self._counts["capture_failures"] += 1
+        logger.warning("disabling graph runner: %s", self._runtime_disabled)
+        self._reset_locked()
+        self._off = self._off_reason()
+        return False
+
+    def _within_pool_budget(self, signature, entry):
+        """Evict least recently used entries until `entry` fits the pool budget; False (and the signature
+        blocked) when it exceeds the budget on its own."""
+        budget = self._runner_config.pool_budget_bytes
+        if budget is None:
+            return True
+        if entry.pool_bytes > budget:
+            entry.release()
+            self._block_locked(signature, f"capture needs {entry.pool_bytes} pool bytes > "
+                                          f"pool_budget_bytes={budget}; raise BCG_POOL_BUDGET_BYTES")
+            return False
+        while len(self._entries) and self._entries.pool_bytes + entry.pool_bytes > budget:
+            self._evict_lru_locked("pool budget")
+        return True
 
     def _record(self, signature, args, kwargs, leaves, token):
         """Static buffers, warm-up, capture: a new CaptureEntry (not yet in the cache)."""
@@ -430,8 +466,8 @@ class BreakableGraphRunner:
                 static_inputs.append(buffer)
                 if t.device != device:
                     host_inputs.append(i)
-        static = rebuild_kwargs({**kwargs, _ARGS_KEY: args} if args else kwargs, static_inputs)
-        static_args = static.pop(_ARGS_KEY, ())
+        static = rebuild_kwargs(call_arguments(args, kwargs), static_inputs)
+        static_args = static.pop(ARGS_KEY, ())
         fn = self._module if self._compiled is None else self._compiled
         if self._runner_config.debug_single_break:
             fn = self._whole_forward_fn()

@@ -26,6 +26,8 @@ short string (16 hex digits of sha256 over a canonical form) identical in every 
 version for signatures without identity parts; ``.summary()`` is for logs; ``.diff(other)`` lists the
 differences as ``"shape[1] 64 != 128 at hidden_states"``.
 
+Positional arguments travel among the keyword arguments under `ARGS_KEY` (`call_arguments`).
+
 `signature_with_leaves` (the runner's hot path) returns the tensor leaves in the same traversal order
 as `_rebuild` consumes them, so a runner can swap leaves for its static buffers.
 """
@@ -39,7 +41,10 @@ import torch.utils._pytree as pytree
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Signature", "call_context", "rebuild_kwargs", "signature_of", "signature_with_leaves"]
+__all__ = ["ARGS_KEY", "Signature", "call_arguments", "call_context", "rebuild_kwargs", "signature_of",
+           "signature_with_leaves"]
+
+ARGS_KEY = "*args"  # where a call's positional arguments go among its keyword arguments (no name has a '*')
 
 # Descriptor tags. A descriptor is a small nested tuple; equal descriptors mean equal signatures.
 _TENSOR = "T"       # ("T", shape, dtype, device): "cuda:<index>", else the device type
@@ -130,6 +135,11 @@ def _rebuild(value, leaves):
         children, context = node.flatten_fn(value)
         return node.unflatten_fn([_rebuild(v, leaves) for v in children], context)
     return value
+
+
+def call_arguments(args, kwargs):
+    """A call's arguments as one mapping: `kwargs`, with `args` under `ARGS_KEY` when there are any."""
+    return {**kwargs, ARGS_KEY: args} if args else kwargs
 
 
 def signature_with_leaves(kwargs, context=()):

@@ -395,10 +395,10 @@ def _run(pipe, name):
 
 @pytest.mark.parametrize("name", sorted(BUILTIN_MODELS))
 def test_builtin_pipelines_give_identical_outputs_with_auto_placement(name):
-    from bcg.diffusers.placement import _memory
+    from bcg.diffusers.placement import forget
 
     pipe = load_pipeline(name)
-    _memory(type(pipe.transformer)).clear()  # another test may have probed this class and config
+    forget(pipe.transformer)  # another test may have probed this class and config
     reference = _run(pipe, name)
     install_breaks(pipe.transformer, "auto")
     assert np.array_equal(_run(pipe, name), reference)

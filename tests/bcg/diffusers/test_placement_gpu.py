@@ -97,10 +97,10 @@ def test_a_single_planted_op_captures_with_one_break(stand_in):
 
 @pytest.mark.parametrize("name", sorted(BUILTIN_MODELS))
 def test_builtin_pipelines_capture_with_auto_placement_and_match_eager_bitwise(name):
-    from bcg.diffusers.placement import _memory
+    from bcg.diffusers.placement import forget
 
     pipe = load_pipeline(name, device="cuda")
-    _memory(type(pipe.transformer)).clear()  # an earlier test may have probed this class and config
+    forget(pipe.transformer)  # an earlier test may have probed this class and config
     requests = _requests(name)
     expected = {label: _run(pipe, req) for label, req in requests}
     keys = [key for key, _ in expected.values()]

@@ -8,7 +8,8 @@ import torch
 from torch import nn
 
 from bcg.graphs.capture import eager_on_graph
-from bcg.runtime.compile import CompiledForward, compile_for_segments, install_compiled_breaks
+from bcg.diffusers.compiled_breaks import install_compiled_breaks
+from bcg.runtime.compile import CompiledForward, compile_for_segments
 
 SEQ_LENS = (6, 10, 14, 22)  # four signatures; none equals a feature size (duck sizing would tie them)
 
@@ -124,7 +125,7 @@ def test_compiled_forward_proxies_module_attributes():
     (dict(mode="reduce-overhead"), "own CUDA graphs"),
     (dict(options={"triton.cudagraphs": True}), "leave it False"),
     (dict(backend="eager", options={"max_autotune": True}), "inductor backend only"),
-    (dict(breaks="everything"), "'attention' or None"),
+    (dict(breaks="everything"), "'installed', a callable"),
     (dict(mark_dynamic={"x": "seq"}), "dim or a list of dims"),
 ])
 def test_bad_settings_raise_and_name_the_fix(kwargs, words):

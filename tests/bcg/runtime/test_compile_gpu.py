@@ -5,12 +5,14 @@
   values printed: run with ``-s`` to see them);
 - a first call inside a capture (it would compile there) fails with an error that names the fix;
 - dynamic shapes: four signatures, one compilation (recompiles reported per signature);
-- through the runner, once it has the compile hook (``RunnerConfig.compile``).
+- through the runner (``RunnerConfig.compile``).
 """
 import pytest
 import torch
 
 from bcg.graphs.capture import BreakableCUDAGraph, BreakableCUDAGraphCapture, capture_after_warmup
+from bcg.diffusers import install_breaks
+from bcg.diffusers.compiled_breaks import install_compiled_breaks
 from bcg.runtime.compile import compile_for_segments
 
 pytestmark = pytest.mark.gpu
@@ -76,7 +78,7 @@ def _forward(fn):
 
 def test_replay_equals_compiled_eager_bitwise_and_uncompiled_within_bf16_tolerance():
     model = _flux()
-    compiled = compile_for_segments(model)  # inductor, attention cores are eager breaks
+    compiled = compile_for_segments(model, breaks=install_compiled_breaks)  # attention cores are eager breaks
     static = _inputs(IMG_TOKENS[1])
     graph, out = _capture(_forward(compiled), static)
     assert (graph.num_breaks, graph.num_segments) == (2, 3)  # one attention core per block
@@ -102,7 +104,7 @@ def test_replay_equals_compiled_eager_bitwise_and_uncompiled_within_bf16_toleran
 
 
 def test_first_call_inside_a_capture_raises_and_names_the_fix():
-    compiled = compile_for_segments(_flux())
+    compiled = compile_for_segments(_flux(), breaks=install_compiled_breaks)
     static = _inputs(IMG_TOKENS[0])
     graph = BreakableCUDAGraph()
     with pytest.raises(RuntimeError, match="outside the capture first"):
@@ -119,7 +121,7 @@ def test_first_call_inside_a_capture_raises_and_names_the_fix():
 
 def test_dynamic_shapes_one_compilation_serves_four_signatures():
     model = _flux()
-    compiled = compile_for_segments(model, dynamic=True)
+    compiled = compile_for_segments(model, dynamic=True, breaks=install_compiled_breaks)
     for i, n in enumerate(IMG_TOKENS):
         static = _inputs(n, seed=i)
         graph, out = _capture(_forward(compiled), static)
@@ -141,9 +143,8 @@ def test_runner_with_compile_replays_compiled_code():
     from bcg.runtime.config import RunnerConfig
     from bcg.runtime.runner import BreakableGraphRunner
 
-    if "compile" not in RunnerConfig.__dataclass_fields__:
-        pytest.skip("RunnerConfig has no `compile` field yet (runner hook not merged)")
     model = _flux()
+    install_breaks(model, "attention")  # what accelerate does; the runner's compile makes them visible to dynamo
     runner = BreakableGraphRunner(model, config=RunnerConfig(compile=True))
     static = _inputs(IMG_TOKENS[1])
     with runner.warmup():
