@@ -1,0 +1,370 @@
+"""Continuous batching under load: one `StepBatcher` in-process, open-loop Poisson arrivals, batched vs one at a time.
+
+    python3 benchmarks/bench_batching.py [--model tiny-flux] [--size 256x256] [--steps 4] [--requests 64] \
+        [--rate-factors 0.25,0.5,1,2,4,8,inf] [--max-batch-size 8] [--buckets 1,2,4,8] [--max-wait-ms 0] \
+        [--components transformer] [--out benchmarks/results/bench_batching.json]
+    python3 benchmarks/bench_batching.py --allow-cpu --size 64x64 --steps 2 --requests 6   # smoke run
+    python3 benchmarks/bench_batching.py --plot-only benchmarks/results/bench_batching.json
+
+Set-up: the built-in pipeline, on CUDA accelerated (`accelerate(pipe, components=...)`) and warmed with the
+batcher's plan (`StepBatcher.warmup_plan`: the request's shape key at every batch bucket, so one graph per
+bucket is captured before any timing). Each request is the same shape key (``--size``, ``--steps``, no CFG
+unless ``--negative-prompt``) with its own prompt (from a fixed list, one prompt bucket) and its own seed.
+
+Workload (in the manner of vLLM's ``benchmark_serving``): for each offered rate, ``--requests`` arrivals with
+exponential gaps (Poisson process) drawn from ``--seed``; the same arrival times for both modes. ``inf``
+sends every request at once (saturation). Rates are ``--rate-factors`` times the measured one-at-a-time
+capacity (1000 / the direct ``pipe(**kwargs)`` median ms), or absolute images/s with ``--rates``.
+Modes: ``batched`` (``--max-batch-size``, ``--buckets``, ``--max-wait-ms``) and ``one_at_a_time``
+(max_batch_size 1: the engine as a queue in front of today's path).
+
+Reported per rate and mode: images/s (answered / (last answer - first arrival)), latency p50/p90/p99/mean
+(submit to answer, ms), the batch-size histogram (real rows per transformer step) and bucket histogram,
+joins mid-run, failures, lost or doubly answered requests (must be 0), the transformer's eager calls
+during the run (0 when every bucket was warm), and an estimate of the transformer's achieved TFLOP/s
+(2 x parameters x tokens + 4 x attention layers x tokens^2 x width, per real row and call: padding rows
+are not counted). ``direct`` is the median ms of ``pipe(**kwargs)`` called back to back (today's
+unbatched path); the low-load criterion compares the batched p50 at the lowest rate with it.
+A PNG (images/s and latency against offered rate; batch-size histogram at saturation) is written next to
+the JSON. Needs CUDA unless ``--allow-cpu``.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import statistics
+import sys
+import threading
+import time
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _common import add_plot_only, machine_info, plot_only, pyplot, write_json  # noqa: E402
+
+from bcg.diffusers import accelerate, pipeline_runners, plan_request, warmup_pipeline  # noqa: E402
+from bcg.diffusers.batching import StepBatcher  # noqa: E402
+from bcg.diffusers.models import load_pipeline  # noqa: E402
+
+DEFAULT_OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "bench_batching.json")
+PROMPTS = (
+    "a photo of a cat sitting on a red chair", "an astronaut riding a horse on the moon, digital art",
+    "a watercolor painting of a mountain lake", "a futuristic city at night with neon lights",
+    "portrait of an old man with a white beard", "a bowl of fruit on a wooden table, still life",
+    "a small boat on a calm sea under a cloudy sky", "a dog running through a field of flowers",
+)
+MODES = ("batched", "one_at_a_time")
+
+
+def _say(msg: str) -> None:
+    print(f"[bench_batching {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def _sync(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _request(args, i: int) -> dict:
+    request = {"size": args.size, "steps": args.steps, "seed": args.seed * 100_003 + i, "output_type": args.output_type}
+    if args.negative_prompt is not None:
+        request["negative_prompt"] = args.negative_prompt
+    return request
+
+
+def arrivals(n: int, rate: float, seed: int) -> list[float]:
+    """Arrival offsets (s) of `n` requests: a Poisson process of `rate` per second; all 0 for inf."""
+    if math.isinf(rate):
+        return [0.0] * n
+    gaps = np.random.default_rng(seed).exponential(1.0 / rate, size=n)
+    return list(np.cumsum(gaps) - gaps[0])
+
+
+def transformer_flops_per_row(pipe, args) -> dict:
+    """FLOPs of one transformer row (one image, one call), estimated from the shapes one call sees."""
+    from bcg.diffusers.breaks import unwrap_runner
+
+    module = unwrap_runner(pipe.transformer)
+    seen = {}
+
+    def record(module, args, kwargs):  # returns None: the call's inputs stay as they are
+        seen.setdefault("shapes", (kwargs["hidden_states"].shape, kwargs["encoder_hidden_states"].shape))
+
+    hook = module.register_forward_pre_hook(record, with_kwargs=True)
+    try:
+        _, kwargs = plan_request(pipe, PROMPTS[0], **{**_request(args, 0), "steps": 1})
+        pipe(**kwargs)
+    finally:
+        hook.remove()
+    hidden, text = seen["shapes"]
+    patch = getattr(module.config, "patch_size", 1) or 1
+    image_tokens = hidden[1] if len(hidden) == 3 else (hidden[2] // patch) * (hidden[3] // patch)
+    tokens = int(image_tokens) + int(text[1])
+    params = sum(p.numel() for p in module.parameters())
+    attention = [m for m in module.modules() if type(m).__name__.endswith("Attention")]
+    width = int(getattr(attention[0], "inner_dim", 0) or 0) if attention else 0
+    flops = 2 * params * tokens + 4 * len(attention) * tokens**2 * width
+    return {"params": params, "tokens": tokens, "attention_layers": len(attention), "width": width,
+            "flops_per_row_call": flops}
+
+
+def time_direct(pipe, args, iters: int) -> list[float]:
+    """Milliseconds of ``pipe(**kwargs)`` back to back (today's unbatched path), after one untimed call."""
+    times = []
+    for i in range(iters + 1):
+        _, kwargs = plan_request(pipe, PROMPTS[i % len(PROMPTS)], **_request(args, i))
+        start = time.perf_counter()
+        pipe(**kwargs)
+        _sync(args.device)
+        if i:
+            times.append((time.perf_counter() - start) * 1000)
+    return times
+
+
+def _eager_calls(pipe) -> int:
+    return sum(r.stats()["eager_calls_total"] for r in pipeline_runners(pipe).values())
+
+
+def run_load(pipe, batcher: StepBatcher, args, offsets: list[float]) -> dict:
+    """Submit at `offsets` (open loop: submission never waits for answers); gather latencies and counts."""
+    n = len(offsets)
+    submitted, answered = [None] * n, [None] * n
+    answers = [0] * n
+    errors = []
+    lock = threading.Lock()
+
+    def on_done(i):
+        def done(future):
+            now = time.perf_counter()
+            with lock:
+                answers[i] += 1
+                answered[i] = now
+                if future.exception() is not None:
+                    errors.append(f"{type(future.exception()).__name__}: {future.exception()}")
+        return done
+
+    futures = []
+    eager_before = _eager_calls(pipe)
+    start = time.perf_counter()
+    for i, offset in enumerate(offsets):
+        delay = start + offset - time.perf_counter()
+        if delay > 0:
+            time.sleep(delay)
+        request = _request(args, i)
+        submitted[i] = time.perf_counter()
+        future = batcher.submit(PROMPTS[i % len(PROMPTS)], **request)
+        future.add_done_callback(on_done(i))
+        futures.append(future)
+    for future in futures:
+        try:
+            future.result(timeout=args.timeout_s)
+        except Exception:  # noqa: BLE001 -- counted in errors by the callback
+            pass
+    _sync(args.device)
+    with lock:
+        done = [i for i in range(n) if answered[i] is not None]
+        latencies = sorted((answered[i] - submitted[i]) * 1000 for i in done)
+        end = max((answered[i] for i in done), default=start)
+        ok = len(done) - len(errors)
+        elapsed = end - start
+        stats = batcher.stats()
+        return {
+            "requests": n, "answered_ok": ok, "failed": len(errors), "errors": errors[:5],
+            "lost": sum(1 for a in answers if a == 0), "answered_twice": sum(1 for a in answers if a > 1),
+            "elapsed_s": round(elapsed, 4),
+            "images_per_s": round(ok / elapsed, 3) if elapsed > 0 else None,
+            "latency_ms": _percentiles(latencies),
+            "batch_size_histogram": stats["batch_size_histogram"], "bucket_histogram": stats["bucket_histogram"],
+            "mean_rows_per_step": stats["mean_rows_per_step"], "joins_mid_run": stats["joins_mid_run"],
+            "steps": stats["steps"], "rows": stats["rows"], "padded_rows": stats["padded_rows"],
+            "eager_calls": _eager_calls(pipe) - eager_before,
+        }
+
+
+def _percentiles(values: list[float]) -> dict:
+    if not values:
+        return {}
+    pick = lambda q: round(float(np.percentile(values, q)), 3)  # noqa: E731
+    return {"p50": pick(50), "p90": pick(90), "p99": pick(99), "mean": round(statistics.fmean(values), 3),
+            "max": round(max(values), 3)}
+
+
+def _batcher(pipe, args, mode: str) -> StepBatcher:
+    if mode == "one_at_a_time":
+        return StepBatcher(pipe, max_batch_size=1, batch_buckets=(1,))
+    return StepBatcher(pipe, max_batch_size=args.max_batch_size, batch_buckets=args.buckets,
+                       max_wait_ms=args.max_wait_ms)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="tiny-flux")
+    p.add_argument("--size", default="256x256")
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--negative-prompt", default=None, help="run CFG (Flux: true CFG) with this negative prompt")
+    p.add_argument("--output-type", default="pil", choices=("pil", "np", "latent"))
+    p.add_argument("--requests", type=int, default=64, help="arrivals per rate and mode")
+    p.add_argument("--rate-factors", default="0.25,0.5,1,2,4,8,inf",
+                   help="offered rates as multiples of the one-at-a-time capacity; 'inf': all at once")
+    p.add_argument("--rates", default=None, help="absolute offered rates in images/s (overrides --rate-factors)")
+    p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument("--max-batch-size", type=int, default=8)
+    p.add_argument("--buckets", default="1,2,4,8")
+    p.add_argument("--max-wait-ms", type=float, default=0.0)
+    p.add_argument("--components", default="transformer", help="accelerated components (CUDA), comma-separated")
+    p.add_argument("--direct-iters", type=int, default=10)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout-s", type=float, default=600.0)
+    p.add_argument("--device", default=None)
+    p.add_argument("--allow-cpu", action="store_true", help="smoke run without CUDA (everything eager)")
+    p.add_argument("--out", default=DEFAULT_OUT)
+    add_plot_only(p)
+    args = p.parse_args(argv)
+    args.buckets = tuple(int(b) for b in args.buckets.split(","))
+    args.modes = [m for m in args.modes.split(",") if m]
+    unknown = [m for m in args.modes if m not in MODES]
+    if unknown:
+        p.error(f"unknown modes {unknown}; choose from {list(MODES)}")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.plot_only:
+        return plot_only(args.plot_only, plot)
+    cuda = torch.cuda.is_available()
+    if not cuda and not args.allow_cpu:
+        _say("CUDA is not available; run on a GPU host or pass --allow-cpu for a smoke run")
+        return 2
+    args.device = args.device or ("cuda" if cuda else "cpu")
+    started = time.perf_counter()
+    pipe = load_pipeline(args.model, device=args.device)
+    pipe.set_progress_bar_config(disable=True)
+    components = [c for c in args.components.split(",") if c]
+    pipe = accelerate(pipe, components=components)
+    key, _ = plan_request(pipe, PROMPTS[0], **_request(args, 0))
+    probe = _batcher(pipe, args, "batched")
+    plan = probe.warmup_plan([key])
+    _say(f"warming {[k.key for k in plan]}")
+    warm = warmup_pipeline(pipe, plan, num_inference_steps=2)
+    flops = transformer_flops_per_row(pipe, args)
+    cfg_calls = 2 if key.cfg else 1
+
+    direct = time_direct(pipe, args, args.direct_iters)
+    direct_ms = statistics.median(direct)
+    capacity = 1000.0 / direct_ms
+    if args.rates:
+        rates = [float(r) for r in args.rates.split(",")]
+    else:
+        rates = [float(f) * capacity for f in args.rate_factors.split(",")]
+    _say(f"direct pipe() median {direct_ms:.2f} ms ({capacity:.2f} images/s one at a time); rates {rates}")
+
+    runs = []
+    for r_index, rate in enumerate(rates):
+        offsets = arrivals(args.requests, rate, args.seed + r_index)
+        for mode in args.modes:
+            batcher = _batcher(pipe, args, mode)
+            with batcher:
+                # untimed: every path of the engine once (preparation, each bucket, decode) before the clock
+                for future in [batcher.submit(p, **_request(args, 10_000 + j))
+                               for j, p in enumerate(PROMPTS[:batcher.config.max_batch_size])]:
+                    future.result(timeout=args.timeout_s)
+            batcher = _batcher(pipe, args, mode)
+            with batcher:
+                row = run_load(pipe, batcher, args, offsets)
+            row.update(mode=mode, offered_rate=None if math.isinf(rate) else round(rate, 4),
+                       rate_factor=None if args.rates or math.isinf(rate) else round(rate / capacity, 4))
+            if row["elapsed_s"]:
+                tflops = row["rows"] * cfg_calls * flops["flops_per_row_call"] / row["elapsed_s"] / 1e12
+                row["transformer_tflops_est"] = round(tflops, 4)
+            runs.append(row)
+            _say(f"rate {rate:.2f}/s {mode}: {row['images_per_s']} images/s, p50 {row['latency_ms'].get('p50')} ms, "
+                 f"p99 {row['latency_ms'].get('p99')} ms, rows/step {row['mean_rows_per_step']}, "
+                 f"eager {row['eager_calls']}, failed {row['failed']}, lost {row['lost']}")
+
+    result = {
+        "benchmark": "bench_batching",
+        "command": " ".join([os.path.basename(sys.argv[0])] + (sys.argv[1:] if argv is None else list(argv))),
+        "machine": machine_info(),
+        "settings": {k: v for k, v in vars(args).items() if k not in ("plot_only",)},
+        "shape_key": key.key,
+        "warmup": {"plan": [k.key for k in plan], "captured": warm["captured"], "failed": warm["failed"],
+                   "seconds": warm["seconds"]},
+        "pool": {name: {"pool_bytes": r.stats()["pool_bytes"], "entries": len(r.stats()["entries"])}
+                 for name, r in pipeline_runners(pipe).items()},
+        "transformer": flops,
+        "direct_ms": {"median": round(direct_ms, 3), "all": [round(t, 3) for t in direct]},
+        "runs": runs,
+        "summary": summarize(runs, direct_ms),
+        "elapsed_s": round(time.perf_counter() - started, 1),
+    }
+    write_json(args.out, result)
+    plot(result, os.path.splitext(args.out)[0] + ".png")
+    return 0 if all(r["lost"] == 0 and r["answered_twice"] == 0 for r in runs) else 1
+
+
+def summarize(runs: list[dict], direct_ms: float) -> dict:
+    """Saturation speed-up (batched / one at a time images/s at the highest rate) and low-load p50 ratio."""
+    by = {(r["mode"], r["offered_rate"]): r for r in runs}
+    rates = [r["offered_rate"] for r in runs if r["mode"] == "batched"]
+    out = {}
+    if rates:
+        top = None if None in rates else max(rates)
+        low = min((r for r in rates if r is not None), default=None)
+        batched, single = by.get(("batched", top)), by.get(("one_at_a_time", top))
+        if batched and single and single["images_per_s"]:
+            out["saturation_speedup"] = round(batched["images_per_s"] / single["images_per_s"], 3)
+        if low is not None and by.get(("batched", low)):
+            p50 = by[("batched", low)]["latency_ms"].get("p50")
+            out["low_load_p50_ms"] = p50
+            out["low_load_p50_vs_direct"] = round(p50 / direct_ms, 3) if p50 else None
+    return out
+
+
+def plot(result: dict, png: str) -> bool:
+    plt = pyplot()
+    if plt is None or not result.get("runs"):
+        return False
+    fig, (ax_tput, ax_lat, ax_hist) = plt.subplots(1, 3, figsize=(16, 4.5))
+    runs = result["runs"]
+    finite = [r["offered_rate"] for r in runs if r["offered_rate"] is not None]
+    inf_x = (max(finite) * 1.5) if finite else 1.0  # saturation drawn right of the highest finite rate
+    for mode, style, color in zip(MODES, ("o-", "s--"), ("tab:blue", "tab:orange")):
+        rows = [r for r in runs if r["mode"] == mode]
+        if not rows:
+            continue
+        xs = [r["offered_rate"] if r["offered_rate"] is not None else inf_x for r in rows]
+        ax_tput.plot(xs, [r["images_per_s"] or 0 for r in rows], style, color=color, label=mode)
+        ax_lat.plot(xs, [r["latency_ms"].get("p50", 0) for r in rows], style, color=color, label=f"{mode} p50")
+        ax_lat.plot(xs, [r["latency_ms"].get("p99", 0) for r in rows], style, color=color, alpha=0.4,
+                    label=f"{mode} p99")
+    for ax, label in ((ax_tput, "images/s answered"), (ax_lat, "latency (ms)")):
+        ax.set_xlabel("offered rate (images/s; rightmost point: all at once)")
+        ax.set_ylabel(label)
+        ax.set_xscale("log")
+        ax.legend(fontsize=8)
+    ax_lat.set_yscale("log")
+    batched = [r for r in runs if r["mode"] == "batched"]
+    if batched:
+        top = batched[-1]
+        hist = {int(k): v for k, v in top["batch_size_histogram"].items()}
+        ax_hist.bar(list(hist), list(hist.values()))
+        ax_hist.set_xticks(range(1, max(hist, default=1) + 1))
+        ax_hist.set_xlabel("real rows per transformer step (batched, highest rate)")
+        ax_hist.set_ylabel("steps")
+    machine = result.get("machine", {})
+    fig.suptitle(f"{result['settings'].get('model')} {result.get('shape_key')} {result['settings'].get('steps')} steps "
+                 f"on {machine.get('gpu', 'CPU')}: continuous batching vs one at a time")
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+    print(f"wrote {png}", file=sys.stderr)
+    return True
+
+
+if __name__ == "__main__":
+    sys.exit(main())

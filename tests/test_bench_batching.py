@@ -1,0 +1,54 @@
+"""benchmarks/bench_batching.py on CPU: its workload is reproducible, its summary and plot come from its rows,
+and a smoke run through one StepBatcher answers every request exactly once."""
+import json
+import math
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+import bench_batching  # noqa: E402
+
+
+def test_poisson_arrivals_are_fixed_by_the_seed_and_have_the_offered_rate():
+    first, again = bench_batching.arrivals(2000, 50.0, seed=3), bench_batching.arrivals(2000, 50.0, seed=3)
+    assert first == again and first[0] == 0.0 and first == sorted(first)
+    assert 2000 / first[-1] == pytest.approx(50.0, rel=0.1)
+    assert bench_batching.arrivals(2000, 50.0, seed=4) != first
+    assert bench_batching.arrivals(3, math.inf, seed=0) == [0.0, 0.0, 0.0]
+
+
+def _run(mode, rate, images_per_s, p50):
+    return {"mode": mode, "offered_rate": rate, "images_per_s": images_per_s, "latency_ms": {"p50": p50, "p99": p50},
+            "batch_size_histogram": {"1": 3, "4": 2}}
+
+
+def test_summary_compares_saturation_throughput_and_low_load_latency(tmp_path):
+    runs = [_run("batched", 1.0, 1.0, 105.0), _run("one_at_a_time", 1.0, 1.0, 100.0),
+            _run("batched", None, 30.0, 300.0), _run("one_at_a_time", None, 10.0, 900.0)]
+    assert bench_batching.summarize(runs, direct_ms=100.0) == {
+        "saturation_speedup": 3.0, "low_load_p50_ms": 105.0, "low_load_p50_vs_direct": 1.05}
+    path = tmp_path / "b.json"
+    path.write_text(json.dumps({"runs": runs, "settings": {"model": "tiny-flux", "steps": 4}, "machine": {},
+                                "shape_key": "256x256"}))
+    assert bench_batching.main(["--plot-only", str(path)]) == 0 and (tmp_path / "b.png").stat().st_size > 0
+
+
+def test_cpu_smoke_run_answers_every_request_once(tmp_path):
+    out = tmp_path / "bench_batching.json"
+    code = bench_batching.main(["--allow-cpu", "--size", "64x64", "--steps", "2", "--requests", "4",
+                                "--rate-factors", "inf", "--max-batch-size", "2", "--buckets", "1,2",
+                                "--direct-iters", "1", "--output-type", "np", "--out", str(out)])
+    result = json.loads(out.read_text())
+    assert code == 0 and result["warmup"]["plan"] == ["64x64.p32", "64x64.b2.p32"]
+    runs = {r["mode"]: r for r in result["runs"]}
+    assert set(runs) == {"batched", "one_at_a_time"}
+    for run in runs.values():
+        assert (run["answered_ok"], run["failed"], run["lost"], run["answered_twice"]) == (4, 0, 0, 0)
+    # four requests of two steps: eight rows, at most two per step batched (the loop thread may start the
+    # first request before the second is submitted), one per step one at a time
+    batched = {int(k): v for k, v in runs["batched"]["batch_size_histogram"].items()}
+    assert sum(k * v for k, v in batched.items()) == 8 and max(batched) == 2
+    assert runs["one_at_a_time"]["batch_size_histogram"] == {"1": 8}
+    assert (tmp_path / "bench_batching.png").stat().st_size > 0
