@@ -13,7 +13,6 @@ the compiled graphs and a replayed break is one C++ call (the cheapest break the
 """
 from __future__ import annotations
 
-import functools
 import logging
 import types
 
@@ -33,7 +32,6 @@ _BREAK_CLASS_ATTR = "__bcg_compiled_break_class__"
 # about 8 µs of GPU work, which makes a compiled-segments replay of a small model CPU-bound. Calling
 # torch's flash kernel directly gains nothing measurable there (benchmarks/bench_break_cost.py measures
 # the candidates in isolation), so the break stays the public SDPA.
-@functools.lru_cache(maxsize=None)
 def _eager_sdpa():
     return eager_on_graph(torch.nn.functional.scaled_dot_product_attention)
 

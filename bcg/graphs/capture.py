@@ -13,10 +13,11 @@ Contract:
 - Values produced during capture are undefined (kernels are recorded, not run): call ``replay()``.
 - Outside a capture ``eager_on_graph`` functions are plain calls, and they are always graph breaks for
   ``torch.compile``. Without CUDA everything imports; entering a capture raises ``RuntimeError``.
-- Module-level state: two ContextVars (the capture in progress and the replay token), a lock that guards
-  the temporary, reference counted ``torch.cuda.Event.wait`` patch (``bcg.graphs.streams.ForkTracker``), the
-  same for the temporary allocator setting (``bcg.graphs.pool.ExpandableSegments``), and a per-capture-stream
-  ledger of live graphs and parked segments (``bcg.graphs.streams.close_stream``).
+- Module-level state: two ContextVars (the capture in progress and the replay token), nothing else.
+  What a capture needs lives on it: its stream and that stream's ledger of live graphs
+  (``bcg.graphs.streams.CaptureStream``), the watch for side streams forked inside a segment (this
+  thread's profile function while the capture is open: ``bcg.graphs.streams.ForkWatch``) and the
+  allocator setting it switched on (``bcg.graphs.pool.ExpandableSegments``).
 
 Memory lifetimes (the reason for most of the code below):
 - Segments are replayed in capture order and share one private pool, so a block freed during the capture
@@ -35,7 +36,7 @@ Memory lifetimes (the reason for most of the code below):
 - ``raw_launch=True`` (opt-in): after the first replay, segments that draw no random numbers are
   launched with ``cuGraphLaunch`` directly, without torch's per-replay prologue (see ``bcg.graphs.raw_launch``).
 - ``expandable_segments=True`` (the default) turns the caching allocator's expandable segments on for
-  the duration of the capture (reference counted, restored after): the pool then grows as one mapped
+  the duration of the capture (unless already on; restored after): the pool then grows as one mapped
   range per capture stream, page by page, instead of one cudaMalloc'ed segment per size class (see
   ``bcg.graphs.pool.ExpandableSegments``; measured on a Flux forward: 104 MiB against 142 MiB plain, for a 74.5 MiB
   live peak -- the rest is best-fit fragmentation). ``reserve_bytes`` (e.g. the
@@ -46,9 +47,11 @@ Memory lifetimes (the reason for most of the code below):
   it fails with an internal assert (``use_count > 0``). Take a fresh ``torch.cuda.graph_pool_handle()``.
 - Graphs captured on one stream share that stream's cuBLAS workspace, which torch after 2.11 frees
   when any of them is reset (2.11.0 does not: measured); ``reset()`` therefore defers the segments'
-  own reset until every graph captured on the stream is gone (``bcg.graphs.streams.close_stream``). Capture graphs that
-  live and die independently on different streams to keep that deferral short (the runner rotates
-  its capture stream).
+  own reset until every graph captured on the stream is gone. ``stream`` is a
+  ``bcg.graphs.streams.CaptureStream`` (a stream of its own and that ledger; share one between captures
+  that share a pool), a torch stream (a ledger of this graph alone: the caller keeps other graphs off
+  it) or None (a new ``CaptureStream``). Capture graphs that live and die independently on different
+  streams to keep that deferral short (the runner rotates its capture stream).
 """
 from __future__ import annotations
 
@@ -66,7 +69,7 @@ import torch
 from bcg.graphs.bridges import BreakOutputMismatchError, Bridges, no_step, no_work
 from bcg.graphs.pool import ExpandableSegments, PoolRanges, alias, pool_free_bytes, pool_reserved_bytes
 from bcg.graphs.raw_launch import RawLaunch
-from bcg.graphs.streams import ForkTracker, close_stream, open_stream, release_failed_segment
+from bcg.graphs.streams import CaptureStream, ForkWatch, release_failed_segment
 
 logger = logging.getLogger(__name__)
 
@@ -166,13 +169,6 @@ def is_capturing() -> bool:
     return capture is not None and not capture._in_break
 
 
-def _note_wait(stream) -> None:
-    """ForkTracker's hook: a stream was made to wait on an event (None: the current stream)."""
-    capture = _ACTIVE_CAPTURE.get()
-    if capture is not None:
-        capture._note_wait(torch.cuda.current_stream() if stream is None else stream)
-
-
 def _fn_name(fn) -> str:
     name = getattr(fn, "__qualname__", None) or getattr(type(fn), "__qualname__", None) or repr(fn)
     return f"{getattr(fn, '__module__', '') or ''}.{name}".lstrip(".")
@@ -187,12 +183,15 @@ class BreakableCUDAGraph:
 
     def __init__(self):
         self.pool = None
+        # True when a capture that failed at its end left `pool` registered with torch's allocators:
+        # capture into a fresh pool handle (see bcg.graphs.streams.release_failed_segment).
+        self.pool_retired = False
         self._clear()
 
     def _clear(self) -> None:
         self._steps: tuple[Callable[[], Any], ...] = ()
         self._segments: list[torch.cuda.CUDAGraph] = []  # all of them: each holds a use of the pool
-        self._stream_key: tuple[int, int] | None = None  # capture stream, while the graph holds segments
+        self._capture_stream: CaptureStream | None = None  # its ledger, while the graph holds segments
         self._bridges: list[Bridges] = []
         self.break_names: tuple[str, ...] = ()
         self.num_segments = 0
@@ -230,20 +229,20 @@ class BreakableCUDAGraph:
         """Drop the captured segments and bridges; the pool is released once no graph uses it.
 
         The segments' own reset waits while other graphs captured on the same stream are alive
-        (see ``bcg.graphs.streams.close_stream``); their memory in the pool is free for reuse right away.
+        (see ``bcg.graphs.streams.CaptureStream``); their memory in the pool is free for reuse right away.
         """
         if self._capturing:
             raise RuntimeError("BreakableCUDAGraph.reset() inside its own capture")
-        segments, key = self._segments, self._stream_key
+        segments, ledger = self._segments, self._capture_stream
         self._clear()
-        if key is not None:
-            close_stream(key, segments)
+        if ledger is not None:
+            ledger.close(segments)
 
     def __del__(self):
         # A dropped graph must go through the ledger too: CUDAGraph's destructor resets it, which
         # would free the cuBLAS workspace that other live graphs on its stream still use.
         try:
-            if getattr(self, "_stream_key", None) is not None and not self._capturing:
+            if getattr(self, "_capture_stream", None) is not None and not self._capturing:
                 self.reset()
         except Exception:  # noqa: BLE001 - interpreter shutdown, or torch already torn down
             pass
@@ -266,7 +265,7 @@ def segment_replay(segment: torch.cuda.CUDAGraph) -> Callable[[], None]:
 class BreakableCUDAGraphCapture:
     """Context manager that captures the code inside it into ``graph`` as segments and breaks."""
 
-    def __init__(self, graph: BreakableCUDAGraph, pool=None, stream: torch.cuda.Stream | None = None,
+    def __init__(self, graph: BreakableCUDAGraph, pool=None, stream: CaptureStream | torch.cuda.Stream | None = None,
                  capture_error_mode: str = "thread_local", reserve_bytes: int = 0,
                  expandable_segments: bool = True, raw_launch: bool = False):
         self.graph = graph
@@ -276,7 +275,7 @@ class BreakableCUDAGraphCapture:
         self.reserve_bytes = int(reserve_bytes)
         # See ExpandableSegments: the pool grows as one mapped range (then nothing is reserved ahead).
         self.expandable_segments = bool(expandable_segments)
-        self._expandable = False  # holds a use of the temporary allocator setting
+        self._expandable = False  # the setting is on for this capture (switched on by it, or before)
         # See RawLaunch: segments that draw no random numbers are launched without torch's replay.
         self.raw_launch = bool(raw_launch)
         self._segment_at: dict[int, torch.cuda.CUDAGraph] = {}
@@ -292,7 +291,7 @@ class BreakableCUDAGraphCapture:
         self._pending: list[tuple[int, Bridges]] = []  # (step index, bridges read by the open segment)
         self._break_names: list[str] = []
         self._exit_stack: contextlib.ExitStack | None = None
-        self._stream_key: tuple[int, int] | None = None  # registered with the stream ledger
+        self._capture_stream: CaptureStream | None = None  # counts this capture until the graph takes it
 
     # -- lifecycle ---------------------------------------------------------------------------------
 
@@ -309,7 +308,9 @@ class BreakableCUDAGraphCapture:
             raise RuntimeError("this BreakableCUDAGraph already holds a capture: call graph.reset() first")
         self._start = time.perf_counter()
         self.pool = torch.cuda.graph_pool_handle() if self.pool is None else self.pool
-        self.stream = torch.cuda.Stream() if self.stream is None else self.stream
+        ledger = self.stream if isinstance(self.stream, CaptureStream) else (
+            CaptureStream() if self.stream is None else CaptureStream.wrap(self.stream))
+        self.stream = ledger.stream
         self._device_index = self.stream.device_index
         self._ranges = PoolRanges(self.pool, self._device_index)
         stack = contextlib.ExitStack()
@@ -317,16 +318,15 @@ class BreakableCUDAGraphCapture:
             # Work already queued on the caller's stream (static inputs written) comes first.
             self.stream.wait_stream(torch.cuda.current_stream())
             stack.enter_context(torch.cuda.stream(self.stream))
-            ForkTracker.install(_note_wait)
-            stack.callback(ForkTracker.remove)
-            if self.expandable_segments and ExpandableSegments.enter():
-                self._expandable = True
-                stack.callback(ExpandableSegments.exit)
+            stack.enter_context(ForkWatch(self._note_wait))
+            if self.expandable_segments:
+                self._expandable = stack.enter_context(ExpandableSegments()).on
             token = _ACTIVE_CAPTURE.set(self)
             stack.callback(_ACTIVE_CAPTURE.reset, token)
             self.graph._capturing = True
-            self.graph.pool = self.pool
-            self._stream_key = open_stream(self.stream)
+            self.graph.pool, self.graph.pool_retired = self.pool, False
+            ledger.open()
+            self._capture_stream = ledger
             reserved = self._reserve()
             try:
                 self._begin_segment()
@@ -335,9 +335,9 @@ class BreakableCUDAGraphCapture:
                     torch._C._cuda_releasePool(self._device_index, tuple(self.pool))
         except BaseException:
             self.graph._capturing = False
-            if self._stream_key is not None:
-                close_stream(self._stream_key, [])
-                self._stream_key = None
+            if self._capture_stream is not None:
+                self._capture_stream.close([])
+                self._capture_stream = None
             stack.close()
             raise
         self._exit_stack = stack
@@ -357,7 +357,7 @@ class BreakableCUDAGraphCapture:
                 self._abort()
         finally:
             self.graph._capturing = False
-            stack.close()  # contextvar, Event.wait patch, stream: restored even on errors
+            stack.close()  # contextvar, fork watch, allocator setting, stream: restored even on errors
         return False
 
     def _reserve(self) -> bool:
@@ -376,7 +376,7 @@ class BreakableCUDAGraphCapture:
         reservation took a use of the pool, which the caller drops once the first segment holds one.
         """
         begin = getattr(torch._C, "_cuda_beginAllocateCurrentThreadToPool", None)
-        if self.reserve_bytes <= 0 or begin is None or self._expandable or ExpandableSegments.active():
+        if self.reserve_bytes <= 0 or begin is None or self._expandable:
             return False  # expandable segments grow by what is needed: a reservation would only add
         try:
             free = pool_free_bytes(self.pool, self._device_index)
@@ -405,7 +405,7 @@ class BreakableCUDAGraphCapture:
         graph._device_index = self._device_index
         graph.set_raw_launch(self.raw_launch)
         graph._segments = self._segments
-        graph._stream_key, self._stream_key = self._stream_key, None
+        graph._capture_stream, self._capture_stream = self._capture_stream, None
         graph._bridges = self._bridge_sets
         graph.break_names = tuple(self._break_names)
         graph.num_breaks = len(self._break_names)
@@ -428,12 +428,13 @@ class BreakableCUDAGraphCapture:
             except Exception as exc:  # noqa: BLE001
                 logger.debug("bcg: capture_end after an error failed too: %s", exc)
                 release_failed_segment(segment, self._device_index, tuple(self.pool))
+                self.graph.pool_retired = True
             else:
                 self._segments.append(segment)
         segments, self._segments = self._segments, []
-        key, self._stream_key = self._stream_key, None
-        if key is not None:
-            close_stream(key, segments)
+        ledger, self._capture_stream = self._capture_stream, None
+        if ledger is not None:
+            ledger.close(segments)
         self._pending = []
         self._bridge_sets = []
         self._steps = []
@@ -532,7 +533,7 @@ class BreakableCUDAGraphCapture:
 
 
 def capture_after_warmup(graph: BreakableCUDAGraph, fn: Callable, args: tuple = (), kwargs: dict | None = None, *,
-                         pool=None, stream: torch.cuda.Stream | None = None, warmup_runs: int = 1,
+                         pool=None, stream: CaptureStream | torch.cuda.Stream | None = None, warmup_runs: int = 1,
                          expandable_segments: bool = True, raw_launch: bool = False,
                          capture_error_mode: str = "thread_local"):
     """Warm ``fn(*args, **kwargs)`` up eagerly on the capture stream, then capture it into ``graph``.
@@ -547,7 +548,8 @@ def capture_after_warmup(graph: BreakableCUDAGraph, fn: Callable, args: tuple = 
     Call under ``torch.no_grad()`` (and a ``replay_token_scope``) as the replays will run.
     """
     kwargs = kwargs or {}
-    stream = torch.cuda.Stream() if stream is None else stream
+    capture_stream = CaptureStream() if stream is None else stream
+    stream = capture_stream.stream if isinstance(capture_stream, CaptureStream) else capture_stream
     caller = torch.cuda.current_stream()
     stream.wait_stream(caller)
     reserve = 0
@@ -565,7 +567,7 @@ def capture_after_warmup(graph: BreakableCUDAGraph, fn: Callable, args: tuple = 
         # not part of its transient peak
         end = torch.cuda.memory_allocated(stream.device)
         reserve = max(0, torch.cuda.max_memory_allocated(stream.device) - max(base, end))
-    with BreakableCUDAGraphCapture(graph, pool=pool, stream=stream, capture_error_mode=capture_error_mode,
+    with BreakableCUDAGraphCapture(graph, pool=pool, stream=capture_stream, capture_error_mode=capture_error_mode,
                                    reserve_bytes=reserve, expandable_segments=expandable_segments,
                                    raw_launch=raw_launch):
         out = fn(*args, **kwargs)

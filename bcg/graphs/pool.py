@@ -6,15 +6,14 @@ Contract:
   the pool tensors its breaks read, and to bridges once the segment that reads them has ended.
 - ``PoolRanges`` tells pool tensors from weights and static inputs by address; ``pool_reserved_bytes``
   and ``pool_free_bytes`` read the allocator's snapshot.
-- ``ExpandableSegments.enter()`` / ``exit()`` switch the caching allocator's expandable segments on
-  for as long as any capture is open (module-level state: its lock and user count).
+- ``with ExpandableSegments():`` switches the caching allocator's expandable segments on for one
+  capture, unless they are on already. No module-level state.
 """
 from __future__ import annotations
 
 import bisect
 import logging
 import os
-import threading
 
 import torch
 
@@ -128,7 +127,7 @@ class PoolRanges:
 
 
 class ExpandableSegments:
-    """Temporary, reference counted ``expandable_segments:True`` allocator setting while captures run.
+    """The allocator's ``expandable_segments:True`` for the duration of one capture (a context manager).
 
     Why: a fresh private pool grows by one cudaMalloc per allocation that no free block fits (a tensor
     of 10 MiB or more gets a segment of its own rounded size, a smaller one a 20 MiB segment), and a
@@ -138,15 +137,18 @@ class ExpandableSegments:
     reservation of the warm-up peak, 104 MiB with expandable segments, for a 74.5 MiB live peak). With
     expandable segments the allocator maps pages into one growing virtual range per stream and pool, and
     a free tail is extended instead of a new segment being cut (torch >= 2.5 supports them in private
-    pools). The setting is process-wide and read when a segment is created or grown, so it is switched on
-    by the first open capture and back off by the last (in a ``finally``); allocations of other threads
-    meanwhile may get expandable segments too, which only changes how their memory is mapped. Nothing is
-    done when the setting is already on (``PYTORCH_CUDA_ALLOC_CONF`` or the program's own setting) or
-    the allocator is not torch's native one.
+    pools). The setting is process-wide and read when a segment is created or grown: a capture that
+    finds it off switches it on and back off on exit (allocations of other threads meanwhile may get
+    expandable segments too, which only changes how their memory is mapped); a capture that finds it on
+    (``PYTORCH_CUDA_ALLOC_CONF``, the program's own setting, or another capture in progress) leaves it,
+    so when captures overlap the last ones may grow their pools with plain segments after the first has
+    ended. Nothing is done where the allocator is not torch's native one. ``on`` says whether the
+    setting is on inside the block.
     """
 
-    _lock = threading.Lock()
-    _users = 0
+    def __init__(self):
+        self.on = False
+        self._switched = False
 
     @staticmethod
     def _setter():
@@ -154,7 +156,8 @@ class ExpandableSegments:
                 or getattr(torch._C, "_cuda_cudaCachingAllocator_set_allocator_settings", None))
 
     @staticmethod
-    def _already_on() -> bool:
+    def already_on() -> bool:
+        """True when the allocator's settings (or the environment) have expandable segments on."""
         getter = getattr(torch._C, "_accelerator_getAllocatorSettings", None)
         settings = [os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""), os.environ.get("PYTORCH_ALLOC_CONF", "")]
         if getter is not None:
@@ -166,32 +169,24 @@ class ExpandableSegments:
         on = text.rfind("expandable_segments:true")
         return on >= 0 and on > text.rfind("expandable_segments:false")
 
-    @classmethod
-    def enter(cls) -> bool:
-        """Switch the setting on (if needed); True when this call holds a use that ``exit`` must drop."""
-        setter = cls._setter()
+    def __enter__(self) -> ExpandableSegments:
+        setter = self._setter()
         if setter is None:
-            return False
-        with cls._lock:
-            if cls._users == 0:
-                try:
-                    if torch.cuda.get_allocator_backend() != "native" or cls._already_on():
-                        return False
-                    setter("expandable_segments:True")
-                except Exception as exc:  # noqa: BLE001 - capture without them
-                    logger.info("bcg: expandable segments unavailable (%s); the pool uses plain segments", exc)
-                    return False
-            cls._users += 1
-            return True
+            return self
+        try:
+            if torch.cuda.get_allocator_backend() != "native":
+                return self
+            if self.already_on():
+                self.on = True
+                return self
+            setter("expandable_segments:True")
+        except Exception as exc:  # noqa: BLE001 - capture without them
+            logger.info("bcg: expandable segments unavailable (%s); the pool uses plain segments", exc)
+            return self
+        self.on = self._switched = True
+        return self
 
-    @classmethod
-    def exit(cls) -> None:
-        with cls._lock:
-            cls._users -= 1
-            if cls._users == 0:
-                cls._setter()("expandable_segments:False")
-
-    @classmethod
-    def active(cls) -> bool:
-        with cls._lock:
-            return cls._users > 0 or cls._already_on()
+    def __exit__(self, *exc) -> None:
+        if self._switched:
+            self._switched = self.on = False
+            self._setter()("expandable_segments:False")

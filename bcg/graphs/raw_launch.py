@@ -2,13 +2,12 @@
 
 Contract: ``RawLaunch.first_replay(steps, segment_at, device_index)`` runs a graph's first replay
 through torch and returns the steps later replays run, with the segments that drew no random numbers
-launched by the driver directly. Module-level state: the lock and the cached ``cuGraphLaunch``.
+launched by the driver directly. No module-level state.
 """
 from __future__ import annotations
 
 import ctypes
 import logging
-import threading
 from typing import Callable
 
 import torch
@@ -35,21 +34,16 @@ class RawLaunch:
     ``raw_cuda_graph_exec`` is missing.
     """
 
-    _lock = threading.Lock()
-    _launch = None  # ctypes cuGraphLaunch, False when unavailable
-
-    @classmethod
-    def launcher(cls):
-        with cls._lock:
-            if cls._launch is None:
-                try:
-                    fn = ctypes.CDLL("libcuda.so.1").cuGraphLaunch
-                    fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_void_p], ctypes.c_int
-                    cls._launch = fn
-                except (OSError, AttributeError) as exc:
-                    logger.info("bcg: no direct graph launch (%s); segments replay through torch", exc)
-                    cls._launch = False
-            return cls._launch or None
+    @staticmethod
+    def launcher():
+        """The driver's ``cuGraphLaunch`` (looked up once per graph, at its first replay), or None."""
+        try:
+            fn = ctypes.CDLL("libcuda.so.1").cuGraphLaunch
+        except (OSError, AttributeError) as exc:
+            logger.info("bcg: no direct graph launch (%s); segments replay through torch", exc)
+            return None
+        fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_void_p], ctypes.c_int
+        return fn
 
     @classmethod
     def first_replay(cls, steps: tuple, segment_at: dict, device_index: int) -> tuple:

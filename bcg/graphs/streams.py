@@ -1,21 +1,21 @@
-"""Capture streams: side streams forked inside a segment, the per-stream ledger of live graphs, and
-what a failed capture leaves behind.
+"""Capture streams: the stream graphs are captured on (with the graphs alive on it), the side streams a
+segment forks, and what a failed capture leaves behind. No module-level state: each piece belongs to
+the object that uses it.
 
 Contract:
-- ``ForkTracker.install(on_wait)`` / ``remove()``: a temporary, reference counted patch of
-  ``torch.cuda.Event.wait`` that reports every stream made to wait while any capture is open, so a
-  segment can join the streams forked inside it before it ends.
-- ``open_stream`` / ``close_stream``: graphs captured on one stream share its cuBLAS workspace, so the
-  segments of a graph that goes are reset only once every graph captured on that stream is gone
-  (``parked_segments`` counts those waiting).
-- ``release_failed_segment`` undoes what ``capture_begin`` did when ``capture_end`` failed, and marks
-  the pool handle unusable (``pool_usable``).
-Module-level state: the patch's lock, the ledger and its lock, and the failed segments kept alive.
+- ``CaptureStream(device)``: a stream of its own for captures that share a pool. Graphs captured on it
+  share its cuBLAS workspace, so the segments of a graph that goes are reset only once every graph
+  captured on it is gone (``open()`` / ``close(segments)``; ``parked_segments`` counts those waiting).
+- ``ForkWatch(on_wait)``: while entered, and on this thread only, calls ``on_wait(stream)`` for every
+  stream made to wait on an event, so a segment can join the side streams forked inside it.
+- ``release_failed_segment`` undoes what ``capture_begin`` did when ``capture_end`` failed; the pool
+  handle is then unusable for new captures (the graph says so: ``BreakableCUDAGraph.pool_retired``).
 """
 from __future__ import annotations
 
-import functools
+import ctypes
 import logging
+import sys
 import threading
 from typing import Any, Callable
 
@@ -23,123 +23,128 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ForkTracker", "close_stream", "open_stream", "parked_segments", "pool_usable",
-           "release_failed_segment"]
+__all__ = ["CaptureStream", "ForkWatch", "release_failed_segment"]
 
 
-class ForkTracker:
-    """Temporary, reference counted patch of ``torch.cuda.Event.wait`` while any capture is open.
+class CaptureStream:
+    """A CUDA stream for captures, and the ledger of the graphs alive that were captured on it.
+
+    Why a ledger: in torch after 2.11 ``CUDAGraph.reset()`` (also run by its destructor) calls
+    ``clearCublasWorkspacesForStream`` on the capture stream (pytorch/pytorch#175276; on an H200 with
+    torch 2.11.0 a reset freed nothing, measured -- this is for the versions after). That frees the
+    cuBLAS and cuBLASLt workspaces cached for the stream, whose raw addresses every other graph captured
+    on the same stream baked into its GEMM kernels (pytorch/pytorch#193402): their replays would write
+    into memory the allocator hands out again. So while other graphs captured on the stream are alive,
+    the segments of a graph that goes are parked here (each keeps its cudaGraphExec and one use of its
+    pool; the tensors the graph held are released at once, so the pool reuses their memory).
+
+    Why a stream of its own: torch keys those workspaces by the raw stream, and ``torch.cuda.Stream()``
+    hands out streams from a small per-device pool, so a stream from there may be another owner's capture
+    stream too, whose graphs this ledger does not see. The stream is created through the driver
+    (``cuStreamCreate``) and never destroyed: the allocator keeps the pool's segments of the stream
+    after its graphs are gone, and releasing an expandable segment synchronises its stream. (A runner
+    makes one per capture at most, and captures happen only during warm-up.) Where the driver cannot
+    make one, a stream from torch's pool is used (logged). ``wrap(stream)`` makes a ledger for a stream
+    the caller owns: graphs captured on that stream through another `CaptureStream` are not seen by it.
+    """
+
+    def __init__(self, device: int | torch.device | None = None, *, stream: torch.cuda.Stream | None = None):
+        self._lock = threading.Lock()
+        self._live = 0
+        self._parked: list = []
+        self.stream = _own_stream(device) if stream is None else stream
+
+    @classmethod
+    def wrap(cls, stream: torch.cuda.Stream) -> CaptureStream:
+        """A ledger for `stream` (owned by the caller, never destroyed here)."""
+        return cls(stream=stream)
+
+    @property
+    def parked_segments(self) -> int:
+        """Segments waiting for the live graphs captured on this stream to go (callers rotate streams)."""
+        with self._lock:
+            return len(self._parked)
+
+    def open(self) -> None:
+        """One more graph is captured on this stream (an open capture counts)."""
+        with self._lock:
+            self._live += 1
+
+    def close(self, segments: list) -> bool:
+        """A graph captured on this stream is gone: reset its segments now if it was the last one, else
+        park them until the last one goes. True when everything parked was reset now."""
+        with self._lock:
+            self._live -= 1
+            self._parked.extend(segments)
+            if self._live > 0:
+                return False
+            parked, self._parked = self._parked, []
+        for segment in parked:
+            try:
+                segment.reset()
+            except Exception as exc:  # noqa: BLE001 - a reset that fails leaves nothing we could fix
+                logger.warning("bcg: resetting a graph segment failed: %s", exc)
+        return True
+
+    def __repr__(self) -> str:
+        return f"CaptureStream({self.stream!r}, live={self._live}, parked={len(self._parked)})"
+
+
+def _own_stream(device) -> torch.cuda.Stream:
+    """A non-blocking stream that torch's stream pool never hands out (one from that pool where the
+    driver cannot make one)."""
+    try:
+        index = torch.cuda._get_device_index(device, optional=True)
+        create = ctypes.CDLL("libcuda.so.1").cuStreamCreate
+        create.argtypes, create.restype = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint], ctypes.c_int
+        torch.cuda.synchronize(index)  # makes the device's primary context current on this thread
+        handle = ctypes.c_void_p()
+        with torch.cuda.device(index):
+            status = create(ctypes.byref(handle), 1)  # CU_STREAM_NON_BLOCKING, as torch's pool streams
+        if status != 0 or not handle.value:
+            raise RuntimeError(f"cuStreamCreate returned {status}")
+    except Exception as exc:  # noqa: BLE001 - no driver here (or no CUDA): torch's pool has a stream
+        logger.info("bcg: no capture stream of its own (%s); using one from torch's stream pool", exc)
+        return torch.cuda.Stream() if device is None else torch.cuda.Stream(device)
+    return torch.cuda.ExternalStream(handle.value, device=torch.device("cuda", index))
+
+
+class ForkWatch:
+    """Reports the streams made to wait on an event on this thread while entered.
 
     Why: a segment ends where a break is called, in the middle of user code. If that code forked a side
     stream (``s.wait_stream(capture_stream)``) and joins it only after the break, cudaStreamEndCapture
-    fails with "unjoined". CUDA has no API to list the streams a capture forked into, so we note every
-    stream that waits on an event while a segment is open (``Stream.wait_stream`` and
-    ``Stream.wait_event`` both end in ``Event.wait``) and join those still capturing when the segment
-    ends. The patch is installed on the first open capture and restored (in a ``finally``) by the last.
-    Its user count lives on the patch function itself, so nothing of it remains once it is removed.
+    fails with "unjoined". CUDA has no API to list the streams a capture forked into, so the capture
+    notes every stream that waits on an event while a segment is open (``Stream.wait_stream`` and
+    ``Stream.wait_event`` both end in ``torch.cuda.Event.wait``) and joins those still capturing when
+    the segment ends. The watch is this thread's profile function (``sys.setprofile``, which other
+    threads do not see), from entry to exit: nothing of torch is replaced. A thread that already has a
+    profile function (a profiler) keeps it, and the watch sees nothing there (logged).
     """
 
-    _lock = threading.Lock()
+    def __init__(self, on_wait: Callable[[Any], None]):
+        self._on_wait = on_wait
+        self._code = getattr(torch.cuda.Event.wait, "__code__", None)
+        self.watching = False
 
-    @classmethod
-    def install(cls, on_wait: Callable[[Any], None]) -> None:
-        """Patch (or count one more user of the patch); ``on_wait(stream)`` is called after every
-        ``Event.wait`` (``stream`` None: the current stream) by the patch the first user installed."""
-        with cls._lock:
-            current = torch.cuda.Event.wait
-            if getattr(current, "_bcg_original", None) is not None:
-                current._bcg_users += 1
-                return
-            original = current
+    def _profile(self, frame, event, arg) -> None:
+        if event == "call" and frame.f_code is self._code:
+            stream = frame.f_locals.get("stream")
+            self._on_wait(torch.cuda.current_stream() if stream is None else stream)
 
-            def wait(event, stream=None):
-                original(event, stream)
-                on_wait(stream)
+    def __enter__(self) -> ForkWatch:
+        if sys.getprofile() is not None or self._code is None:
+            logger.info("bcg: this thread has a profile function; side streams forked inside a segment "
+                        "are not joined at its breaks")
+            return self
+        sys.setprofile(self._profile)
+        self.watching = True
+        return self
 
-            wait._bcg_original = original
-            wait._bcg_users = 1
-            functools.update_wrapper(wait, original)
-            wait.__wrapped__ = original
-            torch.cuda.Event.wait = wait
-
-    @classmethod
-    def remove(cls) -> None:
-        with cls._lock:
-            current = torch.cuda.Event.wait
-            original = getattr(current, "_bcg_original", None)
-            if original is None:
-                logger.warning("bcg: torch.cuda.Event.wait was replaced during a capture; not restoring it")
-                return
-            current._bcg_users -= 1
-            if current._bcg_users == 0:
-                torch.cuda.Event.wait = original
-
-
-# (device index, raw cudaStream_t) -> graphs alive that were captured on it (open captures included)
-_LIVE_ON_STREAM: dict[tuple[int, int], int] = {}
-# (device index, raw cudaStream_t) -> segments whose CUDAGraph.reset() waits for those graphs
-_PARKED_ON_STREAM: dict[tuple[int, int], list] = {}
-_STREAM_LOCK = threading.Lock()
-# Segments whose capture_end failed, kept alive on purpose (see release_failed_segment), and the
-# pool handles they leave unusable for new captures.
-_FAILED_SEGMENTS: list = []
-_UNUSABLE_POOLS: set[tuple] = set()
-
-
-def _stream_key(stream) -> tuple[int, int]:
-    return (stream.device_index, stream.cuda_stream)
-
-
-def open_stream(stream) -> tuple[int, int]:
-    """Count one more graph captured on ``stream``; returns the key to close it with."""
-    key = _stream_key(stream)
-    with _STREAM_LOCK:
-        _LIVE_ON_STREAM[key] = _LIVE_ON_STREAM.get(key, 0) + 1
-    return key
-
-
-def close_stream(key: tuple[int, int], segments: list) -> bool:
-    """One graph captured on stream ``key`` is gone: reset its segments, or park them until the last one is.
-
-    Why: in torch after 2.11 ``CUDAGraph.reset()`` (also run by its destructor) calls
-    ``clearCublasWorkspacesForStream`` on the capture stream (pytorch/pytorch#175276; on an H200 with
-    torch 2.11.0 a reset freed nothing, measured -- this is for the versions after). That frees the
-    cuBLAS and cuBLASLt workspaces cached for the stream, whose raw addresses every other graph
-    captured on the same stream baked into its GEMM kernels (pytorch/pytorch#193402): their replays
-    would write into memory the allocator hands out again. So while other graphs captured on the
-    stream are alive, the segments are parked here (each keeps its cudaGraphExec and one use of its
-    pool; the tensors the graph held are released now, so the pool reuses their memory). Returns True
-    when everything parked on the stream was reset now. Streams are keyed by their raw handle:
-    ``torch.cuda.Stream()`` hands out streams from a small per-device pool, so unrelated captures can
-    share one.
-    """
-    with _STREAM_LOCK:
-        live = _LIVE_ON_STREAM.get(key, 0) - 1
-        parked = _PARKED_ON_STREAM.pop(key, [])
-        parked.extend(segments)
-        if live > 0:
-            _LIVE_ON_STREAM[key] = live
-            if parked:
-                _PARKED_ON_STREAM[key] = parked
-            return False
-        _LIVE_ON_STREAM.pop(key, None)
-    for segment in parked:
-        try:
-            segment.reset()
-        except Exception as exc:  # noqa: BLE001 - a reset that fails leaves nothing we could fix
-            logger.warning("bcg: resetting a graph segment failed: %s", exc)
-    return True
-
-
-def parked_segments(stream) -> int:
-    """Segments waiting on ``stream`` for its live graphs to go (callers rotate streams to bound this)."""
-    with _STREAM_LOCK:
-        return len(_PARKED_ON_STREAM.get(_stream_key(stream), ()))
-
-
-def pool_usable(pool) -> bool:
-    """False for a pool handle that a failed capture left registered with torch's allocators."""
-    return tuple(pool) not in _UNUSABLE_POOLS
+    def __exit__(self, *exc) -> None:
+        if self.watching:
+            self.watching = False
+            sys.setprofile(None)
 
 
 def release_failed_segment(segment, device_index: int, pool: tuple) -> None:
@@ -152,11 +157,11 @@ def release_failed_segment(segment, device_index: int, pool: tuple) -> None:
 
     The device allocator can be told from Python; torch >= 2.10's pinned-host allocator, which
     capture_begin registers the pool with too, cannot. Its registration stays, with a filter that
-    points at the segment object, so the segment is kept alive (never reset) and the pool handle is
-    marked unusable: a later capture_begin on it would fail ("already recording to mempool_id").
+    points at the segment object, so the segment must live as long as the process: one reference to it
+    is leaked on purpose (it is never reset), and the pool handle must not be captured into again (a
+    later capture_begin on it would fail: "already recording to mempool_id").
     """
-    _FAILED_SEGMENTS.append(segment)
-    _UNUSABLE_POOLS.add(tuple(pool))
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(segment))
     for name in ("_cuda_endAllocateToPool", "_cuda_endAllocateCurrentStreamToPool", "_cuda_releasePool"):
         fn = getattr(torch._C, name, None)
         if fn is None or (name == "_cuda_endAllocateCurrentStreamToPool"

@@ -7,8 +7,8 @@ import contextlib
 import torch
 
 from bcg.graphs import capture as _capture
-from bcg.graphs import streams
 from bcg.graphs.capture import BreakableCUDAGraph, replay_token_scope
+from bcg.graphs.streams import CaptureStream
 from bcg.runtime.config import RunnerConfig
 
 __all__ = ["CudaRecorder", "current_stream_id"]
@@ -22,7 +22,8 @@ class CudaRecorder:
         self.expandable_segments = config.pool_expandable_segments
         self.raw_launch = config.raw_launch
         self._pool = None
-        self._stream = None
+        self._pool_retired = False  # a failed capture left the pool registered with torch's allocators
+        self._stream: CaptureStream | None = None
         self._last_stream_id = None
         self._last_stream = None
         self.pool_reserved_bytes = 0   # the pool's whole reservation, measured after each capture
@@ -42,6 +43,7 @@ class CudaRecorder:
                         graph, fn, args, kwargs, pool=self._pool, stream=stream, warmup_runs=warmup_runs,
                         expandable_segments=self.expandable_segments, raw_launch=self.raw_launch)
                 except BaseException:
+                    self._pool_retired = graph.pool_retired
                     with contextlib.suppress(Exception):
                         graph.reset()
                     raise
@@ -57,19 +59,20 @@ class CudaRecorder:
 
         Pool: torch frees a graph pool once the last graph using it is reset, and a freed pool's handle
         cannot be captured into again (an internal assert in the allocators), so a capture takes a
-        fresh handle unless a live entry still uses the current one, or when a failed capture left
-        the handle registered (``bcg.graphs.streams.pool_usable``). empty_cache hands the old pool's memory back.
+        fresh handle unless a live entry still uses the current one (a failed capture that left the
+        handle registered drops it: ``BreakableCUDAGraph.pool_retired``). empty_cache hands the old
+        pool's memory back.
 
         Stream: entries evicted while others captured on the same stream live are parked, not reset
-        (see ``bcg.graphs.streams.close_stream``: resetting would free the stream's cuBLAS workspace that the
-        others replay with). New captures then move to another stream, so the old one only loses
+        (see ``bcg.graphs.streams.CaptureStream``: resetting would free the stream's cuBLAS workspace that
+        the others replay with). New captures then move to another stream, so the old one only loses
         graphs and its parked segments are reset once its last graph goes."""
-        if self._pool is None or tuple(self._pool) not in live_pools or not streams.pool_usable(self._pool):
+        if self._pool is None or self._pool_retired or tuple(self._pool) not in live_pools:
             if self._pool is not None:
                 torch.cuda.empty_cache()
-            self._pool = torch.cuda.graph_pool_handle()
-        if self._stream is None or streams.parked_segments(self._stream):
-            self._stream = torch.cuda.Stream()
+            self._pool, self._pool_retired = torch.cuda.graph_pool_handle(), False
+        if self._stream is None or self._stream.parked_segments:
+            self._stream = CaptureStream(self.device)
 
     def _pool_bytes(self):
         """(pool reserved bytes, the figure deltas are taken of). The pool's own segments when the

@@ -1,7 +1,9 @@
 """bcg.graphs.capture on any machine: plain-call semantics, replay tokens, CUDA requirement, context hygiene,
 the torch.compile graph break, and the capture's control flow against a stand-in for CUDA graphs."""
 import gc
+import sys
 import threading
+import weakref
 
 import pytest
 import torch
@@ -16,6 +18,7 @@ from bcg.graphs.capture import (
     eager_on_graph,
     replay_token_scope,
 )
+from bcg.graphs.streams import CaptureStream
 
 needs_no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the behaviour without CUDA")
 
@@ -330,7 +333,6 @@ def test_capture_flow_cleans_up_after_exceptions(fake_cuda, where):
         return t
 
     graph = BreakableCUDAGraph()
-    wait_before = torch.cuda.Event.wait
     with pytest.raises((ValueError, RuntimeError)) as err:
         with BreakableCUDAGraphCapture(graph):
             y = brk(_kernel(torch.ones(2)))
@@ -342,7 +344,7 @@ def test_capture_flow_cleans_up_after_exceptions(fake_cuda, where):
                     pass
     if where == "nested":
         assert "nested" in str(err.value)
-    assert _ACTIVE_CAPTURE.get() is None and torch.cuda.Event.wait is wait_before
+    assert _ACTIVE_CAPTURE.get() is None and sys.getprofile() is None  # the fork watch is gone too
     assert fake_cuda.open is None  # no capture left open
     assert not graph.captured and graph._capturing is False
     resets = [e for e in fake_cuda.events if e.startswith("reset")]
@@ -351,9 +353,11 @@ def test_capture_flow_cleans_up_after_exceptions(fake_cuda, where):
 
 @needs_no_cuda
 def test_graphs_on_one_stream_reset_their_segments_together(fake_cuda):
+    stream = CaptureStream.wrap(torch.cuda.Stream())
+
     def capture():
         graph = BreakableCUDAGraph()
-        with BreakableCUDAGraphCapture(graph):
+        with BreakableCUDAGraphCapture(graph, stream=stream):
             _kernel(break_graph() or torch.ones(1))
             _kernel(torch.ones(1))
         return graph
@@ -370,13 +374,11 @@ def test_graphs_on_one_stream_reset_their_segments_together(fake_cuda):
 
 @needs_no_cuda
 def test_a_capture_whose_end_fails_keeps_its_segment_and_retires_the_pool(fake_cuda, monkeypatch):
-    from bcg.graphs import streams
-
-    monkeypatch.setattr(streams, "_UNUSABLE_POOLS", set())
-    monkeypatch.setattr(streams, "_FAILED_SEGMENTS", [])
+    failed = []
 
     def invalidated_end(self):
         _FakeSegment.open = None
+        failed.append(weakref.ref(self))
         raise RuntimeError("operation not permitted when stream is capturing")
 
     graph = BreakableCUDAGraph()
@@ -389,5 +391,6 @@ def test_a_capture_whose_end_fails_keeps_its_segment_and_retires_the_pool(fake_c
     assert not graph.captured and fake_cuda.open is None and _ACTIVE_CAPTURE.get() is None
     # torch's allocator still counts the failed segment's capture: it is kept alive, never reset, and
     # its pool handle is not captured into again
-    assert [s.index for s in streams._FAILED_SEGMENTS] == [2] and "reset2" not in fake_cuda.events
-    assert not streams.pool_usable((0, 42)) and streams.pool_usable((0, 43))
+    gc.collect()
+    assert {ref().index for ref in failed} == {2} and "reset2" not in fake_cuda.events
+    assert graph.pool_retired

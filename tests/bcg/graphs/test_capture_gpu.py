@@ -1,6 +1,7 @@
 """bcg.graphs.capture on a GPU: replay correctness (hand-checkable and a real Flux transformer, bit for bit),
 pool memory, side streams, capture stubs, clear errors, and clean state after failed captures."""
 import gc
+import sys
 import warnings
 import weakref
 
@@ -20,7 +21,7 @@ from bcg.graphs.capture import (
     replay_token_scope,
 )
 from bcg.graphs.pool import ExpandableSegments
-from bcg.graphs.streams import parked_segments, pool_usable
+from bcg.graphs.streams import CaptureStream
 
 pytestmark = pytest.mark.gpu
 MB = 1 << 20
@@ -37,7 +38,7 @@ def _capture(fn, *args, pool=None, stream=None, warmup=1, token=None, expandable
 
 def _assert_clean():
     assert _ACTIVE_CAPTURE.get() is None
-    assert not hasattr(torch.cuda.Event.wait, "_bcg_original")
+    assert sys.getprofile() is None  # the capture's fork watch is gone
     assert not torch.cuda.is_current_stream_capturing()
 
 
@@ -147,7 +148,7 @@ def test_resetting_a_graph_keeps_the_cublas_workspace_of_graphs_captured_on_the_
     def forward(x, w):
         return brk(x @ w) @ w
 
-    stream = torch.cuda.Stream()
+    stream = CaptureStream()
     g = torch.Generator(device="cuda").manual_seed(0)
     w = torch.randn(512, 512, device="cuda", generator=g) / 16
     x1, x2 = torch.randn(2, 256, 512, device="cuda", generator=g).unbind(0)
@@ -157,10 +158,10 @@ def test_resetting_a_graph_keeps_the_cublas_workspace_of_graphs_captured_on_the_
     allocated = torch.cuda.memory_allocated()
     first.reset()
     assert torch.cuda.memory_allocated() == allocated          # the workspace was not freed
-    assert parked_segments(stream) == 2
-    with torch.cuda.stream(stream):                               # would land in a freed workspace
+    assert stream.parked_segments == 2
+    with torch.cuda.stream(stream.stream):                        # would land in a freed workspace
         hog = [torch.full((MB // 4,), 7.0, device="cuda") for _ in range(64)]
-    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.current_stream().wait_stream(stream.stream)
     for _ in range(3):
         x2.normal_(generator=g)
         second.replay()
@@ -170,7 +171,7 @@ def test_resetting_a_graph_keeps_the_cublas_workspace_of_graphs_captured_on_the_
         assert torch.equal(out, expected)
     assert all(bool((h == 7.0).all()) for h in hog)
     second.reset()
-    assert parked_segments(stream) == 0
+    assert stream.parked_segments == 0
 
 
 def test_empty_segments_are_counted_and_skipped_without_warnings():
@@ -364,7 +365,7 @@ def test_exception_inside_capture_is_reraised_and_cleaned_up(where):
     _assert_clean()
     # An invalidated capture leaves its pool registered with torch's pinned-host allocator (no API
     # undoes that): the handle must not be captured into again.
-    assert pool_usable(capture.pool) is (where != "illegal-op")
+    assert graph.pool_retired is (where == "illegal-op")
     assert not graph.captured
     with torch.cuda.stream(stream):
         assert not torch.cuda.is_current_stream_capturing()
@@ -508,7 +509,7 @@ def test_flux_capture_pool_stays_within_1_6x_eager_peak_activation_memory():
     assert eager_peak > 32 * MB
     assert 0 < pool <= 1.6 * eager_peak
     # the temporary allocator setting is gone with the capture
-    assert ExpandableSegments._users == 0 and not ExpandableSegments.active()
+    assert not ExpandableSegments.already_on()
 
 
 def test_allocator_setting_is_restored_after_a_capture_that_raises():
@@ -521,10 +522,10 @@ def test_allocator_setting_is_restored_after_a_capture_that_raises():
     graph = BreakableCUDAGraph()
     with pytest.raises(ValueError, match="boom"):
         with BreakableCUDAGraphCapture(graph):
-            assert ExpandableSegments.active()
+            assert ExpandableSegments.already_on()
             forward(x)
     _assert_clean()
-    assert ExpandableSegments._users == 0 and not ExpandableSegments.active()
+    assert not ExpandableSegments.already_on()
     graph, out = _capture(lambda t: t * 3, x)  # and the next capture works
     graph.replay()
     torch.cuda.synchronize()

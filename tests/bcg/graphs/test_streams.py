@@ -1,48 +1,49 @@
-"""bcg.graphs.streams without CUDA: the reference counted Event.wait patch and the per-stream ledger that
-resets segments only once no graph captured on their stream is left."""
+"""bcg.graphs.streams without CUDA: the fork watch (this thread's profile function while entered, seeing
+only this thread's waits) and the capture stream's ledger that resets segments only once no graph
+captured on it is left."""
+import sys
+import threading
+
 import torch
 
-from bcg.graphs.capture import _ACTIVE_CAPTURE, _note_wait
-from bcg.graphs.streams import ForkTracker, close_stream, open_stream, parked_segments
+from bcg.graphs.streams import CaptureStream, ForkWatch
 
 
-def test_fork_tracker_patch_is_reference_counted_and_restored():
-    original = torch.cuda.Event.wait
-    ForkTracker.install(_note_wait)
-    try:
-        patched = torch.cuda.Event.wait
-        assert patched is not original and patched._bcg_original is original
-        ForkTracker.install(_note_wait)
-        ForkTracker.remove()
-        assert torch.cuda.Event.wait is patched  # one user left
-    finally:
-        ForkTracker.remove()
-    assert torch.cuda.Event.wait is original
-
-
-def test_waits_inside_a_capture_reach_it_with_the_waiting_stream(monkeypatch):
+def test_fork_watch_reports_this_threads_waits_only_while_entered_and_restores_the_profile(monkeypatch):
     waited = []
-    monkeypatch.setattr(torch.cuda.Event, "wait", lambda event, stream=None: waited.append(stream))
+
+    def wait(event, stream=None):  # stands for torch.cuda.Event.wait, which the watch recognises by its code
+        waited.append(stream)
+
+    monkeypatch.setattr(torch.cuda.Event, "wait", wait)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: "current")
+    noted = []
+    watch = ForkWatch(noted.append)
+    torch.cuda.Event.wait("event", "before")                 # not entered yet
+    with watch:
+        assert watch.watching and sys.getprofile() is not None
+        torch.cuda.Event.wait("event", "side")               # s.wait_event(e) / s.wait_stream(...)
+        torch.cuda.Event.wait("event")                       # e.wait(): the current stream waits
+        other = threading.Thread(target=torch.cuda.Event.wait, args=("event", "other thread"))
+        other.start()
+        other.join()
+    torch.cuda.Event.wait("event", "after")
+    assert waited == ["before", "side", None, "other thread", "after"]
+    assert noted == ["side", "current"]
+    assert not watch.watching and sys.getprofile() is None
 
-    class Capture:  # what the hook calls on the capture in progress
-        noted = []
 
-        def _note_wait(self, stream):
-            self.noted.append(stream)
+def test_fork_watch_leaves_a_profiler_in_place():
+    def profiler(frame, event, arg):
+        pass
 
-    ForkTracker.install(_note_wait)
+    sys.setprofile(profiler)
     try:
-        torch.cuda.Event.wait("event", "outside")                 # no capture: only the real wait
-        token = _ACTIVE_CAPTURE.set(Capture())
-        try:
-            torch.cuda.Event.wait("event", "side")                # s.wait_event(e) / s.wait_stream(...)
-            torch.cuda.Event.wait("event")                        # e.wait(): the current stream waits
-        finally:
-            _ACTIVE_CAPTURE.reset(token)
+        with ForkWatch(lambda stream: None) as watch:
+            assert not watch.watching and sys.getprofile() is profiler
+        assert sys.getprofile() is profiler
     finally:
-        ForkTracker.remove()
-    assert waited == ["outside", "side", None] and Capture.noted == ["side", "current"]
+        sys.setprofile(None)
 
 
 class _LoggedSegment:
@@ -53,18 +54,12 @@ class _LoggedSegment:
         self.log.append(self.name)
 
 
-class _RawStream:
-    def __init__(self, handle, device_index=0):
-        self.cuda_stream, self.device_index = handle, device_index
-
-
 def test_segments_are_reset_only_when_no_graph_captured_on_their_stream_is_left():
     log = []
-    shared, other = _RawStream(0xA1), _RawStream(0xB2)
-    first, second, elsewhere = open_stream(shared), open_stream(shared), open_stream(other)
-    assert close_stream(first, [_LoggedSegment(log, "a0"), _LoggedSegment(log, "a1")]) is False
-    assert log == [] and parked_segments(shared) == 2          # `second` still replays with the stream
-    assert close_stream(elsewhere, [_LoggedSegment(log, "c0")]) is True and log == ["c0"]
-    assert parked_segments(_RawStream(0xA1, device_index=1)) == 0  # streams are per device
-    assert close_stream(second, [_LoggedSegment(log, "b0")]) is True
-    assert log == ["c0", "a0", "a1", "b0"] and parked_segments(shared) == 0
+    shared, other = CaptureStream.wrap("stream a"), CaptureStream.wrap("stream b")
+    shared.open(), shared.open(), other.open()                  # two graphs on one stream, one elsewhere
+    assert shared.close([_LoggedSegment(log, "a0"), _LoggedSegment(log, "a1")]) is False
+    assert log == [] and shared.parked_segments == 2            # the second graph still replays with it
+    assert other.close([_LoggedSegment(log, "c0")]) is True and log == ["c0"]
+    assert shared.close([_LoggedSegment(log, "b0")]) is True
+    assert log == ["c0", "a0", "a1", "b0"] and shared.parked_segments == 0

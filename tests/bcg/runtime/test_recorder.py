@@ -11,23 +11,22 @@ def test_recorder_takes_a_fresh_pool_unless_a_live_entry_uses_it_and_leaves_stre
         monkeypatch):
     handles, streams, emptied = iter(range(1, 100)), iter(range(1, 100)), []
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: (0, next(handles)))
-    monkeypatch.setattr(torch.cuda, "Stream", lambda *a, **k: ("stream", next(streams)))
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: emptied.append(1))
-    parked = {}
-    monkeypatch.setattr(bcg_streams, "parked_segments", lambda stream: parked.get(stream, 0))
+    monkeypatch.setattr(bcg_streams, "_own_stream", lambda device: ("stream", next(streams)))
     recorder = CudaRecorder(torch.device("cuda", 0), RunnerConfig())
     recorder._prepare(live_pools=set())
-    assert recorder._pool == (0, 1) and recorder._stream == ("stream", 1) and emptied == []
+    assert recorder._pool == (0, 1) and recorder._stream.stream == ("stream", 1) and emptied == []
     recorder._prepare(live_pools={(0, 1)})                  # a live entry shares the pool: keep it
     assert recorder._pool == (0, 1) and emptied == []
     # Every graph of the pool is gone: torch has freed it, and capturing into its handle would hit
     # an internal assert (use_count > 0) -- a fresh handle, and the old memory handed back.
     recorder._prepare(live_pools={(0, 7)})
     assert recorder._pool == (0, 2) and emptied == [1]
-    monkeypatch.setattr(bcg_streams, "_UNUSABLE_POOLS", {(0, 2)})  # a failed capture_end left it registered
+    recorder._pool_retired = True                           # a failed capture_end left it registered
     recorder._prepare(live_pools={(0, 2)})
     assert recorder._pool == (0, 3)
-    assert recorder._stream == ("stream", 1)
-    parked[("stream", 1)] = 2                               # an evicted graph waits on this stream
+    assert recorder._stream.stream == ("stream", 1)
+    recorder._stream.open(), recorder._stream.open()
+    recorder._stream.close(["a0", "a1"])                    # an evicted graph waits on this stream
     recorder._prepare(live_pools={(0, 3)})
-    assert recorder._stream == ("stream", 2) and recorder._pool == (0, 3)
+    assert recorder._stream.stream == ("stream", 2) and recorder._pool == (0, 3)
