@@ -32,6 +32,7 @@ them alone through ``pipe(**kwargs)``, as it runs every request of a pipeline wi
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import inspect
 import logging
@@ -168,10 +169,21 @@ class StepFamily:
                 return getattr(module, name)
         return getattr(__import__(fallback_module, fromlist=[name]), name)
 
-    @staticmethod
-    def _scheduler(pipe):
-        # a fresh scheduler per request: its timesteps, sigmas and step index are the request's own
-        return type(pipe.scheduler).from_config(pipe.scheduler.config)
+    def _scheduler(self, pipe):
+        """A scheduler of the request's own (timesteps, sigmas, step index), as fresh as ``from_config``.
+
+        Copied from a pristine template (``from_config`` costs 0.4 ms, a shallow copy 5 us). Shallow for
+        FlowMatchEulerDiscreteScheduler, whose `set_timesteps` and `step` only rebind its attributes (the
+        template's tensors are never written in place); deep for any other class, whose state may be
+        lists updated in place (multistep schedulers).
+        """
+        from diffusers import FlowMatchEulerDiscreteScheduler
+
+        source, template = getattr(self, "_scheduler_template", (None, None))
+        if source is not pipe.scheduler:
+            template = type(pipe.scheduler).from_config(pipe.scheduler.config)
+            self._scheduler_template = (pipe.scheduler, template)
+        return copy.copy(template) if type(template) is FlowMatchEulerDiscreteScheduler else copy.deepcopy(template)
 
     @staticmethod
     def _rows(args: dict) -> int:

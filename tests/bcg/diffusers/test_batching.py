@@ -300,3 +300,37 @@ def test_config_is_checked():
         BatcherConfig(batch_buckets=())
     assert BatcherConfig(batch_buckets=(4, 1, 2)).batch_buckets == (1, 2, 4)
     assert [BatcherConfig().bucket_for(r) for r in (1, 3, 5, 9)] == [1, 4, 8, 9]
+
+
+# Largest |batched - alone| on the H200 (tiny-flux, bf16, accelerated: every step a graph replay), over
+# the pixels of an image in [0, 1]: see test_cuda_batches_replay_a_graph_per_bucket_and_match_alone_images.
+GPU_BATCH_TOLERANCE = 5e-2
+
+
+@pytest.mark.gpu
+def test_cuda_batches_replay_a_graph_per_bucket_and_match_alone_images():
+    from bcg.diffusers import accelerate, pipeline_runners, warmup_pipeline
+
+    pipe = accelerate(load_pipeline("tiny-flux", device="cuda"))
+    batcher = StepBatcher(pipe)
+    requests = [_request(f"a photo of a cat number {i}", seed=i, steps=2 + i % 3, size="128x128", guidance=2.0 + i)
+                for i in range(5)]
+    key, _ = plan_request(pipe, requests[0]["prompt"], **{k: v for k, v in requests[0].items() if k != "prompt"})
+    report = warmup_pipeline(pipe, batcher.warmup_plan([key]))
+    assert report["failed"] == 0 and report["captured"] == 4, report
+    runner = pipeline_runners(pipe)["transformer"]
+    alone = [_alone(pipe, r) for r in requests]
+    for request, expected in zip(requests, alone):
+        future = _submit(batcher, request)
+        _drain(batcher, [future])
+        assert _diff(future, expected) == 0.0  # bucket 1, one request: the pipeline's own replays
+    before = runner.stats()
+    futures = [_submit(batcher, r) for r in requests]
+    _drain(batcher, futures)
+    torch.cuda.synchronize()
+    after = runner.stats()
+    assert after["eager_calls_total"] == before["eager_calls_total"]
+    assert after["replays"] - before["replays"] == 4  # steps of 5, 5, 3 and 1 rows: buckets 8, 8, 4, 1
+    diffs = [_diff(f, e) for f, e in zip(futures, alone)]
+    print(f"GPU batched vs alone max |diff| per request: {diffs}")
+    assert max(diffs) <= GPU_BATCH_TOLERANCE, diffs
