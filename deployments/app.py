@@ -11,7 +11,7 @@ place before Serve routes to a replica, including replicas the autoscaler adds l
 ``autoscaling`` set, ``num_replicas`` is not used; a scaled-up replica takes traffic once its warmup
 finished. ``router=power_of_two`` swaps in Serve's default router for comparisons: warm state is then
 ignored, and ``Coordinator.warmup`` cannot pin its capture calls (start-up warmup still works).
-The start-up plan (``warmup``) gets the limits requests get (``check_shape_limits``).
+The start-up plan (``warmup``) is normalised and gets the limits requests get (``check_plan``).
 """
 from __future__ import annotations
 
@@ -19,18 +19,16 @@ import logging
 from typing import Dict, List, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
-from ray.serve.config import RequestRouterConfig
 
 from bcg.diffusers.buckets import ShapeKey
 from deployments.coordinator import Coordinator
 from deployments.ingress import Ingress
-from deployments.replica import Replica, normalize_key
+from deployments.replica import Replica
 from deployments.router import DEFAULT_SPILL_THRESHOLD, ShapeAffinityRouter
-from deployments.schemas import FieldError, RequestLimits, check_shape_limits
+from deployments.schemas import RequestLimits, SizeText, check_plan
+from deployments.serve_internals import DEFAULT_ROUTER_PATH
 
 logger = logging.getLogger(__name__)
-
-POWER_OF_TWO = RequestRouterConfig().request_router_class  # Serve's default router
 
 
 class AutoscalingArgs(BaseModel):
@@ -75,7 +73,7 @@ class AppArgs(BaseModel):
     components: Union[Literal["all"], List[str]] = "all"      # accelerated pipeline parts (bcg.diffusers.COMPONENTS)
     warmup_steps: int = Field(2, ge=1)
     default_steps: int = Field(4, ge=1)
-    default_size: Optional[str] = None                         # None: the first warmup size, else 256x256
+    default_size: Optional[SizeText] = None                    # None: the first warmup size, else 256x256
     cpu_threads: Optional[int] = Field(None, ge=1)
     gpu_memory_fraction: Optional[float] = Field(None, gt=0, le=1)
     request_timeout_s: float = Field(300.0, gt=0)
@@ -103,14 +101,8 @@ class AppArgs(BaseModel):
         if v is None:
             return []
         if isinstance(v, str):
-            v = [part for part in v.split(",") if part.strip()]
-        keys = []
-        for i, item in enumerate(v):
-            try:
-                keys.append(normalize_key(str(item)))
-            except ValueError as exc:
-                raise ValueError(f"warmup[{i}]: {exc}") from None
-        return list(dict.fromkeys(keys))
+            return [part for part in v.split(",") if part.strip()]
+        return [str(item) for item in v]
 
     @field_validator("autoscaling", mode="before")
     @classmethod
@@ -156,11 +148,7 @@ class AppArgs(BaseModel):
     def _warmup_within_limits(self):
         # the plan's keys get the limits requests get (the model's size multiple is checked at warmup)
         limits = self.limits().model_copy(update={"size_multiple": self.size_multiple or 1})
-        for i, key in enumerate(self.warmup):
-            try:
-                check_shape_limits(ShapeKey.parse(key), limits)
-            except FieldError as exc:
-                raise ValueError(f"warmup[{i}] {key!r}: {exc.field}: {exc.msg}") from None
+        self.warmup = check_plan(self.warmup, limits, "warmup")
         return self
 
     def limits(self) -> RequestLimits:
@@ -178,6 +166,12 @@ class AppArgs(BaseModel):
         except TypeError as exc:
             raise ValueError(f"runner: {exc} (fields are those of bcg.RunnerConfig)") from None
         return v
+
+    def served_default_size(self) -> str:
+        """The size of a request that names none: ``default_size``, else the first warmup key's."""
+        if self.default_size is not None:
+            return self.default_size
+        return ShapeKey.parse(self.warmup[0]).size if self.warmup else "256x256"
 
     def gpus(self) -> float:
         if self.num_gpus_per_replica is not None:
@@ -218,7 +212,6 @@ def build_app(args: Optional[dict] = None):
     """The bound application for ``serve run``/``serve deploy`` (see the module docstring)."""
     a = parse_args(args)
     gpus = a.gpus()
-    default_size = a.default_size or (a.warmup[0].split(".")[0] if a.warmup else "256x256")
     actor_options = {"num_cpus": a.num_cpus_per_replica, "num_gpus": gpus}
     if a.accelerator_type:
         actor_options["accelerator_type"] = a.accelerator_type
@@ -233,7 +226,7 @@ def build_app(args: Optional[dict] = None):
             request_router_kwargs={"spill_threshold": a.spill_threshold},
             request_routing_stats_period_s=a.routing_stats_period_s,
         ) if a.router == "shape_affinity" else dict(
-            request_router_class=POWER_OF_TWO,  # Serve's default router, for comparisons
+            request_router_class=DEFAULT_ROUTER_PATH,  # Serve's default router, for comparisons
             request_routing_stats_period_s=a.routing_stats_period_s,
         ),
     )
@@ -260,7 +253,7 @@ def build_app(args: Optional[dict] = None):
         max_queued_requests=a.ingress_max_queued_requests,
         backpressure_config={"status_code": 503, "retry_after_s": a.retry_after_s})
     return ingress.bind(
-        replica, coordinator, model=a.model, limits=limits, default_size=default_size,
+        replica, coordinator, model=a.model, limits=limits, default_size=a.served_default_size(),
         request_timeout_s=a.request_timeout_s, max_retries=a.max_retries, retry_after_s=a.retry_after_s,
         api_key_env=a.api_key_env, auth_scope=a.auth_scope,
         # a warmup answers once the routers' stats show it: within a poll period or two; Serve's

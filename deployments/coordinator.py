@@ -29,8 +29,6 @@ Contract:
 from __future__ import annotations
 
 import asyncio
-import contextvars
-import dataclasses
 import logging
 import math
 import time
@@ -39,8 +37,10 @@ from typing import Dict, Iterable, List, Optional, Sequence
 
 from ray import serve
 
+from bcg.diffusers.buckets import ShapeKey
 from deployments import routing_view
 from deployments.schemas import WarmupRequest
+from deployments.serve_internals import fresh_request_call
 
 logger = logging.getLogger(__name__)
 
@@ -125,9 +125,8 @@ class Coordinator:
 
     def _replicas(self):
         if self._handle is None:
-            self._handle = serve.get_deployment_handle(self.replica_deployment, app_name=self._app)
-            if not self._handle.is_initialized:
-                self._handle._init()
+            # .options() initialises the handle: its router starts learning the replica set now
+            self._handle = serve.get_deployment_handle(self.replica_deployment, app_name=self._app).options()
         return self._handle
 
     async def _ask(self, method: str = "replica_info") -> Dict[str, dict]:
@@ -180,10 +179,15 @@ class Coordinator:
             return keys
 
     async def warmup(self, plan: dict) -> dict:
-        """Adopt ``plan`` and capture it on the running replicas now; returns the merged report."""
-        from deployments.replica import normalize_key
+        """Adopt ``plan`` and capture it on the running replicas now; returns the merged report.
+
+        Its keys are those ``check_plan`` returns (the ingress and the app's args pass plans through
+        it): canonical, which is checked here, since warm sets and routing compare keys as strings."""
         plan = WarmupRequest.model_validate(plan)
-        plan = plan.model_copy(update={"keys": list(dict.fromkeys(normalize_key(k) for k in plan.keys))})
+        odd = [k for k in plan.keys if ShapeKey.parse(k).key != k]
+        if odd:
+            raise ValueError(f"warmup keys {odd} are not canonical; pass the plan through "
+                             "deployments.schemas.check_plan")
         t0 = time.perf_counter()
         async with self._warmup_lock:
             self.plan = plan
@@ -236,9 +240,6 @@ class Coordinator:
         return {"plan": keys["plan"], "replicas": live, "keys": keys["keys"], "uncovered": keys["uncovered"],
                 "warmup_in_progress": self._warming, "last_warmup": self._last_report}
 
-    def get_plan(self) -> Optional[dict]:
-        return self.plan.model_dump() if self.plan else None
-
 
 async def broadcast(handle, method: str, *args, timeout_s: float = 30.0) -> list:
     """``handle.broadcast(method, *args)``: every running replica's answer (exceptions included), or
@@ -252,23 +253,3 @@ async def broadcast(handle, method: str, *args, timeout_s: float = 30.0) -> list
     except Exception as exc:  # DeploymentUnavailableError: none running yet
         logger.info("no running replicas of %s answered %s: %s", handle.deployment_name, method, exc)
         return []
-
-
-def fresh_request_call(method, *args, **kwargs):
-    """``method.remote(*args, **kwargs)`` issued under its own internal request id.
-
-    Ray Serve 2.60 gives every handle call made while serving a request that request's internal id,
-    and a router that is not FIFO hands a chosen replica to the pending request *with that id*. Several
-    concurrent calls from one request (a fan-out) then get mixed up and one can wait forever. Issuing
-    each call in a copied context whose Serve request context has no internal id makes Serve draw a
-    fresh one for it.
-    """
-    def issue():
-        try:
-            from ray.serve import context as serve_context
-            current = serve_context._get_serve_request_context()
-            serve_context._serve_request_context.set(dataclasses.replace(current, _internal_request_id=""))
-        except (AttributeError, TypeError):  # private API moved: fall back to a plain call
-            logger.debug("cannot reset the Serve request context; plain fan-out call")
-        return method.remote(*args, **kwargs)
-    return contextvars.copy_context().run(issue)

@@ -14,8 +14,9 @@ next request for a warmed key lands on a replica warm for it; the report says
 The ingress validates every request (``RequestGuard`` for the API key, body size and encoding;
 strict pydantic models for types and unknown fields; ``check_request``/``check_warmup`` for the
 deployment's limits and the model's size multiple), so nothing invalid reaches a replica; errors
-are 4xx with the FastAPI error list whose ``loc`` names the field. It computes the request's shape
-key and passes it as the ``shape_key`` kwarg, which the replica deployment's router reads (the HTTP
+are 4xx with the FastAPI error list whose ``loc`` names the field. ``check_request`` computes the
+request's shape key (the one place a served request's key is computed) and the ingress passes it as
+the ``shape_key`` kwarg, which the replica deployment's router reads (the HTTP
 proxy's router only sees opaque bytes, so the routing decision has to happen here, on the model
 deployment's handle). Python callers use ``Ingress.generate`` through a DeploymentHandle with the
 same ``ImageGenerationRequest`` model and get an ``ImageGenerationResponse``.
@@ -56,6 +57,7 @@ from deployments.schemas import (
     check_warmup,
 )
 from deployments.security import API_KEY_ENV, RequestGuard, api_key_from_env
+from deployments.serve_internals import handle_queue
 
 logger = logging.getLogger(__name__)
 
@@ -100,17 +102,6 @@ def _cause_name(exc: BaseException) -> str:
     return type(cause).__name__
 
 
-def handle_queue(handle) -> dict:
-    """What a DeploymentHandle's router still holds: requests queued for a replica and requests sent
-    and not yet answered. Reads Serve 2.60 internals; ``{}`` when they moved."""
-    try:
-        metrics = handle._router._asyncio_router._metrics_manager
-        return {"queued": int(metrics.num_queued_requests),
-                "in_flight": int(sum(metrics.num_requests_sent_to_replicas.values()))}
-    except AttributeError:
-        return {}
-
-
 @api.exception_handler(RequestValidationError)
 async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
     # FastAPI's default echoes the input back (and fails on bytes that are not UTF-8); keep loc/msg/type.
@@ -124,14 +115,14 @@ async def _validation_error(request: Request, exc: RequestValidationError) -> JS
 @serve.ingress(api)
 class Ingress:
     def __init__(self, replica, coordinator, model: str = "tiny-flux", limits: Optional[dict] = None,
-                 default_size: str = "256x256", request_timeout_s: float = 300.0, max_retries: int = 2,
+                 default_size: Optional[str] = None, request_timeout_s: float = 300.0, max_retries: int = 2,
                  retry_after_s: float = 1.0, api_key_env: str = API_KEY_ENV, auth_scope: str = "all",
                  routing_sync_timeout_s: float = 10.0):
         self.replica = replica
         self.coordinator = coordinator
         self.model = model
         self._limits = dict(limits or {})
-        self.default_size = default_size
+        self.default_size = default_size  # None: the model's
         self.request_timeout_s = request_timeout_s
         self.max_retries = max_retries
         self.retry_after_s = retry_after_s
@@ -148,7 +139,7 @@ class Ingress:
                     "set" if guard.api_key else "not set", api_key_env, auth_scope, guard.max_body_bytes)
 
     async def _model_info(self) -> dict:
-        """The model's facts (size multiple, CFG) from a replica, fetched once."""
+        """The model's facts (family, defaults, size multiple) from a replica, fetched once."""
         async with self._info_lock:
             if self._info is None:
                 self._info = await asyncio.wait_for(self.replica.model_info.remote(), self.request_timeout_s)
@@ -179,15 +170,14 @@ class Ingress:
 
     # -- Python entry point (DeploymentHandle) --------------------------------------------------------
     async def generate(self, request: ImageGenerationRequest) -> ImageGenerationResponse:
-        """Validate, route by shape key, run; raises FieldError (a ValueError) naming the field."""
-        from deployments.replica import request_shape_key
+        """Validate, compute the request's shape key, route by it, run; raises FieldError (a
+        ValueError) naming the field."""
         if isinstance(request, dict):
             request = ImageGenerationRequest.model_validate(request)
         info = await self._model_info()
-        width, height = check_request(request, self.limits, self.model, self.default_size)
-        request = request.model_copy(update={"size": f"{width}x{height}"})
-        key = request_shape_key(width, height, request.n, request.guidance_scale, info)
-        out = await self._call_replica(request, key)
+        key = check_request(request, self.limits, self.model, info, self.default_size)
+        request = request.model_copy(update={"size": key.size})
+        out = await self._call_replica(request, key.key)
         return ImageGenerationResponse(
             created=int(time.time()),
             data=[ImageData(b64_json=base64.b64encode(png).decode("ascii")) for png in out["images"]],

@@ -17,6 +17,9 @@ Contract:
   graphs runs the key a second time, which must replay everything. Failures (a capture, the
   pipeline) leave the key cold. When no runner can capture (no CUDA) a key is warm once its warmup
   ran, and the report says ``graphs_captured: false, reason: "no CUDA"``.
+* A request arrives with its shape key (``shape_key``, computed once by the ingress's
+  ``check_request``) and runs at it: ``plan_request(..., key=...)`` takes size, n and CFG from the key
+  and raises when the request's own fields contradict it.
 * A request is *warm* when its shape key is in the warm set when it starts; replicas count warm and
   cold requests, and (on GPU meaningful) replays vs eager calls of all runners per request.
 * Pipelines are not thread-safe: every pipeline run (serving and warmup) holds one asyncio lock and
@@ -38,38 +41,11 @@ from typing import Dict, List, Optional
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
+from bcg.diffusers.buckets import ShapeKey
 from deployments.router import POOL_BYTES, QUEUE_LEN, WARM_KEYS, ShapeAffinityRouter
-from deployments.schemas import ImageGenerationRequest, ReplicaReport, parse_size
+from deployments.schemas import ImageGenerationRequest, ReplicaReport
 
 logger = logging.getLogger(__name__)
-
-
-def normalize_key(key: str) -> str:
-    """A shape key or size (``"256x256"``) in the canonical ``ShapeKey.key`` form."""
-    from bcg.diffusers.buckets import ShapeKey
-    return ShapeKey.parse(key).key
-
-
-def request_cfg(guidance_scale: Optional[float], info: dict) -> bool:
-    """Whether a request runs classifier-free guidance (a negative branch) -- ``plan_request``'s rule.
-
-    Flux embeds ``guidance_scale`` (its CFG needs a negative prompt, which this API does not take);
-    SD3/PixArt/Sana/Wan run CFG when the scale (default: the pipeline's) is above 1.
-    """
-    if info.get("family") == "flux":
-        return False
-    scale = guidance_scale if guidance_scale is not None else info.get("default_guidance")
-    return scale is not None and scale > 1
-
-
-def request_shape_key(width: int, height: int, n: int, guidance_scale: Optional[float], info: dict) -> str:
-    """The shape key of an image request, computable without the pipeline (in the ingress).
-
-    No prompt bucket: requests run at the pipeline's default ``max_sequence_length``, so one graph per
-    size serves every prompt length and a plan of plain sizes covers all requests.
-    """
-    from bcg.diffusers.buckets import ShapeKey
-    return ShapeKey(height=height, width=width, batch_size=n, cfg=request_cfg(guidance_scale, info)).key
 
 
 def _counts(runner_stats: dict) -> Dict[str, int]:
@@ -232,20 +208,19 @@ class ReplicaEngine:
         return {"key": report["key"], "ok": ok, "reason": reason, "capture_ms": (time.perf_counter() - t0) * 1e3,
                 "captures": _delta(before, self._runner_stats)["captures"], "segments": segments}
 
-    def generate(self, request: ImageGenerationRequest, default_steps: int) -> dict:
-        """Run one request; returns PNGs, its shape key and the runners' replays/eager calls for it."""
+    def generate(self, request: ImageGenerationRequest, key: ShapeKey, default_steps: int) -> dict:
+        """Run one request at its shape key; returns PNGs and the runners' replays/eager calls for it."""
         from bcg.diffusers import plan_request
-        key, kwargs = plan_request(
-            self.pipe, request.prompt, n=request.n, size=request.size,
+        _, kwargs = plan_request(
+            self.pipe, request.prompt, key=key, n=request.n, size=request.size,
             steps=request.num_inference_steps or default_steps, guidance=request.guidance_scale,
-            seed=request.seed, prompt_buckets=False, info=self.info)
+            seed=request.seed, info=self.info)
         before = self.refresh()
         try:
             images = self.pipe(**kwargs).images
         finally:
             delta = _delta(before, self.refresh())  # a runner may drop a graph while serving
-        return {"shape_key": key.key, "images": [_png(im) for im in images],
-                "replays": delta["replays"], "eager_calls": delta["eager"]}
+        return {"images": [_png(im) for im in images], "replays": delta["replays"], "eager_calls": delta["eager"]}
 
 
 def _warmup_outcome(report: dict) -> tuple:
@@ -388,25 +363,20 @@ class Replica:
                 "cuda_memory": cuda_memory()}
 
     # -- serving -----------------------------------------------------------------------------------
-    async def generate(self, request, shape_key: Optional[str] = None,
-                       target_replica: Optional[str] = None) -> dict:
-        """Run one image request; ``shape_key``/``target_replica`` are read by the router."""
+    async def generate(self, request, shape_key: str, target_replica: Optional[str] = None) -> dict:
+        """Run one image request at ``shape_key``, the key the ingress computed for it
+        (``check_request``); the router reads ``shape_key`` and ``target_replica``."""
         if isinstance(request, dict):
             request = ImageGenerationRequest.model_validate(request)
-        if request.size is None:
-            request = request.model_copy(update={"size": self.info["default_size"]})
-        width, height = parse_size(request.size)
-        key = request_shape_key(width, height, request.n, request.guidance_scale, self.info)
-        if shape_key is not None and shape_key != key:
-            logger.warning("request routed with shape_key %s but is %s here", shape_key, key)
+        key = ShapeKey.parse(shape_key)
         t0 = time.perf_counter()
         self._ongoing += 1
         if self.first_request_at is None:
             self.first_request_at = time.time()
         try:
             async with self._lock:
-                warm = key in self.engine.warm_keys()
-                out = await self._in_thread(self.engine.generate, request, self.default_steps)
+                warm = key.key in self.engine.warm_keys()
+                out = await self._in_thread(self.engine.generate, request, key, self.default_steps)
         except Exception as exc:
             self._counters["errors"] += 1
             if "CUDA error" in str(exc):
@@ -418,11 +388,8 @@ class Replica:
             self._ongoing -= 1
         self._counters["warm_requests" if warm else "cold_requests"] += 1
         if not warm:
-            self._cold_keys[key] = self._cold_keys.get(key, 0) + 1
+            self._cold_keys[key.key] = self._cold_keys.get(key.key, 0) + 1
         self._counters["replays"] += out["replays"]
         self._counters["eager_calls"] += out["eager_calls"]
-        if out["shape_key"] != key:
-            logger.warning("request key %s ran as %s (request_shape_key and plan_request disagree)",
-                           key, out["shape_key"])
         return {"replica": self.replica_id, "warm": warm, "latency_ms": (time.perf_counter() - t0) * 1e3,
-                **out, "shape_key": key}
+                "shape_key": key.key, **out}

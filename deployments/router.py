@@ -42,13 +42,13 @@ import logging
 import random
 from typing import Dict, Iterable, List, Optional, Tuple
 
-# Serve's default router, whose choose_replicas is the fallback here (Serve's experimental
-# CapacityQueueRouter delegates the same way); test_router checks that it is still Serve's default.
-from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequestRouter
 from ray.serve.request_router import LocalityMixin, MultiplexMixin, PendingRequest, RequestRouter, RunningReplica
 
 from deployments import routing_view
 from deployments.routing_view import WARM_KEYS, replica_warm_keys
+# Serve's default router, whose choose_replicas is the fallback here (Serve's experimental
+# CapacityQueueRouter delegates the same way).
+from deployments.serve_internals import PowerOfTwoChoicesRequestRouter
 
 logger = logging.getLogger(__name__)
 

@@ -4,18 +4,28 @@ The request model follows the OpenAI Images API (``prompt, model, n, size "WxH",
 user``) plus ``num_inference_steps``, ``guidance_scale`` and ``seed``; unknown fields are rejected.
 Static checks live in the model, which is strict: no type coercion (``"2"`` is not an int, ``true``
 is not a number), no NaN or infinity, bounded strings. The deployment's maxima (``RequestLimits``) and
-the model's size multiple are checked by ``check_request`` (and ``check_warmup`` for warmup plans), so
-the same limits apply to HTTP and to Python callers. What one pipeline run may compute (images per
-run, pixels, size multiple) is checked in one place, ``check_shape_limits``, for requests and warmup
-plan keys alike. Every error names the field it is about.
+the model's size multiple are checked by ``check_request``, which also computes the request's shape
+key (``request_shape_key``), and by ``check_plan`` for warmup plans, the one place a plan's keys are
+normalised; so the same limits apply to HTTP and to Python callers. What one pipeline run may compute
+(images per run, pixels, size multiple) is checked in one place, ``check_shape_limits``, for request
+keys and warmup plan keys alike. Every error names the field it is about.
 """
 from __future__ import annotations
 
-from typing import Annotated, Dict, List, Literal, Optional
+from typing import Annotated, Dict, Iterable, List, Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 
-from bcg.diffusers.buckets import ShapeKey, check_shape, parse_size
+from bcg.diffusers.buckets import ShapeKey, check_shape, parse_size, request_shape_key
+
+
+def _size_text(v: str) -> str:
+    parse_size(v)
+    return v
+
+
+# An image size "WxH", as requests and the app's default_size give it.
+SizeText = Annotated[str, Field(max_length=32), AfterValidator(_size_text)]
 
 
 class RequestLimits(BaseModel):
@@ -36,7 +46,7 @@ class ImageGenerationRequest(BaseModel):
     prompt: str = Field(min_length=1)  # max: RequestLimits.max_prompt_chars (and the body size)
     model: Optional[str] = Field(None, max_length=256)
     n: int = Field(1, ge=1)
-    size: Optional[str] = Field(None, max_length=32)  # None: the deployment's default size
+    size: Optional[SizeText] = None  # None: the deployment's default size
     response_format: Literal["b64_json", "url"] = "b64_json"  # "url" parses, then gets a 400
     user: Optional[str] = Field(None, max_length=256)
     num_inference_steps: Optional[int] = Field(None, ge=1)
@@ -53,12 +63,6 @@ class ImageGenerationRequest(BaseModel):
                 raise ValueError("must be valid Unicode text (no lone surrogates)") from None
         return v
 
-    @field_validator("size")
-    @classmethod
-    def _size_form(cls, v):
-        if v is not None:
-            parse_size(v)
-        return v
 
 
 class FieldError(ValueError):
@@ -95,9 +99,14 @@ def check_shape_limits(key: ShapeKey, limits: RequestLimits) -> ShapeKey:
     return key
 
 
-def check_request(req: ImageGenerationRequest, limits: RequestLimits, served_model: str,
-                  default_size: str) -> tuple:
-    """Apply the deployment limits; returns ``(width, height)`` or raises FieldError."""
+def check_request(req: ImageGenerationRequest, limits: RequestLimits, served_model: str, info: dict,
+                  default_size: Optional[str] = None) -> ShapeKey:
+    """Apply the deployment limits; returns the request's shape key or raises FieldError.
+
+    The key is `request_shape_key` of the request on the model `info` describes, with the
+    deployment's `default_size` (None: the model's) when the request gives none: the one place a
+    served request's key is computed; the replica runs the request at it.
+    """
     if req.response_format != "b64_json":
         raise FieldError("response_format", "only 'b64_json' is supported; 'url' is not "
                          "(this server keeps no image store)", status_code=400)
@@ -108,25 +117,31 @@ def check_request(req: ImageGenerationRequest, limits: RequestLimits, served_mod
         raise FieldError("prompt", f"at most {limits.max_prompt_chars} characters, got {len(req.prompt)}")
     if req.num_inference_steps is not None and req.num_inference_steps > limits.max_steps:
         raise FieldError("num_inference_steps", f"at most {limits.max_steps}, got {req.num_inference_steps}")
-    width, height = parse_size(req.size or default_size)
-    check_shape_limits(ShapeKey(height=height, width=width, batch_size=req.n), limits)
-    return width, height
+    key = request_shape_key(info, size=req.size or default_size, n=req.n, guidance=req.guidance_scale)
+    return check_shape_limits(key, limits)
+
+
+def check_plan(keys: Iterable[str], limits: RequestLimits, field: str = "keys") -> List[str]:
+    """A warmup plan's keys (or sizes ``"WxH"``) in canonical form, duplicates dropped, each within
+    the limits requests get; raises FieldError ``<field>[i]``. The one place a plan is normalised:
+    the ingress (``POST /v1/warmup``) and the app's start-up plan go through it."""
+    out = []
+    for i, text in enumerate(keys):
+        try:
+            out.append(check_shape_limits(ShapeKey.parse(text), limits).key)
+        except FieldError as exc:
+            # a key's batch is the request's n: name it, the rest reads the same for a key
+            raise FieldError(f"{field}[{i}]", exc.msg if exc.field == "size" else f"{exc.field}: {exc.msg}") from None
+        except ValueError as exc:
+            raise FieldError(f"{field}[{i}]", str(exc)) from None
+    return list(dict.fromkeys(out))
 
 
 def check_warmup(plan: "WarmupRequest", limits: RequestLimits) -> List[str]:
-    """Normalise a warmup plan's keys under the limits requests get; raises FieldError ``keys[i]``."""
+    """`check_plan` of a warmup request's keys, at most ``max_warmup_keys`` of them."""
     if len(plan.keys) > limits.max_warmup_keys:
         raise FieldError("keys", f"at most {limits.max_warmup_keys} keys per plan, got {len(plan.keys)}")
-    keys = []
-    for i, text in enumerate(plan.keys):
-        try:
-            keys.append(check_shape_limits(ShapeKey.parse(text), limits).key)
-        except FieldError as exc:
-            # a key's batch is the request's n: name it, the rest reads the same for a key
-            raise FieldError(f"keys[{i}]", exc.msg if exc.field == "size" else f"{exc.field}: {exc.msg}") from None
-        except ValueError as exc:
-            raise FieldError(f"keys[{i}]", str(exc)) from None
-    return list(dict.fromkeys(keys))
+    return check_plan(plan.keys, limits)
 
 
 class ServeInfo(BaseModel):

@@ -14,6 +14,9 @@ The pipelines produce real (if meaningless) images: 128x128 in 2 steps takes wel
 - `tiny-wan`: WanPipeline, text-to-video (UMT5, Wan transformer, Wan causal 3D VAE).
 - `tiny-qwen-image`: QwenImagePipeline (Qwen2.5-VL, Qwen-Image MMDiT, Qwen-Image causal 3D VAE).
 
+Each built-in is the `builtin` of one record in `bcg.diffusers.families` (what the serving layer knows
+of its family); a new family is that record plus its builder here.
+
 `load_pipeline(name_or_path, device=None, dtype=None)` accepts a built-in name or a local directory in
 diffusers format (`DiffusionPipeline.from_pretrained(..., local_files_only=True)`); anything else is a
 `ValueError` that lists the built-ins. Default dtype: float32 on CPU, bfloat16 on CUDA.

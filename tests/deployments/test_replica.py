@@ -6,6 +6,7 @@ LRU eviction at ``max_entries``) runs for real; a "graph" replays by rerunning t
 """
 import pytest
 
+from bcg.diffusers.buckets import ShapeKey
 from deployments.replica import ReplicaEngine
 from deployments.schemas import ImageGenerationRequest
 from tests.bcg.runtime.test_runner import _RerunRecorder
@@ -28,7 +29,7 @@ def _engine(components, max_entries):
 
 def _generate(engine, size):
     request = ImageGenerationRequest(prompt="a cat", size=size, num_inference_steps=1, seed=1)
-    return engine.generate(request, default_steps=1)
+    return engine.generate(request, ShapeKey.parse(size), default_steps=1)
 
 
 def test_key_sharing_another_keys_graph_is_warm_only_while_that_graph_lives():
@@ -69,3 +70,13 @@ def test_components_can_be_chosen_and_unknown_ones_are_errors():
     assert report["ok"] and report["reason"] == "no CUDA" and engine.warm_keys() == [SMALL]
     with pytest.raises(ValueError, match="text_encoder_3"):
         ReplicaEngine("tiny-flux", device="cpu", cpu_threads=1, components=["text_encoder_3"])
+
+
+def test_a_request_runs_at_the_key_it_carries_and_a_contradicting_key_is_an_error():
+    engine = ReplicaEngine("tiny-flux", device="cpu", cpu_threads=1, components=["transformer"])
+    request = ImageGenerationRequest(prompt="a cat", size=WIDE, n=1, num_inference_steps=1, seed=1)
+    assert len(engine.generate(request, ShapeKey.parse(WIDE), default_steps=1)["images"]) == 1
+    with pytest.raises(ValueError, match="disagree with its shape key"):
+        engine.generate(request, ShapeKey.parse(TALL), default_steps=1)
+    with pytest.raises(ValueError, match="CFG"):  # Flux runs CFG only with a negative prompt
+        engine.generate(request, ShapeKey.parse(WIDE + ".cfg"), default_steps=1)

@@ -2,17 +2,15 @@
 workers. The routers get their replicas through Serve's own ``update_replicas`` (which also probes
 queue lengths), on one event loop for the whole module."""
 import asyncio
-import importlib
 import itertools
 from dataclasses import dataclass, field
 
 import pytest
 from ray.serve._private.common import DeploymentHandleSource, DeploymentID, ReplicaID, RequestMetadata
-from ray.serve.config import RequestRouterConfig
 from ray.serve.request_router import PendingRequest
 
 from deployments import routing_view
-from deployments.router import PowerOfTwoChoicesRequestRouter, ShapeAffinityRouter, replica_warm_keys
+from deployments.router import ShapeAffinityRouter, replica_warm_keys
 
 _LOOP = asyncio.new_event_loop()
 _APPS = itertools.count()
@@ -155,12 +153,6 @@ def test_fallback_keeps_serves_multiplexing_and_locality():
     reps[0].warm = ("k",)
     ranks, _ = choose(router, reps, shape_key="k")
     assert [uids(r) for r in ranks] == [["far1"]]
-
-
-def test_fallback_is_serves_default_router():
-    # fails when Ray moves or replaces its default router: the import in deployments/router.py follows
-    module, _, name = RequestRouterConfig().request_router_class.partition(":")
-    assert getattr(importlib.import_module(module), name) is PowerOfTwoChoicesRequestRouter
 
 
 def test_rank_is_pure_and_choose_counts_decisions():

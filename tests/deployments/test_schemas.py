@@ -6,16 +6,21 @@ from deployments.schemas import (
     ImageGenerationRequest,
     RequestLimits,
     WarmupRequest,
+    check_plan,
     check_request,
     check_warmup,
 )
 
 LIMITS = RequestLimits(max_n=4, max_pixels=64 * 64 * 4, size_multiple=16)
+# what a replica's model_info says of tiny-flux, as far as a request's key depends on it
+FLUX = {"family": "flux", "default_size": "1024x1024", "is_video": False, "default_frames": 1,
+        "default_guidance": 3.5}
+SD3 = {**FLUX, "family": "sd3", "default_guidance": 7.0}
 
 
 def _request_error(size, n):
     with pytest.raises(FieldError) as info:
-        check_request(ImageGenerationRequest(prompt="a cat", size=size, n=n), LIMITS, "tiny-flux", "64x64")
+        check_request(ImageGenerationRequest(prompt="a cat", size=size, n=n), LIMITS, "tiny-flux", FLUX, "64x64")
     return info.value
 
 
@@ -35,9 +40,8 @@ def _plan_error(*keys):
 ])
 def test_plan_keys_get_the_limits_requests_get(size, n, key, field):
     if field is None:
-        width, height = size.split("x")
         assert check_request(ImageGenerationRequest(prompt="a", size=size, n=n), LIMITS, "tiny-flux",
-                             "64x64") == (int(width), int(height))
+                             FLUX, "64x64").key == key
         assert check_warmup(WarmupRequest(keys=["16x16", key]), LIMITS) == ["16x16", key]
         return
     request, plan = _request_error(size, n), _plan_error("16x16", key)
@@ -50,3 +54,20 @@ def test_plan_keys_a_request_cannot_have_are_rejected():
     assert "num_frames" in _plan_error("64x64.f5").msg
     assert _plan_error(*["16x16"] * 65).field == "keys"            # max_warmup_keys
     assert check_warmup(WarmupRequest(keys=["64x64.cfg", "64x64"]), LIMITS) == ["64x64.cfg", "64x64"]
+
+
+def test_the_request_key_takes_the_deployment_default_size_then_the_model_cfg_rule():
+    request = ImageGenerationRequest(prompt="a cat", guidance_scale=5.0)
+    assert check_request(request, LIMITS, "tiny-flux", FLUX, "64x48").key == "64x48"   # embedded guidance
+    assert check_request(request, LIMITS, "tiny-sd3", SD3, "64x48").key == "64x48.cfg"
+    assert check_request(ImageGenerationRequest(prompt="a", guidance_scale=1.0), LIMITS, "tiny-sd3", SD3,
+                         "64x48").key == "64x48"
+    with pytest.raises(FieldError, match="pixels"):   # no deployment default: the model's 1024x1024
+        check_request(request, LIMITS, "tiny-flux", FLUX)
+
+
+def test_plans_are_normalised_once_with_duplicates_dropped():
+    assert check_plan([" 64X64", "64x64", "64x32.cfg"], LIMITS) == ["64x64", "64x32.cfg"]
+    with pytest.raises(FieldError) as info:
+        check_plan(["64x64", "64xx"], LIMITS, "warmup")
+    assert info.value.field == "warmup[1]"
