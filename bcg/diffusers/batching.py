@@ -4,7 +4,8 @@ Requests of one *group key* (their `ShapeKey` with ``batch_size`` 1: size, frame
 bucket) share a denoising loop. Each keeps its own state (`RequestState`: its own scheduler, timesteps,
 step index, generator-drawn latents, guidance scale): prompts, seeds, step counts and guidance scales may
 differ. At every step boundary queued requests of the key join (up to ``max_batch_size`` image rows) and
-finished ones leave: a leaving request is decoded and its future answered before the next step runs.
+finished ones leave: the requests leaving at a step are decoded (in one VAE call, padded to a bucket, unless
+``batch_decode`` is off) and their futures answered before the next step runs.
 
 One step is one transformer call (two for Flux's true CFG) over the group's rows, padded up to the next
 of ``batch_buckets`` by repeating a real row, so an accelerated transformer replays one graph per bucket;
@@ -55,11 +56,13 @@ _ALONE = "<alone>"  # the round-robin slot of requests that run whole, one at a 
 @dataclasses.dataclass(frozen=True)
 class BatcherConfig:
     """``max_batch_size``: image rows per step; ``batch_buckets``: row counts a step pads up to;
-    ``max_wait_ms``: how long a new group waits for company before its first step (0: never)."""
+    ``max_wait_ms``: how long a new group waits for company before its first step (0: never);
+    ``batch_decode``: requests that leave at one step share one VAE decode (padded to a bucket too)."""
 
     max_batch_size: int = 8
     batch_buckets: tuple[int, ...] = (1, 2, 4, 8)
     max_wait_ms: float = 0.0
+    batch_decode: bool = True
 
     def __post_init__(self):
         if isinstance(self.max_batch_size, bool) or not isinstance(self.max_batch_size, int) or self.max_batch_size < 1:
@@ -329,7 +332,7 @@ class StepBatcher:
             self._set_active(group, [])
             return
         noise = self._forward(active)
-        survivors = []
+        survivors, leaving = [], []
         for request in active:
             pred = noise.get(request.id)
             if isinstance(pred, BaseException):
@@ -342,18 +345,34 @@ class StepBatcher:
             except Exception as exc:  # noqa: BLE001
                 self._fail(request, exc)
                 continue
-            if not state.done:
-                survivors.append(request)
-                continue
+            (leaving if state.done else survivors).append(request)
+        self._set_active(group, survivors)
+        if leaving:
+            self._finish(leaving)
+
+    def _finish(self, requests: list[_Request]) -> None:
+        """Decode the requests that leave at this step (together unless ``batch_decode`` is off) and answer
+        each; a batched decode that raises is retried per request."""
+        outputs = None
+        if self.config.batch_decode and len(requests) > 1:
+            rows = sum(r.state.rows for r in requests)
             try:
-                images = self.family.finish(self.pipe, state)
+                outputs = self.family.finish_batch(self.pipe, [r.state for r in requests],
+                                                   self.config.bucket_for(rows))
+                self._count("batched_decodes")
+            except Exception as exc:  # noqa: BLE001
+                logger.warning("a batched decode of %d requests failed (%s: %s); decoding each alone",
+                               len(requests), type(exc).__name__, exc)
+                self._count("isolation_retries")
+        for i, request in enumerate(requests):
+            try:
+                images = outputs[i] if outputs is not None else self.family.finish(self.pipe, request.state)
             except Exception as exc:  # noqa: BLE001
                 self._fail(request, exc)
                 continue
             request.state = None  # the latents and embeddings go now, not when the caller drops the future
             self._count("leaves")
             request.future.set_result(images)
-        self._set_active(group, survivors)
 
     def _forward(self, requests: list[_Request]) -> dict:
         """Noise prediction per request id (an exception where its own call failed)."""
@@ -461,6 +480,7 @@ class StepBatcher:
                 "ran_alone": counts.get("ran_alone", 0),
                 "alone_reasons": dict(self._alone_reasons),
                 "isolation_retries": counts.get("isolation_retries", 0),
+                "batched_decodes": counts.get("batched_decodes", 0),
                 "steps": steps,
                 "rows": counts.get("rows", 0),
                 "padded_rows": counts.get("padded_rows", 0),

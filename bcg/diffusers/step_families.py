@@ -6,12 +6,14 @@ pipeline's ``__call__`` does, cut at the step boundary:
 
 - `StepFamily.prepare(pipe, kwargs) -> RequestState`: everything before the loop, for one request, with
   the pipeline's own methods in the pipeline's order: input checks, prompt encoding, latents from the
-  request's generator, timesteps on a scheduler of its own (``from_config`` of the pipeline's);
+  request's generator, timesteps on a scheduler of its own (a copy of a fresh ``from_config`` of the pipeline's);
 - `StepFamily.forward(pipe, states, bucket) -> [noise per state]`: one transformer call (two for Flux's
   true CFG, as the pipeline makes them) on the states' rows concatenated, each row at its own timestep,
   padded to `bucket` rows by repeating the last real row; guidance applied per request with its own scale;
 - `StepFamily.finish(pipe, state) -> list`: what the pipeline does after its loop, for one request
-  (decode and post-process); `StepFamily.step(pipe, states, bucket)` is `forward` plus each request's
+  (decode and post-process); `finish_batch` decodes the requests that leave at one step together (their
+  rows padded to a bucket: the VAE decoder's graphs per bucket come from the same warmup);
+  `StepFamily.step(pipe, states, bucket)` is `forward` plus each request's
   scheduler step (the `bcg.diffusers.families.BatchingHooks` shape; the batcher calls `forward` itself
   so that a failed batched call can be retried per request).
 
@@ -127,7 +129,7 @@ def _call_defaults(pipe) -> dict:
 
 
 class StepFamily:
-    """Base of a family's step hooks; subclasses implement `prepare`, `forward`, `finish`."""
+    """Base of a family's step hooks; subclasses implement `prepare`, `forward`, `decode_latents`."""
 
     name = "generic"
     # call arguments a step-wise run honours; a request with any other argument runs alone
@@ -144,8 +146,35 @@ class StepFamily:
     def forward(self, pipe, states: list[RequestState], bucket: int) -> list[torch.Tensor]:
         raise NotImplementedError
 
-    def finish(self, pipe, state: RequestState) -> list:
+    def decode_latents(self, pipe, latents: torch.Tensor, state: RequestState) -> torch.Tensor:
+        """The VAE's images of `latents` (rows of requests laid out like `state`'s), before post-processing."""
         raise NotImplementedError
+
+    def finish(self, pipe, state: RequestState) -> list:
+        """The request's outputs (a list of its images) from its final latents, as the pipeline makes them."""
+        return self.finish_batch(pipe, [state], state.rows)[0]
+
+    def finish_batch(self, pipe, states: list[RequestState], bucket: int) -> list[list]:
+        """`finish` of several requests with one VAE decode over their rows, padded to `bucket` rows.
+
+        A VAE's rows never mix either (convolutions and its mid-block attention are per image), so each
+        request's images differ from `finish` alone only by the rounding of batched kernels; one request
+        with `bucket` equal to its rows is `finish` exactly.
+        """
+        output_type = states[0].output_type
+        if any(s.output_type != output_type for s in states[1:]):
+            return [self.finish(pipe, s) for s in states]
+        if output_type == "latent":
+            return [list(s.latents) for s in states]
+        rows = sum(s.rows for s in states)
+        image = self.decode_latents(pipe, _cat_rows([s.latents for s in states], bucket), states[0])
+        images = list(pipe.image_processor.postprocess(image[:rows] if bucket > rows else image,
+                                                       output_type=output_type))
+        out, offset = [], 0
+        for s in states:
+            out.append(images[offset:offset + s.rows])
+            offset += s.rows
+        return out
 
     def step(self, pipe, states: list[RequestState], bucket: int | None = None) -> None:
         """One denoising step of every state: one batched `forward`, then each state's scheduler step."""
@@ -190,10 +219,6 @@ class StepFamily:
         prompt = args.get("prompt")
         batch = len(prompt) if isinstance(prompt, list) else 1
         return batch * int(args.get("num_images_per_prompt") or 1)
-
-    @staticmethod
-    def _postprocess(pipe, image: torch.Tensor, output_type: str) -> list:
-        return list(pipe.image_processor.postprocess(image, output_type=output_type))
 
 
 class FluxStepFamily(StepFamily):
@@ -279,16 +304,13 @@ class FluxStepFamily(StepFamily):
         uncond = call("uncond", [s.neg_inputs for s in states]) if first.neg_inputs is not None else None
         return _guided(states, cond, uncond)
 
-    def finish(self, pipe, state):
-        if state.output_type == "latent":
-            return list(state.latents)
+    def decode_latents(self, pipe, latents, state):
         from diffusers.utils.torch_utils import get_module_execution_device
 
-        latents = pipe._unpack_latents(state.latents, state.height, state.width, pipe.vae_scale_factor)
+        latents = pipe._unpack_latents(latents, state.height, state.width, pipe.vae_scale_factor)
         latents = (latents / pipe.vae.config.scaling_factor) + pipe.vae.config.shift_factor
         latents = latents.to(get_module_execution_device(pipe.vae))
-        image = pipe.vae.decode(latents, return_dict=False)[0]
-        return self._postprocess(pipe, image, state.output_type)
+        return pipe.vae.decode(latents, return_dict=False)[0]
 
 
 class SD3StepFamily(StepFamily):
@@ -371,12 +393,9 @@ class SD3StepFamily(StepFamily):
         uncond, text = out.chunk(2) if cfg else (None, out)
         return _guided(states, text, uncond)
 
-    def finish(self, pipe, state):
-        if state.output_type == "latent":
-            return list(state.latents)
-        latents = (state.latents / pipe.vae.config.scaling_factor) + pipe.vae.config.shift_factor
-        image = pipe.vae.decode(latents, return_dict=False)[0]
-        return self._postprocess(pipe, image, state.output_type)
+    def decode_latents(self, pipe, latents, state):
+        latents = (latents / pipe.vae.config.scaling_factor) + pipe.vae.config.shift_factor
+        return pipe.vae.decode(latents, return_dict=False)[0]
 
 
 class _NoContext:
