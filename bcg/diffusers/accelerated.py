@@ -4,23 +4,22 @@ optionally the text encoders and the VAE decoder) by a `BreakableGraphRunner`. I
 instance's class becomes a subclass of its own (same name, same call signature) that also moves the
 runners' modules in ``pipe.to(...)`` and answers the device queries diffusers makes on every call from
 facts kept per component placement, instead of walking every module tree several times a call (the
-main host cost once graphs replay). `unaccelerate` undoes it.
+main host cost once graphs replay). Nothing global is patched: the subclass holds its own copies of
+the methods that look devices up. `unaccelerate` undoes it.
 """
 from __future__ import annotations
 
-import contextlib
 import contextvars
 import dataclasses
 import functools
 import inspect
 import itertools
 import logging
-import sys
 from typing import Any, Iterable
 
 import torch
 
-from bcg.diffusers.breaks import install_breaks, remove_breaks, swapped_global, unwrap_runner
+from bcg.diffusers.breaks import install_breaks, remove_breaks, unwrap_runner, with_globals
 from bcg.diffusers.placement import placement_stats
 
 logger = logging.getLogger(__name__)
@@ -97,9 +96,9 @@ def _parse_to_args(args, kwargs):
 # ``pipe.to()``, offloading and replaced components change it and are picked up on the next call).
 
 # `_DeviceFacts` of the accelerated pipeline call in progress in this context; read by the
-# `get_module_execution_device` swapped into the pipeline's module for the duration of the call (and by
-# the device properties). Contexts (threads, tasks) outside such a call see None, so the swapped-in
-# function computes exactly what diffusers' own does for everyone else.
+# `get_module_execution_device` that the accelerated class's own copies of the pipeline's methods call
+# (see `_device_lookup_methods`), and by the device properties. Outside such a call (or for a module the
+# facts do not know) that function computes exactly what diffusers' own does.
 _CALL_DEVICES: contextvars.ContextVar = contextvars.ContextVar("bcg_pipeline_call_devices", default=None)
 _DEVICE_LOOKUP = "get_module_execution_device"
 
@@ -190,17 +189,24 @@ def _cached_device_lookup(original):
     return get_module_execution_device
 
 
-def _device_lookup_namespaces(base: type) -> list:
-    """Module globals of the pipeline class and its bases that call diffusers' `get_module_execution_device`."""
+def _device_lookup_methods(base: type) -> dict:
+    """The methods of pipeline class `base` (and its bases) that call diffusers' `get_module_execution_device`,
+    rebuilt to call `_cached_device_lookup` instead (`with_globals`: their module is not touched), by name."""
     from diffusers.utils.torch_utils import get_module_execution_device
 
-    spaces = {}
-    for klass in base.__mro__:
-        namespace = getattr(sys.modules.get(klass.__module__), "__dict__", {})
-        current = namespace.get(_DEVICE_LOOKUP)
-        if current is get_module_execution_device or getattr(current, "__wrapped__", None) is get_module_execution_device:
-            spaces[id(namespace)] = namespace
-    return list(spaces.values())
+    lookup = _cached_device_lookup(get_module_execution_device)
+    methods = {}
+    for name in dir(base):
+        static = inspect.getattr_static(base, name, None)
+        func = getattr(static, "__func__", static)
+        while func is not None and _DEVICE_LOOKUP not in getattr(getattr(func, "__code__", None), "co_names", ()):
+            func = getattr(func, "__wrapped__", None)
+        if func is None or getattr(func, "__globals__", {}).get(_DEVICE_LOOKUP) is not get_module_execution_device:
+            continue
+        rebuilt = with_globals(static, {_DEVICE_LOOKUP: lookup})
+        if rebuilt is not None:
+            methods[name] = type(static)(rebuilt) if isinstance(static, (staticmethod, classmethod)) else rebuilt
+    return methods
 
 
 def _accelerated_class(base: type) -> type:
@@ -209,21 +215,23 @@ def _accelerated_class(base: type) -> type:
     It answers device queries from `_device_facts`, resets stateful hooks through diffusers' cached
     child-registry list instead of a module walk, and moves the runners' modules in ``to()``.
     `accelerate` sets it as the instance's class; `unaccelerate` sets `base` back. Cached on `base`.
+
+    Why the instance's class changes: diffusers answers ``pipe.device`` and ``pipe._execution_device``
+    with properties and ``pipe(...)`` looks ``__call__`` up on the type, and an instance attribute can
+    override neither. So the change is confined to the one pipeline instance, from `accelerate` to
+    `unaccelerate`; no other pipeline, module or class is touched.
     """
     cached = base.__dict__.get("__bcg_accelerated_class__")
     if cached is not None:
         return cached
-    base_call = base.__call__
-    namespaces = _device_lookup_namespaces(base)
+    lookups = _device_lookup_methods(base)
+    base_call = lookups.pop("__call__", base.__call__)
 
-    @functools.wraps(base_call)
+    @functools.wraps(base.__call__)
     def __call__(self, *args, **kwargs):
         token = _CALL_DEVICES.set(_device_facts(self))
         try:
-            with contextlib.ExitStack() as stack:
-                for namespace in namespaces:
-                    stack.enter_context(swapped_global(namespace, _DEVICE_LOOKUP, _cached_device_lookup))
-                return base_call(self, *args, **kwargs)
+            return base_call(self, *args, **kwargs)
         finally:
             _CALL_DEVICES.reset(token)
 
@@ -264,6 +272,7 @@ def _accelerated_class(base: type) -> type:
         return self
 
     namespace = {
+        **lookups,
         "__module__": base.__module__, "__qualname__": base.__qualname__, "__doc__": base.__doc__,
         "__bcg_pipeline_base__": base, "__call__": __call__, "device": property(device),
         "_execution_device": property(_execution_device), "maybe_free_model_hooks": maybe_free_model_hooks,

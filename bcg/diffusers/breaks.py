@@ -1,5 +1,5 @@
 """Break placement in diffusers DiTs (`install_breaks(module, policy)`), without editing diffusers and
-without permanent global patching. Policies:
+without patching anything global. Policies:
 
 - ``"auto"`` (the default of `bcg.diffusers.accelerate`): breaks only where capture needs them. The
   first eager call (a runner's warm-up before each capture) is probed for host operations a graph
@@ -13,13 +13,12 @@ without permanent global patching. Policies:
   ``set_attention_backend`` and the ``inspect.signature(processor.__call__)`` filtering that diffusers'
   ``Attention.forward`` does all keep working. Outside a capture the subclass just calls the original
   processor. While a breakable-graph capture is in progress (in this thread's context), it makes only
-  the attention *core* a break: for the duration of the processor call it swaps the core function in
-  the processor's module globals -- ``dispatch_attention_fn``, or ``F`` (for
-  ``F.scaled_dot_product_attention``) -- for an `eager_on_graph` version, reference counted under a
-  lock and restored in ``finally``. QKV projections, norms, RoPE and output projections stay inside the
-  graph segments. Outside a capture an `eager_on_graph` function is a plain call, so another thread
-  that meets the swapped name meanwhile computes exactly what it would have. Processors that call no
-  swappable core (Sana's linear attention, custom processors) get the whole processor call as one break.
+  the attention *core* a break: it calls the processor's own code rebuilt over a copy of its module
+  globals (`with_globals`) in which the core function -- ``dispatch_attention_fn``, or ``F`` (for
+  ``F.scaled_dot_product_attention``) -- is an `eager_on_graph` version; nothing global is patched.
+  QKV projections, norms, RoPE and output projections stay inside the graph segments. Processors
+  that call no such core (Sana's linear attention, custom processors) get the whole processor call as
+  one break.
 - ``"none"`` installs nothing (the forward is one segment); ``"processor"`` makes every whole
   processor call a break.
 - A selection (a module class, a ``fnmatch`` pattern on qualified module names, a ``(name, module) ->
@@ -38,30 +37,26 @@ that replayed pipelines give the eager images bit for bit under both policies.
 """
 from __future__ import annotations
 
-import contextlib
 import fnmatch
+import functools
+import inspect
 import logging
-import threading
 import types
 from typing import Any, Iterable
 
 import torch
 
-from bcg.diffusers.compiled_breaks import install_compiled_breaks
 from bcg.graphs.capture import eager_on_graph, is_capturing
 from bcg.runtime.compile import COMPILED_BREAKS_ATTR
 from bcg.runtime.hostops import Place
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["install_breaks", "remove_breaks", "swapped_global", "unwrap_runner"]
+__all__ = ["install_breaks", "remove_breaks", "unwrap_runner", "with_globals"]
 
 # --------------------------------------------------------------------------------------------------
 # break placement
 
-# Guards the reference counts of temporarily swapped module globals (the counts live on the swapped-in
-# object itself, so no registry is kept here).
-_SWAP_LOCK = threading.Lock()
 _BREAK_MARK = "__bcg_break__"
 #: Where a module keeps its automatic (or pinned) placement: a `bcg.diffusers.placement.AutoPlacement`.
 PLACEMENT_ATTR = "_bcg_placement"
@@ -79,14 +74,54 @@ class _FunctionalWithEagerAttention(types.ModuleType):
         return getattr(self.__bcg_original__, name)
 
 
-class _EagerCore:
-    """The object swapped into a module's globals (an eager core, a cached lookup); counts its users."""
+def with_globals(func, replacements: dict):
+    """`func` rebuilt with some of its module globals replaced, without touching the module: the same
+    bytecode over a *copy* of its globals in which the names of `replacements` are replaced. This is how
+    bcg changes what a diffusers method calls (an attention core as a break, a cached device lookup) for
+    its own callers only: other threads, other pipelines and the module itself see nothing.
 
-    def __init__(self, original, replacement):
-        self.original, self.replacement, self.refs = original, replacement, 0
+    `func` may be a decorator's wrapper (``functools.wraps`` sets ``__wrapped__``) that holds the wrapped
+    function in a closure cell, as ``torch.no_grad()`` does: the wrapper is rebuilt around the rebuilt
+    function. The copy is taken now: a global the module rebinds later keeps its value here. None when
+    no function of the chain names a replaced global, or a wrapper does not hold the function in a cell.
+    """
+    func = getattr(func, "__func__", func)
+    code, namespace = getattr(func, "__code__", None), getattr(func, "__globals__", None)
+    if code is None or namespace is None:
+        return None
+    closure = func.__closure__
+    if any(name in code.co_names for name in replacements):
+        new_globals = dict(namespace)
+        new_globals.update(replacements)
+        return _function_like(func, new_globals, closure)
+    inner = getattr(func, "__wrapped__", None)
+    rebuilt = None if inner is None or not closure else with_globals(inner, replacements)
+    if rebuilt is None:
+        return None
+    cells = tuple(types.CellType(rebuilt) if _holds(cell, inner) else cell for cell in closure)
+    if cells == closure:
+        return None
+    wrapper = _function_like(func, namespace, cells)
+    wrapper.__wrapped__ = rebuilt
+    return wrapper
 
 
-def _core_of(call) -> tuple[dict, str] | None:
+def _holds(cell, value) -> bool:
+    try:
+        return cell.cell_contents is value
+    except ValueError:  # an empty cell
+        return False
+
+
+def _function_like(func, namespace, closure):
+    rebuilt = types.FunctionType(func.__code__, namespace, func.__name__, func.__defaults__, closure)
+    rebuilt.__kwdefaults__ = func.__kwdefaults__
+    rebuilt.__dict__.update(func.__dict__)
+    rebuilt.__qualname__, rebuilt.__doc__, rebuilt.__module__ = func.__qualname__, func.__doc__, func.__module__
+    return rebuilt
+
+
+def core_of(call) -> tuple[dict, str] | None:
     """(module globals, name) of the attention core `call` uses directly, or None."""
     func = getattr(call, "__func__", call)
     code, namespace = getattr(func, "__code__", None), getattr(func, "__globals__", None)
@@ -101,39 +136,8 @@ def _core_of(call) -> tuple[dict, str] | None:
     return None
 
 
-@contextlib.contextmanager
-def swapped_global(namespace: dict, name: str, make_replacement):
-    """Swap ``namespace[name]`` for ``make_replacement(original)`` while any user is inside; restore after.
-
-    Reference counted under `_SWAP_LOCK` (the count lives on a holder stored next to the name), so
-    overlapping users in several threads share one replacement and the last one out restores.
-    """
-    holder_name = f"__bcg_swap_{name}__"
-    with _SWAP_LOCK:
-        current = namespace[name]
-        holder = namespace.get(holder_name)
-        if holder is None or holder.replacement is not current:
-            holder = _EagerCore(current, make_replacement(current))
-            namespace[holder_name] = holder
-            namespace[name] = holder.replacement
-        holder.refs += 1
-    try:
-        yield
-    finally:
-        with _SWAP_LOCK:
-            holder.refs -= 1
-            if holder.refs == 0:
-                namespace[name] = holder.original
-                namespace.pop(holder_name, None)
-
-
 def _eager_core(current):
     return _FunctionalWithEagerAttention(current) if current is torch.nn.functional else eager_on_graph(current)
-
-
-def _swapped_core(namespace: dict, name: str):
-    """The attention core `name` of a processor's module, as an eager break, for one processor call."""
-    return swapped_global(namespace, name, _eager_core)
 
 
 def _breaking_class(base: type, whole: bool) -> type:
@@ -146,23 +150,24 @@ def _breaking_class(base: type, whole: bool) -> type:
     if cached is not None:
         return cached
     original_call = base.__call__
-    core = None if whole else _core_of(original_call)
-    whole_call = eager_on_graph(original_call)
+    core = None if whole else core_of(original_call)
+    # during a capture: the same code with its attention core as an eager break (see with_globals)
+    capture_call = None if core is None else with_globals(original_call, {core[1]: _eager_core(core[0][core[1]])})
+    breaks_core = capture_call is not None
+    if not breaks_core:
+        capture_call = eager_on_graph(original_call)
 
     def __call__(self, *args, **kwargs):
         if not is_capturing():
             return original_call(self, *args, **kwargs)
-        if core is None:
-            return whole_call(self, *args, **kwargs)
-        with _swapped_core(*core):
-            return original_call(self, *args, **kwargs)
+        return capture_call(self, *args, **kwargs)
 
     __call__.__wrapped__ = original_call
     __call__.__name__, __call__.__qualname__ = "__call__", f"{base.__qualname__}.__call__"
     __call__.__doc__ = original_call.__doc__
     cls = type(base.__name__, (base,), {
         "__call__": __call__, "__module__": base.__module__, "__bcg_base__": base,
-        "__bcg_breaks_core__": core is not None, "__doc__": base.__doc__,
+        "__bcg_breaks_core__": breaks_core, "__doc__": base.__doc__,
     })
     setattr(base, attr, cls)
     return cls
@@ -197,10 +202,29 @@ def wrap_forward(module) -> bool:
 
 def wrap_method(module, name: str) -> bool:
     """Make the method `name` of `module` an eager break (an instance attribute; `remove_breaks` deletes it)."""
-    if getattr(module.__dict__.get(name), _BREAK_MARK, False):
+    if getattr(module.__dict__.get(name), _BREAK_MARK, False) is True:
         return True
     method = eager_on_graph(getattr(module, name))
     setattr(method, _BREAK_MARK, True)
+    object.__setattr__(module, name, method)
+    return True
+
+
+def wrap_method_for_capture(module, name: str, capture) -> bool:
+    """Make `module`'s method `name` call `capture` instead while a capture is open (not in compiled
+    code); the class's method otherwise. An instance attribute (`remove_breaks` deletes it); a method
+    that is a whole break already stays one."""
+    if getattr(module.__dict__.get(name), _BREAK_MARK, False) is True:
+        return True
+    original = inspect.getattr_static(type(module), name).__get__(module, type(module))
+
+    def method(*args, **kwargs):
+        if torch.compiler.is_compiling() or not is_capturing():
+            return original(*args, **kwargs)
+        return capture(*args, **kwargs)
+
+    functools.update_wrapper(method, original)
+    setattr(method, _BREAK_MARK, "during capture")
     object.__setattr__(module, name, method)
     return True
 
@@ -276,7 +300,9 @@ def install_breaks(module, policy: Any = "auto") -> int:
     if policy is None or policy == "none":
         return 0
     # Breaks placed here act only while a capture is open, which compiled code cannot follow: tell
-    # compile_for_segments how to make them visible to dynamo (see bcg.diffusers.compiled_breaks).
+    # compile_for_segments how to make them visible to dynamo.
+    from bcg.diffusers.compiled_breaks import install_compiled_breaks  # it builds on this module
+
     module.__dict__[COMPILED_BREAKS_ATTR] = install_compiled_breaks
     if isinstance(policy, str) and policy == "auto":
         from bcg.diffusers.placement import install_placement  # placement builds on this module

@@ -18,6 +18,7 @@ import types
 
 import torch
 
+from bcg.diffusers.breaks import unwrap_runner, with_globals
 from bcg.graphs.capture import eager_on_graph
 
 logger = logging.getLogger(__name__)
@@ -88,14 +89,7 @@ def _with_core_break(call):
         for name in code.co_names:
             if namespace.get(name) is torch.nn.functional:
                 replacements[name] = _functional_with_eager_sdpa()
-    if not replacements:
-        return None
-    new_globals = dict(namespace)
-    new_globals.update(replacements)
-    rebuilt = types.FunctionType(code, new_globals, func.__name__, func.__defaults__, func.__closure__)
-    rebuilt.__kwdefaults__ = func.__kwdefaults__
-    rebuilt.__qualname__, rebuilt.__doc__, rebuilt.__module__ = func.__qualname__, func.__doc__, func.__module__
-    return rebuilt
+    return with_globals(func, replacements) if replacements else None
 
 
 def _compiled_break_class(base: type, whole: bool) -> type:
@@ -123,7 +117,7 @@ def install_compiled_breaks(module) -> int:
     compiled code cannot follow); a processor it made a whole-call break stays a whole-call break.
     `bcg.diffusers.remove_breaks` restores the original processors. Returns the number of processors.
     """
-    module = getattr(module, "module", module) if hasattr(module, "warm_signatures") else module
+    module = unwrap_runner(module)
     count = 0
     for sub in module.modules():
         processor = getattr(sub, "processor", None)

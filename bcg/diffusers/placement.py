@@ -7,9 +7,9 @@ Contract:
   it runs under a `bcg.runtime.hostops.HostOpProbe` and returns the ordinary eager result; each `Place` where
   it saw a host operation a graph cannot hold (host syncs, host-to-device copies, host work: see
   `bcg.runtime.hostops`) becomes a break at once: a submodule's forward (its attention processor, where it has
-  one), a method, or a global function called from a method -- the latter made a break by swapping
-  that name in the method's module globals for an `eager_on_graph` version for the duration of each
-  capture (outside a capture nothing changes). With a `BreakableGraphRunner`, the probe is the eager
+  one), a method, or a global function called from a method -- the latter made a break by running,
+  during captures only, the method's own code over a copy of its module globals in which that name is
+  an `eager_on_graph` version (`bcg.diffusers.breaks.with_globals`: nothing global is patched). With a `BreakableGraphRunner`, the probe is the eager
   warm-up call that precedes every capture, so the capture already has the breaks.
 - Found places are remembered per (model class, config, device type) on the class itself, so another
   instance of the same configuration starts with them and probes nothing it already probed.
@@ -22,12 +22,11 @@ Contract:
   unplaced and capture fails on them. A capture without a probe first (``capture_warmup_runs=0``), a
   path the probe did not take, or an op the probe cannot see (collectives, stream synchronisation) makes
   capture fail: the runner blocks that signature and runs it eagerly, counted (``stats()["blocked"]``
-  names the error). Compiled calls (``torch.compile``) never probe and do not swap functions: they use
-  the module and method breaks already in place.
+  names the error). Compiled calls (``torch.compile``) never probe and do not take the function breaks:
+  they use the module and method breaks already in place.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import inspect
@@ -42,7 +41,8 @@ import torch
 
 from bcg.graphs.capture import eager_on_graph, is_capturing
 from bcg.diffusers.breaks import (
-    PLACEMENT_ATTR, has_processor, swapped_global, unwrap_runner, wrap_forward, wrap_method, wrap_processor,
+    PLACEMENT_ATTR, has_processor, unwrap_runner, with_globals, wrap_forward, wrap_method, wrap_method_for_capture,
+    wrap_processor,
 )
 from bcg.runtime.hostops import HostOp, HostOpProbe, Place, _device_of
 
@@ -116,7 +116,9 @@ class AutoPlacement:
         self.probes = 0
         self.probe_ms = 0.0
         self._probed: set = set()
-        self._swaps: dict[tuple[int, str], tuple[dict, str, frozenset]] = {}  # (id(globals), name) -> swap
+        # (id(submodule), method) -> {global name: attributes} of its function places
+        self._functions: dict[tuple[int, str], dict[str, frozenset]] = {}
+        self._capture_forward = None  # the module's own forward with its function places, for captures
         self._lock = threading.RLock()
         self._config = _config_key(module)
 
@@ -133,12 +135,7 @@ class AutoPlacement:
         if torch.compiler.is_compiling():
             return self.original(*args, **kwargs)
         if is_capturing():
-            if not self._swaps:
-                return self.original(*args, **kwargs)
-            with contextlib.ExitStack() as stack:
-                for namespace, name, attrs in list(self._swaps.values()):
-                    stack.enter_context(swapped_global(namespace, name, functools.partial(_eager_global, attrs)))
-                return self.original(*args, **kwargs)
+            return (self._capture_forward or self.original)(*args, **kwargs)
         if self.probing:
             device = _device_of(self.module)
             key = (device.type, len(args), tuple(sorted(k for k, v in kwargs.items() if v is not None)))
@@ -202,16 +199,35 @@ class AutoPlacement:
                 raise ValueError(f"place {str(place)!r}: {type(sub).__name__} has no method {place.method!r}")
             return wrap_method(sub, place.method)
         head, _, attr = place.function.partition(".")
-        func = _function_of(sub, place.method, head)
-        if func is None:
+        if _function_of(sub, place.method, head) is None:
             logger.warning("break placement in %s: cannot find global %r of %s.%s; %s stays in the graph",
                            type(self.module).__name__, head, type(sub).__name__, place.method, place)
             return False
-        namespace = func.__globals__
-        slot = (id(namespace), head)
-        _, _, attrs = self._swaps.get(slot, (namespace, head, frozenset()))
-        self._swaps[slot] = (namespace, head, attrs | ({attr} if attr else frozenset()))
-        return True
+        names = self._functions.setdefault((id(sub), place.method), {})
+        names[head] = names.get(head, frozenset()) | ({attr} if attr else frozenset())
+        return self._install_functions(sub, place.method, names)
+
+    def _install_functions(self, sub, method: str, names: Mapping[str, frozenset]) -> bool:
+        """During captures, `sub`'s `method` runs its own code over a copy of its globals in which the
+        function places `names` are eager breaks (`with_globals`: nothing global is patched)."""
+        static = inspect.getattr_static(type(sub), method)
+        replacements = {name: _eager_global(attrs, _function_of(sub, method, name).__globals__[name])
+                        for name, attrs in names.items()}
+        rebuilt = with_globals(static, replacements)
+        if rebuilt is None:
+            logger.warning("break placement in %s: cannot rebuild %s.%s with breaks at %s; they stay in the graph",
+                           type(self.module).__name__, type(sub).__name__, method, sorted(names))
+            return False
+        if isinstance(static, staticmethod):
+            capture = rebuilt
+        elif isinstance(static, classmethod):
+            capture = types.MethodType(rebuilt, type(sub))
+        else:
+            capture = types.MethodType(rebuilt, sub)
+        if sub is self.module and method == "forward":  # the placement's own forward calls it
+            self._capture_forward = capture
+            return True
+        return wrap_method_for_capture(sub, method, capture)
 
     def _remember(self, key) -> None:
         if self._config is None:

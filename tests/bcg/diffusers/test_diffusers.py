@@ -7,6 +7,7 @@ is what a real capture does at capture time. GPU tests (test_diffusers_gpu.py) r
 import contextlib
 import inspect
 import json
+import types
 
 import numpy as np
 import pytest
@@ -108,20 +109,22 @@ def test_breaks_keep_outputs_and_capture_breaks_only_the_attention_core(name):
     assert not any(k.startswith("__bcg") for _, k in globals_before)
 
 
-def test_core_swap_is_reference_counted_and_restored_on_error():
-    from bcg.diffusers.breaks import _swapped_core
+def test_with_globals_rebuilds_the_code_over_a_copy_and_through_decorators():
+    from bcg.diffusers.breaks import with_globals
 
     namespace = {"F": torch.nn.functional}
-    with _swapped_core(namespace, "F"):
-        proxy = namespace["F"]
-        assert proxy is not torch.nn.functional and proxy.relu is torch.nn.functional.relu
-        assert proxy.scaled_dot_product_attention.__bcg_eager_fn__ is torch.nn.functional.scaled_dot_product_attention
-        with pytest.raises(RuntimeError, match="boom"):
-            with _swapped_core(namespace, "F"):
-                assert namespace["F"] is proxy  # nested use shares the swap
-                raise RuntimeError("boom")
-        assert namespace["F"] is proxy  # the outer user still has it
-    assert namespace == {"F": torch.nn.functional}
+    exec("def attention(x):\n    return F.relu(x)", namespace)
+    calls = []
+    proxy = types.SimpleNamespace(relu=lambda x: calls.append(x) or x)
+    rebuilt = with_globals(namespace["attention"], {"F": proxy})
+    assert rebuilt(3) == 3 and calls == [3] and namespace["F"] is torch.nn.functional
+    assert rebuilt.__name__ == "attention" and namespace["attention"](torch.tensor(-1.0)) == 0
+
+    decorated = torch.no_grad()(namespace["attention"])  # a wrapper holding the function in a closure cell
+    rebuilt = with_globals(decorated, {"F": proxy})
+    x = torch.ones(1, requires_grad=True)
+    assert rebuilt(x) is x and calls == [3, x] and rebuilt.__wrapped__ is not namespace["attention"]
+    assert with_globals(namespace["attention"], {"torch": proxy}) is None  # names nothing replaced
 
 
 def test_install_breaks_is_idempotent_and_removable():
@@ -286,7 +289,7 @@ def test_accelerated_class_keeps_name_signature_and_outputs_and_is_undone():
     lookup = namespace["get_module_execution_device"]
     for _ in range(2):  # the second call uses the cached device facts and latent image ids
         assert np.array_equal(_run(pipe, "tiny-flux"), reference)
-    assert namespace["get_module_execution_device"] is lookup  # the call's swap is undone
+    assert namespace["get_module_execution_device"] is lookup  # the module is never touched
     with pytest.raises(ValueError):
         pipe(prompt=None)  # raises inside the call
     assert namespace["get_module_execution_device"] is lookup and not any(k.startswith("__bcg") for k in namespace)
@@ -316,18 +319,21 @@ def test_device_facts_follow_the_placement():
     assert id(pipe.vae) in _device_facts(pipe).modules and id(vae) not in _device_facts(pipe).modules
 
 
-def test_device_lookup_outside_the_call_is_diffusers_own():
+def test_device_lookup_is_cached_in_the_call_and_diffusers_own_elsewhere():
     import threading
 
     from diffusers.utils.torch_utils import get_module_execution_device
 
     pipe = accelerate(load_pipeline("tiny-flux"), components=ALL_FLUX)
-    namespace = inspect.getmodule(type(pipe).__bcg_pipeline_base__).__dict__
+    base = type(pipe).__bcg_pipeline_base__
+    namespace = inspect.getmodule(base).__dict__
+    # the accelerated class has its own copies of the methods that look devices up; the module is untouched
+    lookup = type(pipe).__dict__["_get_t5_prompt_embeds"].__globals__["get_module_execution_device"]
+    assert lookup is not get_module_execution_device and lookup.__wrapped__ is get_module_execution_device
     seen = {}
 
     def on_step_end(p, i, t, tensors):
-        lookup = namespace["get_module_execution_device"]
-        seen["swapped"] = lookup is not get_module_execution_device
+        seen["module"] = namespace["get_module_execution_device"] is get_module_execution_device
         other = load_pipeline("tiny-flux").vae
         thread = threading.Thread(target=lambda: seen.setdefault("other_thread", lookup(other)))
         thread.start()
@@ -336,7 +342,7 @@ def test_device_lookup_outside_the_call_is_diffusers_own():
         return {}
 
     pipe(**plan_request(pipe, "a cat", **_request("tiny-flux"))[1], callback_on_step_end=on_step_end)
-    assert seen == {"swapped": True, "other_thread": torch.device("cpu"), "this_call": torch.device("cpu")}
+    assert seen == {"module": True, "other_thread": torch.device("cpu"), "this_call": torch.device("cpu")}
     assert namespace["get_module_execution_device"] is get_module_execution_device
 
 
