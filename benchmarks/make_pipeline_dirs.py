@@ -19,6 +19,13 @@ pipeline's.
 
 ``--num-layers N`` keeps the published widths with N blocks in the transformer and text encoders (a GPU
 smoke test of the sizes); ``--tiny`` also shrinks the widths (a CPU test of the directory itself).
+
+Measured on the H200 host (16 cores, 64 GB disk, torch 2.11, diffusers 0.42.1, accelerate 1.15):
+flux.1-dev 16.87 B params, 33.7 GB, 47 s (11 s to build on the GPU, 36 s to save), 10.8 GB peak host
+RSS, ``load_pipeline(dir, device="cuda")`` 16.6 s; wan2.1-1.3b 7.23 B params, 14.5 GB, 23 s, load 12.1 s.
+Both together leave ~19 GB of the host's disk. Loading a Wan directory needs ``accelerate`` (diffusers
+refuses ``low_cpu_mem_usage=False`` for models with ``_keep_in_fp32_modules``); without it a 12 B
+transformer is also initialised on the CPU before its weights are read.
 """
 from __future__ import annotations
 
