@@ -262,7 +262,7 @@ def unwrap_runner(module):
 def remove_breaks(module) -> int:
     """Restore every processor, forward and method that `install_breaks` replaced; returns how many.
 
-    Automatic and pinned placements are removed too (their forward, function swaps and memory of what
+    Automatic and pinned placements are removed too (their forward, function breaks and memory of what
     this instance probed; what the class remembers stays)."""
     module = unwrap_runner(module)
     module.__dict__.pop(COMPILED_BREAKS_ATTR, None)

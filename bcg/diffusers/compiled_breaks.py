@@ -3,11 +3,11 @@ that dynamo sees on every call (`install_compiled_breaks`). `bcg.diffusers.insta
 the module for `bcg.runtime.compile.compile_for_segments` to call (``COMPILED_BREAKS_ATTR``).
 
 `bcg.diffusers.install_breaks` turns the attention core into a break only while a capture is open
-(it swaps a module global for the duration of the processor call). Compiled code cannot follow that:
-dynamo traces the warm-up call without the break (attention inside the graph), and the capture would
-then need other code -- a recompile inside the capture. So for compiled segments every processor gets
-a ``__call__`` whose *own* globals name an eager break for the attention core: the same bytecode, a copy
-of its module's globals with one name replaced (nothing global is patched). For diffusers' native
+(the processor then calls a copy of its code whose attention core is a break). Compiled code cannot
+follow that: dynamo traces the warm-up call without the break (attention inside the graph), and the
+capture would then need other code -- a recompile inside the capture. So for compiled segments every processor gets
+a ``__call__`` whose *own* globals name an eager break for the attention core: the same bytecode over
+a copy of its module's globals with one name replaced (`bcg.diffusers.breaks.with_globals`). For diffusers' native
 attention backend the break is just ``F.scaled_dot_product_attention``: the permutes around it stay in
 the compiled graphs and a replayed break is one C++ call (the cheapest break there is) and one copy.
 """

@@ -40,6 +40,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 
+from bcg.runtime.proxy import ModuleProxy
 from bcg.runtime.signature import call_arguments, signature_of
 
 logger = logging.getLogger(__name__)
@@ -191,7 +192,7 @@ def _make_backend(backend, mode, options, dynamic):
     return torch._dynamo.lookup_backend(backend)
 
 
-class CompiledForward:
+class CompiledForward(ModuleProxy):
     """``torch.compile``d module whose compiled regions a breakable CUDA graph can capture.
 
     Use it where the module would be called (the runner's ``_compiled``, or standalone); unknown attributes
@@ -304,22 +305,12 @@ class CompiledForward:
             "events": events,
         }
 
-    # -- proxying ---------------------------------------------------------------------------------
-
-    @property
-    def module(self):
-        return self._module
+    # -- attributes ------------------------------------------------------------------------------
 
     @property
     def compiled(self):
         """The ``torch.compile`` result (an ``OptimizedModule`` for modules)."""
         return self._compiled
-
-    def __getattr__(self, name):
-        module = self.__dict__.get("_module")
-        if module is None:
-            raise AttributeError(name)
-        return getattr(module, name)
 
     def __repr__(self):
         return (f"CompiledForward({type(self._module).__name__}, backend={self._backend_name}, "

@@ -3,8 +3,8 @@
 `RunnerConfig()` holds the defaults; `RunnerConfig.from_env()` overrides each field from the variable
 ``BCG_<FIELD NAME IN CAPITALS>`` (``BCG_MAX_ENTRIES=8``, ``BCG_COPY_OUTPUTS=0``, ...). A value that does
 not parse or fails validation logs one warning naming the variable and keeps the default, so a typo in
-a deployment never takes a replica down. Adding a field (``compile: bool`` is planned) needs no parsing
-code: values are parsed by the field's annotated type.
+a deployment never takes a replica down. Adding a field needs no parsing code: values are parsed by
+the field's annotated type.
 """
 import dataclasses
 import logging

@@ -68,6 +68,7 @@ import torch.utils._pytree as pytree
 from bcg.graphs.capture import BreakOutputMismatchError, eager_on_graph, replay_token_scope
 from bcg.runtime.config import RunnerConfig
 from bcg.runtime.entries import CaptureEntry, EntryCache
+from bcg.runtime.proxy import ModuleProxy
 from bcg.runtime.recorder import CudaRecorder
 from bcg.runtime.signature import ARGS_KEY, call_arguments, call_context, rebuild_kwargs, signature_with_leaves
 
@@ -103,7 +104,7 @@ def _resolve_device(module, device):
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
-class BreakableGraphRunner:
+class BreakableGraphRunner(ModuleProxy):
     """Replays captured breakable CUDA graphs of `module` per input signature; see the module docstring.
 
     Unknown attributes proxy to the module (``runner.config``, ``runner.dtype``, ...), so a runner can
@@ -140,21 +141,11 @@ class BreakableGraphRunner:
         if self._off is not None:
             logger.info("graph runner for %s runs eagerly: %s", type(module).__name__, self._off[1])
 
-    # -- proxying ---------------------------------------------------------------------------------
-
-    def __getattr__(self, name):
-        module = self.__dict__.get("_module")
-        if module is None:
-            raise AttributeError(name)
-        return getattr(module, name)
+    # -- attributes ------------------------------------------------------------------------------
 
     def __repr__(self):
         return f"BreakableGraphRunner({type(self._module).__name__}, entries={len(self._entries)}, " \
                f"enabled={self._off is None})"
-
-    @property
-    def module(self):
-        return self._module
 
     @property
     def runner_config(self):

@@ -105,7 +105,7 @@ def test_breaks_keep_outputs_and_capture_breaks_only_the_attention_core(name):
         out = _run(pipe, name)
     assert rec.breaks == EXPECTED_BREAKS[name]  # one step, no CFG: one transformer call
     assert np.array_equal(out, reference)
-    assert _core_globals(pipe.transformer) == globals_before  # swaps are undone
+    assert _core_globals(pipe.transformer) == globals_before  # nothing global was patched
     assert not any(k.startswith("__bcg") for _, k in globals_before)
 
 

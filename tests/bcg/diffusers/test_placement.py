@@ -16,6 +16,7 @@ from torch import nn
 
 from bcg.diffusers import accelerate, auto_placement, install_breaks, placement_stats, remove_breaks
 from bcg.diffusers.breaks import PLACEMENT_ATTR
+from bcg.diffusers.placement import forget
 from bcg.runtime.hostops import HostOpProbe, Place, classify
 from bcg.diffusers.models import BUILTIN_MODELS, load_pipeline
 from bcg.runtime.runner import BreakableGraphRunner
@@ -296,7 +297,7 @@ def test_function_places_are_breaks_only_during_a_capture_and_restored_after():
     assert met_breaks(rec) == ["seq_len_tensor", "_VariableFunctionsClass.tensor", "Item.forward"]
     assert torch.equal(out, reference)
     assert namespace["torch"] is torch and namespace["seq_len_tensor"] is seq_len_tensor
-    assert not any(k.startswith("__bcg_swap") for k in namespace)
+    assert not any(k.startswith("__bcg") for k in namespace)
     with pytest.raises(RuntimeError, match="boom"):  # restored on errors too
         with recording_capture():
             _raise_inside(model)
@@ -339,6 +340,10 @@ def test_found_placement_is_remembered_per_class_and_config_and_can_be_pinned():
     assert install_breaks(other, "auto") == 0
     other(rows(dim=4))
     assert placement_stats(other)["probes"] == 1
+
+    forget(first)  # this class and config probe afresh; other configs stay remembered
+    assert install_breaks(Configured(), "auto") == 0
+    assert install_breaks(Configured(dim=4), "auto") == len(auto_placement(other)) > 0
 
     pinned = Planted(round_trip=False)
     assert install_breaks(pinned, places) == len(places)
@@ -395,8 +400,6 @@ def _run(pipe, name):
 
 @pytest.mark.parametrize("name", sorted(BUILTIN_MODELS))
 def test_builtin_pipelines_give_identical_outputs_with_auto_placement(name):
-    from bcg.diffusers.placement import forget
-
     pipe = load_pipeline(name)
     forget(pipe.transformer)  # another test may have probed this class and config
     reference = _run(pipe, name)
