@@ -1,6 +1,7 @@
 """The Ray Serve internals of deployments/serve_internals.py against the installed Ray: each test fails,
 naming what moved, when an upgrade of Ray moves one (at run time the app only degrades then)."""
 import dataclasses
+import time
 
 from ray.serve import context as serve_context
 from ray.serve.request_router import RequestRouter
@@ -42,4 +43,8 @@ def test_handle_queue_reads_a_live_handles_router(serve_app):
     handle = serve.get_deployment_handle("Replica", app)
     request = ImageGenerationRequest(prompt="a cat", size="64x64", num_inference_steps=1)
     handle.generate.remote(request, shape_key="64x64").result(timeout_s=120)
-    assert handle_queue(handle) == {"queued": 0, "in_flight": 0}
+    # the router counts the answer on its own thread, just after the caller has it
+    deadline = time.monotonic() + 10
+    while (queue := handle_queue(handle)) != {"queued": 0, "in_flight": 0} and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert queue == {"queued": 0, "in_flight": 0}
