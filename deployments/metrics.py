@@ -7,13 +7,16 @@ Contract:
   them with a ``ray_`` prefix (Counters also get ``_total``): ``bcg_requests`` is scraped as
   ``ray_bcg_requests_total{key=..., warm=..., deployment=..., replica=..., application=...}``.
 * Events the replica sees go in directly: `record_request` (warm/cold per shape key, latency),
-  `record_warmup` (per key, ok or not, seconds), `record_batch` (batch sizes, once batching lands).
+  `record_warmup` (per key, ok or not, seconds), `record_batch` (one batched step's rows, for a
+  batcher that reports no stats of its own).
 * Everything the runners count goes in through `update(stats)`, which takes the replica's ``stats()``
   dict (runner stats under ``"runner"``) or a pipeline's ``{component: runner.stats()}``
   (``bcg.diffusers.pipeline_stats``). Monotone counters become Counter increments by their delta from
   the previous `update` (a counter that went down was reset, e.g. ``runner.reset()``: its new value
   is all new); levels become Gauges. Capture seconds are summed over graphs not seen before (a runner
   keeps no running total; ``capture_ms_total`` in a runner's stats is used instead where present).
+  A `StepBatcher`'s ``stats()`` under ``"batcher"`` gives step, row and join counters, and its
+  ``batch_size_histogram`` (real rows per step -> steps) becomes ``bcg_batch_size`` observations.
 * `update` must run periodically -- from the replica's ``record_routing_stats`` (every routing-stats
   period) is the place: Ray 2.60 drops a Gauge's series from the Prometheus endpoint about two export
   intervals (``metrics_report_interval_ms``, 10 s) after its last ``set``, so every update sets every
@@ -46,6 +49,14 @@ RUNNER_COUNTERS = {
     "captures": ("bcg_captures", "Graphs captured by a component's runner."),
     "capture_failures": ("bcg_capture_failures", "Captures that failed (the signature is then blocked)."),
     "evictions": ("bcg_evictions", "Graphs evicted from a runner's cache."),
+}
+# StepBatcher.stats() counters -> (metric name, description).
+BATCHER_COUNTERS = {
+    "steps": ("bcg_batch_steps", "Denoising steps the batcher ran (one transformer call each)."),
+    "rows": ("bcg_batch_rows", "Real image rows over all batched steps."),
+    "padded_rows": ("bcg_batch_padded_rows", "Padding rows added to reach a batch bucket."),
+    "joins_mid_run": ("bcg_batch_joins_mid_run", "Requests that joined a running denoising loop."),
+    "ran_alone": ("bcg_batch_ran_alone", "Requests the batcher ran alone."),
 }
 # runner.stats() levels -> (metric name, description). All per component.
 RUNNER_GAUGES = {
@@ -146,6 +157,7 @@ class ReplicaMetrics:
                                         tag_keys=("component",)),
             "bcg_request_errors": m.Counter("bcg_request_errors", description="Requests that raised."),
         })
+        self._counters.update({name: m.Counter(name, description=desc) for name, desc in BATCHER_COUNTERS.values()})
         self._gauges = {name: m.Gauge(name, description=desc, tag_keys=("component",))
                         for name, desc in RUNNER_GAUGES.values()}
         self._key_warm = m.Gauge("bcg_key_warm", description="1 while the replica is warm for a shape key.",
@@ -197,6 +209,21 @@ class ReplicaMetrics:
                 self._gauges[name].set(value, tags=dict(tags))
             if "runner" in stats:
                 self._update_replica(stats)
+            if stats.get("batcher"):
+                self._update_batcher(stats["batcher"])
+
+    def _update_batcher(self, batcher: Mapping) -> None:
+        totals = {(name, ()): float(batcher.get(field, 0) or 0) for field, (name, _) in BATCHER_COUNTERS.items()}
+        totals.update({("bcg_batch_size", (("rows", str(rows)),)): float(steps)
+                       for rows, steps in (batcher.get("batch_size_histogram") or {}).items()})
+        for (name, tags), value in totals.items():
+            delta = int(counter_delta(self._last.get((name, tags), 0.0), value))
+            if delta > 0 and name == "bcg_batch_size":
+                for _ in range(delta):  # a step period's worth of steps: tens, not thousands
+                    self._batch.observe(int(dict(tags)["rows"]))
+            elif delta > 0:
+                self._counters[name].inc(delta)
+        self._last.update(totals)
 
     def _update_replica(self, stats: Mapping) -> None:
         warm = frozenset(stats.get(WARM_KEYS) or ())

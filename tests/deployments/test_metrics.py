@@ -145,11 +145,13 @@ def test_replica_metrics_read_back_from_prometheus(metrics_app):
     first = {"runner": {"transformer": _runner(replays=4, captures=1, eager={"unseen": 1}, pool_bytes=4096,
                                                entries=[entry], compile_ms=2000.0)},
              "warm_keys": ["64x64", "128x128"], "queue_len": 2,
-             "cuda_memory": {"allocated_bytes": 10, "reserved_bytes": 20}}
+             "cuda_memory": {"allocated_bytes": 10, "reserved_bytes": 20},
+             "batcher": {"steps": 3, "rows": 9, "padded_rows": 1, "batch_size_histogram": {1: 1, 4: 2}}}
     second = {"runner": {"transformer": _runner(replays=10, captures=1, eager={"unseen": 3}, pool_bytes=8192,
                                                 entries=[entry], compile_ms=2000.0)},
               "warm_keys": ["64x64"], "queue_len": 0,
-              "cuda_memory": {"allocated_bytes": 10, "reserved_bytes": 20}}
+              "cuda_memory": {"allocated_bytes": 10, "reserved_bytes": 20},
+              "batcher": {"steps": 5, "rows": 21, "padded_rows": 1, "batch_size_histogram": {1: 1, 4: 3, 8: 1}}}
     handle.update.remote(first).result()
     handle.update.remote(second).result()  # deltas: replays 6 more, eager 2 more, capture counted once
     handle.run_runner.remote(5).result()
@@ -160,9 +162,14 @@ def test_replica_metrics_read_back_from_prometheus(metrics_app):
         ("ray_bcg_requests_total", (("key", "128x128"), ("warm", "false"))): 1,
         ("ray_bcg_request_latency_seconds_count", (("key", "64x64"),)): 3,
         ("ray_bcg_request_latency_seconds_bucket", (("key", "64x64"), ("warm", "true"), ("le", "0.25"))): 1,
-        ("ray_bcg_batch_size_count", ()): 3,  # (Ray's _sum is made of bucket midpoints: not checked)
-        ("ray_bcg_batch_size_bucket", (("le", "2.0"),)): 1,
-        ("ray_bcg_batch_size_bucket", (("le", "3.0"),)): 3,
+        # record_batch(1, 3, 3) and the batcher's steps: one of 1 row, three of 4, one of 8
+        ("ray_bcg_batch_size_count", ()): 8,  # (Ray's _sum is made of bucket midpoints: not checked)
+        ("ray_bcg_batch_size_bucket", (("le", "2.0"),)): 2,
+        ("ray_bcg_batch_size_bucket", (("le", "3.0"),)): 4,
+        ("ray_bcg_batch_size_bucket", (("le", "4.0"),)): 7,
+        ("ray_bcg_batch_size_bucket", (("le", "8.0"),)): 8,
+        ("ray_bcg_batch_steps_total", ()): 5,
+        ("ray_bcg_batch_rows_total", ()): 21,
         ("ray_bcg_replays_total", (("component", "transformer"),)): 10,
         ("ray_bcg_captures_total", (("component", "transformer"),)): 1,
         ("ray_bcg_eager_calls_total", (("component", "transformer"), ("reason", "unseen"))): 3,
