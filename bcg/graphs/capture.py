@@ -49,8 +49,8 @@ Memory lifetimes (the reason for most of the code below):
   when any of them is reset (2.11.0 does not: measured); ``reset()`` therefore defers the segments'
   own reset until every graph captured on the stream is gone. ``stream`` is a
   ``bcg.graphs.streams.CaptureStream`` (a stream of its own and that ledger; share one between captures
-  that share a pool), a torch stream (a ledger of this graph alone: the caller keeps other graphs off
-  it) or None (a new ``CaptureStream``). Capture graphs that live and die independently on different
+  that share a pool), a torch stream (its ledger is kept on that stream object: captures given the
+  same object share it) or None (a new ``CaptureStream``). Capture graphs that live and die independently on different
   streams to keep that deferral short (the runner rotates its capture stream).
 """
 from __future__ import annotations

@@ -44,8 +44,8 @@ class CaptureStream:
     (``cuStreamCreate``) and never destroyed: the allocator keeps the pool's segments of the stream
     after its graphs are gone, and releasing an expandable segment synchronises its stream. (A runner
     makes one per capture at most, and captures happen only during warm-up.) Where the driver cannot
-    make one, a stream from torch's pool is used (logged). ``wrap(stream)`` makes a ledger for a stream
-    the caller owns: graphs captured on that stream through another `CaptureStream` are not seen by it.
+    make one, a stream from torch's pool is used (logged). ``wrap(stream)`` gives the ledger of a stream
+    the caller owns (kept on that stream object).
     """
 
     def __init__(self, device: int | torch.device | None = None, *, stream: torch.cuda.Stream | None = None):
@@ -56,8 +56,13 @@ class CaptureStream:
 
     @classmethod
     def wrap(cls, stream: torch.cuda.Stream) -> CaptureStream:
-        """A ledger for `stream` (owned by the caller, never destroyed here)."""
-        return cls(stream=stream)
+        """The ledger of `stream`, a stream the caller owns. It is kept on the stream object, so captures
+        given the same object share it; another object for the same raw stream gets a ledger of its own."""
+        ledger = getattr(stream, "_bcg_capture_stream", None)
+        if ledger is None:
+            ledger = cls(stream=stream)
+            stream._bcg_capture_stream = ledger
+        return ledger
 
     @property
     def parked_segments(self) -> int:

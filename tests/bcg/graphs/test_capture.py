@@ -18,7 +18,6 @@ from bcg.graphs.capture import (
     eager_on_graph,
     replay_token_scope,
 )
-from bcg.graphs.streams import CaptureStream
 
 needs_no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the behaviour without CUDA")
 
@@ -353,7 +352,7 @@ def test_capture_flow_cleans_up_after_exceptions(fake_cuda, where):
 
 @needs_no_cuda
 def test_graphs_on_one_stream_reset_their_segments_together(fake_cuda):
-    stream = CaptureStream.wrap(torch.cuda.Stream())
+    stream = torch.cuda.Stream()  # captures given one stream object share its ledger
 
     def capture():
         graph = BreakableCUDAGraph()

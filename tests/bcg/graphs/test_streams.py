@@ -54,9 +54,15 @@ class _LoggedSegment:
         self.log.append(self.name)
 
 
+class _RawStream:
+    """Stands for a torch stream object."""
+
+
 def test_segments_are_reset_only_when_no_graph_captured_on_their_stream_is_left():
     log = []
-    shared, other = CaptureStream.wrap("stream a"), CaptureStream.wrap("stream b")
+    streams = _RawStream(), _RawStream()
+    shared, other = CaptureStream.wrap(streams[0]), CaptureStream.wrap(streams[1])
+    assert CaptureStream.wrap(streams[0]) is shared and shared.stream is streams[0]  # one ledger per stream
     shared.open(), shared.open(), other.open()                  # two graphs on one stream, one elsewhere
     assert shared.close([_LoggedSegment(log, "a0"), _LoggedSegment(log, "a1")]) is False
     assert log == [] and shared.parked_segments == 2            # the second graph still replays with it

@@ -177,9 +177,9 @@ def test_a_call_under_autocast_does_not_replay_a_graph_captured_without_it(modul
     # that cached the weights' casts has closed and freed them
     with runner.warmup(), torch.autocast("cuda", dtype=torch.bfloat16):
         runner(x=x)
-    with torch.cuda.stream(runner._recorder._stream):   # lands where the cached casts were
+    with torch.cuda.stream(runner._recorder._stream.stream):  # lands where the cached casts were
         hog = [torch.full((32, 96), 7.0, device="cuda", dtype=torch.bfloat16) for _ in range(256)]
-    torch.cuda.current_stream().wait_stream(runner._recorder._stream)
+    torch.cuda.current_stream().wait_stream(runner._recorder._stream.stream)
     for seed in (1, 2):
         x = _x(1, 16, seed=seed)
         with torch.autocast("cuda", dtype=torch.bfloat16):
