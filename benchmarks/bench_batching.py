@@ -85,22 +85,18 @@ def arrivals(n: int, rate: float, seed: int) -> list[float]:
 
 
 def transformer_flops_per_row(pipe, args) -> dict:
-    """FLOPs of one transformer row (one image, one call), estimated from the shapes one call sees."""
+    """FLOPs of one transformer row (one image, one call), estimated from one prepared request's shapes."""
     from bcg.diffusers.breaks import unwrap_runner
+    from bcg.diffusers.step_families import step_family_for
 
     module = unwrap_runner(pipe.transformer)
-    seen = {}
-
-    def record(module, args, kwargs):  # returns None: the call's inputs stay as they are
-        seen.setdefault("shapes", (kwargs["hidden_states"].shape, kwargs["encoder_hidden_states"].shape))
-
-    hook = module.register_forward_pre_hook(record, with_kwargs=True)
-    try:
-        _, kwargs = plan_request(pipe, PROMPTS[0], **{**_request(args, 0), "steps": 1})
-        pipe(**kwargs)
-    finally:
-        hook.remove()
-    hidden, text = seen["shapes"]
+    _, kwargs = plan_request(pipe, PROMPTS[0], **_request(args, 0))
+    family = step_family_for(pipe)
+    if family is None:
+        return {}
+    with torch.no_grad():
+        state = family.prepare(pipe, kwargs)
+    hidden, text = state.latents.shape, state.row_inputs["encoder_hidden_states"].shape
     patch = getattr(module.config, "patch_size", 1) or 1
     image_tokens = hidden[1] if len(hidden) == 3 else (hidden[2] // patch) * (hidden[3] // patch)
     tokens = int(image_tokens) + int(text[1])
@@ -279,7 +275,7 @@ def main(argv=None) -> int:
             row.update(mode=mode, offered_rate=None if math.isinf(rate) else round(rate, 4),
                        rate_factor=None if args.rates or math.isinf(rate) else round(rate / capacity, 4))
             if row["elapsed_s"]:
-                tflops = row["rows"] * cfg_calls * flops["flops_per_row_call"] / row["elapsed_s"] / 1e12
+                tflops = row["rows"] * cfg_calls * flops.get("flops_per_row_call", 0) / row["elapsed_s"] / 1e12
                 row["transformer_tflops_est"] = round(tflops, 4)
             runs.append(row)
             _say(f"rate {rate:.2f}/s {mode}: {row['images_per_s']} images/s, p50 {row['latency_ms'].get('p50')} ms, "

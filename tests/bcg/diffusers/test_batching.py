@@ -306,9 +306,10 @@ def test_config_is_checked():
     assert [BatcherConfig().bucket_for(r) for r in (1, 3, 5, 9)] == [1, 4, 8, 9]
 
 
-# Largest |batched - alone| on the H200 (tiny-flux, bf16, accelerated: every step a graph replay), over
-# the pixels of an image in [0, 1]: see test_cuda_batches_replay_a_graph_per_bucket_and_match_alone_images.
-GPU_BATCH_TOLERANCE = 5e-2
+# Largest |batched - alone| on the H200 (tiny-flux, bf16, accelerated: every step a graph replay) over the
+# pixels of an image in [0, 1], 5 requests of 2-4 steps at 128x128 (buckets 8, 4, 1): 3.9e-3 = 2^-8, one
+# bf16 step for values in [0.5, 1) (3 of 5 requests bitwise equal). The bound allows two such steps.
+GPU_BATCH_TOLERANCE = 1e-2
 
 
 @pytest.mark.gpu
