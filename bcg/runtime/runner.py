@@ -333,12 +333,18 @@ class BreakableGraphRunner(ModuleProxy):
         with self._stats_lock:
             self._eager[reason] += 1
         lock = self._lock if self._warming else contextlib.nullcontext()
-        fn = self._module
-        if self._compiled is not None:
-            # while serving, a cold call uses what is compiled and never stalls on a new compilation
-            fn = self._compiled if self._warming else self._compiled.run_cached
         with lock, replay_token_scope(token):
-            return fn(*args, **kwargs)
+            return self._forward(capture=False)(*args, **kwargs)
+
+    def _forward(self, capture):
+        """The one place that chooses what runs the module: for a capture (and its warm-up run), or for an
+        eager call -- with compile on, one that may compile while warming, and while serving one that
+        uses what is compiled and never stalls on a new compilation."""
+        if capture and self._runner_config.debug_single_break:
+            return self._whole_forward_fn()
+        if self._compiled is None:
+            return self._module
+        return self._compiled if capture or self._warming else self._compiled.run_cached
 
     def _bind(self, args, kwargs):
         """Name positional arguments after the module's forward parameters where they have names."""
@@ -459,9 +465,7 @@ class BreakableGraphRunner(ModuleProxy):
                     host_inputs.append(i)
         static = rebuild_kwargs(call_arguments(args, kwargs), static_inputs)
         static_args = static.pop(ARGS_KEY, ())
-        fn = self._module if self._compiled is None else self._compiled
-        if self._runner_config.debug_single_break:
-            fn = self._whole_forward_fn()
+        fn = self._forward(capture=True)
         # Autocast caches its casts of weights until its context closes; a graph captured with the cache
         # on would read a cast that is freed by then (make_graphed_callables refuses the cache for the
         # same reason), so the capture casts inside the graph instead.
