@@ -521,8 +521,8 @@ def test_allocator_setting_is_restored_after_a_capture_that_raises():
 
     graph = BreakableCUDAGraph()
     with pytest.raises(ValueError, match="boom"):
-        with BreakableCUDAGraphCapture(graph):
-            assert ExpandableSegments.already_on()
+        with BreakableCUDAGraphCapture(graph) as capture:
+            assert capture._expandable  # switched on for this capture
             forward(x)
     _assert_clean()
     assert not ExpandableSegments.already_on()
