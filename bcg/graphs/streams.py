@@ -102,10 +102,12 @@ def _own_stream(device) -> torch.cuda.Stream:
         index = torch.cuda._get_device_index(device, optional=True)
         create = ctypes.CDLL("libcuda.so.1").cuStreamCreate
         create.argtypes, create.restype = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint], ctypes.c_int
-        torch.cuda.synchronize(index)  # makes the device's primary context current on this thread
         handle = ctypes.c_void_p()
         with torch.cuda.device(index):
             status = create(ctypes.byref(handle), 1)  # CU_STREAM_NON_BLOCKING, as torch's pool streams
+            if status == 201:  # CUDA_ERROR_INVALID_CONTEXT: this thread has made no CUDA call yet
+                torch.cuda.mem_get_info(index)  # a runtime call makes the primary context current here
+                status = create(ctypes.byref(handle), 1)
         if status != 0 or not handle.value:
             raise RuntimeError(f"cuStreamCreate returned {status}")
     except Exception as exc:  # noqa: BLE001 - no driver here (or no CUDA): torch's pool has a stream
