@@ -28,7 +28,8 @@ def test_summary_compares_saturation_throughput_and_low_load_latency(tmp_path):
     runs = [_run("batched", 1.0, 1.0, 105.0), _run("one_at_a_time", 1.0, 1.0, 100.0),
             _run("batched", None, 30.0, 300.0), _run("one_at_a_time", None, 10.0, 900.0)]
     assert bench_batching.summarize(runs, direct_ms=100.0) == {
-        "saturation_speedup": 3.0, "low_load_p50_ms": 105.0, "low_load_p50_vs_direct": 1.05}
+        "saturation_speedup": 3.0, "low_load_p50_ms": 105.0, "low_load_p50_vs_direct": 1.05,
+        "low_load_p50_vs_one_at_a_time": 1.05}
     path = tmp_path / "b.json"
     path.write_text(json.dumps({"runs": runs, "settings": {"model": "tiny-flux", "steps": 4}, "machine": {},
                                 "shape_key": "256x256"}))
