@@ -13,10 +13,10 @@ rows above the largest bucket run unpadded. The family hooks (`bcg.diffusers.ste
 inputs exactly as the pipeline does, so ``warmup_plan(keys)`` (``<key>.b<bucket>`` per bucket, run by
 `warmup_pipeline`) captures the graphs the batcher replays.
 
-Scheduling: one step of one group per `step()`, groups taken round-robin, so a second key never waits
-for the first to drain. With ``max_wait_ms`` 0 (default) a request that arrives to an idle batcher starts
-at once (the latency of ``pipe(**kwargs)`` alone); a positive value holds a *new* group until it is full
-or its oldest request has waited that long (joining a running group never waits).
+Scheduling (`bcg.diffusers.batch_queue`): one step of one group per `step()`, groups taken round-robin,
+so a second key never waits for the first to drain. With ``max_wait_ms`` 0 (default) a request that
+arrives to an idle batcher starts at once (the latency of ``pipe(**kwargs)`` alone); a positive value
+holds a *new* group until it is full or its oldest request has waited that long.
 
 Failures stay with their request: a request whose planning or preparation raises, or whose scheduler step
 or decode raises, fails alone. A batched transformer call that raises is retried per request, so only the
@@ -43,53 +43,13 @@ from typing import Any, Callable, Iterable
 
 import torch
 
+from bcg.diffusers.batch_queue import ALONE, BatcherConfig, QueuedRequest, RequestQueue
 from bcg.diffusers.buckets import ShapeKey, parse_plan
 from bcg.diffusers.step_families import StepFamily, step_family_for
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["BatcherConfig", "StepBatcher"]
-
-_ALONE = "<alone>"  # the round-robin slot of requests that run whole, one at a time
-
-
-@dataclasses.dataclass(frozen=True)
-class BatcherConfig:
-    """``max_batch_size``: image rows per step; ``batch_buckets``: row counts a step pads up to;
-    ``max_wait_ms``: how long a new group waits for company before its first step (0: never);
-    ``batch_decode``: requests that leave at one step share one VAE decode (padded to a bucket too)."""
-
-    max_batch_size: int = 8
-    batch_buckets: tuple[int, ...] = (1, 2, 4, 8)
-    max_wait_ms: float = 0.0
-    batch_decode: bool = True
-
-    def __post_init__(self):
-        if isinstance(self.max_batch_size, bool) or not isinstance(self.max_batch_size, int) or self.max_batch_size < 1:
-            raise ValueError(f"max_batch_size must be a positive int, got {self.max_batch_size!r}")
-        buckets = tuple(sorted(set(self.batch_buckets)))
-        if not buckets or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in buckets):
-            raise ValueError(f"batch_buckets must be positive ints, e.g. (1, 2, 4, 8), got {self.batch_buckets!r}")
-        object.__setattr__(self, "batch_buckets", buckets)
-        if not isinstance(self.max_wait_ms, (int, float)) or self.max_wait_ms < 0:
-            raise ValueError(f"max_wait_ms must be a number >= 0, got {self.max_wait_ms!r}")
-
-    def bucket_for(self, rows: int) -> int:
-        """Smallest bucket holding `rows`; `rows` itself above the largest bucket (no padding)."""
-        return next((b for b in self.batch_buckets if b >= rows), rows)
-
-
-@dataclasses.dataclass(eq=False)
-class _Request:
-    id: int
-    group: str                 # group key: the ShapeKey's key with batch_size 1
-    kwargs: dict
-    rows: int
-    future: concurrent.futures.Future
-    submitted: float
-    alone: str | None = None   # why it runs whole through pipe(**kwargs), None when step-batched
-    state: Any = None          # RequestState once prepared
-    joined_step: int = -1
 
 
 class StepBatcher:
@@ -111,15 +71,12 @@ class StepBatcher:
         if self.config.max_batch_size > self.config.batch_buckets[-1]:
             logger.warning("max_batch_size %d exceeds the largest batch bucket %d: larger batches run unpadded",
                            self.config.max_batch_size, self.config.batch_buckets[-1])
-        self._cond = threading.Condition()
-        self._queued: dict[str, collections.deque] = {}
-        self._active: dict[str, list[_Request]] = {}
-        self._layouts: dict[str, tuple] = {}
-        self._turns: collections.deque = collections.deque()  # round-robin order of group keys
-        self._tasks: collections.deque = collections.deque()
+        self._queue = RequestQueue(self.config)
+        self._layouts: dict[str, tuple] = {}  # group -> layout of its running batch (loop thread only)
         self._ids = itertools.count()
         self._thread: threading.Thread | None = None
-        self._closing = False
+        self._thread_lock = threading.Lock()
+        self._stats_lock = threading.Lock()
         self._counts = collections.Counter()
         self._rows_hist = collections.Counter()    # real rows per step -> steps
         self._bucket_hist = collections.Counter()  # bucket per step -> steps
@@ -139,9 +96,8 @@ class StepBatcher:
         except Exception as exc:  # noqa: BLE001 -- the request's own error, on its own future
             future = concurrent.futures.Future()
             future.set_exception(exc)
-            with self._cond:
-                self._counts["submitted"] += 1
-                self._counts["failed"] += 1
+            self._count("submitted")
+            self._count("failed")
             return future
         return self.submit_planned(key, kwargs)
 
@@ -152,35 +108,22 @@ class StepBatcher:
         alone = "no step hooks for this pipeline" if self.family is None else self.family.batchable(kwargs)
         prompts = kwargs.get("prompt")
         rows = (len(prompts) if isinstance(prompts, list) else 1) * int(kwargs.get("num_images_per_prompt") or 1)
-        request = _Request(id=next(self._ids), group=group, kwargs=kwargs, rows=rows,
-                           future=concurrent.futures.Future(), submitted=time.perf_counter(), alone=alone)
-        with self._cond:
-            if self._closing:
-                raise RuntimeError("StepBatcher is closed; make a new one")
-            slot = _ALONE if alone else group
-            if slot not in self._queued:
-                self._queued[slot] = collections.deque()
-            self._queued[slot].append(request)
-            if slot not in self._turns:
-                self._turns.append(slot)
-            self._counts["submitted"] += 1
-            self._cond.notify_all()
+        request = QueuedRequest(id=next(self._ids), group=group, kwargs=kwargs, rows=rows,
+                                future=concurrent.futures.Future(), submitted=time.perf_counter(), alone=alone)
+        self._queue.put(request)
+        self._count("submitted")
         return request.future
 
     def call_between_steps(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
         """Run ``fn()`` on the loop thread before the next step (pipeline work such as a warmup)."""
-        future = concurrent.futures.Future()
-        with self._cond:
-            self._tasks.append((fn, future))
-            self._cond.notify_all()
-        return future
+        return self._queue.put_task(fn)
 
     # ------------------------------------------------------------------------------------------------
     # the loop
 
     def start(self) -> "StepBatcher":
         """Run `step()` on a daemon thread until `close()`; idempotent."""
-        with self._cond:
+        with self._thread_lock:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._serve, name="bcg-step-batcher", daemon=True)
                 self._thread.start()
@@ -188,18 +131,12 @@ class StepBatcher:
 
     def close(self, timeout_s: float | None = 30.0) -> None:
         """Stop the loop thread; queued and running requests fail with RuntimeError."""
-        with self._cond:
-            self._closing = True
-            self._cond.notify_all()
+        self._queue.notify_closing()
+        with self._thread_lock:
             thread = self._thread
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout_s)
-        with self._cond:
-            left = [r for q in self._queued.values() for r in q] + [r for g in self._active.values() for r in g]
-            self._queued.clear()
-            self._active.clear()
-            self._turns.clear()
-            tasks, self._tasks = list(self._tasks), collections.deque()
+        left, tasks = self._queue.close()
         for request in left:
             self._fail(request, RuntimeError("StepBatcher closed before the request finished"))
         for _, future in tasks:
@@ -213,19 +150,13 @@ class StepBatcher:
         return False
 
     def _serve(self):
-        while True:
-            with self._cond:
-                if self._closing:
-                    return
+        while not self._queue.closed:
             try:
                 self.step(wait_s=1.0)
             except Exception:  # noqa: BLE001 -- a bug here must not end the thread; requests failed below
                 logger.exception("StepBatcher step failed outside any request; failing the running groups")
-                with self._cond:
-                    running = [r for g in self._active.values() for r in g]
-                    self._active.clear()
-                    self._layouts.clear()
-                for request in running:
+                self._layouts.clear()
+                for request in self._queue.take_active():
                     self._fail(request, RuntimeError("StepBatcher internal error; see the replica log"))
 
     def step(self, wait_s: float = 0.0) -> bool:
@@ -234,7 +165,7 @@ class StepBatcher:
         With nothing to run it waits up to `wait_s` for a submit (or a held group's wait to end) and
         returns False.
         """
-        tasks, slot, joining = self._next_work(wait_s)
+        tasks, slot, joining = self._queue.next_work(wait_s)
         for fn, future in tasks:
             if future.set_running_or_notify_cancel():
                 try:
@@ -244,71 +175,18 @@ class StepBatcher:
         if slot is None:
             return bool(tasks)
         with torch.no_grad():  # as the pipelines' __call__: the runners key grad mode into signatures
-            if slot == _ALONE:
+            if slot == ALONE:
                 self._run_alone(joining[0])
             else:
                 self._step_group(slot, joining)
         return True
 
-    def _next_work(self, wait_s: float):
-        """Under the lock: tasks to run, the slot to advance and the requests that join it now."""
-        deadline = time.perf_counter() + wait_s
-        with self._cond:
-            while True:
-                tasks, self._tasks = list(self._tasks), collections.deque()
-                slot, joining, hold_s = self._pick_locked()
-                if slot is not None or tasks or self._closing:
-                    return tasks, slot, joining
-                remaining = deadline - time.perf_counter()
-                if remaining <= 0:
-                    return tasks, None, []
-                self._cond.wait(min(remaining, hold_s) if hold_s is not None else remaining)
-
-    def _pick_locked(self):
-        """Next slot in round-robin order that can run; (None, [], seconds until a held group may start)."""
-        hold_s = None
-        for _ in range(len(self._turns)):
-            slot = self._turns[0]
-            self._turns.rotate(-1)
-            queued = self._queued.get(slot) or collections.deque()
-            if slot == _ALONE:
-                if queued:
-                    return slot, [queued.popleft()], None
-                continue
-            active = self._active.get(slot, [])
-            if not active and not queued:
-                continue
-            if not active and self.config.max_wait_ms > 0:
-                waited_s = time.perf_counter() - queued[0].submitted
-                left_s = self.config.max_wait_ms / 1000 - waited_s
-                if left_s > 0 and sum(r.rows for r in queued) < self.config.max_batch_size:
-                    hold_s = left_s if hold_s is None else min(hold_s, left_s)
-                    continue
-            rows = sum(r.rows for r in active)
-            joining = []
-            while queued and (rows + queued[0].rows <= self.config.max_batch_size or (not active and not joining)):
-                request = queued.popleft()
-                rows += request.rows
-                joining.append(request)
-            return slot, joining, None
-        self._drop_idle_slots_locked()
-        return None, [], hold_s
-
-    def _drop_idle_slots_locked(self):
-        for slot in list(self._turns):
-            if not self._queued.get(slot) and not self._active.get(slot):
-                self._turns.remove(slot)
-                self._queued.pop(slot, None)
-                self._active.pop(slot, None)
-                self._layouts.pop(slot, None)
-
     # ------------------------------------------------------------------------------------------------
     # one step of one group (loop thread, lock not held except for bookkeeping)
 
-    def _step_group(self, group: str, joining: list[_Request]) -> None:
-        with self._cond:
-            active = list(self._active.get(group, []))
-            started = bool(active)
+    def _step_group(self, group: str, joining: list[QueuedRequest]) -> None:
+        active = self._queue.active(group)
+        started = bool(active)
         for request in joining:
             if not request.future.set_running_or_notify_cancel():
                 self._count("cancelled")
@@ -325,7 +203,6 @@ class StepBatcher:
                 continue
             if not active:
                 self._layouts[group] = request.state.layout
-            request.joined_step = self._counts["steps"]
             active.append(request)
             self._count("joins_mid_run" if started else "admitted_at_start")
         if not active:
@@ -350,7 +227,7 @@ class StepBatcher:
         if leaving:
             self._finish(leaving)
 
-    def _finish(self, requests: list[_Request]) -> None:
+    def _finish(self, requests: list[QueuedRequest]) -> None:
         """Decode the requests that leave at this step (together unless ``batch_decode`` is off) and answer
         each; a batched decode that raises is retried per request."""
         outputs = None
@@ -374,7 +251,7 @@ class StepBatcher:
             self._count("leaves")
             request.future.set_result(images)
 
-    def _forward(self, requests: list[_Request]) -> dict:
+    def _forward(self, requests: list[QueuedRequest]) -> dict:
         """Noise prediction per request id (an exception where its own call failed)."""
         states = [r.state for r in requests]
         rows = sum(s.rows for s in states)
@@ -394,11 +271,12 @@ class StepBatcher:
             out |= self._forward([request])
         return out
 
-    def _run_alone(self, request: _Request) -> None:
+    def _run_alone(self, request: QueuedRequest) -> None:
         if not request.future.set_running_or_notify_cancel():
             self._count("cancelled")
             return
-        self._alone_reasons[request.alone] += 1
+        with self._stats_lock:
+            self._alone_reasons[request.alone] += 1
         try:
             out = self.pipe(**request.kwargs)
             images = list(out.frames) if hasattr(out, "frames") else list(out.images)
@@ -412,27 +290,24 @@ class StepBatcher:
     # ------------------------------------------------------------------------------------------------
     # bookkeeping
 
-    def _set_active(self, group: str, requests: list[_Request]) -> None:
-        with self._cond:
-            if requests:
-                self._active[group] = requests
-            else:
-                self._active.pop(group, None)
-                self._layouts.pop(group, None)
+    def _set_active(self, group: str, requests: list[QueuedRequest]) -> None:
+        self._queue.set_active(group, requests)
+        if not requests:
+            self._layouts.pop(group, None)
 
     def _count(self, name: str, n: int = 1) -> None:
-        with self._cond:
+        with self._stats_lock:
             self._counts[name] += n
 
     def _count_step(self, rows: int, bucket: int) -> None:
-        with self._cond:
+        with self._stats_lock:
             self._counts["steps"] += 1
             self._counts["rows"] += rows
             self._counts["padded_rows"] += bucket - rows
             self._rows_hist[rows] += 1
             self._bucket_hist[bucket] += 1
 
-    def _fail(self, request: _Request, exc: BaseException) -> None:
+    def _fail(self, request: QueuedRequest, exc: BaseException) -> None:
         request.state = None
         self._count("failed")
         if request.future.done():
@@ -450,23 +325,14 @@ class StepBatcher:
 
     def load(self) -> dict:
         """Per group key: rows running, rows queued, free rows in the running batch (for a router)."""
-        with self._cond:
-            keys = set(self._active) | {k for k, q in self._queued.items() if q and k != _ALONE}
-            out = {}
-            for key in sorted(keys):
-                running = sum(r.rows for r in self._active.get(key, []))
-                queued = sum(r.rows for r in self._queued.get(key, ()))
-                out[key] = {"running_rows": running, "queued_rows": queued,
-                            "free_rows": max(0, self.config.max_batch_size - running - queued)}
-            return out
+        return self._queue.load()
 
     def stats(self) -> dict:
         """Counters since construction: requests (submitted, joins, leaves, failed, ran alone), steps,
         rows and padded rows, histograms of real rows and of buckets per step, what is running now."""
-        with self._cond:
+        running, queued = self._queue.snapshot()
+        with self._stats_lock:
             counts = dict(self._counts)
-            running = {k: len(v) for k, v in self._active.items()}
-            queued = sum(len(q) for q in self._queued.values())
             steps = counts.get("steps", 0)
             return {
                 "family": None if self.family is None else self.family.name,

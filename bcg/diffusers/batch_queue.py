@@ -1,0 +1,197 @@
+"""Which requests a step batcher runs next: `BatcherConfig`, `QueuedRequest`, `RequestQueue`.
+
+The policy half of continuous batching (`bcg.diffusers.batching.StepBatcher` runs the steps):
+
+- requests wait per *group key* (a `ShapeKey` with ``batch_size`` 1); a group that runs is *active*;
+- groups take turns, one denoising step each (round-robin), so a second key never waits for the first
+  to drain; requests that run whole through the pipeline share one slot of the round-robin (`ALONE`);
+- at each of its step boundaries a group admits queued requests in arrival order while their image rows
+  fit ``max_batch_size`` (a request larger than that only into an empty group, alone);
+- with ``max_wait_ms`` > 0 a *new* group waits until it is full or its oldest request has waited that
+  long; joining a running group never waits; with 0 (default) nothing waits.
+
+Thread-safe: `put` and `put_task` from any thread, `next_work` and `set_active` from the one loop
+thread, `load` and `snapshot` from any thread. No torch, no pipeline.
+"""
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import dataclasses
+import threading
+import time
+from typing import Any, Callable
+
+__all__ = ["ALONE", "BatcherConfig", "QueuedRequest", "RequestQueue"]
+
+ALONE = "<alone>"  # the round-robin slot of requests that run whole, one at a time
+
+
+@dataclasses.dataclass(frozen=True)
+class BatcherConfig:
+    """``max_batch_size``: image rows per step; ``batch_buckets``: row counts a step pads up to;
+    ``max_wait_ms``: how long a new group waits for company before its first step (0: never);
+    ``batch_decode``: requests that leave at one step share one VAE decode (padded to a bucket too)."""
+
+    max_batch_size: int = 8
+    batch_buckets: tuple[int, ...] = (1, 2, 4, 8)
+    max_wait_ms: float = 0.0
+    batch_decode: bool = True
+
+    def __post_init__(self):
+        if isinstance(self.max_batch_size, bool) or not isinstance(self.max_batch_size, int) or self.max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be a positive int, got {self.max_batch_size!r}")
+        buckets = tuple(sorted(set(self.batch_buckets)))
+        if not buckets or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in buckets):
+            raise ValueError(f"batch_buckets must be positive ints, e.g. (1, 2, 4, 8), got {self.batch_buckets!r}")
+        object.__setattr__(self, "batch_buckets", buckets)
+        if not isinstance(self.max_wait_ms, (int, float)) or self.max_wait_ms < 0:
+            raise ValueError(f"max_wait_ms must be a number >= 0, got {self.max_wait_ms!r}")
+
+    def bucket_for(self, rows: int) -> int:
+        """Smallest bucket holding `rows`; `rows` itself above the largest bucket (no padding)."""
+        return next((b for b in self.batch_buckets if b >= rows), rows)
+
+
+@dataclasses.dataclass(eq=False)
+class QueuedRequest:
+    """One request from submission to answer; `state` is the family's `RequestState` once prepared."""
+
+    id: int
+    group: str                 # group key: the ShapeKey's key with batch_size 1
+    kwargs: dict
+    rows: int                  # image rows: prompts x num_images_per_prompt
+    future: concurrent.futures.Future
+    submitted: float           # time.perf_counter() at submission
+    alone: str | None = None   # why it runs whole through pipe(**kwargs), None when step-batched
+    state: Any = None
+
+
+class RequestQueue:
+    """Queued and active requests per group key, the round-robin of groups, tasks for the loop thread."""
+
+    def __init__(self, config: BatcherConfig):
+        self.config = config
+        self._cond = threading.Condition()
+        self._queued: dict[str, collections.deque] = {}
+        self._active: dict[str, list[QueuedRequest]] = {}
+        self._turns: collections.deque = collections.deque()  # round-robin order of slots
+        self._tasks: collections.deque = collections.deque()
+        self.closed = False
+
+    def put(self, request: QueuedRequest) -> None:
+        """Queue `request` in its group's slot (`ALONE` when it runs whole); RuntimeError once closed."""
+        slot = ALONE if request.alone else request.group
+        with self._cond:
+            if self.closed:
+                raise RuntimeError("StepBatcher is closed; make a new one")
+            self._queued.setdefault(slot, collections.deque()).append(request)
+            if slot not in self._turns:
+                self._turns.append(slot)
+            self._cond.notify_all()
+
+    def put_task(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
+        future = concurrent.futures.Future()
+        with self._cond:
+            self._tasks.append((fn, future))
+            self._cond.notify_all()
+        return future
+
+    def next_work(self, wait_s: float) -> tuple[list, str | None, list[QueuedRequest]]:
+        """``(tasks, slot, joining)``: tasks to run first, the slot to advance (None: nothing) and the
+        requests that join it now; waits up to `wait_s` while there is nothing."""
+        deadline = time.perf_counter() + wait_s
+        with self._cond:
+            while True:
+                tasks, self._tasks = list(self._tasks), collections.deque()
+                slot, joining, hold_s = self._pick_locked()
+                if slot is not None or tasks or self.closed:
+                    return tasks, slot, joining
+                remaining = deadline - time.perf_counter()
+                if remaining <= 0:
+                    return tasks, None, []
+                self._cond.wait(min(remaining, hold_s) if hold_s is not None else remaining)
+
+    def active(self, group: str) -> list[QueuedRequest]:
+        with self._cond:
+            return list(self._active.get(group, []))
+
+    def set_active(self, group: str, requests: list[QueuedRequest]) -> None:
+        with self._cond:
+            if requests:
+                self._active[group] = list(requests)
+            else:
+                self._active.pop(group, None)
+
+    def take_active(self) -> list[QueuedRequest]:
+        """Every active request, removed (their groups restart from the queue)."""
+        with self._cond:
+            running = [r for group in self._active.values() for r in group]
+            self._active.clear()
+            return running
+
+    def close(self) -> tuple[list[QueuedRequest], list]:
+        """Refuse further puts; return the requests still queued or active and the tasks not run."""
+        with self._cond:
+            self.closed = True
+            left = [r for q in self._queued.values() for r in q] + [r for g in self._active.values() for r in g]
+            self._queued.clear()
+            self._active.clear()
+            self._turns.clear()
+            tasks, self._tasks = list(self._tasks), collections.deque()
+            self._cond.notify_all()
+        return left, tasks
+
+    def notify_closing(self) -> None:
+        with self._cond:
+            self.closed = True
+            self._cond.notify_all()
+
+    def load(self) -> dict:
+        """Per group key: rows running, rows queued, free rows in the running batch (for a router)."""
+        with self._cond:
+            keys = set(self._active) | {k for k, q in self._queued.items() if q and k != ALONE}
+            out = {}
+            for key in sorted(keys):
+                running = sum(r.rows for r in self._active.get(key, []))
+                queued = sum(r.rows for r in self._queued.get(key, ()))
+                out[key] = {"running_rows": running, "queued_rows": queued,
+                            "free_rows": max(0, self.config.max_batch_size - running - queued)}
+            return out
+
+    def snapshot(self) -> tuple[dict, int]:
+        """``({group: active requests}, queued requests)``."""
+        with self._cond:
+            return {k: len(v) for k, v in self._active.items()}, sum(len(q) for q in self._queued.values())
+
+    def _pick_locked(self):
+        """Next slot in round-robin order that can run; (None, [], seconds until a held group may start)."""
+        hold_s = None
+        for _ in range(len(self._turns)):
+            slot = self._turns[0]
+            self._turns.rotate(-1)
+            queued = self._queued.get(slot) or collections.deque()
+            if slot == ALONE:
+                if queued:
+                    return slot, [queued.popleft()], None
+                continue
+            active = self._active.get(slot, [])
+            if not active and not queued:
+                continue
+            if not active and self.config.max_wait_ms > 0:
+                left_s = self.config.max_wait_ms / 1000 - (time.perf_counter() - queued[0].submitted)
+                if left_s > 0 and sum(r.rows for r in queued) < self.config.max_batch_size:
+                    hold_s = left_s if hold_s is None else min(hold_s, left_s)
+                    continue
+            rows = sum(r.rows for r in active)
+            joining = []
+            while queued and (rows + queued[0].rows <= self.config.max_batch_size or (not active and not joining)):
+                request = queued.popleft()
+                rows += request.rows
+                joining.append(request)
+            return slot, joining, None
+        for slot in list(self._turns):  # nothing can run: forget the slots with nothing in them
+            if not self._queued.get(slot) and not self._active.get(slot):
+                self._turns.remove(slot)
+                self._queued.pop(slot, None)
+        return None, [], hold_s
