@@ -289,11 +289,12 @@ def measure(variant, model, name, size, args, state):
     if variant == "segments":
         forward_fn = model
     else:
+        from bcg.diffusers.compiled_breaks import install_compiled_breaks
         from bcg.runtime.compile import compile_for_segments
 
         forward_fn = state.get("compiled")
         if forward_fn is None:
-            breaks = "attention" if variant == "compiled_segments" else None
+            breaks = install_compiled_breaks if variant == "compiled_segments" else None
             forward_fn = state["compiled"] = compile_for_segments(
                 model, dynamic=args.dynamic, breaks=breaks, recompile_limit=64, mode=args.compile_mode)
     graphs_before = forward_fn.stats()["graphs_compiled"] if variant != "segments" else 0

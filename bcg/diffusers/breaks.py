@@ -299,17 +299,19 @@ def install_breaks(module, policy: Any = "auto") -> int:
     remove_breaks(module)
     if policy is None or policy == "none":
         return 0
-    # Breaks placed here act only while a capture is open, which compiled code cannot follow: tell
-    # compile_for_segments how to make them visible to dynamo.
-    from bcg.diffusers.compiled_breaks import install_compiled_breaks  # it builds on this module
-
-    module.__dict__[COMPILED_BREAKS_ATTR] = install_compiled_breaks
     if isinstance(policy, str) and policy == "auto":
+        # Compiled code needs no hook here: dynamo traces the original code (placement steps aside while
+        # compiling), and compiled segments are as many as dynamo's own graph breaks make.
         from bcg.diffusers.placement import install_placement  # placement builds on this module
 
         count = len(install_placement(module, probing=True).installed_places())
         logger.info("auto break placement in %s: %d breaks remembered for its config", type(module).__name__, count)
         return count
+    # Breaks placed below act only while a capture is open, which compiled code cannot follow: tell
+    # compile_for_segments how to make them visible to dynamo.
+    from bcg.diffusers.compiled_breaks import install_compiled_breaks  # it builds on this module
+
+    module.__dict__[COMPILED_BREAKS_ATTR] = install_compiled_breaks
     count = 0
     if isinstance(policy, str) and policy in ("attention", "processor"):
         for sub in module.modules():

@@ -459,3 +459,17 @@ def test_qwen_image_on_a_device_gets_breaks_at_its_two_host_to_device_helpers():
     with recording_capture() as rec:
         model(**qwen_image_inputs("meta"))
     assert met_breaks(rec) == ["compute_text_seq_len_from_mask", "QwenEmbedRope._get_device_freqs"]
+
+
+def test_compiled_segments_get_attention_breaks_only_from_an_explicit_policy():
+    # under "auto" a compiled runner breaks where the placement found something, not at every attention core
+    from bcg.runtime.compile import COMPILED_BREAKS_ATTR
+
+    transformer = load_pipeline("tiny-flux").transformer
+    install_breaks(transformer, "auto")
+    assert COMPILED_BREAKS_ATTR not in transformer.__dict__
+    install_breaks(transformer, "attention")
+    assert transformer.__dict__[COMPILED_BREAKS_ATTR].__name__ == "install_compiled_breaks"
+    install_breaks(transformer, "auto")
+    assert COMPILED_BREAKS_ATTR not in transformer.__dict__
+    remove_breaks(transformer)
