@@ -45,7 +45,7 @@ import torch
 
 from bcg.diffusers.batch_queue import ALONE, BatcherConfig, QueuedRequest, RequestQueue
 from bcg.diffusers.buckets import ShapeKey, parse_plan
-from bcg.diffusers.step_families import StepFamily, step_family_for
+from bcg.diffusers.step_families import StepFamily, pipeline_call_scope, step_family_for
 
 logger = logging.getLogger(__name__)
 
@@ -174,7 +174,9 @@ class StepBatcher:
                     future.set_exception(exc)
         if slot is None:
             return bool(tasks)
-        with torch.no_grad():  # as the pipelines' __call__: the runners key grad mode into signatures
+        # as inside the pipeline's __call__: grad off (the runners key grad mode into signatures) and an
+        # accelerated pipeline's device answers (no module walks in encode_prompt and the VAE)
+        with torch.no_grad(), pipeline_call_scope(self.pipe):
             if slot == ALONE:
                 self._run_alone(joining[0])
             else:

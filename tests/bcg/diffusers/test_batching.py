@@ -241,6 +241,27 @@ def test_a_batch_of_b_rows_has_the_transformer_signature_of_the_pipeline_with_b_
         "64x64.p32", "64x64.b2.p32", "64x64.b4.p32", "64x64.b8.p32"]
 
 
+def test_an_accelerated_pipeline_batches_in_its_call_scope_with_the_same_images(flux):
+    from bcg.diffusers import accelerate, unaccelerate
+    from bcg.diffusers.step_families import pipeline_call_scope
+
+    with pipeline_call_scope(flux) as facts:
+        assert facts is None  # a plain pipeline: nothing changes
+    pipe = accelerate(flux, components=("transformer", "text_encoder", "text_encoder_2", "vae_decoder"))
+    try:
+        with pipeline_call_scope(pipe) as facts:
+            assert facts is not None and facts.execution_device == torch.device("cpu")
+        batcher = StepBatcher(pipe)
+        futures = [_submit(batcher, r) for r in REQUESTS[:2]]
+        _drain(batcher, futures)
+        assert max(_diff(f, _alone(pipe, r)) for f, r in zip(futures, REQUESTS)) <= BATCH_TOLERANCE
+        alone = _submit(batcher, REQUESTS[2])
+        _drain(batcher, [alone])
+        assert _diff(alone, _alone(pipe, REQUESTS[2])) == 0.0
+    finally:
+        unaccelerate(pipe)
+
+
 def test_groups_of_different_keys_take_turns(sd3):
     requests = [_request("a cat", seed=1, steps=2), _request("a dog", seed=2, steps=2, guidance=1.0)]  # cfg, no cfg
     batcher = StepBatcher(sd3)
