@@ -28,7 +28,8 @@ Threads: every pipeline call runs on the thread that calls `step()`: `start()` r
 that does, tests may call `step()` themselves. `submit` / `submit_planned` are thread-safe and return a
 `concurrent.futures.Future` of the request's image list (what `generate` returns); done-callbacks run on
 the loop thread, so keep them short (``asyncio.wrap_future`` hands the result to an event loop).
-`call_between_steps(fn)` runs `fn` on the loop thread between two steps (warmup, runner stats).
+`call_between_steps(fn)` runs `fn` on the loop thread between two steps (runner stats); `warmup(keys)`
+captures every bucket of `keys` there.
 """
 from __future__ import annotations
 
@@ -324,6 +325,22 @@ class StepBatcher:
         buckets = [b for b in self.config.batch_buckets if b < self.config.max_batch_size]
         buckets.append(self.config.bucket_for(self.config.max_batch_size))
         return parse_plan([dataclasses.replace(key, batch_size=b) for key in parse_plan(keys) for b in sorted(set(buckets))])
+
+    def warmup(self, keys: Iterable[ShapeKey | str], num_inference_steps: int = 2) -> dict:
+        """Capture what this batcher replays for `keys` (`warmup_plan`: every bucket) with `warmup_pipeline`;
+        on the loop thread when it runs (between two steps), else here. Returns the warmup report."""
+        from bcg.diffusers.pipelines import warmup_pipeline
+
+        plan = self.warmup_plan(keys)
+
+        def run():
+            return warmup_pipeline(self.pipe, plan, num_inference_steps=num_inference_steps)
+
+        with self._thread_lock:
+            thread = self._thread
+        if thread is None or not thread.is_alive() or thread is threading.current_thread():
+            return run()
+        return self.call_between_steps(run).result()
 
     def load(self) -> dict:
         """Per group key: rows running, rows queued, free rows in the running batch (for a router)."""

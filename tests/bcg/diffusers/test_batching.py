@@ -318,6 +318,13 @@ def test_close_fails_what_is_left_and_cancelled_requests_are_skipped(flux):
         _submit(batcher, REQUESTS[0])
 
 
+def test_warmup_runs_the_bucket_plan_on_the_loop_thread(flux):
+    with StepBatcher(flux, max_batch_size=2, batch_buckets=(1, 2)) as batcher:
+        report = batcher.warmup(["64x64.p32"], num_inference_steps=1)
+    assert [k["key"] for k in report["keys"]] == ["64x64.p32", "64x64.b2.p32"]
+    assert all(k["error"] is None for k in report["keys"])
+
+
 def test_config_is_checked():
     with pytest.raises(ValueError, match="max_batch_size"):
         BatcherConfig(max_batch_size=0)
