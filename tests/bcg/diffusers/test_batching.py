@@ -80,12 +80,12 @@ def _diff(future, expected):
 
 def test_alone_is_bitwise_the_pipeline_image(pipe):
     batcher = StepBatcher(pipe)
-    for request in REQUESTS:
+    for request in REQUESTS[:2]:
         future = _submit(batcher, request)
         _drain(batcher, [future])
         assert _diff(future, _alone(pipe, request)) == 0.0
     stats = batcher.stats()
-    assert stats["leaves"] == 3 and stats["batch_size_histogram"] == {1: 9}
+    assert stats["leaves"] == 2 and stats["batch_size_histogram"] == {1: 5}
 
 
 def test_batched_requests_with_own_seeds_steps_and_guidance_match_their_alone_images(pipe):
@@ -290,9 +290,9 @@ def test_max_wait_holds_a_new_batch_until_it_is_full_or_the_wait_is_over(flux):
 
 
 def test_loop_thread_answers_requests_submitted_from_many_threads(flux):
-    requests = [_request(f"a cat number {i}", seed=i, steps=2 + i % 2) for i in range(6)]
+    requests = [_request(f"a cat number {i}", seed=i, steps=2 + i % 2) for i in range(5)]
     with StepBatcher(flux, max_batch_size=4) as batcher:
-        with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        with concurrent.futures.ThreadPoolExecutor(5) as pool:
             futures = list(pool.map(lambda r: _submit(batcher, r), requests))
         done = batcher.call_between_steps(lambda: threading.current_thread().name)
         assert done.result(timeout=30) == "bcg-step-batcher"
@@ -300,8 +300,8 @@ def test_loop_thread_answers_requests_submitted_from_many_threads(flux):
     assert all(len(r) == 1 for r in results)
     assert max(_diff(f, _alone(flux, r)) for f, r in zip(futures, requests)) <= BATCH_TOLERANCE
     stats = batcher.stats()
-    assert stats["leaves"] == 6 and stats["failed"] == 0 and stats["submitted"] == 6
-    assert sum(rows * steps for rows, steps in stats["batch_size_histogram"].items()) == 2 * 3 + 3 * 3
+    assert stats["leaves"] == 5 and stats["failed"] == 0 and stats["submitted"] == 5
+    assert sum(rows * steps for rows, steps in stats["batch_size_histogram"].items()) == 2 * 3 + 3 * 2
 
 
 def test_close_fails_what_is_left_and_cancelled_requests_are_skipped(flux):
