@@ -7,7 +7,12 @@
 - `bcg.diffusers.accelerated`: `accelerate` / `unaccelerate` make a pipeline's transformer (and
   optionally its text encoders and VAE decoder) a `BreakableGraphRunner`;
 - `bcg.diffusers.pipelines`: `pipeline_info`, `plan_request`, `generate`, `warmup_pipeline`;
-- `bcg.diffusers.buckets`: `ShapeKey`, size and prompt buckets, warmup plans;
+- `bcg.diffusers.families`: one record per model family (CFG rule, size multiple, default size, prompt
+  bucketing, frames, batching hooks): `ModelFamily`, `FAMILIES`, `family_of`;
+- `bcg.diffusers.buckets`: `ShapeKey`, `request_shape_key` (a request's key, defined once), size and prompt
+  buckets, warmup plans;
+- `bcg.diffusers.batching`: `StepBatcher` / `BatcherConfig`, step-wise continuous batching (scheduling in
+  `batch_queue`, per-family step hooks in `step_families`);
 - `bcg.diffusers.models`: the built-in tiny pipelines (`load_pipeline`, `BUILTIN_MODELS`).
 
 Names are re-exported lazily: `bcg.diffusers.buckets` does not import torch or diffusers.
@@ -16,6 +21,7 @@ from bcg._lazy import lazy_exports
 
 _EXPORTS = {
     "COMPONENTS": "bcg.diffusers.accelerated",
+    "pipeline_call_scope": "bcg.diffusers.accelerated",
     "accelerate": "bcg.diffusers.accelerated",
     "pipeline_runners": "bcg.diffusers.accelerated",
     "pipeline_stats": "bcg.diffusers.accelerated",
@@ -29,6 +35,16 @@ _EXPORTS = {
     "warmup_pipeline": "bcg.diffusers.pipelines",
     "auto_placement": "bcg.diffusers.placement",
     "placement_stats": "bcg.diffusers.placement",
+    "forget": "bcg.diffusers.placement",
+    "ModelFamily": "bcg.diffusers.families",
+    "FAMILIES": "bcg.diffusers.families",
+    "family_of": "bcg.diffusers.families",
+    "ShapeKey": "bcg.diffusers.buckets",
+    "request_shape_key": "bcg.diffusers.buckets",
+    "StepBatcher": "bcg.diffusers.batching",
+    "BatcherConfig": "bcg.diffusers.batch_queue",
+    "load_pipeline": "bcg.diffusers.models",
+    "BUILTIN_MODELS": "bcg.diffusers.models",
 }
 
 __all__, __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

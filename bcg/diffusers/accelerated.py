@@ -9,6 +9,7 @@ the methods that look devices up. `unaccelerate` undoes it.
 """
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import dataclasses
 import functools
@@ -24,7 +25,7 @@ from bcg.diffusers.placement import placement_stats
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["COMPONENTS", "accelerate", "pipeline_runners", "pipeline_stats", "unaccelerate"]
+__all__ = ["COMPONENTS", "accelerate", "pipeline_call_scope", "pipeline_runners", "pipeline_stats", "unaccelerate"]
 
 # --------------------------------------------------------------------------------------------------
 # accelerated pipelines
@@ -209,6 +210,26 @@ def _device_lookup_methods(base: type) -> dict:
     return methods
 
 
+@contextlib.contextmanager
+def pipeline_call_scope(pipe):
+    """Inside this context an accelerated pipeline answers device queries as inside its own ``pipe(...)``.
+
+    Code that drives a pipeline's methods itself (``encode_prompt``, ``prepare_latents``, the VAE: a
+    step-wise batcher) runs them here, so that diffusers' device lookups are answered from facts checked
+    once on entry instead of walking every submodule for offload hooks on each call. For a pipeline that
+    `accelerate` did not touch, nothing changes. Yields the device facts in use (None for such a pipeline).
+    """
+    if "__bcg_pipeline_base__" not in type(pipe).__dict__:
+        yield None
+        return
+    facts = _device_facts(pipe)
+    token = _CALL_DEVICES.set(facts)
+    try:
+        yield facts
+    finally:
+        _CALL_DEVICES.reset(token)
+
+
 def _accelerated_class(base: type) -> type:
     """A subclass of pipeline class `base` (same name, same call signature) for accelerated instances.
 
@@ -229,11 +250,8 @@ def _accelerated_class(base: type) -> type:
 
     @functools.wraps(base.__call__)
     def __call__(self, *args, **kwargs):
-        token = _CALL_DEVICES.set(_device_facts(self))
-        try:
+        with pipeline_call_scope(self):
             return base_call(self, *args, **kwargs)
-        finally:
-            _CALL_DEVICES.reset(token)
 
     def facts_of(self):
         facts = _CALL_DEVICES.get()  # inside this pipeline's call the placement was checked on entry
