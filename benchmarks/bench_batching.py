@@ -88,11 +88,11 @@ def arrivals(n: int, rate: float, seed: int) -> list[float]:
 def transformer_flops_per_row(pipe, args) -> dict:
     """FLOPs of one transformer row (one image, one call), estimated from one prepared request's shapes."""
     from bcg.diffusers.breaks import unwrap_runner
-    from bcg.diffusers.step_families import step_family_for
+    from bcg.diffusers.families import family_of
 
     module = unwrap_runner(pipe.transformer)
     _, kwargs = plan_request(pipe, PROMPTS[0], **_request(args, 0))
-    family = step_family_for(pipe)
+    family = family_of(pipe).batching_hooks()
     if family is None:
         return {}
     with torch.no_grad():

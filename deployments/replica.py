@@ -32,6 +32,8 @@ Contract:
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import functools
 import io
 import logging
 import time
@@ -42,6 +44,8 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 
 from bcg.diffusers.buckets import ShapeKey
+from deployments.memory import ReplicaMemory, plan_fits
+from deployments.metrics import ReplicaMetrics
 from deployments.router import POOL_BYTES, QUEUE_LEN, WARM_KEYS, ShapeAffinityRouter
 from deployments.schemas import ImageGenerationRequest, ReplicaReport
 
@@ -113,16 +117,56 @@ def _release_cached_memory() -> None:
         torch.cuda.empty_cache()
 
 
+# A replica engine that batches nothing: every request runs alone at its own image count (ReplicaEngine's
+# default; the app passes its batching settings).
+NO_BATCHING = {"max_batch_size": 1, "batch_buckets": (1,)}
+
+
+def _merge_reports(key: str, reports: List[dict]) -> dict:
+    """One key's ``warmup_pipeline`` report from the reports of its bucket plan (``<key>.b<bucket>``)."""
+    errors = [f"{r['key']}: {r['error']}" for r in reports if r["error"]]
+    failed: Dict[str, list] = {}
+    for r in reports:
+        for component, reasons in r["failed"].items():
+            failed.setdefault(component, []).extend(reasons)
+    return {"key": key, "error": "; ".join(errors) or None, "failed": failed,
+            "captured": {r["key"]: r["captured"] for r in reports}}
+
+
+def _bucket_pool_bytes(reports: List[dict], runner_stats: dict) -> Dict[int, int]:
+    """Batch bucket -> pool bytes of the graphs its warmup run captured (0 for graphs it shared)."""
+    graphs = _graphs(runner_stats)
+    return {ShapeKey.parse(r["key"]).batch_size: sum(int(graphs.get((name, sig), {}).get("pool_bytes", 0))
+                                                 for name, sigs in r["captured"].items() for sig in sigs)
+            for r in reports}
+
+
+def _forward_outcome(source: concurrent.futures.Future, target: concurrent.futures.Future) -> None:
+    """A failed or cancelled `source` fails or cancels `target` (a result is `target`'s own business)."""
+    try:
+        if source.cancelled():
+            target.cancel()
+        elif source.exception() is not None:
+            target.set_exception(source.exception())
+    except concurrent.futures.InvalidStateError:
+        pass  # the caller cancelled `target` meanwhile
+
+
 class ReplicaEngine:
-    """The pipeline side of a replica, free of Ray: load, warm keys, run requests (from one thread)."""
+    """The pipeline side of a replica, free of Ray: load, warm keys, run requests.
+
+    One `StepBatcher` loop thread owns the pipeline: requests (`submit`), warmups and runner-stats reads
+    (`call`) all run there. ``batching`` holds `BatcherConfig` fields (default `NO_BATCHING`)."""
 
     def __init__(self, model: str, device: Optional[str] = None, dtype: Optional[str] = None,
                  runner_config: Optional[dict] = None, warmup_steps: int = 2,
                  cpu_threads: Optional[int] = None, gpu_memory_fraction: Optional[float] = None,
-                 pipeline_hook: Optional[str] = None, components="all"):
+                 pipeline_hook: Optional[str] = None, components="all", batching: Optional[dict] = None,
+                 memory_budget_bytes: Optional[int] = None):
         import torch
         from bcg.runtime.config import RunnerConfig
         from bcg.diffusers import accelerate, pipeline_info, pipeline_runners
+        from bcg.diffusers.batching import BatcherConfig, StepBatcher
         from bcg.diffusers.models import load_pipeline
 
         if cpu_threads:
@@ -146,7 +190,22 @@ class ReplicaEngine:
         # key -> the graphs (component, signature key) its warmup used; replaced, never mutated, so
         # other threads read it without a lock
         self._warmed: Dict[str, frozenset] = {}
+        self._bucket_pools: Dict[str, Dict[int, int]] = {}  # key -> batch bucket -> pool bytes captured
+        # the replica's memory share, fixed once here; warmup_key checks each key against it
+        self.memory = ReplicaMemory.measure(self.pipe, self.cuda, gpu_memory_fraction, memory_budget_bytes)
+        self._key_bytes: Dict[str, dict] = {}  # key -> {graphs_bytes, eager_peak_bytes} measured at warmup
+        self._used_bytes = self.memory.used_bytes(0)
         self.refresh()
+        config = BatcherConfig(**{**NO_BATCHING, **(batching or {})})
+        self.batcher = StepBatcher(self.pipe, config, info=self.info).start()
+
+    def close(self) -> None:
+        """Stop the loop thread; requests still queued or running fail."""
+        self.batcher.close()
+
+    def call(self, fn, *args) -> concurrent.futures.Future:
+        """Run ``fn(*args)`` on the pipeline's loop thread, between two denoising steps."""
+        return self.batcher.call_between_steps(lambda: fn(*args))
 
     def refresh(self) -> dict:
         """Read the runners' stats (on the pipeline thread) into the snapshot others read; returns it."""
@@ -176,51 +235,120 @@ class ReplicaEngine:
         return "; ".join(sorted({st.get("disabled_reason") or "disabled" for st in stats})) or "no runners"
 
     def _warmup_run(self, key: str):
-        """One warmup run of `key`: (its report, what it did as `_counts` deltas, the graphs it used)."""
-        from bcg.diffusers import warmup_pipeline
-        before = self._runner_stats  # current: every run on this thread refreshes it
-        report = warmup_pipeline(self.pipe, [key], num_inference_steps=self.warmup_steps)["keys"][0]
+        """One warmup run of `key` and of every batch bucket the batcher replays for it
+        (`StepBatcher.warmup`): (its report, what it did as `_counts` deltas, the graphs it used)."""
+        before = self._runner_stats  # current: every run on the loop thread refreshes it
+        reports = self.batcher.warmup([key], num_inference_steps=self.warmup_steps)["keys"]
         after = self.refresh()
+        report = _merge_reports(ShapeKey.parse(key).key, reports)
+        self._bucket_pools = {**self._bucket_pools, report["key"]: _bucket_pool_bytes(reports, after)}
         return report, _delta(before, after), _used(before, after)
 
+    def bucket_pool_bytes(self) -> Dict[str, Dict[int, int]]:
+        """Per warm key: batch bucket -> pool bytes of the graphs its warmup captured for that bucket."""
+        warm = set(self.warm_keys())
+        return {k: dict(v) for k, v in self._bucket_pools.items() if k in warm}
+
     def warmup_key(self, key: str) -> dict:
-        """Run the pipeline once for ``key`` inside the runners' ``warmup()``; returns what happened."""
+        """Run the pipeline once for ``key`` inside the runners' ``warmup()``; returns what happened.
+
+        The key must fit in the replica's memory share (`deployments.memory`): its new graphs plus its
+        eager peak within what was left before it. A key that does not fit fails (``reason`` names
+        the key and the bytes), stays cold and its new graphs are dropped."""
         t0 = time.perf_counter()
         before = self.refresh()
-        report, delta, used = self._warmup_run(key)
+        used_before = self.memory.used_bytes(self.pool_bytes())
+        with self.memory.peak() as peak:
+            report, delta, used = self._warmup_run(key)
         ok, reason = _warmup_outcome(report)
         if ok and self.graphs_off_reason() is not None:
             reason, used = self.graphs_off_reason(), frozenset()
-        elif ok and delta["evictions"]:
-            # A capture of this run may have evicted a graph an earlier call of the same run used: run
-            # the key again, which must replay everything (no capture, no eviction).
-            again, delta_again, used = self._warmup_run(key)
+        elif ok and (delta["evictions"] or (delta["captures"] and self.memory.cuda)):
+            # A capture of this run may have evicted a graph an earlier call of the same run used, and
+            # captures reset CUDA's peak statistics: run the key again, which must replay everything
+            # (no capture, no eviction); its peak is what serving the key takes beside its graphs.
+            with self.memory.peak() as peak:
+                again, delta_again, used = self._warmup_run(key)
             ok, reason = _warmup_outcome(again)
             if ok and (delta_again["captures"] or delta_again["evictions"]):
                 ok, reason = False, ("its graphs do not fit in the runners at once (raise runner "
                                      "max_entries or pool_budget_bytes)")
         if ok and self.graphs_off_reason() is None and not used:
             ok, reason = False, "warmup replayed and captured no graph"
+        new = set(_graphs(self._runner_stats)) - set(_graphs(before))
+        memory = {"graphs_bytes": max(0, self.pool_bytes() - _counts(before)["pool_bytes"]),
+                  "eager_peak_bytes": peak.bytes, "used_before_bytes": used_before,
+                  "share_bytes": self.memory.share_bytes, "weights_bytes": self.memory.weights_bytes}
+        misfit = plan_fits(report["key"], memory["graphs_bytes"], peak.bytes, used_before,
+                           self.memory.share_bytes, self.memory.weights_bytes)
+        if ok:  # what serving the key takes, measured (the coordinator checks later plans against it)
+            self._key_bytes = {**self._key_bytes, report["key"]: {
+                "graphs_bytes": memory["graphs_bytes"], "eager_peak_bytes": peak.bytes}}
+        if ok and misfit:
+            ok, reason = False, misfit
+            logger.warning("warmup of %s: %s", report["key"], misfit)
+            self._drop_graphs(new)
         if ok:
             self._warmed = {**self._warmed, report["key"]: used}
-        new = set(_graphs(self._runner_stats)) - set(_graphs(before))
+        self._used_bytes = self.memory.used_bytes(self.pool_bytes())
         segments = sum(e.get("segments", 0) for g, e in _graphs(self._runner_stats).items() if g in new)
-        return {"key": report["key"], "ok": ok, "reason": reason, "capture_ms": (time.perf_counter() - t0) * 1e3,
-                "captures": _delta(before, self._runner_stats)["captures"], "segments": segments}
+        seconds = time.perf_counter() - t0
+        return {"key": report["key"], "ok": ok, "reason": reason, "capture_ms": seconds * 1e3, "seconds": seconds,
+                "captures": _delta(before, self._runner_stats)["captures"], "segments": segments,
+                "memory": memory}
+
+    def _drop_graphs(self, graphs) -> None:
+        """Drop these (component, signature key) graphs from their runners (a key that does not fit)."""
+        by_component: Dict[str, list] = {}
+        for name, sig in graphs:
+            by_component.setdefault(name, []).append(sig)
+        for name, sigs in by_component.items():
+            self.runners[name].drop(sigs)
+        self.refresh()
+        _release_cached_memory()
+
+    def memory_report(self) -> dict:
+        """The replica's share, weights and held bytes (as of the last warmup), and per key measured
+        what it needs (``key_bytes``: graphs, eager peak), for the coordinator's plan check."""
+        return {**self.memory.report(self._used_bytes), "key_bytes": dict(self._key_bytes)}
+
+    def submit(self, request: ImageGenerationRequest, key: ShapeKey, default_steps: int) -> concurrent.futures.Future:
+        """Queue one request at its shape key (any thread). The future's result: ``{"images": [PIL
+        images], "replays", "eager_calls"}``, the runners' calls while the request was on the replica
+        (shared with the requests batched beside it; exactly its own when it ran alone)."""
+        answer: concurrent.futures.Future = concurrent.futures.Future()
+
+        def plan_and_queue():
+            # on the loop thread: planning counts prompt tokens with the pipeline's tokenizers, which the
+            # loop uses too (fast tokenizers are not safe to share between threads)
+            from bcg.diffusers import plan_request
+            _, kwargs = plan_request(
+                self.pipe, request.prompt, key=key, n=request.n, size=request.size,
+                steps=request.num_inference_steps or default_steps, guidance=request.guidance_scale,
+                seed=request.seed, info=self.info)
+            before = self._runner_stats
+            self.batcher.submit_planned(key, kwargs).add_done_callback(
+                lambda done: self._answer(done, before, answer))
+
+        self.call(plan_and_queue).add_done_callback(lambda queued: _forward_outcome(queued, answer))
+        return answer
+
+    def _answer(self, done: concurrent.futures.Future, before: dict, answer: concurrent.futures.Future) -> None:
+        # a done-callback on the loop thread: the runner stats are read where the runners run
+        delta = _delta(before, self.refresh())  # a runner may drop a graph while serving
+        if done.cancelled() or done.exception() is not None:
+            _forward_outcome(done, answer)
+            return
+        try:
+            answer.set_result({"images": list(done.result()), "replays": delta["replays"],
+                               "eager_calls": delta["eager"]})
+        except concurrent.futures.InvalidStateError:
+            pass  # cancelled by its caller meanwhile
 
     def generate(self, request: ImageGenerationRequest, key: ShapeKey, default_steps: int) -> dict:
-        """Run one request at its shape key; returns PNGs and the runners' replays/eager calls for it."""
-        from bcg.diffusers import plan_request
-        _, kwargs = plan_request(
-            self.pipe, request.prompt, key=key, n=request.n, size=request.size,
-            steps=request.num_inference_steps or default_steps, guidance=request.guidance_scale,
-            seed=request.seed, info=self.info)
-        before = self.refresh()
-        try:
-            images = self.pipe(**kwargs).images
-        finally:
-            delta = _delta(before, self.refresh())  # a runner may drop a graph while serving
-        return {"images": [_png(im) for im in images], "replays": delta["replays"], "eager_calls": delta["eager"]}
+        """`submit` and wait: PNGs and the runners' replays/eager calls for the request."""
+        out = self.submit(request, key, default_steps).result()
+        return {**out, "images": [_png(im) for im in out["images"]]}
 
 
 def _warmup_outcome(report: dict) -> tuple:
@@ -250,7 +378,8 @@ class Replica:
                  dtype: Optional[str] = None, runner_config: Optional[dict] = None,
                  warmup_steps: int = 2, default_steps: int = 4, cpu_threads: Optional[int] = None,
                  gpu_memory_fraction: Optional[float] = None, assign_timeout_s: float = 900.0,
-                 pipeline_hook: Optional[str] = None, components="all"):
+                 pipeline_hook: Optional[str] = None, components="all",
+                 memory_budget_bytes: Optional[int] = None):
         ctx = serve.get_replica_context()
         self.replica_id = ctx.replica_id.unique_id
         self.rank = getattr(getattr(ctx, "rank", None), "rank", None)
@@ -264,8 +393,12 @@ class Replica:
         self._reports: List[dict] = []
         self._broken: Optional[str] = None
         self.first_request_at: Optional[float] = None
+        self.metrics = ReplicaMetrics()
+        self._coordinator = coordinator  # warmup progress goes there (see _push_progress)
+        self._progress: Dict = {"replica": self.replica_id, "i": 0, "n": 0, "done": True, "failed": {}}
         t0 = time.perf_counter()
-        self.engine = await self._in_thread(ReplicaEngine, model, device, dtype, runner_config,
+        self.engine = await self._in_thread(functools.partial(ReplicaEngine, memory_budget_bytes=memory_budget_bytes),
+                                            model, device, dtype, runner_config,
                                             warmup_steps, cpu_threads, gpu_memory_fraction, pipeline_hook,
                                             components)
         self.info = dict(self.engine.info)
@@ -282,6 +415,8 @@ class Replica:
         self.assigned = list(keys)
         if keys:
             await self._warmup(keys)
+        else:
+            await self._push_progress()  # the coordinator learns this replica's memory share
         self.warm_ready_at = time.time()
         logger.info("replica %s ready, warm for %s", self.replica_id, self.engine.warm_keys())
 
@@ -309,7 +444,12 @@ class Replica:
         return self._routing_view()
 
     def record_routing_stats(self) -> dict:
-        return self._routing_view()
+        view = self._routing_view()
+        try:  # every period: Ray drops a gauge ~20 s after its last set
+            self.metrics.update({"runner": self.engine.runner_stats(), **view, "cuda_memory": cuda_memory()})
+        except Exception:  # noqa: BLE001 -- metrics never stop the routing stats
+            logger.exception("replica %s: metrics update failed", self.replica_id)
+        return view
 
     def check_health(self):
         if self._broken:
@@ -318,13 +458,31 @@ class Replica:
     # -- control plane -----------------------------------------------------------------------------
     async def _warmup(self, keys: List[str]) -> dict:
         self._ongoing += 1
+        n, results = len(keys), []
         try:
             async with self._lock:
-                results = []
-                for key in keys:
-                    results.append(await self._in_thread(self.engine.warmup_key, key))
+                t0 = time.perf_counter()
+                self._progress = {"replica": self.replica_id, "keys": list(keys), "i": 0, "n": n, "done": False,
+                                  "started_at": time.time(), "elapsed_s": 0.0, "remaining_s": None, "failed": {}}
+                await self._push_progress()
+                for i, key in enumerate(keys, 1):
+                    r = await self._in_thread(self.engine.warmup_key, key)
+                    results.append(r)
+                    elapsed = time.perf_counter() - t0
+                    remaining = elapsed / i * (n - i)
+                    self.metrics.record_warmup(r["key"], r["ok"], r["seconds"])
+                    logger.info("replica %s warmup %d/%d: %s %s in %.1f s; elapsed %.1f s, ~%.1f s remaining",
+                                self.replica_id, i, n, r["key"], "ok" if r["ok"] else f"failed: {r['reason']}",
+                                r["seconds"], elapsed, remaining)
+                    failed = {**self._progress["failed"], **({} if r["ok"] else {r["key"]: r["reason"]})}
+                    self._progress = {**self._progress, "i": i, "key": r["key"], "ok": r["ok"], "reason": r["reason"],
+                                      "seconds": r["seconds"], "elapsed_s": elapsed, "remaining_s": remaining,
+                                      "done": i == n, "failed": failed}
+                    await self._push_progress()
         finally:
             self._ongoing -= 1
+            if not self._progress.get("done"):  # a key raised: the warmup stopped there
+                self._progress = {**self._progress, "done": True, "remaining_s": 0.0}
         report = ReplicaReport(
             replica=self.replica_id,
             captured=[r["key"] for r in results if r["ok"]],
@@ -340,6 +498,18 @@ class Replica:
         logger.info("replica %s warmed %s (failed %s) in %.0f ms", self.replica_id, report["captured"],
                     sorted(report["failed"]), report["capture_ms"])
         return report
+
+    async def _push_progress(self) -> None:
+        """Send the warmup progress (and the memory figures) to the coordinator: a start-up warmup runs
+        before Serve routes to this replica, so only a push can report it. Never fails the warmup."""
+        if self._coordinator is None:
+            return
+        progress = {**self._progress, "memory": self.engine.memory_report()}
+        try:
+            await asyncio.wait_for(self._coordinator.report_progress.remote(self.replica_id, progress), 10)
+        except Exception as exc:  # noqa: BLE001 -- progress is for operators; the warmup goes on
+            logger.warning("replica %s: warmup progress not delivered to the coordinator: %s",
+                           self.replica_id, exc)
 
     async def warmup(self, keys: List[str], target_replica: Optional[str] = None) -> dict:
         """Capture ``keys`` here (callers pin this call with ``target_replica``)."""
@@ -360,7 +530,8 @@ class Replica:
                 "device": self.engine.device, "warm_ready_at": self.warm_ready_at,
                 "first_request_at": self.first_request_at, "warmups": list(self._reports),
                 "runner": self.engine.runner_stats(), "ongoing": self._ongoing,
-                "cuda_memory": cuda_memory()}
+                "cuda_memory": cuda_memory(), "warmup_progress": dict(self._progress),
+                "memory": self.engine.memory_report()}
 
     # -- serving -----------------------------------------------------------------------------------
     async def generate(self, request, shape_key: str, target_replica: Optional[str] = None) -> dict:
@@ -379,6 +550,7 @@ class Replica:
                 out = await self._in_thread(self.engine.generate, request, key, self.default_steps)
         except Exception as exc:
             self._counters["errors"] += 1
+            self.metrics.record_error()
             if "CUDA error" in str(exc):
                 self._broken = str(exc)  # a sticky CUDA error: let Serve replace the replica
             elif type(exc).__name__ == "OutOfMemoryError":
@@ -387,6 +559,7 @@ class Replica:
         finally:
             self._ongoing -= 1
         self._counters["warm_requests" if warm else "cold_requests"] += 1
+        self.metrics.record_request(key.key, warm, time.perf_counter() - t0)
         if not warm:
             self._cold_keys[key.key] = self._cold_keys.get(key.key, 0) + 1
         self._counters["replays"] += out["replays"]

@@ -9,6 +9,10 @@ Contract (one call of ``choose_replicas`` = one routing attempt, Serve retries w
   (known before the first stats poll). The first tier is the replicas warm for the key, least loaded
   first. Cold replicas are *not* a fallback tier: a warm replica that is merely busy is still the
   better choice for a graph-replayed request, so the request waits for a warm slot ...
+* ... and among the warm replicas, those running a batch of the request's group with room for its
+  image rows (routing stats ``batch_free_rows``) come first: the request joins that batch at its next
+  denoising step, where a step of a few more rows costs about what one row does; the other warm
+  replicas are the next tier. A warm replica with room in a running batch is never overloaded (no spill) ...
 * ... unless every warm replica is overloaded: when the least loaded warm replica has a queue at
   least ``spill_threshold`` longer than the least loaded cold replica, the request spills to the
   cold replicas (least loaded first), with the warm ones as the second tier. Queue lengths come from
@@ -45,7 +49,7 @@ from typing import Dict, Iterable, List, Optional, Tuple
 from ray.serve.request_router import LocalityMixin, MultiplexMixin, PendingRequest, RequestRouter, RunningReplica
 
 from deployments import routing_view
-from deployments.routing_view import WARM_KEYS, replica_warm_keys
+from deployments.routing_view import BATCH_FREE_ROWS, WARM_KEYS, batch_group, replica_free_rows, replica_warm_keys
 # Serve's default router, whose choose_replicas is the fallback here (Serve's experimental
 # CapacityQueueRouter delegates the same way).
 from deployments.serve_internals import PowerOfTwoChoicesRequestRouter
@@ -59,11 +63,11 @@ POOL_BYTES = "pool_bytes"
 
 DEFAULT_SPILL_THRESHOLD = 3
 
-__all__ = ["POOL_BYTES", "QUEUE_LEN", "WARM_KEYS", "ShapeAffinityRouter", "replica_warm_keys"]
+__all__ = ["BATCH_FREE_ROWS", "POOL_BYTES", "QUEUE_LEN", "WARM_KEYS", "ShapeAffinityRouter", "replica_warm_keys"]
 
 
 # Decisions of one ranking; a ranking whose tiers are None asks Serve's power-of-two router.
-DECISIONS = ("pinned", "warm", "spill", "no_warm", "unkeyed", "no_replicas")
+DECISIONS = ("pinned", "batch", "warm", "spill", "no_warm", "unkeyed", "no_replicas")
 Ranking = Tuple[str, Optional[List[List[RunningReplica]]]]
 
 
@@ -133,6 +137,11 @@ class ShapeAffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         if not warm:
             return "no_warm", None
         warm = self._by_load(warm)
+        _, rows = batch_group(key)
+        joinable = [r for r in warm if replica_free_rows(r, key) >= rows]
+        if joinable:
+            rest = [r for r in warm if r not in joinable]
+            return "batch", [joinable, rest] if rest else [joinable]
         if cold and self.spill_threshold is not None:
             cold = self._by_load(cold)
             if self._load(warm[0]) - self._load(cold[0]) >= self.spill_threshold:

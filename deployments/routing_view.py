@@ -11,6 +11,9 @@ same process read what its routers will decide on:
 * ``wait_until_warm(app, expected)``: returns once every router of this process sees each key warm
   on the replicas ``expected`` names for it (the warmup report's ``keys``), or False after a timeout.
 
+It also reads the routing stats a router ranks by: ``replica_warm_keys`` and ``replica_free_rows`` (room
+in a batch of the request's group running on the replica, ``BATCH_FREE_ROWS``).
+
 The coordinator assigns start-up shares from the view (no call that waits on a busy replica), and the
 ingress answers ``POST /v1/warmup`` only after its routers see the new warm sets, so the next request
 for a warmed key lands on a replica warm for it. This module holds process state on purpose and is
@@ -20,13 +23,17 @@ its readers share it. Routers run on Serve's router thread; readers copy what th
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 import time
 import weakref
 from typing import Dict, Iterable, List, Mapping, Optional
 
-# Key of the dict a replica returns from record_routing_stats() / record_replica_metadata().
+# Keys of the dict a replica returns from record_routing_stats() / record_replica_metadata().
 WARM_KEYS = "warm_keys"
+# group key (a shape key with one image) -> image rows free in the batch of that group running on the
+# replica; only groups that run now (a replica with no batch of a group has no room in one)
+BATCH_FREE_ROWS = "batch_free_rows"
 
 _routers: "weakref.WeakSet" = weakref.WeakSet()
 _lock = threading.Lock()
@@ -44,6 +51,27 @@ def replica_warm_keys(replica) -> frozenset:
     if keys is None:
         keys = (replica.replica_metadata or {}).get(WARM_KEYS, ())
     return frozenset(keys)
+
+
+def batch_group(key: str) -> tuple:
+    """``(group key, image rows)`` of a request's shape key: the batch it can join and the rows it needs
+    (``("512x512", 2)`` for ``"512x512.b2"``); ``(key, 1)`` when `key` does not parse."""
+    from bcg.diffusers.buckets import ShapeKey  # no torch: safe in every process that routes
+    try:
+        parsed = ShapeKey.parse(key)
+    except (TypeError, ValueError):
+        return key, 1
+    return dataclasses.replace(parsed, batch_size=1).key, parsed.batch_size
+
+
+def replica_free_rows(replica, key: str) -> int:
+    """Image rows free for a request of shape key `key` in the batch of its group running on `replica`
+    (its routing stats); 0 when no such batch runs there."""
+    group, _ = batch_group(key)
+    try:
+        return int(((replica.routing_stats or {}).get(BATCH_FREE_ROWS) or {}).get(group, 0))
+    except (TypeError, ValueError, AttributeError):
+        return 0
 
 
 def _replicas(router) -> list:

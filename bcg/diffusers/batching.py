@@ -46,7 +46,8 @@ import torch
 
 from bcg.diffusers.batch_queue import ALONE, BatcherConfig, QueuedRequest, RequestQueue
 from bcg.diffusers.buckets import ShapeKey, parse_plan
-from bcg.diffusers.step_families import StepFamily, pipeline_call_scope, step_family_for
+from bcg.diffusers.families import family_of
+from bcg.diffusers.step_families import StepFamily, pipeline_call_scope
 
 logger = logging.getLogger(__name__)
 
@@ -57,8 +58,8 @@ class StepBatcher:
     """Step-wise continuous batching on one pipeline (see the module docstring).
 
     ``StepBatcher(pipe, max_batch_size=8, batch_buckets=(1, 2, 4, 8), max_wait_ms=0)`` or
-    ``StepBatcher(pipe, config=BatcherConfig(...))``; `family` overrides the step hooks found for the
-    pipeline's class (None: every request runs alone).
+    ``StepBatcher(pipe, config=BatcherConfig(...))``; `family` overrides the step hooks of the
+    pipeline's family record (``family_of(pipe).batching_hooks()``; None: every request runs alone).
     """
 
     def __init__(self, pipe, config: BatcherConfig | None = None, *, family: StepFamily | None | str = "auto",
@@ -67,7 +68,7 @@ class StepBatcher:
             raise ValueError(f"pass either config or settings {sorted(settings)}, not both")
         self.pipe = pipe
         self.config = config or BatcherConfig(**settings)
-        self.family = step_family_for(pipe) if family == "auto" else family
+        self.family = family_of(pipe).batching_hooks() if family == "auto" else family
         self._info = info
         if self.config.max_batch_size > self.config.batch_buckets[-1]:
             logger.warning("max_batch_size %d exceeds the largest batch bucket %d: larger batches run unpadded",
@@ -321,10 +322,14 @@ class StepBatcher:
 
     def warmup_plan(self, keys: Iterable[ShapeKey | str]) -> list[ShapeKey]:
         """The shape keys that capture the graphs this batcher replays for `keys`: one per batch bucket
-        up to ``max_batch_size`` (``<key>.b<bucket>``), for `warmup_pipeline`."""
+        up to ``max_batch_size`` (``<key>.b<bucket>``), and the bucket of a key's own image count (a
+        request of ``n`` images alone pads to it), for `warmup_pipeline`."""
+        if self.family is None:  # every request runs alone, at its own image count
+            return parse_plan(keys)
         buckets = [b for b in self.config.batch_buckets if b < self.config.max_batch_size]
         buckets.append(self.config.bucket_for(self.config.max_batch_size))
-        return parse_plan([dataclasses.replace(key, batch_size=b) for key in parse_plan(keys) for b in sorted(set(buckets))])
+        return parse_plan([dataclasses.replace(key, batch_size=b) for key in parse_plan(keys)
+                           for b in sorted({*buckets, self.config.bucket_for(key.batch_size)})])
 
     def warmup(self, keys: Iterable[ShapeKey | str], num_inference_steps: int = 2) -> dict:
         """Capture what this batcher replays for `keys` (`warmup_plan`: every bucket) with `warmup_pipeline`;

@@ -28,7 +28,8 @@ batch of b rows has the transformer signature of ``pipe(..., num_images_per_prom
 
 Families: ``FluxPipeline`` (guidance embedding per row; true CFG as a second call) and
 ``StableDiffusion3Pipeline`` (CFG rows ``[negatives; positives]`` in one call, each half padded to the
-bucket). Requests with arguments outside `StepFamily.batch_args` (IP-adapters, callbacks, SD3's skip-layer
+bucket). A pipeline's hooks are found through its family record only:
+``bcg.diffusers.families.family_of(pipe).batching_hooks()`` (the record's ``batching`` names the class here). Requests with arguments outside `StepFamily.batch_args` (IP-adapters, callbacks, SD3's skip-layer
 guidance, precomputed embeddings) are not batchable: `StepFamily.batchable` says so and the batcher runs
 them alone through ``pipe(**kwargs)``, as it runs every request of a pipeline without a family here.
 """
@@ -47,8 +48,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["FluxStepFamily", "RequestState", "SD3StepFamily", "StepFamily", "pad_rows", "pipeline_call_scope",
-           "step_family_for"]
+__all__ = ["FluxStepFamily", "RequestState", "SD3StepFamily", "StepFamily", "pad_rows", "pipeline_call_scope"]
 
 
 @dataclasses.dataclass
@@ -448,15 +448,3 @@ class _ContextValue:
     def __exit__(self, *exc):
         self._var.reset(self._token)
         return False
-
-
-_FAMILIES = {"FluxPipeline": FluxStepFamily, "StableDiffusion3Pipeline": SD3StepFamily}
-
-
-def step_family_for(pipe) -> StepFamily | None:
-    """The step hooks of `pipe`'s class (or of its base: accelerated pipelines subclass it), else None."""
-    for cls in type(pipe).__mro__:
-        family = _FAMILIES.get(cls.__name__)
-        if family is not None:
-            return family()
-    return None

@@ -32,6 +32,7 @@ class FakeReplica:
     availability_zone: str = None
     multiplexed_model_ids: frozenset = frozenset()
     app: str = "bcg"
+    free_rows: dict = field(default_factory=dict)   # group key -> rows free in its running batch
 
     @property
     def replica_id(self):
@@ -39,7 +40,9 @@ class FakeReplica:
 
     @property
     def routing_stats(self):
-        return {"warm_keys": list(self.warm), "queue_len": self.queue_len} if self.warm is not None else {}
+        if self.warm is None:
+            return {}
+        return {"warm_keys": list(self.warm), "queue_len": self.queue_len, "batch_free_rows": dict(self.free_rows)}
 
     @property
     def replica_metadata(self):
@@ -108,6 +111,23 @@ def test_spills_to_cold_only_when_every_warm_replica_is_overloaded():
     busy = [FakeReplica("w", ("k",), 99), cold]
     ranks, _ = choose(make_router(busy, spill_threshold=None), busy, shape_key="k")
     assert [uids(r) for r in ranks] == [["w"]]             # None: never spill
+
+
+def test_warm_replica_with_room_in_a_running_batch_of_the_key_ranks_first():
+    idle = FakeReplica("idle", ("64x64", "64x64.b2"), 0)
+    batching = FakeReplica("batching", ("64x64", "64x64.b2"), 3, free_rows={"64x64": 1})
+    other = FakeReplica("other", ("64x64", "32x32"), 1, free_rows={"32x32": 7})   # room, other key
+    cold = FakeReplica("cold", ("16x16",), 0)
+    reps = [idle, batching, other, cold]
+    router = make_router(reps, spill_threshold=1)
+    ranks, _ = choose(router, reps, shape_key="64x64")
+    assert [uids(r) for r in ranks] == [["batching"], ["idle", "other"]]   # no spill: it has room
+    assert router.decisions["batch"] == 1
+    ranks, _ = choose(router, reps, shape_key="64x64.b2")   # two rows do not fit in one free row
+    assert [uids(r) for r in ranks] == [["idle", "batching"]]   # the warm ones by load, as before
+    full = FakeReplica("batching", ("64x64",), 3, free_rows={"64x64": 0})
+    ranks, _ = choose(make_router([idle, full]), [idle, full], shape_key="64x64")
+    assert [uids(r) for r in ranks] == [["idle", "batching"]]
 
 
 def test_pinned_request_goes_to_that_replica_only():

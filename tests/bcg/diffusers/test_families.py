@@ -55,11 +55,12 @@ def test_a_request_carrying_its_key_runs_at_it_and_contradictions_are_errors():
 
 
 def test_batching_hooks_are_found_through_the_family_record():
-    from bcg.diffusers.step_families import step_family_for
+    from bcg.diffusers.batching import StepBatcher
     batched = {f.name for f in FAMILIES.values() if f.batching is not None}
     assert batched == {"flux", "sd3"}
     for family in NAMED:
-        hooks = family.batching_hooks()
-        found = step_family_for(load_pipeline(family.builtin))
-        assert type(hooks) is type(found)
+        pipe = load_pipeline(family.builtin)
+        hooks = family_of(pipe).batching_hooks()
+        assert type(hooks) is type(family.batching_hooks())
         assert hooks is None or isinstance(hooks, BatchingHooks)
+        assert type(StepBatcher(pipe).family) is type(hooks)
