@@ -65,6 +65,11 @@ class AppArgs(BaseModel):
     replication: int = Field(1, ge=1)
     max_ongoing_requests: int = Field(4, ge=1)
     max_queued_requests: int = Field(64, ge=-1)
+    # continuous batching (bcg.diffusers.batching): image rows per denoising step of one shape key;
+    # None: min(4, max_ongoing_requests); 1: every request runs alone
+    max_batch_size: Optional[int] = Field(None, ge=1)
+    batch_buckets: List[int] = Field(default_factory=lambda: [1, 2, 4, 8])  # rows a step pads up to
+    max_wait_ms: float = Field(0.0, ge=0)                      # a new batch waits for company (0: never)
     autoscaling: Optional[AutoscalingArgs] = None
     router: Literal["shape_affinity", "power_of_two"] = "shape_affinity"  # power_of_two: Serve's default
     spill_threshold: Optional[int] = Field(DEFAULT_SPILL_THRESHOLD, ge=1)
@@ -94,6 +99,8 @@ class AppArgs(BaseModel):
     pipeline_hook: Optional[str] = None                        # "module:function" called with each pipeline
     graceful_shutdown_timeout_s: Optional[float] = Field(None, ge=0)
     health_check_period_s: Optional[float] = Field(None, gt=0)
+    memory_budget_bytes: Optional[int] = Field(None, ge=1)     # a replica's memory share (None: GPU share)
+    served_model_name: Optional[str] = Field(None, min_length=1, max_length=256)  # None: `model`
 
     @field_validator("warmup", mode="before")
     @classmethod
@@ -103,6 +110,34 @@ class AppArgs(BaseModel):
         if isinstance(v, str):
             return [part for part in v.split(",") if part.strip()]
         return [str(item) for item in v]
+
+    @field_validator("batch_buckets", mode="before")
+    @classmethod
+    def _split_buckets(cls, v):
+        if isinstance(v, str):  # "1,2,4,8" from a command line
+            return [part.strip() for part in v.split(",") if part.strip()]
+        return v
+
+    @field_validator("batch_buckets")
+    @classmethod
+    def _buckets(cls, v):
+        if not v or any(b < 1 for b in v):
+            raise ValueError(f"batch_buckets must be positive image-row counts, e.g. [1, 2, 4, 8], got {v}")
+        return sorted(set(v))
+
+    @model_validator(mode="after")
+    def _batch_fits_ongoing(self):
+        # Serve sends a replica at most max_ongoing_requests requests: a larger batch could never fill
+        if self.max_batch_size is not None and self.max_batch_size > self.max_ongoing_requests:
+            raise ValueError(f"max_batch_size ({self.max_batch_size}) must be <= max_ongoing_requests "
+                             f"({self.max_ongoing_requests}): Serve sends a replica at most max_ongoing_requests "
+                             "requests, so raise max_ongoing_requests or lower max_batch_size")
+        return self
+
+    def batching(self) -> dict:
+        """The replicas' batcher settings (``bcg.diffusers.BatcherConfig`` fields)."""
+        size = self.max_batch_size if self.max_batch_size is not None else min(4, self.max_ongoing_requests)
+        return {"max_batch_size": size, "batch_buckets": list(self.batch_buckets), "max_wait_ms": self.max_wait_ms}
 
     @field_validator("autoscaling", mode="before")
     @classmethod
@@ -243,6 +278,8 @@ def build_app(args: Optional[dict] = None):
         model=a.model, coordinator=coordinator, device=a.device, dtype=a.dtype, runner_config=a.runner,
         warmup_steps=a.warmup_steps, default_steps=a.default_steps, cpu_threads=a.cpu_threads,
         gpu_memory_fraction=gpu_fraction, pipeline_hook=a.pipeline_hook, components=a.components,
+        batching=a.batching(),
+        memory_budget_bytes=a.memory_budget_bytes,
     )
     limits = a.limits().model_dump()
     limits["size_multiple"] = a.size_multiple
@@ -253,7 +290,7 @@ def build_app(args: Optional[dict] = None):
         max_queued_requests=a.ingress_max_queued_requests,
         backpressure_config={"status_code": 503, "retry_after_s": a.retry_after_s})
     return ingress.bind(
-        replica, coordinator, model=a.model, limits=limits, default_size=a.served_default_size(),
+        replica, coordinator, model=a.served_model_name or a.model, limits=limits, default_size=a.served_default_size(),
         request_timeout_s=a.request_timeout_s, max_retries=a.max_retries, retry_after_s=a.retry_after_s,
         api_key_env=a.api_key_env, auth_scope=a.auth_scope,
         # a warmup answers once the routers' stats show it: within a poll period or two; Serve's

@@ -24,7 +24,18 @@ Contract:
   ``GET /v1/stats`` are answered while a warmup runs (``stats()["warmup_in_progress"]`` says which).
   A warmup adopts its plan and records its assignment before it captures, so an assignment made
   meanwhile already counts the keys the running warmup puts on each replica.
-* The assignment functions are pure (``assign_shards``, ``share_for_new_replica``) and tested alone.
+* Warmup progress: every replica pushes its progress after each key (``report_progress``: key, ok or
+  the reason, seconds, i of n, elapsed and estimated remaining seconds) -- start-up warmups run
+  before a replica is routable, so no broadcast could ask it -- and ``stats()["warmup_progress"]``
+  shows it per replica (replicas that are gone and done are dropped).
+* Memory: the pushes carry each replica's memory share, what it holds and what each key it warmed
+  needed (``deployments.memory``). ``warmup(plan)`` rejects a plan up front when it can know it
+  does not fit (``plan_misfit``: a key measured before needs more than is left on a replica it goes
+  to, or a replica holds more than its share already): ``PlanDoesNotFit`` names the key and the
+  bytes, and the ingress answers 422; the previous plan stays. Whether several keys fit together is
+  checked by each replica as it warms them, one after the other.
+* The assignment functions are pure (``assign_shards``, ``share_for_new_replica``, ``plan_misfit``)
+  and tested alone.
 """
 from __future__ import annotations
 
@@ -39,7 +50,8 @@ from ray import serve
 
 from bcg.diffusers.buckets import ShapeKey
 from deployments import routing_view
-from deployments.schemas import WarmupRequest
+from deployments.memory import plan_fits
+from deployments.schemas import FieldError, WarmupRequest
 from deployments.serve_internals import fresh_request_call
 
 logger = logging.getLogger(__name__)
@@ -82,6 +94,37 @@ def share_for_new_replica(keys: Sequence[str], replication: int, coverage: Dict[
     return sorted(chosen, key=position.get)
 
 
+class PlanDoesNotFit(FieldError):
+    """A warmup plan rejected up front: ``keys[i]`` does not fit in a replica's memory share (422)."""
+
+    def __reduce__(self):  # crosses a process boundary (coordinator -> ingress) as a Ray task error
+        return (type(self), (self.field, self.msg))
+
+
+def plan_misfit(keys: Sequence[str], todo: Dict[str, List[str]], memory: Dict[str, dict],
+                key_bytes: Dict[str, dict]) -> Optional[PlanDoesNotFit]:
+    """The first key of `todo` (replica -> keys it is to warm) known not to fit on its replica, as a
+    `PlanDoesNotFit` naming ``keys[i]``; None when none is known not to. `memory`: replica -> its
+    ``memory_report`` (``share_bytes``, ``used_bytes``, ``weights_bytes``); `key_bytes`: key -> what
+    it was measured to need (``graphs_bytes``, ``eager_peak_bytes``). A key never measured is only
+    known not to fit where the replica holds more than its share already."""
+    position = {k: i for i, k in enumerate(keys)}
+    for rid, ks in sorted(todo.items()):
+        mem = memory.get(rid) or {}
+        if mem.get("share_bytes") is None:
+            continue
+        for key in ks:
+            need = key_bytes.get(key)
+            if need is None and mem.get("used_bytes", 0) <= mem["share_bytes"]:
+                continue
+            need = need or {}
+            reason = plan_fits(key, need.get("graphs_bytes", 0), need.get("eager_peak_bytes", 0),
+                               mem.get("used_bytes", 0), mem["share_bytes"], mem.get("weights_bytes", 0))
+            if reason:
+                return PlanDoesNotFit(f"keys[{position.get(key, 0)}]", f"{reason} (replica {rid})")
+    return None
+
+
 def merge_reports(plan: Optional[WarmupRequest], reports: Dict[str, dict],
                   errors: Dict[str, str], wall_ms: float = 0.0) -> dict:
     """Per-replica reports -> one report with the key -> warm replicas view."""
@@ -117,6 +160,8 @@ class Coordinator:
         self._seen: set = set()                     # replicas seen running at least once
         self._last_report: Optional[dict] = None
         self._warming: Optional[dict] = None        # the warmup in progress: plan keys, started at
+        self._progress: Dict[str, dict] = {}        # replica id -> its last warmup progress push
+        self._key_bytes: Dict[str, dict] = {}       # key -> what a replica measured it needs
         self._warmup_lock = asyncio.Lock()
         self._assign_lock = asyncio.Lock()
         self._app = serve.get_replica_context().app_name
@@ -190,10 +235,13 @@ class Coordinator:
                              "deployments.schemas.check_plan")
         t0 = time.perf_counter()
         async with self._warmup_lock:
-            self.plan = plan
+            previous, self.plan = self.plan, plan
             self._warming = {"keys": list(plan.keys), "started_at": time.time()}
             try:
                 return await self._warmup(plan, t0)
+            except PlanDoesNotFit:
+                self.plan = previous
+                raise
             finally:
                 self._warming = None
 
@@ -205,12 +253,17 @@ class Coordinator:
         else:
             assignment = assign_shards(plan.keys, rids, plan.replication,
                                        {rid: live[rid].get("warm_keys", []) for rid in rids})
-        for rid in rids:
-            self._assigned[rid] = assignment.get(rid, [])
-        handle = self._replicas()
         # Only what is not warm yet is captured; one pinned call per replica.
         todo = {rid: [k for k in keys if k not in live[rid].get("warm_keys", [])]
                 for rid, keys in assignment.items()}
+        misfit = plan_misfit(plan.keys, todo, {rid: p.get("memory") for rid, p in self._progress.items()},
+                             self._key_bytes)
+        if misfit is not None:
+            logger.warning("warmup plan rejected: %s", misfit)
+            raise misfit
+        for rid in rids:
+            self._assigned[rid] = assignment.get(rid, [])
+        handle = self._replicas()
         calls = {rid: fresh_request_call(handle.warmup, keys, target_replica=rid)
                  for rid, keys in todo.items() if keys}
         results = await asyncio.gather(
@@ -232,13 +285,30 @@ class Coordinator:
         self._last_report = merge_reports(plan, reports, errors, (time.perf_counter() - t0) * 1e3)
         return self._last_report
 
+    def report_progress(self, replica_id: str, progress: dict) -> None:
+        """A replica's warmup progress after each key (and its memory figures); see the module docstring."""
+        self._progress[replica_id] = {**progress, "updated_at": time.time()}
+        for key, need in ((progress.get("memory") or {}).get("key_bytes") or {}).items():
+            self._key_bytes[key] = need
+
+    def _progress_view(self, live: Dict[str, dict]) -> Dict[str, dict]:
+        """Per replica: its progress while it runs or warms (a replica gone, done, is dropped)."""
+        now = time.time()
+        for rid, p in list(self._progress.items()):
+            if rid not in live and (p.get("done") or now - p["updated_at"] > self.pending_ttl_s) \
+                    and now - p["updated_at"] > 60:
+                del self._progress[rid]
+        return {rid: {k: v for k, v in p.items() if k != "memory"} for rid, p in sorted(self._progress.items())}
+
     async def stats(self) -> dict:
-        """Current per-replica stats (one broadcast) plus the plan, the warmup in progress if any and
-        the last warmup report. Takes no lock: answered while a warmup runs."""
+        """Current per-replica stats (one broadcast) plus the plan, per-replica warmup progress, the
+        warmup in progress if any and the last warmup report. Takes no lock: answered while a warmup
+        runs."""
         live = await self._ask("stats")
         keys = merge_reports(self.plan, live, {})
         return {"plan": keys["plan"], "replicas": live, "keys": keys["keys"], "uncovered": keys["uncovered"],
-                "warmup_in_progress": self._warming, "last_warmup": self._last_report}
+                "warmup_progress": self._progress_view(live), "warmup_in_progress": self._warming,
+                "last_warmup": self._last_report}
 
 
 async def broadcast(handle, method: str, *args, timeout_s: float = 30.0) -> list:

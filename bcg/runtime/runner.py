@@ -213,6 +213,18 @@ class BreakableGraphRunner(ModuleProxy):
         """Keys of the captured signatures, least recently used first."""
         return [e.key for e in self._entries.entries()]
 
+    def drop(self, keys):
+        """Drop the graphs of these signature keys (not blocked: a later warmup may capture them again);
+        their memory stays in the pool for later captures. Returns how many graphs were dropped."""
+        keys = set(keys)
+        with self._lock:
+            gone = [e for e in self._entries.entries() if e.key in keys]
+            for entry in gone:
+                self._entries.pop(entry.signature).release()
+        if gone:
+            logger.info("dropped graphs %s of %s", [e.key for e in gone], type(self._module).__name__)
+        return len(gone)
+
     def reset(self):
         """Drop every graph and blocked signature; re-enable a runner that disabled itself."""
         with self._lock:
