@@ -57,8 +57,8 @@ def test_capture_seconds_count_each_graph_once():
 
 # -- read back through Ray's Prometheus endpoint ----------------------------------------------------------
 
-def _scrape(port: int) -> dict:
-    """{(name, frozenset of label items without Ray's own): value} for every bcg sample."""
+def _scrape(port: int, app: str = APP) -> dict:
+    """{(name, frozenset of label items without Ray's own): value} for every bcg sample of `app`."""
     from prometheus_client.parser import text_string_to_metric_families
 
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
@@ -67,7 +67,7 @@ def _scrape(port: int) -> dict:
     out = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
-            if s.name.startswith("ray_bcg_") and s.labels.get("application") == APP:
+            if s.name.startswith("ray_bcg_") and s.labels.get("application") == app:
                 labels = frozenset((k, v) for k, v in s.labels.items() if k not in drop)
                 out[(s.name, labels)] = s.value
     return out
@@ -77,6 +77,14 @@ def _value(samples: dict, name: str, **labels):
     want = set(labels.items())
     found = [v for (n, ls), v in samples.items() if n == name and want <= set(ls)]
     return sum(found) if found else None
+
+
+def _metrics_port() -> int:
+    """This node's Prometheus endpoint (Ray's metrics agent)."""
+    import ray
+
+    node = next(n for n in ray.nodes() if n["Alive"] and n["NodeManagerAddress"] == ray.util.get_node_ip_address())
+    return node["MetricsExportPort"]
 
 
 @pytest.fixture(scope="module")
@@ -126,9 +134,8 @@ def metrics_app(ray_serve):
             self.metrics.update({"linear": self.runner.stats()})
 
     handle = serve.run(MetricsReplica.bind(), name=APP, route_prefix=None)
-    node = next(n for n in ray.nodes() if n["Alive"] and n["NodeManagerAddress"] == ray.util.get_node_ip_address())
     try:
-        yield handle, node["MetricsExportPort"]
+        yield handle, _metrics_port()
     finally:
         serve.delete(APP)
 
@@ -193,3 +200,33 @@ def test_replica_metrics_read_back_from_prometheus(metrics_app):
     # Serve's own tags are on every sample
     assert all(dict(labels)["replica"] == rid and dict(labels)["deployment"] == "MetricsReplica"
                for (_, labels) in samples)
+
+
+def test_the_app_counts_a_served_request_and_its_warm_keys_on_the_prometheus_endpoint(serve_app):
+    """One real HTTP request to the app from build_app (tests/deployments/conftest.py): the replica
+    counts it by key and warm/cold, its start-up warmup counted each key, and the routing-stats hook
+    keeps the warm-key gauges set."""
+    import httpx
+
+    base, app = serve_app
+    size = "80x80"  # a key no other test sends: this request is its only one
+    r = httpx.post(f"{base}/v1/images/generations", json={"prompt": "a cat", "size": size, "seed": 3},
+                   timeout=120)
+    assert r.status_code == 200, r.text
+    rid = r.json()["bcg"]["replica"]
+    port = _metrics_port()
+    deadline, got = time.monotonic() + 40, {}
+    while time.monotonic() < deadline:
+        samples = _scrape(port, app)
+        got = {
+            "cold": _value(samples, "ray_bcg_requests_total", key=size, warm="false", replica=rid),
+            "warm": _value(samples, "ray_bcg_requests_total", key=size, warm="true"),
+            "latency": _value(samples, "ray_bcg_request_latency_seconds_count", key=size),
+            "warmed": _value(samples, "ray_bcg_warmup_keys_total", key="64x64", ok="true"),
+            "key_warm": _value(samples, "ray_bcg_key_warm", key="64x64"),
+        }
+        if got["cold"] == 1 and got["latency"] == 1 and got["warmed"] and got["key_warm"]:
+            break
+        time.sleep(1)
+    assert got["cold"] == 1 and got["warm"] is None and got["latency"] == 1, got
+    assert got["warmed"] >= 1 and got["key_warm"] >= 1, got  # sharded: 64x64 is warm on one replica
