@@ -446,7 +446,8 @@ class Replica:
     def record_routing_stats(self) -> dict:
         view = self._routing_view()
         try:  # every period: Ray drops a gauge ~20 s after its last set
-            self.metrics.update({"runner": self.engine.runner_stats(), **view, "cuda_memory": cuda_memory()})
+            self.metrics.update({"runner": self.engine.runner_stats(), **view, "cuda_memory": cuda_memory(),
+                                 "batcher": self.engine.batcher.stats()})
         except Exception:  # noqa: BLE001 -- metrics never stop the routing stats
             logger.exception("replica %s: metrics update failed", self.replica_id)
         return view
