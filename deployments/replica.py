@@ -22,12 +22,21 @@ Contract:
   and raises when the request's own fields contradict it.
 * A request is *warm* when its shape key is in the warm set when it starts; replicas count warm and
   cold requests, and (on GPU meaningful) replays vs eager calls of all runners per request.
-* Pipelines are not thread-safe: every pipeline run (serving and warmup) holds one asyncio lock and
-  runs on a single worker thread, so the event loop stays free for stats, health and routing probes.
-  Runner state is read on that thread after each run; stats and routing stats answer from that
-  snapshot, so they never wait for a capture in progress (a runner holds its lock while capturing).
-* ``record_routing_stats()`` publishes ``warm_keys``, ``queue_len`` (requests on this replica,
-  running or waiting for the lock) and ``pool_bytes``; the router reads them.
+* Pipelines are not thread-safe: one `StepBatcher` loop thread (``bcg.diffusers.batching``) owns the
+  pipeline. Requests are planned and queued there and run step-wise: requests of one shape key group
+  (size, frames, CFG, prompt bucket; any image count) share a batch up to ``max_batch_size`` image rows,
+  joining and leaving at denoising-step boundaries; families without step hooks (all but Flux and SD3)
+  and requests with arguments the hooks do not batch run alone, one whole pipeline call each, taking
+  turns with the batches. Warmups run on the same thread between two steps, and capture every batch
+  bucket of a key (``StepBatcher.warmup_plan``), so a key is warm only when the graphs of all its buckets
+  are live. With ``max_wait_ms`` 0 a request reaching an idle replica starts at once. The event loop stays
+  free for stats, health and routing probes; PNG encoding runs on a worker thread. Runner state is read
+  on the loop thread after each request and warmup; stats and routing stats answer from that snapshot,
+  so they never wait for a capture in progress (a runner holds its lock while capturing).
+* ``record_routing_stats()`` publishes ``warm_keys``, ``queue_len`` (requests on this replica, queued
+  or running), ``pool_bytes`` and ``batch_free_rows`` (per group running a batch now, the image rows it
+  has room for); the router reads them. Serve's ``max_ongoing_requests`` caps how many requests reach
+  the batcher, so it must be at least ``max_batch_size`` (``build_app`` checks).
 """
 from __future__ import annotations
 
@@ -36,6 +45,7 @@ import concurrent.futures
 import functools
 import io
 import logging
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Dict, List, Optional
@@ -46,7 +56,7 @@ from ray.serve.config import RequestRouterConfig
 from bcg.diffusers.buckets import ShapeKey
 from deployments.memory import ReplicaMemory, plan_fits
 from deployments.metrics import ReplicaMetrics
-from deployments.router import POOL_BYTES, QUEUE_LEN, WARM_KEYS, ShapeAffinityRouter
+from deployments.router import BATCH_FREE_ROWS, POOL_BYTES, QUEUE_LEN, WARM_KEYS, ShapeAffinityRouter
 from deployments.schemas import ImageGenerationRequest, ReplicaReport
 
 logger = logging.getLogger(__name__)
@@ -109,6 +119,10 @@ def _png(image) -> bytes:
     buf = io.BytesIO()
     image.save(buf, format="PNG")
     return buf.getvalue()
+
+
+def _pngs(images) -> List[bytes]:
+    return [_png(im) for im in images]
 
 
 def _release_cached_memory() -> None:
@@ -191,6 +205,8 @@ class ReplicaEngine:
         # other threads read it without a lock
         self._warmed: Dict[str, frozenset] = {}
         self._bucket_pools: Dict[str, Dict[int, int]] = {}  # key -> batch bucket -> pool bytes captured
+        self._runner_stats, self._served = None, {"replays": 0, "eager_calls": 0}
+        self._submit_lock = threading.Lock()
         # the replica's memory share, fixed once here; warmup_key checks each key against it
         self.memory = ReplicaMemory.measure(self.pipe, self.cuda, gpu_memory_fraction, memory_budget_bytes)
         self._key_bytes: Dict[str, dict] = {}  # key -> {graphs_bytes, eager_peak_bytes} measured at warmup
@@ -207,11 +223,20 @@ class ReplicaEngine:
         """Run ``fn(*args)`` on the pipeline's loop thread, between two denoising steps."""
         return self.batcher.call_between_steps(lambda: fn(*args))
 
-    def refresh(self) -> dict:
-        """Read the runners' stats (on the pipeline thread) into the snapshot others read; returns it."""
+    def refresh(self, serving: bool = True) -> dict:
+        """Read the runners' stats (on the pipeline thread) into the snapshot others read; returns it.
+        What the runners did since the last read counts as serving unless `serving` is False (warmups)."""
         stats = {name: r.stats() for name, r in self.runners.items()}
+        if serving and self._runner_stats is not None:
+            delta = _delta(self._runner_stats, stats)
+            self._served = {"replays": self._served["replays"] + delta["replays"],
+                            "eager_calls": self._served["eager_calls"] + delta["eager"]}
         self._runner_stats, self._live = stats, frozenset(_graphs(stats))
         return stats
+
+    def served(self) -> Dict[str, int]:
+        """Replays and eager calls of all runners while serving requests (warmups not counted)."""
+        return dict(self._served)
 
     def runner_stats(self) -> dict:
         """The runners' stats after the last pipeline run (a snapshot: never waits for a capture)."""
@@ -239,7 +264,7 @@ class ReplicaEngine:
         (`StepBatcher.warmup`): (its report, what it did as `_counts` deltas, the graphs it used)."""
         before = self._runner_stats  # current: every run on the loop thread refreshes it
         reports = self.batcher.warmup([key], num_inference_steps=self.warmup_steps)["keys"]
-        after = self.refresh()
+        after = self.refresh(serving=False)
         report = _merge_reports(ShapeKey.parse(key).key, reports)
         self._bucket_pools = {**self._bucket_pools, report["key"]: _bucket_pool_bytes(reports, after)}
         return report, _delta(before, after), _used(before, after)
@@ -327,16 +352,32 @@ class ReplicaEngine:
                 steps=request.num_inference_steps or default_steps, guidance=request.guidance_scale,
                 seed=request.seed, info=self.info)
             before = self._runner_stats
-            self.batcher.submit_planned(key, kwargs).add_done_callback(
-                lambda done: self._answer(done, before, answer))
+            queued = self.batcher.submit_planned(key, kwargs)
+            with self._submit_lock:
+                answer.queued = queued  # what `cancel` drops from now on
+            queued.add_done_callback(lambda done: self._answer(done, before, answer))
 
-        self.call(plan_and_queue).add_done_callback(lambda queued: _forward_outcome(queued, answer))
+        planning = self.call(plan_and_queue)
+        with self._submit_lock:
+            if not hasattr(answer, "queued"):  # not queued yet: `cancel` drops the planning
+                answer.queued = planning
+        planning.add_done_callback(lambda done: _forward_outcome(done, answer))
         return answer
 
+    def cancel(self, answer: concurrent.futures.Future) -> bool:
+        """Drop a request of `submit` that has not started (`answer` is then cancelled); False once it
+        runs: a batch cannot drop a request mid-run, it finishes."""
+        with self._submit_lock:
+            queued = answer.queued
+        return queued.cancel()
+
     def _answer(self, done: concurrent.futures.Future, before: dict, answer: concurrent.futures.Future) -> None:
+        if done.cancelled():  # `cancel`, on the caller's thread
+            answer.cancel()
+            return
         # a done-callback on the loop thread: the runner stats are read where the runners run
         delta = _delta(before, self.refresh())  # a runner may drop a graph while serving
-        if done.cancelled() or done.exception() is not None:
+        if done.exception() is not None:
             _forward_outcome(done, answer)
             return
         try:
@@ -379,16 +420,16 @@ class Replica:
                  warmup_steps: int = 2, default_steps: int = 4, cpu_threads: Optional[int] = None,
                  gpu_memory_fraction: Optional[float] = None, assign_timeout_s: float = 900.0,
                  pipeline_hook: Optional[str] = None, components="all",
-                 memory_budget_bytes: Optional[int] = None):
+                 memory_budget_bytes: Optional[int] = None, batching: Optional[dict] = None):
         ctx = serve.get_replica_context()
         self.replica_id = ctx.replica_id.unique_id
         self.rank = getattr(getattr(ctx, "rank", None), "rank", None)
         self.default_steps = default_steps
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bcg-pipeline")
-        self._lock = asyncio.Lock()
+        # loads the pipeline, then encodes PNGs; the pipeline itself runs on the engine's loop thread
+        self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="bcg-replica")
+        self._lock = asyncio.Lock()  # one warmup at a time (requests take no lock)
         self._ongoing = 0
-        self._counters = {"warm_requests": 0, "cold_requests": 0, "replays": 0, "eager_calls": 0,
-                          "errors": 0}
+        self._counters = {"warm_requests": 0, "cold_requests": 0, "errors": 0}
         self._cold_keys: Dict[str, int] = {}
         self._reports: List[dict] = []
         self._broken: Optional[str] = None
@@ -397,7 +438,8 @@ class Replica:
         self._coordinator = coordinator  # warmup progress goes there (see _push_progress)
         self._progress: Dict = {"replica": self.replica_id, "i": 0, "n": 0, "done": True, "failed": {}}
         t0 = time.perf_counter()
-        self.engine = await self._in_thread(functools.partial(ReplicaEngine, memory_budget_bytes=memory_budget_bytes),
+        self.engine = await self._in_thread(functools.partial(ReplicaEngine, memory_budget_bytes=memory_budget_bytes,
+                                                              batching=batching),
                                             model, device, dtype, runner_config,
                                             warmup_steps, cpu_threads, gpu_memory_fraction, pipeline_hook,
                                             components)
@@ -421,13 +463,24 @@ class Replica:
         logger.info("replica %s ready, warm for %s", self.replica_id, self.engine.warm_keys())
 
     async def _in_thread(self, fn, *args):
-        """Run ``fn`` on the pipeline thread. A cancelled caller (a client timeout) still waits for
-        the thread: it cannot be stopped, so the request keeps its slot and the pipeline lock until
-        the pipeline is done, and neither Serve nor the router take this replica for free meanwhile."""
-        future = asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+        """Run ``fn`` on the pipeline's loop thread, between two denoising steps (on a worker thread
+        while the engine is being built)."""
+        engine = getattr(self, "engine", None)
+        if engine is None:
+            return await self._wait(asyncio.get_running_loop().run_in_executor(self._executor, fn, *args))
+        return await self._wait(asyncio.wrap_future(engine.call(fn, *args)))
+
+    @staticmethod
+    async def _wait(future, on_cancel=None):
+        """Await `future`. A cancelled caller (a client timeout) calls `on_cancel` (which may drop work not
+        started yet) and still waits for `future`: pipeline work cannot be stopped, so a running request
+        keeps its slot until it is done, and neither Serve nor the router take this replica for free
+        meanwhile."""
         try:
             return await asyncio.shield(future)
         except asyncio.CancelledError:
+            if on_cancel is not None:
+                on_cancel()
             while not future.done():
                 try:
                     await asyncio.wait({future})
@@ -437,8 +490,10 @@ class Replica:
 
     # -- Serve hooks -------------------------------------------------------------------------------
     def _routing_view(self) -> dict:
+        free = {group: load["free_rows"] for group, load in self.engine.batcher.load().items()
+                if load["running_rows"]}
         return {WARM_KEYS: self.engine.warm_keys(), QUEUE_LEN: self._ongoing,
-                POOL_BYTES: self.engine.pool_bytes()}
+                POOL_BYTES: self.engine.pool_bytes(), BATCH_FREE_ROWS: free}
 
     def record_replica_metadata(self) -> dict:
         return self._routing_view()
@@ -527,10 +582,13 @@ class Replica:
         return dict(self.info)
 
     def stats(self) -> dict:
-        return {**self.replica_info(), **self._counters, "cold_keys": dict(self._cold_keys),
+        # replays and eager calls: the runners' totals while serving (a request's own figures overlap
+        # with those of the requests batched beside it)
+        return {**self.replica_info(), **self._counters, **self.engine.served(), "cold_keys": dict(self._cold_keys),
                 "device": self.engine.device, "warm_ready_at": self.warm_ready_at,
                 "first_request_at": self.first_request_at, "warmups": list(self._reports),
                 "runner": self.engine.runner_stats(), "ongoing": self._ongoing,
+                "batcher": self.engine.batcher.stats(), "batch_pool_bytes": self.engine.bucket_pool_bytes(),
                 "cuda_memory": cuda_memory(), "warmup_progress": dict(self._progress),
                 "memory": self.engine.memory_report()}
 
@@ -546,9 +604,11 @@ class Replica:
         if self.first_request_at is None:
             self.first_request_at = time.time()
         try:
-            async with self._lock:
-                warm = key.key in self.engine.warm_keys()
-                out = await self._in_thread(self.engine.generate, request, key, self.default_steps)
+            warm = key.key in self.engine.warm_keys()
+            answer = self.engine.submit(request, key, self.default_steps)
+            out = await self._wait(asyncio.wrap_future(answer), on_cancel=lambda: self.engine.cancel(answer))
+            out["images"] = await self._wait(asyncio.get_running_loop().run_in_executor(
+                self._executor, _pngs, out["images"]))
         except Exception as exc:
             self._counters["errors"] += 1
             self.metrics.record_error()
@@ -563,7 +623,5 @@ class Replica:
         self.metrics.record_request(key.key, warm, time.perf_counter() - t0)
         if not warm:
             self._cold_keys[key.key] = self._cold_keys.get(key.key, 0) + 1
-        self._counters["replays"] += out["replays"]
-        self._counters["eager_calls"] += out["eager_calls"]
         return {"replica": self.replica_id, "warm": warm, "latency_ms": (time.perf_counter() - t0) * 1e3,
                 "shape_key": key.key, **out}

@@ -6,7 +6,9 @@ recognised by the number of packed latent tokens (tiny-flux: ``(W/16) * (H/16)``
 * ``fail_96``: 96x96 raises (warmup and serving) and 112x112 sleeps ``SLOW_S`` per transformer call;
 * ``slow_112``: only the sleep of 112x112;
 * ``fail_capture_96`` (GPU): 96x96 raises only while a CUDA graph is being captured;
-* ``oom_capture_512x256`` (GPU): 512x256 raises ``torch.cuda.OutOfMemoryError`` while capturing.
+* ``oom_capture_512x256`` (GPU): 512x256 raises ``torch.cuda.OutOfMemoryError`` while capturing;
+* ``fail_guidance``: a transformer call with a row at embedded guidance ``POISON_GUIDANCE`` raises (a
+  request that fails for its own reason, inside whatever batch it joined).
 """
 import time
 
@@ -14,6 +16,7 @@ import torch
 
 FAIL_SIZE, SLOW_SIZE, OOM_SIZE = "96x96", "112x112", "512x256"
 SLOW_S = 9.0
+POISON_GUIDANCE = 7.25
 
 
 def _tokens(size: str) -> int:
@@ -58,3 +61,11 @@ def oom_capture_512x256(pipe):
 def fail_capture_96_and_oom_512x256(pipe):
     fail_capture_96(pipe)
     oom_capture_512x256(pipe)
+
+
+def fail_guidance(pipe):
+    def pre(module, args, kwargs):
+        guidance = kwargs.get("guidance")
+        if guidance is not None and bool((guidance == POISON_GUIDANCE).any()):
+            raise ValueError(f"injected fault for guidance {POISON_GUIDANCE}")
+    pipe.transformer.register_forward_pre_hook(pre, with_kwargs=True)

@@ -27,6 +27,15 @@ def test_command_line_strings_are_parsed():
     assert a.expected_replicas() == 1
 
 
+def test_batching_settings_default_to_no_wait_and_a_batch_the_replica_can_fill():
+    assert parse_args({}).batching() == {"max_batch_size": 4, "batch_buckets": [1, 2, 4, 8], "max_wait_ms": 0.0}
+    assert parse_args({"max_ongoing_requests": 2}).batching()["max_batch_size"] == 2
+    a = parse_args({"max_batch_size": "8", "max_ongoing_requests": "16", "batch_buckets": "8,1,2,4", "max_wait_ms": "5"})
+    assert a.batching() == {"max_batch_size": 8, "batch_buckets": [1, 2, 4, 8], "max_wait_ms": 5.0}
+    replica = build_app({"max_batch_size": 2, "warmup": "64x64"})._bound_deployment.init_args[0]
+    assert replica._bound_deployment.init_kwargs["batching"]["max_batch_size"] == 2
+
+
 @pytest.mark.parametrize("args, named", [
     ({"num_replica": 2}, "num_replica"),
     ({"warmup": "256x256,big"}, "warmup"),
@@ -39,6 +48,9 @@ def test_command_line_strings_are_parsed():
     ({"warmup": "64x64,16x16.b4096"}, r"warmup\[1\].*at most 4 images"),   # the limits requests get
     ({"warmup": "64x64.p1000000"}, r"warmup\[0\].*prompt bucket"),
     ({"warmup": "1024x1024", "max_pixels": 4096}, r"warmup\[0\].*4096 pixels"),
+    ({"max_batch_size": 8, "max_ongoing_requests": 4}, r"max_batch_size \(8\) must be <= max_ongoing_requests \(4\)"),
+    ({"batch_buckets": "1,0"}, "batch_buckets"),
+    ({"max_wait_ms": -1}, "max_wait_ms"),
 ])
 def test_bad_args_are_errors_naming_the_arg(args, named):
     with pytest.raises(ValueError, match=named) as info:

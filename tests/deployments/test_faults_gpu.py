@@ -30,6 +30,7 @@ def gpu_app(ray_serve):
         "num_replicas": 1, "num_gpus_per_replica": 1, "num_cpus_per_replica": 0,
         "warmup": [WARM, FAIL_SIZE, OOM_SIZE], "placement": "all", "default_steps": STEPS,
         "max_ongoing_requests": 2, "max_queued_requests": 8, "request_timeout_s": 120,
+        "max_batch_size": 1,  # requests one at a time: the burst test compares bytes with sequential ones
         "routing_stats_period_s": 0.2, "pipeline_hook": "tests.deployments.faults:fail_capture_96_and_oom_512x256",
         "graceful_shutdown_timeout_s": 5,
     }, timeout=300) as client:

@@ -31,6 +31,7 @@ def edge(ray_serve):
         "model": "tiny-flux", "num_replicas": 1, "num_cpus_per_replica": 0, "num_gpus_per_replica": 0,
         "device": "cpu", "warmup": "32x32,64x64", "placement": "all", "warmup_steps": 1, "default_steps": 1,
         "cpu_threads": 1, "routing_stats_period_s": 0.2, "max_ongoing_requests": 4, "max_queued_requests": 64,
+        "max_batch_size": 1,  # one request at a time: the 16-at-once test compares bytes (batching: test_batching_serve)
         "request_timeout_s": 60, "api_key_env": TEST_API_KEY_ENV, "graceful_shutdown_timeout_s": 1, **LIMITS,
     }, timeout=60) as client:
         yield client
@@ -178,7 +179,7 @@ def test_nothing_from_a_request_is_unpickled_or_evaluated():
 
 # -- concurrency -----------------------------------------------------------------------------------
 def test_16_requests_sent_at_once_give_the_images_of_sequential_ones(edge):
-    # The replica runs one pipeline at a time (one engine thread): this checks that 16 requests queued
+    # The replica runs one request at a time (max_batch_size 1, one engine thread): this checks that 16 requests queued
     # together through the proxy, ingress, router and replica give the images of 16 sent one by one
     # (no state shared between queued requests), not pipelines running concurrently.
     bodies = [{"prompt": f"a lighthouse {i % 3}", "size": "32x32", "num_inference_steps": 2, "seed": 100 + i}

@@ -4,6 +4,8 @@ There is no CUDA here, so each runner gets ``_RerunRecorder`` (tests/bcg/runtime
 stand-in for the CUDA capture step: the runners' own cache logic (capture inside warmup only, replay,
 LRU eviction at ``max_entries``) runs for real; a "graph" replays by rerunning the module.
 """
+import time
+
 import pytest
 
 from bcg.diffusers.buckets import ShapeKey
@@ -80,3 +82,23 @@ def test_a_request_runs_at_the_key_it_carries_and_a_contradicting_key_is_an_erro
         engine.generate(request, ShapeKey.parse(TALL), default_steps=1)
     with pytest.raises(ValueError, match="CFG"):  # Flux runs CFG only with a negative prompt
         engine.generate(request, ShapeKey.parse(WIDE + ".cfg"), default_steps=1)
+
+
+def test_a_queued_request_can_be_dropped_a_running_one_finishes_and_serving_calls_are_counted():
+    engine = ReplicaEngine("tiny-flux", device="cpu", cpu_threads=1, components=["transformer"])
+    key = ShapeKey.parse(SMALL)
+
+    def request(seed):
+        return ImageGenerationRequest(prompt="a cat", size=SMALL, num_inference_steps=8, seed=seed)
+
+    running, queued = engine.submit(request(1), key, 1), engine.submit(request(2), key, 1)
+    while not running.queued.running():   # the first request's steps have started
+        pass
+    assert engine.cancel(queued) and queued.cancelled()
+    assert not engine.cancel(running) and len(running.result(timeout=60)["images"]) == 1
+    deadline = time.monotonic() + 10
+    while engine.batcher.stats()["cancelled"] == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)  # the loop skips the dropped request when its turn comes
+    assert engine.batcher.stats()["cancelled"] == 1 and engine.batcher.stats()["leaves"] == 1
+    assert engine.served() == {"replays": 0, "eager_calls": 8}   # no CUDA: every step eager, warmups apart
+    engine.close()
