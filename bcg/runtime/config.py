@@ -43,6 +43,10 @@ class RunnerConfig:
         dtype or Python value than at capture) is answered eagerly and the graph is kept; after this
         many mismatches in a row for one signature its graph is dropped and the signature blocked
         (eager until ``reset()``). 1 blocks at the first mismatch.
+    max_capture_retries: a capture that fails, where the module's capture-failure hook changes what it
+        captures (automatic break placement makes the failing place a break: see
+        ``bcg.runtime.runner.CAPTURE_FAILED_ATTR``), is tried again, at most this many times per
+        signature; then the signature is blocked. 0 blocks at the first failure.
     debug: check on every call that the module's weights were not replaced (costs a walk over the
         parameters per call) and log each replay.
     debug_single_break: capture the whole forward as one eager break, to tell runner bugs from
@@ -68,6 +72,7 @@ class RunnerConfig:
     max_segments: int = 512
     copy_outputs: bool = True
     max_break_mismatches: int = 3
+    max_capture_retries: int = 4
     debug: bool = False
     debug_single_break: bool = False
     capture_warmup_runs: int = 1
@@ -89,6 +94,9 @@ class RunnerConfig:
         if self.max_break_mismatches < 1:
             raise ValueError(f"max_break_mismatches must be >= 1 (1 blocks a signature at its first break "
                              f"output mismatch), got {self.max_break_mismatches}")
+        if self.max_capture_retries < 0:
+            raise ValueError(f"max_capture_retries must be >= 0 (0 blocks a signature at its first failed "
+                             f"capture), got {self.max_capture_retries}")
         if self.capture_warmup_runs < 0:
             raise ValueError(f"capture_warmup_runs must be >= 0, got {self.capture_warmup_runs}")
         if self.compile and self.capture_warmup_runs < 1:

@@ -25,6 +25,13 @@ reason), ``disabled`` (config, or a capture with more than ``max_segments`` segm
 (no CUDA, or the module is not on a CUDA device), ``break_output_mismatch`` (see below). Capture
 errors, OOM included, never escape a call.
 
+Retried captures: a module may carry, under the instance attribute `CAPTURE_FAILED_ATTR`, a hook
+``capture_failed(exc) -> str | None`` that the runner calls when a capture of it raises (not for OOM).
+The hook answers what it changed so that capturing again makes sense (automatic break placement makes
+the place on the traceback a break: ``"<error> at <place>, now a break"``), or None. The runner then
+logs one INFO line, counts ``stats()["capture_retries"]`` and captures again, at most
+``max_capture_retries`` times per signature, before it blocks the signature as for any failed capture.
+
 Break output mismatch: a break function that returns, at replay, another structure, shape, dtype or
 Python scalar value than at capture stops the replay before the next segment
 (``BreakOutputMismatchError``). The runner answers that call eagerly with the caller's own inputs (the
@@ -74,9 +81,14 @@ from bcg.runtime.signature import ARGS_KEY, call_arguments, call_context, rebuil
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["BreakableGraphRunner", "CaptureEntry", "EAGER_REASONS"]
+__all__ = ["BreakableGraphRunner", "CAPTURE_FAILED_ATTR", "CaptureEntry", "EAGER_REASONS"]
 
 EAGER_REASONS = ("unseen", "blocked", "disabled", "no_cuda", "break_output_mismatch")
+
+#: A module may carry, under this instance attribute, ``capture_failed(exc) -> str | None``: told that a
+#: capture raised `exc`, it answers what it changed so that capturing again makes sense (or None). The
+#: code that places breaks sets it; the runner knows no kind of break placement itself.
+CAPTURE_FAILED_ATTR = "__bcg_capture_failed__"
 
 
 class _Decision(typing.NamedTuple):
@@ -122,7 +134,7 @@ class BreakableGraphRunner(ModuleProxy):
         self._stats_lock = threading.Lock()
         self._tokens = itertools.count(1)
         self._warming = 0
-        self._counts = dict(captures=0, capture_failures=0, replays=0, evictions=0)
+        self._counts = dict(captures=0, capture_failures=0, capture_retries=0, replays=0, evictions=0)
         self._eager = dict.fromkeys(EAGER_REASONS, 0)
         self._runtime_disabled = None       # reason the runner turned itself off, until reset()
         self._fingerprint = None
@@ -398,7 +410,7 @@ class BreakableGraphRunner(ModuleProxy):
             while len(self._entries) >= self._runner_config.max_entries:
                 self._evict_lru_locked("max_entries")
             try:
-                entry = self._record_evicting_on_oom(signature, args, kwargs, leaves, token)
+                entry = self._record_retrying(signature, args, kwargs, leaves, token)
             except Exception as exc:  # noqa: BLE001 -- the runner is the one place that falls back
                 kind = "out of memory" if isinstance(exc, torch.cuda.OutOfMemoryError) else "capture raised"
                 self._block_locked(signature, f"{kind}: {type(exc).__name__}: {exc}")
@@ -419,6 +431,31 @@ class BreakableGraphRunner(ModuleProxy):
                            type(self._module).__name__, len(self._entries))
             self._reset_locked()
         self._fingerprint = fingerprint
+
+    def _record_retrying(self, signature, args, kwargs, leaves, token):
+        """`_record_evicting_on_oom`, tried again while the module's capture-failure hook changes what it
+        captures (see the module docstring), at most ``max_capture_retries`` times."""
+        limit = self._runner_config.max_capture_retries
+        for retry in itertools.count(1):
+            try:
+                return self._record_evicting_on_oom(signature, args, kwargs, leaves, token)
+            except torch.cuda.OutOfMemoryError:
+                raise
+            except Exception as exc:  # noqa: BLE001 -- re-raised unless the hook changed something
+                hook = getattr(self._module, "__dict__", {}).get(CAPTURE_FAILED_ATTR)
+                if hook is None or retry > limit:
+                    raise
+                try:
+                    change = hook(exc)
+                except Exception:  # noqa: BLE001 -- the capture's own error is what the block names
+                    logger.exception("capture-failure hook of %s raised", type(self._module).__name__)
+                    change = None
+                if not change:
+                    raise
+                # `exc` goes at the end of this block: its traceback's frames hold the failed capture's tensors
+                self._counts["capture_retries"] += 1
+                logger.info("capture of %s (%s) failed on %s; retrying (%d of at most %d)", signature.key,
+                            signature.summary(), change, retry, limit)
 
     def _record_evicting_on_oom(self, signature, args, kwargs, leaves, token):
         """`_record`; when it runs out of memory with graphs cached, evict them all and try once more."""

@@ -5,6 +5,7 @@ locking) is exercised through `_RerunRecorder`, a CPU stand-in for the CUDA capt
 replays by rerunning the module on the static inputs and writing into the static outputs in place,
 which is what a real replay does to them. The real capture/replay is covered in test_runner_gpu.py.
 """
+import contextlib
 import threading
 
 import pytest
@@ -14,7 +15,7 @@ from torch import nn
 
 from bcg.graphs.capture import BreakOutputMismatchError, current_replay_token
 from bcg.runtime.config import RunnerConfig
-from bcg.runtime.runner import BreakableGraphRunner
+from bcg.runtime.runner import CAPTURE_FAILED_ATTR, BreakableGraphRunner
 from bcg.runtime.signature import call_context, signature_of
 
 
@@ -41,12 +42,17 @@ class _RerunGraph:
 
 
 class _RerunRecorder:
-    """Stands in for the CUDA recorder; `fail(attempt, kwargs)` may return an exception to raise."""
+    """Stands in for the CUDA recorder; `fail(attempt, kwargs)` may return an exception to raise.
 
-    def __init__(self, segments=3, pool_bytes=0, fail=None, graph_type=_RerunGraph):
+    `capture()` is the context the captured run (after the warm-up runs) happens in: a recording capture
+    (tests/bcg/diffusers) makes it meet breaks as a real capture does; what it yields goes to `captures`."""
+
+    def __init__(self, segments=3, pool_bytes=0, fail=None, graph_type=_RerunGraph, capture=contextlib.nullcontext):
         self.segments, self.pool_bytes, self.fail, self.graph_type = segments, pool_bytes, fail, graph_type
+        self.capture = capture
         self.attempts = 0
         self.fns = []
+        self.captures = []
 
     def record(self, fn, args, kwargs, warmup_runs, token, live_pools=()):
         self.attempts += 1
@@ -57,7 +63,9 @@ class _RerunRecorder:
         with torch.no_grad():
             for _ in range(warmup_runs):
                 fn(*args, **kwargs)
-            output = fn(*args, **kwargs)
+            with self.capture() as opened:
+                self.captures.append(opened)
+                output = fn(*args, **kwargs)
         size = self.pool_bytes(kwargs) if callable(self.pool_bytes) else self.pool_bytes
         return self.graph_type(fn, args, kwargs, output, self.segments), output, 1.5, size
 
@@ -374,6 +382,73 @@ def test_out_of_memory_with_nothing_to_evict_blocks_and_keeps_serving():
     assert torch.equal(out[0], Affine()(_x(2))[0])
     stats = runner.stats()
     assert stats["capture_failures"] == 1 and stats["blocked"][0]["reason"].startswith("out of memory")
+
+
+class _Hook:
+    """A capture-failure hook (`CAPTURE_FAILED_ATTR`) that answers `changes` in turn, then None."""
+
+    def __init__(self, *changes):
+        self.changes, self.seen = list(changes), []
+
+    def __call__(self, exc):
+        self.seen.append(str(exc))
+        change = self.changes.pop(0) if self.changes else None
+        if isinstance(change, Exception):
+            raise change
+        return change
+
+
+def _hooked(hook):
+    module = Affine()
+    module.__dict__[CAPTURE_FAILED_ATTR] = hook
+    return module
+
+
+def test_a_capture_the_modules_hook_changed_is_retried_and_counted():
+    recorder = _RerunRecorder(fail=lambda attempt, kw: RuntimeError(f"attempt {attempt}") if attempt < 3 else None)
+    hook = _Hook("a new break", "another")
+    runner = _runner(_hooked(hook), recorder)
+    with runner.warmup():
+        out = runner(x=_x(4))
+    assert torch.equal(out[0], Affine()(_x(4))[0])
+    assert hook.seen == ["attempt 1", "attempt 2"] and recorder.attempts == 3
+    stats = runner.stats()
+    assert stats["capture_retries"] == 2 and stats["captures"] == 1 and stats["replays"] == 1
+    assert stats["capture_failures"] == 0 and stats["blocked"] == []
+
+
+@pytest.mark.parametrize("retries", [0, 2])
+def test_capture_retries_are_bounded_then_the_signature_is_blocked(retries):
+    recorder = _RerunRecorder(fail=lambda attempt, kw: RuntimeError(f"attempt {attempt}"))
+    hook = _Hook(*["a new break"] * 5)
+    runner = _runner(_hooked(hook), recorder, max_capture_retries=retries)
+    with runner.warmup():
+        out = runner(x=_x(4))
+        runner(x=_x(4))
+    assert torch.equal(out[0], Affine()(_x(4))[0])
+    assert recorder.attempts == retries + 1 and len(hook.seen) == retries
+    stats = runner.stats()
+    assert stats["capture_retries"] == retries and stats["capture_failures"] == 1
+    assert stats["eager_calls"]["blocked"] == 2
+    assert stats["blocked"][0]["reason"] == f"capture raised: RuntimeError: attempt {retries + 1}"
+
+
+@pytest.mark.parametrize("answer", [None, ValueError("hook bug")])
+def test_a_hook_that_changes_nothing_or_raises_leaves_the_failure_blocked(answer):
+    recorder = _RerunRecorder(fail=lambda attempt, kw: RuntimeError("capture broke"))
+    runner = _runner(_hooked(_Hook(answer)), recorder)
+    runner.capture(x=_x(4))
+    stats = runner.stats()
+    assert recorder.attempts == 1 and stats["capture_retries"] == 0 and stats["capture_failures"] == 1
+    assert stats["blocked"][0]["reason"] == "capture raised: RuntimeError: capture broke"
+
+
+def test_out_of_memory_is_not_the_hooks_business():
+    hook = _Hook("a new break")
+    oom = lambda attempt, kw: torch.cuda.OutOfMemoryError("CUDA out of memory")
+    runner = _runner(_hooked(hook), _RerunRecorder(fail=oom))
+    assert runner.capture(x=_x(2)) is False
+    assert hook.seen == [] and runner.stats()["capture_retries"] == 0
 
 
 def test_replaced_weights_drop_the_graphs_but_in_place_updates_keep_them():
