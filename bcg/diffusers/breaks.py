@@ -49,6 +49,7 @@ import torch
 from bcg.graphs.capture import eager_on_graph, is_capturing
 from bcg.runtime.compile import COMPILED_BREAKS_ATTR
 from bcg.runtime.hostops import Place
+from bcg.runtime.runner import CAPTURE_FAILED_ATTR
 
 logger = logging.getLogger(__name__)
 
@@ -266,6 +267,7 @@ def remove_breaks(module) -> int:
     this instance probed; what the class remembers stays)."""
     module = unwrap_runner(module)
     module.__dict__.pop(COMPILED_BREAKS_ATTR, None)
+    module.__dict__.pop(CAPTURE_FAILED_ATTR, None)
     removed = 0
     for sub in module.modules():
         if sub.__dict__.pop(PLACEMENT_ATTR, None) is not None:

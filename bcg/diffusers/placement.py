@@ -19,11 +19,19 @@ Contract:
 - Limits: host-to-device copies and host work are seen only with the module on its accelerator (a probe
   on the CPU sees host syncs only); ops directly in the module's own forward that are not a torch
   function called through a module global (``x.item()`` there) have no place: they are logged as
-  unplaced and capture fails on them. A capture without a probe first (``capture_warmup_runs=0``), a
-  path the probe did not take, or an op the probe cannot see (collectives, stream synchronisation) makes
-  capture fail: the runner blocks that signature and runs it eagerly, counted (``stats()["blocked"]``
-  names the error). Compiled calls (``torch.compile``) never probe and do not take the function breaks:
-  they use the module and method breaks already in place.
+  unplaced and capture fails on them. Compiled calls (``torch.compile``) never probe and do not take the
+  function breaks: they use the module and method breaks already in place.
+- Capture failures: a capture without a probe first (``capture_warmup_runs=0``), a path the probe did not
+  take (a branch taken only at another shape) or an op the probe cannot see (stream synchronisation, a
+  host op on the CPU) makes capture fail. When the error is CUDA's answer to an operation a capture cannot
+  hold (``operation not permitted when stream is capturing``, ``Cannot copy between CPU and CUDA tensors
+  during CUDA graph capture``, ...), the placement (the runner's hook
+  `bcg.runtime.runner.CAPTURE_FAILED_ATTR`) takes the innermost frame of the traceback inside the module,
+  names its `Place` as the probe would, and makes it a break (source ``capture_failure``, the error as its
+  op, remembered like a probe's finding); the runner captures again, up to
+  ``RunnerConfig.max_capture_retries`` times. A failure with no place inside the module (the module's own
+  forward), at a place that is a break already, or with another error (a shape bug) is not retried: the
+  runner blocks that signature and runs it eagerly, counted (``stats()["blocked"]`` names the error).
 """
 from __future__ import annotations
 
@@ -32,6 +40,7 @@ import functools
 import inspect
 import json
 import logging
+import re
 import threading
 import time
 import types
@@ -45,12 +54,18 @@ from bcg.diffusers.breaks import (
     wrap_processor,
 )
 from bcg.runtime.hostops import HostOp, HostOpProbe, Place, _device_of
+from bcg.runtime.runner import CAPTURE_FAILED_ATTR
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["AutoPlacement", "auto_placement", "forget", "placement_stats"]
 
 _MEMORY_ATTR = "__bcg_auto_placements__"  # on the model class: (config, device type) -> _Remembered
+# CUDA's (and torch's) answers to an operation a capture cannot hold, raised at that operation. Not
+# "operation failed due to a previous error during capture": that names a later op, not the culprit.
+_CAPTURE_ILLEGAL = re.compile(
+    r"stream is capturing|capturing (blocking )?stream|during CUDA graph capture|cudaErrorStreamCapture"
+    r"(Unsupported|Implicit)|cudaErrorCapturedEvent|last recorded in a capturing", re.IGNORECASE)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,7 +177,7 @@ class AutoPlacement:
                     logger.warning("break placement in %s: %s has no place (no submodule, method or global "
                                    "function of its forward holds it); a capture fails on it and the runner then "
                                    "blocks the signature", type(self.module).__name__, op)
-            self._remember(key)
+            self._remember(key[0], key[1:])
             logger.info("break placement in %s: probed %s on %s in %.1f ms: %d places, %d unplaced",
                         type(self.module).__name__, key[1:], key[0], probe_ms, len(probe.findings),
                         len(probe.unplaced))
@@ -181,7 +196,7 @@ class AutoPlacement:
                 return record["installed"]
             installed = self._install(place)
             self.places[place] = {"ops": list(ops), "source": source, "installed": installed}
-            if source != "pinned":
+            if source not in ("pinned", "capture_failure"):  # the runner logs a capture failure's retry
                 logger.info("break placement in %s: %s is a break (%s; %s)", type(self.module).__name__, place,
                             source, "; ".join(str(op) for op in ops) or "no ops recorded")
             return installed
@@ -229,16 +244,18 @@ class AutoPlacement:
             return True
         return wrap_method_for_capture(sub, method, capture)
 
-    def _remember(self, key) -> None:
+    def _remember(self, device_type: str, structure=None) -> None:
+        """Remember the places for this class, config and device type (and `structure` as probed)."""
         if self._config is None:
             return
         memory = _memory(type(self.module))
-        slot = (self._config, key[0])
+        slot = (self._config, device_type)
         before = memory.get(slot) or _Remembered({}, frozenset())
         places = dict(before.places)
         for place, record in self.places.items():
             places[place] = tuple(dict.fromkeys((*places.get(place, ()), *record["ops"])))
-        memory[slot] = _Remembered(places, before.structures | {key[1:]},
+        structures = before.structures | ({structure} if structure is not None else set())
+        memory[slot] = _Remembered(places, frozenset(structures),
                                    tuple(dict.fromkeys((*before.unplaced, *self.unplaced))))
 
     def _adopt(self, key) -> bool:
@@ -256,6 +273,26 @@ class AutoPlacement:
                 return False
             self._probed.add(key)
             return True
+
+    def capture_failed(self, exc: BaseException) -> str | None:
+        """The runner's hook after a failed capture (module docstring, "Capture failures"): the place of
+        a capture-illegal error becomes a break. Returns ``"<error> at <place> (<line>), now a break"``
+        when it is a new break (capturing again makes sense), else None."""
+        failure = _capture_illegal(exc)
+        if failure is None:
+            return None
+        device = _device_of(self.module)
+        with self._lock:
+            # the probe's own attribution, applied to the frames the error unwound through
+            place, where = HostOpProbe(self.module, device)._place_of(_innermost_frame(failure), None)
+            if place is None:
+                return None
+            op = HostOp(_error_summary(failure), "capture_failure", where)
+            place = next(iter(_covered({place: [op]}, self.places)))
+            if place in self.places or not self.add(place, [op], "capture_failure"):
+                return None
+            self._remember(device.type)
+            return f"{op.op} at {place} ({where}), now a break"
 
     def adopt_remembered(self) -> None:
         """Install what is remembered for the module's current device type (at install time)."""
@@ -288,6 +325,31 @@ def _covered(findings: Mapping[Place, list[HostOp]], installed: Mapping[Place, A
         key = place if outer is None else Place(outer)
         out.setdefault(key, []).extend(op for op in ops if op not in out.get(key, ()))
     return out
+
+
+def _capture_illegal(exc: BaseException) -> BaseException | None:
+    """`exc`, or the exception it was raised from, when it is CUDA's answer to an operation a capture
+    cannot hold (`_CAPTURE_ILLEGAL`); None for anything else (a shape bug, out of memory)."""
+    for _ in range(8):
+        if exc is None:
+            return None
+        if exc.__traceback__ is not None and _CAPTURE_ILLEGAL.search(str(exc)):
+            return exc
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+def _innermost_frame(exc: BaseException):
+    tb = exc.__traceback__
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb.tb_frame
+
+
+def _error_summary(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    first = lines[0].strip() if lines else ""
+    return f"{type(exc).__name__}: {first[:160]}" if first else type(exc).__name__
 
 
 def _eager_global(attrs, current):
@@ -333,4 +395,5 @@ def install_placement(module: torch.nn.Module, probing: bool, places: Iterable =
         state.add(place if isinstance(place, Place) else Place.parse(place), (), "pinned")
     if probing:
         state.adopt_remembered()
+        module.__dict__[CAPTURE_FAILED_ATTR] = state.capture_failed  # pinned places stay as pinned
     return state
