@@ -1,9 +1,10 @@
-"""Continuous batching under load: one `StepBatcher` in-process, open-loop Poisson arrivals, batched vs one at a time.
+"""Continuous batching under load: open-loop Poisson arrivals, batched vs one at a time, in-process or served.
 
     python3 benchmarks/bench_batching.py [--model tiny-flux] [--size 256x256] [--steps 4] [--requests 64] \
         [--rate-factors 0.05,0.25,0.5,1,2,4,8,inf] [--max-batch-size 8] [--buckets 1,2,4,8] [--max-wait-ms 0] \
         [--components transformer] [--out benchmarks/results/bench_batching.json]
     python3 benchmarks/bench_batching.py --allow-cpu --size 64x64 --steps 2 --requests 6   # smoke run
+    python3 benchmarks/bench_batching.py --via handle   # or --via http: one replica of build_app
     python3 benchmarks/bench_batching.py --plot-only benchmarks/results/bench_batching.json
 
 Set-up: the built-in pipeline, on CUDA accelerated (`accelerate(pipe, components=...)`) and warmed with the
@@ -28,6 +29,14 @@ unbatched path); the low-load criterion compares the batched p50 at the lowest r
 one at a time at that rate: Poisson arrivals overlap now and then even at low load, and queue).
 A PNG (images/s and latency against offered rate; batch-size histogram at saturation) is written next to
 the JSON. Needs CUDA unless ``--allow-cpu``.
+
+``--via handle`` / ``--via http`` run the same workload against one replica of ``build_app`` (a local Ray and
+Serve; one app per mode: ``max_batch_size`` ``--max-batch-size`` or 1, the same ``max_ongoing_requests``,
+warmup of ``--size`` at every bucket), through the app's ingress ``DeploymentHandle`` or ``POST
+/v1/images/generations`` from a client thread per request in flight. Rates are multiples of the served
+one-at-a-time capacity (requests sent one after another through the same path: ``serial_ms``, also the
+low-load baseline); the batch figures are the replica's batcher stats over each run; results go to
+``bench_batching_<via>.json``.
 """
 from __future__ import annotations
 
@@ -59,6 +68,7 @@ PROMPTS = (
     "a small boat on a calm sea under a cloudy sky", "a dog running through a field of flowers",
 )
 MODES = ("batched", "one_at_a_time")
+VIAS = ("engine", "handle", "http")
 
 
 def _say(msg: str) -> None:
@@ -126,8 +136,9 @@ def _eager_calls(pipe) -> int:
     return sum(r.stats()["eager_calls_total"] for r in pipeline_runners(pipe).values())
 
 
-def run_load(pipe, batcher: StepBatcher, args, offsets: list[float]) -> dict:
-    """Submit at `offsets` (open loop: submission never waits for answers); gather latencies and counts."""
+def open_loop(submit, offsets: list[float], timeout_s: float, sync=None) -> dict:
+    """Call ``submit(i) -> concurrent.futures.Future`` at `offsets` (open loop: submission never waits for
+    answers); latencies (submit to answer), images/s, failures, lost and doubly answered requests."""
     n = len(offsets)
     submitted, answered = [None] * n, [None] * n
     answers = [0] * n
@@ -145,41 +156,58 @@ def run_load(pipe, batcher: StepBatcher, args, offsets: list[float]) -> dict:
         return done
 
     futures = []
-    eager_before = _eager_calls(pipe)
     start = time.perf_counter()
     for i, offset in enumerate(offsets):
         delay = start + offset - time.perf_counter()
         if delay > 0:
             time.sleep(delay)
-        request = _request(args, i)
         submitted[i] = time.perf_counter()
-        future = batcher.submit(PROMPTS[i % len(PROMPTS)], **request)
+        future = submit(i)
         future.add_done_callback(on_done(i))
         futures.append(future)
     for future in futures:
         try:
-            future.result(timeout=args.timeout_s)
+            future.result(timeout=timeout_s)
         except Exception:  # noqa: BLE001 -- counted in errors by the callback
             pass
-    _sync(args.device)
+    if sync is not None:
+        sync()
     with lock:
         done = [i for i in range(n) if answered[i] is not None]
         latencies = sorted((answered[i] - submitted[i]) * 1000 for i in done)
         end = max((answered[i] for i in done), default=start)
         ok = len(done) - len(errors)
         elapsed = end - start
-        stats = batcher.stats()
         return {
             "requests": n, "answered_ok": ok, "failed": len(errors), "errors": errors[:5],
             "lost": sum(1 for a in answers if a == 0), "answered_twice": sum(1 for a in answers if a > 1),
             "elapsed_s": round(elapsed, 4),
             "images_per_s": round(ok / elapsed, 3) if elapsed > 0 else None,
             "latency_ms": _percentiles(latencies),
-            "batch_size_histogram": stats["batch_size_histogram"], "bucket_histogram": stats["bucket_histogram"],
-            "mean_rows_per_step": stats["mean_rows_per_step"], "joins_mid_run": stats["joins_mid_run"],
-            "steps": stats["steps"], "rows": stats["rows"], "padded_rows": stats["padded_rows"],
-            "eager_calls": _eager_calls(pipe) - eager_before,
         }
+
+
+def batch_figures(before: dict, after: dict) -> dict:
+    """What a batcher did between two of its ``stats()``: rows-per-step and bucket histograms, joins, rows."""
+    def hist(name):
+        b = {int(k): v for k, v in before.get(name, {}).items()}
+        out = {int(k): v - b.get(int(k), 0) for k, v in after[name].items()}
+        return {k: v for k, v in sorted(out.items()) if v}
+
+    steps = after["steps"] - before.get("steps", 0)
+    rows = after["rows"] - before.get("rows", 0)
+    return {"batch_size_histogram": hist("batch_size_histogram"), "bucket_histogram": hist("bucket_histogram"),
+            "mean_rows_per_step": round(rows / steps, 3) if steps else 0.0,
+            "joins_mid_run": after["joins_mid_run"] - before.get("joins_mid_run", 0), "steps": steps, "rows": rows,
+            "padded_rows": after["padded_rows"] - before.get("padded_rows", 0)}
+
+
+def run_load(pipe, batcher: StepBatcher, args, offsets: list[float]) -> dict:
+    """`open_loop` through one in-process `StepBatcher`, with the batcher's figures and the eager calls."""
+    eager_before = _eager_calls(pipe)
+    row = open_loop(lambda i: batcher.submit(PROMPTS[i % len(PROMPTS)], **_request(args, i)), offsets,
+                    args.timeout_s, sync=lambda: _sync(args.device))
+    return {**row, **batch_figures({}, batcher.stats()), "eager_calls": _eager_calls(pipe) - eager_before}
 
 
 def _percentiles(values: list[float]) -> dict:
@@ -188,6 +216,137 @@ def _percentiles(values: list[float]) -> dict:
     pick = lambda q: round(float(np.percentile(values, q)), 3)  # noqa: E731
     return {"p50": pick(50), "p90": pick(90), "p99": pick(99), "mean": round(statistics.fmean(values), 3),
             "max": round(max(values), 3)}
+
+
+# ------------------------------------------------------------------------------------------------------
+# served: one replica of build_app, through the app's DeploymentHandle or HTTP
+
+def _served_body(args, i: int) -> dict:
+    return {"prompt": PROMPTS[i % len(PROMPTS)], "size": args.size, "num_inference_steps": args.steps,
+            "seed": args.seed * 100_003 + i}
+
+
+def served_app_args(args, mode: str) -> dict:
+    """``build_app`` args of the one-replica app for `mode` (one at a time: ``max_batch_size`` 1; both
+    modes take the same ``max_ongoing_requests``, so requests queue on the replica either way)."""
+    cuda = torch.device(args.device).type == "cuda"
+    buckets = [b for b in args.buckets if b <= args.max_batch_size] or [1]
+    return {
+        "model": args.model, "num_replicas": 1, "device": args.device, "num_gpus_per_replica": 1 if cuda else 0,
+        "num_cpus_per_replica": 0, "cpu_threads": None if cuda else 1, "components": args.components.split(","),
+        "warmup": [args.size], "placement": "all", "warmup_steps": 2, "default_steps": args.steps,
+        "max_ongoing_requests": args.max_batch_size, "max_queued_requests": -1,
+        "max_batch_size": 1 if mode == "one_at_a_time" else args.max_batch_size, "batch_buckets": buckets,
+        "max_wait_ms": 0.0 if mode == "one_at_a_time" else args.max_wait_ms,
+        "runner": {"max_entries": 4 * len(buckets) + 4}, "request_timeout_s": args.timeout_s,
+        "max_steps": max(50, args.steps), "max_pixels": 4096 * 4096, "routing_stats_period_s": 0.5,
+    }
+
+
+def _start_serve() -> int:
+    """A local Ray (the repository on the workers' PYTHONPATH) and Serve on a free port; returns the port."""
+    import socket
+
+    import ray
+    from ray import serve
+
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    if not ray.is_initialized():
+        repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False,
+                 runtime_env={"env_vars": {"PYTHONPATH": repo, "RAY_AUTH_MODE": "disabled"}})
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    serve.start(http_options={"host": "127.0.0.1", "port": port})  # a Serve already running keeps its own port
+    return port
+
+
+def _served_caller(args, app: str, port: int):
+    """``call(i)``: request i through the app's ingress handle or HTTP, blocking; raises unless answered."""
+    from ray import serve
+
+    from deployments.schemas import ImageGenerationRequest
+
+    if args.via == "handle":
+        ingress = serve.get_app_handle(app)
+
+        def call(i):
+            return ingress.generate.remote(ImageGenerationRequest(**_served_body(args, i))).result(
+                timeout_s=args.timeout_s).bcg.warm
+        return call, None
+    import httpx
+
+    client = httpx.Client(base_url=f"http://127.0.0.1:{port}/{app}", timeout=args.timeout_s,
+                          limits=httpx.Limits(max_connections=512, max_keepalive_connections=512))
+
+    def call(i):
+        r = client.post("/v1/images/generations", json=_served_body(args, i))
+        if r.status_code != 200:
+            raise RuntimeError(f"HTTP {r.status_code}: {r.text[:200]}")
+        return r.json()["bcg"]["warm"]
+    return call, client
+
+
+def run_served(args) -> tuple[list[dict], dict, dict]:
+    """Every mode against one replica of ``build_app``: rows per (mode, rate), serial ms per mode, warmups."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from ray import serve
+
+    from deployments.app import build_app
+
+    port = _start_serve()
+    runs, serial, warmups, rates = [], {}, {}, None
+    for mode in args.modes:
+        app = f"bench_batching_{mode}"
+        serve.run(build_app(served_app_args(args, mode)), name=app, route_prefix=f"/{app}")
+        replica = serve.get_deployment_handle("Replica", app)
+
+        def stats():
+            return replica.stats.remote().result(timeout_s=args.timeout_s)
+
+        def eager(st):
+            return sum(int(r.get("eager_calls_total", 0)) for r in st["runner"].values())
+
+        call, client = _served_caller(args, app, port)
+        try:
+            with ThreadPoolExecutor(max_workers=max(8, min(512, args.requests))) as pool:
+                # untimed: a full batch once (every bucket's path), then one at a time for the serial latency
+                for future in [pool.submit(call, 20_000 + j) for j in range(args.max_batch_size)]:
+                    future.result(timeout=args.timeout_s)
+                times = []
+                for j in range(args.direct_iters):
+                    start = time.perf_counter()
+                    call(30_000 + j)
+                    times.append((time.perf_counter() - start) * 1000)
+                serial[mode] = {"median": round(statistics.median(times), 3), "all": [round(t, 3) for t in times]}
+                if rates is None:
+                    capacity = 1000.0 / statistics.median(times)
+                    rates = ([float(r) for r in args.rates.split(",")] if args.rates
+                             else [float(f) * capacity for f in args.rate_factors.split(",")])
+                    _say(f"served one at a time: median {serial[mode]['median']} ms ({capacity:.2f} images/s); "
+                         f"rates {rates}")
+                st = stats()
+                warmups[mode] = {"warm_keys": st["warm_keys"], "warmups": st["warmups"],
+                                 "batch_pool_bytes": st.get("batch_pool_bytes")}
+                for r_index, rate in enumerate(rates):
+                    before = st
+                    row = open_loop(lambda i: pool.submit(call, i), arrivals(args.requests, rate, args.seed + r_index),
+                                    args.timeout_s)
+                    st = stats()
+                    row.update(batch_figures(before["batcher"], st["batcher"]), eager_calls=eager(st) - eager(before),
+                               mode=mode, offered_rate=None if math.isinf(rate) else round(rate, 4),
+                               rate_factor=None if args.rates or math.isinf(rate) else round(rate / capacity, 4))
+                    runs.append(row)
+                    _say(f"[{args.via}] rate {rate:.2f}/s {mode}: {row['images_per_s']} images/s, p50 "
+                         f"{row['latency_ms'].get('p50')} ms, p99 {row['latency_ms'].get('p99')} ms, rows/step "
+                         f"{row['mean_rows_per_step']}, eager {row['eager_calls']}, failed {row['failed']}, lost {row['lost']}")
+        finally:
+            if client is not None:
+                client.close()
+            serve.delete(app)
+    return runs, serial, warmups
 
 
 def _batcher(pipe, args, mode: str) -> StepBatcher:
@@ -218,9 +377,16 @@ def parse_args(argv=None):
     p.add_argument("--timeout-s", type=float, default=600.0)
     p.add_argument("--device", default=None)
     p.add_argument("--allow-cpu", action="store_true", help="smoke run without CUDA (everything eager)")
-    p.add_argument("--out", default=DEFAULT_OUT)
+    p.add_argument("--via", default="engine", choices=VIAS,
+                   help="engine: one StepBatcher in-process; handle / http: one replica of build_app through the "
+                        "app's DeploymentHandle / POST /v1/images/generations")
+    p.add_argument("--out", default=None, help="default: benchmarks/results/bench_batching[_<via>].json")
     add_plot_only(p)
     args = p.parse_args(argv)
+    if args.out is None:
+        args.out = DEFAULT_OUT if args.via == "engine" else DEFAULT_OUT.replace(".json", f"_{args.via}.json")
+    if args.via != "engine" and (args.negative_prompt is not None or args.output_type != "pil"):
+        p.error("--negative-prompt and --output-type are engine-only (served requests carry neither)")
     args.buckets = tuple(int(b) for b in args.buckets.split(","))
     args.modes = [m for m in args.modes.split(",") if m]
     unknown = [m for m in args.modes if m not in MODES]
@@ -239,6 +405,8 @@ def main(argv=None) -> int:
         return 2
     args.device = args.device or ("cuda" if cuda else "cpu")
     started = time.perf_counter()
+    if args.via != "engine":
+        return main_served(args, argv, started)
     pipe = load_pipeline(args.model, device=args.device)
     pipe.set_progress_bar_config(disable=True)
     components = [c for c in args.components.split(",") if c]
@@ -304,6 +472,28 @@ def main(argv=None) -> int:
     return 0 if all(r["lost"] == 0 and r["answered_twice"] == 0 for r in runs) else 1
 
 
+def main_served(args, argv, started: float) -> int:
+    runs, serial, warmups = run_served(args)
+    base = serial.get("one_at_a_time") or next(iter(serial.values()))
+    result = {
+        "benchmark": "bench_batching",
+        "via": args.via,
+        "command": " ".join([os.path.basename(sys.argv[0])] + (sys.argv[1:] if argv is None else list(argv))),
+        "machine": machine_info(),
+        "settings": {k: v for k, v in vars(args).items() if k not in ("plot_only",)},
+        "shape_key": args.size,
+        "app_args": {mode: served_app_args(args, mode) for mode in args.modes},
+        "warmup": warmups,
+        "serial_ms": serial,  # requests sent one after another through the same path: the low-load baseline
+        "runs": runs,
+        "summary": summarize(runs, base["median"]),
+        "elapsed_s": round(time.perf_counter() - started, 1),
+    }
+    write_json(args.out, result)
+    plot(result, os.path.splitext(args.out)[0] + ".png")
+    return 0 if all(r["lost"] == 0 and r["answered_twice"] == 0 for r in runs) else 1
+
+
 def summarize(runs: list[dict], direct_ms: float) -> dict:
     """Saturation speed-up (batched / one at a time images/s at the highest rate) and low-load p50 ratio."""
     by = {(r["mode"], r["offered_rate"]): r for r in runs}
@@ -360,8 +550,10 @@ def plot(result: dict, png: str) -> bool:
         ax_hist.set_xlabel("real rows per transformer step (batched, highest rate)")
         ax_hist.set_ylabel("steps")
     machine = result.get("machine", {})
+    via = {"handle": ", one replica through a DeploymentHandle", "http": ", one replica through HTTP"}.get(
+        result.get("via"), "")
     fig.suptitle(f"{result['settings'].get('model')} {result.get('shape_key')} {result['settings'].get('steps')} steps "
-                 f"on {machine.get('gpu', 'CPU')}: continuous batching vs one at a time")
+                 f"on {machine.get('gpu', 'CPU')}{via}: continuous batching vs one at a time")
     fig.tight_layout()
     fig.savefig(png, dpi=110)
     plt.close(fig)

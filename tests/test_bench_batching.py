@@ -53,3 +53,18 @@ def test_cpu_smoke_run_answers_every_request_once(tmp_path):
     assert sum(k * v for k, v in batched.items()) == 8 and max(batched) == 2
     assert runs["one_at_a_time"]["batch_size_histogram"] == {"1": 8}
     assert (tmp_path / "bench_batching.png").stat().st_size > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("via", ["handle", "http"])
+def test_cpu_smoke_run_through_one_served_replica_answers_every_request_once(tmp_path, via):
+    out = tmp_path / f"bench_batching_{via}.json"
+    code = bench_batching.main(["--allow-cpu", "--via", via, "--size", "64x64", "--steps", "2", "--requests", "4",
+                                "--rate-factors", "inf", "--max-batch-size", "2", "--buckets", "1,2",
+                                "--direct-iters", "1", "--out", str(out)])
+    result = json.loads(out.read_text())
+    assert code == 0 and result["via"] == via
+    assert result["warmup"]["batched"]["batch_pool_bytes"] == {"64x64": {"1": 0, "2": 0}}
+    for run in result["runs"]:
+        assert (run["answered_ok"], run["failed"], run["lost"], run["answered_twice"]) == (4, 0, 0, 0)
+        assert sum(int(k) * v for k, v in run["batch_size_histogram"].items()) == 8   # 4 requests x 2 steps

@@ -101,7 +101,6 @@ def test_a_burst_batches_and_each_image_is_its_alone_image_and_a_failing_request
 
 
 def test_replica_handle_calls_batch_too_and_the_routing_stats_show_room(batch_app):
-    from ray.serve.handle import DeploymentHandle  # noqa: F401 -- the handle type the app hands out
     from deployments.schemas import ImageGenerationRequest
 
     handle = serve.get_deployment_handle("Replica", APP)

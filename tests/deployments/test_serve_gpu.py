@@ -15,6 +15,7 @@ def test_two_replicas_on_one_gpu_capture_shards_and_replay_warm_requests(ray_ser
     serve.run(build_app({
         "num_replicas": 2, "num_gpus_per_replica": 0.5, "num_cpus_per_replica": 0, "warmup": KEYS,
         "placement": "sharded", "runner": {"max_entries": 4}, "default_steps": 4,
+        "max_batch_size": 1,  # one graph per key and runner: the counts below are those of one request
         "routing_stats_period_s": 0.2,
     }), name=APP, route_prefix=None)
     try:
