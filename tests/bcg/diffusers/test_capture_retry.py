@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from bcg.diffusers import auto_placement, install_breaks, placement_stats, remove_breaks
-from bcg.diffusers.placement import forget
+from bcg.diffusers.placement import _capture_illegal, forget
 from bcg.graphs.capture import is_capturing
 from bcg.runtime.runner import CAPTURE_FAILED_ATTR
 from tests.bcg.diffusers.test_diffusers import recording_capture
@@ -230,3 +230,27 @@ def test_only_automatic_placement_answers_failed_captures():
     runner, recorder = _capturing_runner(model)
     assert runner.capture(x=rows(2)) is False  # fails at gate
     assert recorder.attempts == 1 and auto_placement(runner) == [":forward/rope_table"]
+
+
+@pytest.mark.parametrize("message, illegal", [
+    (SYNC_ERROR, True),
+    (COPY_ERROR, True),
+    ("CUDA error: operation would make the legacy stream depend on a capturing blocking stream", True),
+    ("CUDA error: operation failed due to a previous error during capture", False),  # names a later op
+    ("CUDA out of memory. Tried to allocate 2.00 MiB", False),
+    ("mat1 and mat2 shapes cannot be multiplied (6x8 and 4x8)", False),
+])
+def test_capture_errors_are_told_from_other_errors_through_their_cause(message, illegal):
+    def plain():
+        raise RuntimeError(message)
+
+    def wrapped():
+        try:
+            plain()
+        except RuntimeError as cause:
+            raise RuntimeError("capture failed") from cause
+
+    for fails in (plain, wrapped):
+        with pytest.raises(RuntimeError) as info:
+            fails()
+        assert (_capture_illegal(info.value) is not None) is illegal
