@@ -284,7 +284,7 @@ class AutoPlacement:
         device = _device_of(self.module)
         with self._lock:
             # the probe's own attribution, applied to the frames the error unwound through
-            place, where = HostOpProbe(self.module, device)._place_of(_innermost_frame(failure), None)
+            place, where = HostOpProbe(self.module, device).place_of(_innermost_frame(failure), None)
             if place is None:
                 return None
             op = HostOp(_error_summary(failure), "capture_failure", where)

@@ -243,7 +243,7 @@ class HostOpProbe:
         return isinstance(t, torch.Tensor) and t.device == self.device
 
     def _record(self, op: str, kind: str, api=None) -> None:
-        place, where = self._place_of(sys._getframe(1), api)
+        place, where = self.place_of(sys._getframe(1), api)
         found = HostOp(op, kind, where)
         if place is None:
             if found not in self.unplaced:
@@ -253,8 +253,9 @@ class HostOpProbe:
         if found not in ops:
             ops.append(found)
 
-    def _place_of(self, frame, api):
-        """(Place or None, where) for an op whose innermost Python frame is `frame`."""
+    def place_of(self, frame, api):
+        """(Place or None, where) for an op whose innermost Python frame is `frame` (also used to place a
+        failed capture by the innermost frame of its traceback: `bcg.diffusers.placement`)."""
         chain, where, owner = [], None, None
         while frame is not None:
             if frame.f_code.co_filename in _OWN_FILES:  # the function mode's frame around an aten op
