@@ -243,23 +243,28 @@ def served_app_args(args, mode: str) -> dict:
     }
 
 
-def _start_serve() -> int:
-    """A local Ray (the repository on the workers' PYTHONPATH) and Serve on a free port; returns the port."""
+def _start_serve() -> tuple[int, bool]:
+    """A local Ray (the repository on the workers' PYTHONPATH) and Serve on a free port: (the HTTP port,
+    whether this call started Ray). In a process whose Ray already runs, Serve keeps its own port."""
     import socket
 
     import ray
     from ray import serve
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    if not ray.is_initialized():
+    started = not ray.is_initialized()
+    if started:
         repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False,
                  runtime_env={"env_vars": {"PYTHONPATH": repo, "RAY_AUTH_MODE": "disabled"}})
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    serve.start(http_options={"host": "127.0.0.1", "port": port})  # a Serve already running keeps its own port
-    return port
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    if not started:  # Serve may have been running already, on its own port (private: Serve's client)
+        from ray.serve.context import _get_global_client
+        port = _get_global_client().get_serve_details()["http_options"]["port"]
+    return port, started
 
 
 def _served_caller(args, app: str, port: int):
@@ -290,13 +295,25 @@ def _served_caller(args, app: str, port: int):
 
 def run_served(args) -> tuple[list[dict], dict, dict]:
     """Every mode against one replica of ``build_app``: rows per (mode, rate), serial ms per mode, warmups."""
+    from ray import serve
+
+    port, started = _start_serve()
+    try:
+        return _run_served_modes(args, port)
+    finally:
+        if started:  # leave nothing running behind a script (or a test calling main twice)
+            import ray
+            serve.shutdown()
+            ray.shutdown()
+
+
+def _run_served_modes(args, port: int) -> tuple[list[dict], dict, dict]:
     from concurrent.futures import ThreadPoolExecutor
 
     from ray import serve
 
     from deployments.app import build_app
 
-    port = _start_serve()
     runs, serial, warmups, rates = [], {}, {}, None
     for mode in args.modes:
         app = f"bench_batching_{mode}"

@@ -20,8 +20,10 @@ Contract:
 * A request arrives with its shape key (``shape_key``, computed once by the ingress's
   ``check_request``) and runs at it: ``plan_request(..., key=...)`` takes size, n and CFG from the key
   and raises when the request's own fields contradict it.
-* A request is *warm* when its shape key is in the warm set when it starts; replicas count warm and
-  cold requests, and (on GPU meaningful) replays vs eager calls of all runners per request.
+* A request is *warm* when its shape key is in the warm set when it reaches the replica; replicas
+  count warm and cold requests, and (on GPU meaningful) the runners' replays vs eager calls while
+  serving. A response's own ``replays``/``eager_calls`` are the runners' calls while it was on the
+  replica: exactly its own when it ran alone, shared with its neighbours when batched.
 * Pipelines are not thread-safe: one `StepBatcher` loop thread (``bcg.diffusers.batching``) owns the
   pipeline. Requests are planned and queued there and run step-wise: requests of one shape key group
   (size, frames, CFG, prompt bucket; any image count) share a batch up to ``max_batch_size`` image rows,
