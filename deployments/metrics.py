@@ -48,6 +48,7 @@ RUNNER_COUNTERS = {
     "replays": ("bcg_replays", "Graph replays of a component's runner."),
     "captures": ("bcg_captures", "Graphs captured by a component's runner."),
     "capture_failures": ("bcg_capture_failures", "Captures that failed (the signature is then blocked)."),
+    "capture_retries": ("bcg_capture_retries", "Captures retried after a failed one placed a new break."),
     "evictions": ("bcg_evictions", "Graphs evicted from a runner's cache."),
 }
 # StepBatcher.stats() counters -> (metric name, description).
