@@ -88,6 +88,7 @@ def _run_router(router: str, a, keys, gpus: float) -> dict:
         "model": a.model, "num_replicas": a.replicas, "num_gpus_per_replica": gpus, "num_cpus_per_replica": 0,
         "warmup": keys, "placement": a.placement, "replication": a.replication, "router": router,
         "max_ongoing_requests": a.max_ongoing, "max_queued_requests": -1, "runner": {"max_entries": a.max_entries},
+        "max_batch_size": 1,  # routing alone: one graph per key, as the runner's max_entries assumes
         "spill_threshold": a.spill_threshold if a.spill_threshold is not None else a.max_ongoing,
         "warmup_steps": 2, "default_steps": a.steps, "routing_stats_period_s": 0.5,
         "cpu_threads": 1 if gpus == 0 else None, "max_pixels": 4096 * 4096, "max_n": 8, "max_steps": 1000,
