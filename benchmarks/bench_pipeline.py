@@ -21,7 +21,7 @@ Variants:
 - ``bcg_all``: transformer, text encoders and the VAE decoder replay graphs (the target variant);
 - ``bcg_all_one_graph``: as ``bcg_all`` with ``policy="none"``: the transformer forward is one graph
   (no eager attention between segments); what the attention breaks cost end to end;
-- ``served``: the pipeline of a served replica (``deployments.replica.ReplicaEngine`` at its defaults:
+- ``served``: the pipeline of a served replica (``deployments.engine.ReplicaEngine`` at its defaults:
   its components, break policy and runner configuration), warmed with ``warmup_key`` as a replica is.
 
 Every variant must produce the eager image bit for bit (``matches_eager``). After the timed calls a few
@@ -259,7 +259,7 @@ def main(argv=None):
         components = variants[name]
         entry = {}
         if name == "served":
-            from deployments.replica import ReplicaEngine  # the replica's own pipeline, at its defaults
+            from deployments.engine import ReplicaEngine  # the replica's own pipeline, at its defaults
 
             engine = ReplicaEngine(args.model, device=args.device, dtype=args.dtype, warmup_steps=args.steps)
             entry["warmup"] = engine.warmup_key(key.key)

@@ -173,7 +173,7 @@ def test_nothing_from_a_request_is_unpickled_or_evaluated():
     hits = {p.name: pattern.findall(p.read_text()) for p in src.glob("*.py")}
     # import_module: only resolve_hook (a name from the app config) and Serve's default router (the path
     # Ray's own RequestRouterConfig names); the lazy exports live in bcg/_lazy.py
-    assert {k: v for k, v in hits.items() if v} == {"replica.py": ["import_module"],
+    assert {k: v for k, v in hits.items() if v} == {"engine.py": ["import_module"],
                                                     "serve_internals.py": ["import_module"]}
 
 

@@ -3,7 +3,7 @@ with a CPU stand-in for the CUDA capture whose graphs take pool bytes, and the c
 a plan before it is sent to the replicas."""
 from deployments.coordinator import PlanDoesNotFit, plan_misfit
 from deployments.memory import format_bytes, plan_fits
-from deployments.replica import ReplicaEngine
+from deployments.engine import ReplicaEngine
 from tests.bcg.runtime.test_runner import _RerunRecorder
 
 GiB = 2**30

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from bcg.diffusers.buckets import ShapeKey
-from deployments.replica import ReplicaEngine
+from deployments.engine import ReplicaEngine
 from deployments.schemas import ImageGenerationRequest
 from tests.bcg.runtime.test_runner import _RerunRecorder
 

@@ -1,0 +1,358 @@
+"""The replica's engine, without Ray: one diffusers pipeline, accelerated, driven by one `StepBatcher` loop
+thread, with its warm set, memory share and stats. `deployments.replica.Replica` is the Serve deployment
+around it; its module docstring states the contract both keep.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import io
+import logging
+import threading
+import time
+from typing import Dict, List, Optional
+
+from bcg.diffusers.buckets import ShapeKey
+from deployments.memory import ReplicaMemory, plan_fits
+from deployments.schemas import ImageGenerationRequest
+
+logger = logging.getLogger(__name__)
+
+
+def _counts(runner_stats: dict) -> Dict[str, int]:
+    """Totals over a pipeline's runners (their ``stats()`` by name): captures, replays, eager calls,
+    capture failures, evictions, pool bytes."""
+    fields = {"captures": "captures", "replays": "replays", "eager": "eager_calls_total",
+              "failures": "capture_failures", "evictions": "evictions", "pool_bytes": "pool_bytes"}
+    return {out: sum(int(st.get(name, 0)) for st in runner_stats.values()) for out, name in fields.items()}
+
+
+def _delta(before: dict, after: dict) -> Dict[str, int]:
+    """What happened between two runner-stats snapshots, as `_counts` totals."""
+    a, b = _counts(after), _counts(before)
+    return {k: a[k] - b[k] for k in a}
+
+
+def _graphs(runner_stats: dict) -> Dict[tuple, dict]:
+    """(component, signature key) -> the entry's record, for every live graph."""
+    return {(name, e["key"]): e for name, st in runner_stats.items() for e in st.get("entries", ())}
+
+
+def _used(before: dict, after: dict) -> frozenset:
+    """The live graphs a run between two snapshots replayed (a capture replays its graph too)."""
+    hits = {g: e.get("hits", 0) for g, e in _graphs(before).items()}
+    return frozenset(g for g, e in _graphs(after).items() if e.get("hits", 0) > hits.get(g, 0))
+
+
+def pipeline_components(pipe, components) -> List[str]:
+    """``"all"``: each of ``bcg.diffusers.COMPONENTS`` that `pipe` has; else `components` as given."""
+    from bcg.diffusers import COMPONENTS
+    if components == "all":
+        return [c for c in COMPONENTS if getattr(pipe, "vae" if c == "vae_decoder" else c, None) is not None]
+    return [components] if isinstance(components, str) else list(components)
+
+
+def resolve_hook(path: str):
+    """``"package.module:function"`` -> the function (app configuration only, never a request)."""
+    import importlib
+    module, sep, name = path.partition(":")
+    if not sep or not module or not name:
+        raise ValueError(f"pipeline_hook must be 'package.module:function', got {path!r}")
+    fn = getattr(importlib.import_module(module), name, None)
+    if not callable(fn):
+        raise ValueError(f"pipeline_hook {path!r}: {module} has no function {name!r}")
+    return fn
+
+
+def cuda_memory() -> dict:
+    """This process's CUDA allocator counters (zeros without CUDA)."""
+    import torch
+    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return {"allocated_bytes": 0, "reserved_bytes": 0}
+    return {"allocated_bytes": torch.cuda.memory_allocated(), "reserved_bytes": torch.cuda.memory_reserved()}
+
+
+def _png(image) -> bytes:
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def _pngs(images) -> List[bytes]:
+    return [_png(im) for im in images]
+
+
+def _release_cached_memory() -> None:
+    import torch
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+# A replica engine that batches nothing: every request runs alone at its own image count (ReplicaEngine's
+# default; the app passes its batching settings).
+NO_BATCHING = {"max_batch_size": 1, "batch_buckets": (1,)}
+
+
+def _merge_reports(key: str, reports: List[dict]) -> dict:
+    """One key's ``warmup_pipeline`` report from the reports of its bucket plan (``<key>.b<bucket>``)."""
+    errors = [f"{r['key']}: {r['error']}" for r in reports if r["error"]]
+    failed: Dict[str, list] = {}
+    for r in reports:
+        for component, reasons in r["failed"].items():
+            failed.setdefault(component, []).extend(reasons)
+    return {"key": key, "error": "; ".join(errors) or None, "failed": failed,
+            "captured": {r["key"]: r["captured"] for r in reports}}
+
+
+def _bucket_pool_bytes(reports: List[dict], runner_stats: dict) -> Dict[int, int]:
+    """Batch bucket -> pool bytes of the graphs its warmup run captured (0 for graphs it shared)."""
+    graphs = _graphs(runner_stats)
+    return {ShapeKey.parse(r["key"]).batch_size: sum(int(graphs.get((name, sig), {}).get("pool_bytes", 0))
+                                                 for name, sigs in r["captured"].items() for sig in sigs)
+            for r in reports}
+
+
+def _forward_outcome(source: concurrent.futures.Future, target: concurrent.futures.Future) -> None:
+    """A failed or cancelled `source` fails or cancels `target` (a result is `target`'s own business)."""
+    try:
+        if source.cancelled():
+            target.cancel()
+        elif source.exception() is not None:
+            target.set_exception(source.exception())
+    except concurrent.futures.InvalidStateError:
+        pass  # the caller cancelled `target` meanwhile
+
+
+class ReplicaEngine:
+    """The pipeline side of a replica, free of Ray: load, warm keys, run requests.
+
+    One `StepBatcher` loop thread owns the pipeline: requests (`submit`), warmups and runner-stats reads
+    (`call`) all run there. ``batching`` holds `BatcherConfig` fields (default `NO_BATCHING`)."""
+
+    def __init__(self, model: str, device: Optional[str] = None, dtype: Optional[str] = None,
+                 runner_config: Optional[dict] = None, warmup_steps: int = 2,
+                 cpu_threads: Optional[int] = None, gpu_memory_fraction: Optional[float] = None,
+                 pipeline_hook: Optional[str] = None, components="all", batching: Optional[dict] = None,
+                 memory_budget_bytes: Optional[int] = None):
+        import torch
+        from bcg.runtime.config import RunnerConfig
+        from bcg.diffusers import accelerate, pipeline_info, pipeline_runners
+        from bcg.diffusers.batching import BatcherConfig, StepBatcher
+        from bcg.diffusers.models import load_pipeline
+
+        if cpu_threads:
+            torch.set_num_threads(int(cpu_threads))
+        self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        self.cuda = torch.device(self.device).type == "cuda"
+        if self.cuda and gpu_memory_fraction:
+            # Replicas sharing a GPU get no memory isolation from Ray; cap this process's share.
+            torch.cuda.set_per_process_memory_fraction(float(gpu_memory_fraction))
+        self.model = model
+        config = RunnerConfig(**runner_config) if isinstance(runner_config, dict) else runner_config
+        pipe = load_pipeline(model, device=self.device, dtype=getattr(torch, dtype) if dtype else None)
+        if pipeline_hook:
+            resolve_hook(pipeline_hook)(pipe)  # from the app config (e.g. fault injection in tests)
+        self.pipe = accelerate(pipe, config=config, components=pipeline_components(pipe, components))
+        self.pipe.set_progress_bar_config(disable=True)
+        self.runners = pipeline_runners(self.pipe)
+        self.info = {**pipeline_info(self.pipe), "model": model, "device": self.device,
+                     "components": sorted(self.runners)}
+        self.warmup_steps = warmup_steps
+        # key -> the graphs (component, signature key) its warmup used; replaced, never mutated, so
+        # other threads read it without a lock
+        self._warmed: Dict[str, frozenset] = {}
+        self._bucket_pools: Dict[str, Dict[int, int]] = {}  # key -> batch bucket -> pool bytes captured
+        self._runner_stats, self._served = None, {"replays": 0, "eager_calls": 0}
+        self._submit_lock = threading.Lock()
+        # the replica's memory share, fixed once here; warmup_key checks each key against it
+        self.memory = ReplicaMemory.measure(self.pipe, self.cuda, gpu_memory_fraction, memory_budget_bytes)
+        self._key_bytes: Dict[str, dict] = {}  # key -> {graphs_bytes, eager_peak_bytes} measured at warmup
+        self._used_bytes = self.memory.used_bytes(0)
+        self.refresh()
+        config = BatcherConfig(**{**NO_BATCHING, **(batching or {})})
+        self.batcher = StepBatcher(self.pipe, config, info=self.info).start()
+
+    def close(self) -> None:
+        """Stop the loop thread; requests still queued or running fail."""
+        self.batcher.close()
+
+    def call(self, fn, *args) -> concurrent.futures.Future:
+        """Run ``fn(*args)`` on the pipeline's loop thread, between two denoising steps."""
+        return self.batcher.call_between_steps(lambda: fn(*args))
+
+    def refresh(self, serving: bool = True) -> dict:
+        """Read the runners' stats (on the pipeline thread) into the snapshot others read; returns it.
+        What the runners did since the last read counts as serving unless `serving` is False (warmups)."""
+        stats = {name: r.stats() for name, r in self.runners.items()}
+        if serving and self._runner_stats is not None:
+            delta = _delta(self._runner_stats, stats)
+            self._served = {"replays": self._served["replays"] + delta["replays"],
+                            "eager_calls": self._served["eager_calls"] + delta["eager"]}
+        self._runner_stats, self._live = stats, frozenset(_graphs(stats))
+        return stats
+
+    def served(self) -> Dict[str, int]:
+        """Replays and eager calls of all runners while serving requests (warmups not counted)."""
+        return dict(self._served)
+
+    def runner_stats(self) -> dict:
+        """The runners' stats after the last pipeline run (a snapshot: never waits for a capture)."""
+        return self._runner_stats
+
+    def pool_bytes(self) -> int:
+        return _counts(self._runner_stats)["pool_bytes"]
+
+    def warm_keys(self) -> List[str]:
+        """Keys whose graphs are all live (every key whose warmup ran, where no runner can capture)."""
+        live = self._live
+        return sorted(k for k, graphs in self._warmed.items() if graphs <= live)
+
+    def graphs_off_reason(self) -> Optional[str]:
+        """Why no runner can capture graphs here (None when one can)."""
+        stats = self._runner_stats.values()
+        if any(st.get("enabled") for st in stats):
+            return None
+        if not self.cuda:
+            return "no CUDA"
+        return "; ".join(sorted({st.get("disabled_reason") or "disabled" for st in stats})) or "no runners"
+
+    def _warmup_run(self, key: str):
+        """One warmup run of `key` and of every batch bucket the batcher replays for it
+        (`StepBatcher.warmup`): (its report, what it did as `_counts` deltas, the graphs it used)."""
+        before = self._runner_stats  # current: every run on the loop thread refreshes it
+        reports = self.batcher.warmup([key], num_inference_steps=self.warmup_steps)["keys"]
+        after = self.refresh(serving=False)
+        report = _merge_reports(ShapeKey.parse(key).key, reports)
+        self._bucket_pools = {**self._bucket_pools, report["key"]: _bucket_pool_bytes(reports, after)}
+        return report, _delta(before, after), _used(before, after)
+
+    def bucket_pool_bytes(self) -> Dict[str, Dict[int, int]]:
+        """Per warm key: batch bucket -> pool bytes of the graphs its warmup captured for that bucket."""
+        warm = set(self.warm_keys())
+        return {k: dict(v) for k, v in self._bucket_pools.items() if k in warm}
+
+    def warmup_key(self, key: str) -> dict:
+        """Run the pipeline once for ``key`` inside the runners' ``warmup()``; returns what happened.
+
+        The key must fit in the replica's memory share (`deployments.memory`): its new graphs plus its
+        eager peak within what was left before it. A key that does not fit fails (``reason`` names
+        the key and the bytes), stays cold and its new graphs are dropped."""
+        t0 = time.perf_counter()
+        before = self.refresh()
+        used_before = self.memory.used_bytes(self.pool_bytes())
+        with self.memory.peak() as peak:
+            report, delta, used = self._warmup_run(key)
+        ok, reason = _warmup_outcome(report)
+        if ok and self.graphs_off_reason() is not None:
+            reason, used = self.graphs_off_reason(), frozenset()
+        elif ok and (delta["evictions"] or (delta["captures"] and self.memory.cuda)):
+            # A capture of this run may have evicted a graph an earlier call of the same run used, and
+            # captures reset CUDA's peak statistics: run the key again, which must replay everything
+            # (no capture, no eviction); its peak is what serving the key takes beside its graphs.
+            with self.memory.peak() as peak:
+                again, delta_again, used = self._warmup_run(key)
+            ok, reason = _warmup_outcome(again)
+            if ok and (delta_again["captures"] or delta_again["evictions"]):
+                ok, reason = False, ("its graphs do not fit in the runners at once (raise runner "
+                                     "max_entries or pool_budget_bytes)")
+        if ok and self.graphs_off_reason() is None and not used:
+            ok, reason = False, "warmup replayed and captured no graph"
+        new = set(_graphs(self._runner_stats)) - set(_graphs(before))
+        memory = {"graphs_bytes": max(0, self.pool_bytes() - _counts(before)["pool_bytes"]),
+                  "eager_peak_bytes": peak.bytes, "used_before_bytes": used_before,
+                  "share_bytes": self.memory.share_bytes, "weights_bytes": self.memory.weights_bytes}
+        misfit = plan_fits(report["key"], memory["graphs_bytes"], peak.bytes, used_before,
+                           self.memory.share_bytes, self.memory.weights_bytes)
+        if ok:  # what serving the key takes, measured (the coordinator checks later plans against it)
+            self._key_bytes = {**self._key_bytes, report["key"]: {
+                "graphs_bytes": memory["graphs_bytes"], "eager_peak_bytes": peak.bytes}}
+        if ok and misfit:
+            ok, reason = False, misfit
+            logger.warning("warmup of %s: %s", report["key"], misfit)
+            self._drop_graphs(new)
+        if ok:
+            self._warmed = {**self._warmed, report["key"]: used}
+        self._used_bytes = self.memory.used_bytes(self.pool_bytes())
+        segments = sum(e.get("segments", 0) for g, e in _graphs(self._runner_stats).items() if g in new)
+        seconds = time.perf_counter() - t0
+        return {"key": report["key"], "ok": ok, "reason": reason, "capture_ms": seconds * 1e3, "seconds": seconds,
+                "captures": _delta(before, self._runner_stats)["captures"], "segments": segments,
+                "memory": memory}
+
+    def _drop_graphs(self, graphs) -> None:
+        """Drop these (component, signature key) graphs from their runners (a key that does not fit)."""
+        by_component: Dict[str, list] = {}
+        for name, sig in graphs:
+            by_component.setdefault(name, []).append(sig)
+        for name, sigs in by_component.items():
+            self.runners[name].drop(sigs)
+        self.refresh()
+        _release_cached_memory()
+
+    def memory_report(self) -> dict:
+        """The replica's share, weights and held bytes (as of the last warmup), and per key measured
+        what it needs (``key_bytes``: graphs, eager peak), for the coordinator's plan check."""
+        return {**self.memory.report(self._used_bytes), "key_bytes": dict(self._key_bytes)}
+
+    def submit(self, request: ImageGenerationRequest, key: ShapeKey, default_steps: int) -> concurrent.futures.Future:
+        """Queue one request at its shape key (any thread). The future's result: ``{"images": [PIL
+        images], "replays", "eager_calls"}``, the runners' calls while the request was on the replica
+        (shared with the requests batched beside it; exactly its own when it ran alone)."""
+        answer: concurrent.futures.Future = concurrent.futures.Future()
+
+        def plan_and_queue():
+            # on the loop thread: planning counts prompt tokens with the pipeline's tokenizers, which the
+            # loop uses too (fast tokenizers are not safe to share between threads)
+            from bcg.diffusers import plan_request
+            _, kwargs = plan_request(
+                self.pipe, request.prompt, key=key, n=request.n, size=request.size,
+                steps=request.num_inference_steps or default_steps, guidance=request.guidance_scale,
+                seed=request.seed, info=self.info)
+            before = self._runner_stats
+            queued = self.batcher.submit_planned(key, kwargs)
+            with self._submit_lock:
+                answer.queued = queued  # what `cancel` drops from now on
+            queued.add_done_callback(lambda done: self._answer(done, before, answer))
+
+        planning = self.call(plan_and_queue)
+        with self._submit_lock:
+            if not hasattr(answer, "queued"):  # not queued yet: `cancel` drops the planning
+                answer.queued = planning
+        planning.add_done_callback(lambda done: _forward_outcome(done, answer))
+        return answer
+
+    def cancel(self, answer: concurrent.futures.Future) -> bool:
+        """Drop a request of `submit` that has not started (`answer` is then cancelled); False once it
+        runs: a batch cannot drop a request mid-run, it finishes."""
+        with self._submit_lock:
+            queued = answer.queued
+        return queued.cancel()
+
+    def _answer(self, done: concurrent.futures.Future, before: dict, answer: concurrent.futures.Future) -> None:
+        if done.cancelled():  # `cancel`, on the caller's thread
+            answer.cancel()
+            return
+        # a done-callback on the loop thread: the runner stats are read where the runners run
+        delta = _delta(before, self.refresh())  # a runner may drop a graph while serving
+        if done.exception() is not None:
+            _forward_outcome(done, answer)
+            return
+        try:
+            answer.set_result({"images": list(done.result()), "replays": delta["replays"],
+                               "eager_calls": delta["eager"]})
+        except concurrent.futures.InvalidStateError:
+            pass  # cancelled by its caller meanwhile
+
+    def generate(self, request: ImageGenerationRequest, key: ShapeKey, default_steps: int) -> dict:
+        """`submit` and wait: PNGs and the runners' replays/eager calls for the request."""
+        out = self.submit(request, key, default_steps).result()
+        return {**out, "images": [_png(im) for im in out["images"]]}
+
+
+def _warmup_outcome(report: dict) -> tuple:
+    """(ok, reason) of one key's ``warmup_pipeline`` report: an error or a failed capture fails it."""
+    if report["error"]:
+        return False, report["error"]
+    failed = [r for rs in report["failed"].values() for r in rs]
+    if failed:
+        return False, "; ".join(failed)
+    return True, None
