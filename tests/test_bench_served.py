@@ -1,0 +1,59 @@
+"""benchmarks/bench_served.py on CPU: a smoke run over tiny pipeline directories measures eager and served
+rows, writes its JSON and PNG; the issue's target is read from the rows; the plot is made from a JSON."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+BENCHMARKS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
+sys.path.insert(0, BENCHMARKS)
+import bench_served  # noqa: E402
+
+
+def _row(model, key, steps, eager_ms, served_ms, speedup):
+    return {"model": model, "size": key.split(".")[0], "steps": steps, "eager_key": key, "served_key": key,
+            "eager": {"median_ms": eager_ms}, "served": {"median_ms": served_ms}, "speedup": speedup}
+
+
+def test_target_is_flux_512_at_28_steps_only(tmp_path):
+    rows = [_row("flux.1-dev", "512x512", 28, 3000.0, 2000.0, 1.5),
+            _row("flux.1-dev", "1024x1024", 28, 9000.0, 8000.0, 1.125),
+            _row("flux.1-dev", "512x512", 4, 500.0, 400.0, 1.25)]
+    assert bench_served.targets(rows) == [
+        {"check": "flux.1-dev 512x512 28 steps: eager / served >= 1.4", "value": 1.5, "met": True}]
+    rows[0]["speedup"] = None  # served failed or ran another key: not met
+    assert bench_served.targets(rows)[0]["met"] is False
+    path = tmp_path / "served.json"
+    path.write_text(json.dumps({"machine": {"gpu": "H200"}, "settings": {"compile": True}, "rows": rows}))
+    assert bench_served.main(["--plot-only", str(path)]) == 0 and (tmp_path / "served.png").stat().st_size > 0
+
+
+@pytest.mark.slow
+def test_cpu_smoke_run_serves_a_tiny_flux_directory_over_http_and_records_wan(tmp_path):
+    # a subprocess: the script starts and stops its own Ray, which a test session may already run
+    out = tmp_path / "bench_served.json"
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.run([sys.executable, os.path.join(BENCHMARKS, "bench_served.py"), "--allow-cpu",
+                           "--out", str(out)], env=env, capture_output=True, text=True, timeout=600)
+    assert out.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    flux, wan = result["rows"]
+    assert (flux["model"], flux["eager_key"], flux["served_key"], flux["steps"]) == ("flux.1-dev", "64x64", "64x64", 2)
+    served = flux["served"]
+    assert flux["eager"]["median_ms"] > 0 and served["median_ms"] > 0 and flux["speedup"] > 0
+    assert (served["requests"], served["warm_hits"], served["shape_keys"]) == (1, 1, ["64x64"])
+    assert served["warm_keys"] == ["64x64"] and set(served["warmup_s"]) == {"64x64"}
+    assert served["warmup_progress"]["key"] == "64x64" and served["warmup_progress"]["ok"] is True
+    assert served["graphs_off_reason"] == "no CUDA" and served["app_args"]["runner"] == {"compile": False}
+    assert set(served["runners"]) >= {"transformer", "vae_decoder"}
+    assert served["memory"]["key_bytes"]["64x64"] == {"graphs_bytes": 0, "eager_peak_bytes": 0}
+    # Wan: eager at the asked frames; served requests get the pipeline's default frames (no frames field)
+    assert (wan["eager_key"], wan["served_key"]) == ("64x64.f5.cfg", "64x64.f81.cfg")
+    assert wan["eager"]["median_ms"] > 0 and wan.get("speedup") is None
+    if "error" in wan["served"]:  # build_app refuses video keys today
+        assert "num_frames" in wan["served"]["error"] and proc.returncode == 1
+    else:
+        assert wan["served"]["shape_keys"] == ["64x64.f81.cfg"] and proc.returncode == 0
+    assert result["targets"] == [] and (tmp_path / "bench_served.png").stat().st_size > 0
