@@ -90,6 +90,7 @@ class AppArgs(BaseModel):
     size_multiple: Optional[int] = Field(None, ge=1)           # None: the model's own
     max_body_bytes: int = Field(64 * 1024, ge=256)             # HTTP bodies above it: 413
     max_warmup_keys: int = Field(64, ge=1)
+    max_frames: int = Field(129, ge=1)                         # video models: frames per video
     max_retries: int = Field(2, ge=0)                          # re-sends when a replica dies with a request
     retry_after_s: float = Field(1.0, gt=0)                    # Retry-After of 503s
     ingress_max_ongoing_requests: int = Field(256, ge=1)
@@ -181,8 +182,9 @@ class AppArgs(BaseModel):
 
     @model_validator(mode="after")
     def _warmup_within_limits(self):
-        # the plan's keys get the limits requests get (the model's size multiple is checked at warmup)
-        limits = self.limits().model_copy(update={"size_multiple": self.size_multiple or 1})
+        # the plan's keys get the limits requests get (the model's size and frame multiples, and whether
+        # it makes video at all, are checked at warmup: the model is not loaded here)
+        limits = self.limits().model_copy(update={"size_multiple": self.size_multiple or 1, "frame_multiple": 1})
         self.warmup = check_plan(self.warmup, limits, "warmup")
         return self
 
@@ -190,7 +192,7 @@ class AppArgs(BaseModel):
         """The request limits these args set (size multiple: the model's unless ``size_multiple``)."""
         return RequestLimits(max_n=self.max_n, max_steps=self.max_steps, max_pixels=self.max_pixels,
                              max_prompt_chars=self.max_prompt_chars, max_body_bytes=self.max_body_bytes,
-                             max_warmup_keys=self.max_warmup_keys)
+                             max_warmup_keys=self.max_warmup_keys, max_frames=self.max_frames)
 
     @field_validator("runner")
     @classmethod

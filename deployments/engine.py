@@ -72,12 +72,17 @@ def cuda_memory() -> dict:
 
 
 def _png(image) -> bytes:
+    """One PNG; a video (a list of PIL frames) is one animated PNG (APNG) of all its frames."""
     buf = io.BytesIO()
-    image.save(buf, format="PNG")
+    if isinstance(image, (list, tuple)):
+        image[0].save(buf, format="PNG", save_all=True, append_images=list(image[1:]))
+    else:
+        image.save(buf, format="PNG")
     return buf.getvalue()
 
 
 def _pngs(images) -> List[bytes]:
+    """A request's outputs as PNG bytes: an image each, or an animated PNG each for video."""
     return [_png(im) for im in images]
 
 

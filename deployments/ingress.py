@@ -13,7 +13,7 @@ next request for a warmed key lands on a replica warm for it; the report says
 
 The ingress validates every request (``RequestGuard`` for the API key, body size and encoding;
 strict pydantic models for types and unknown fields; ``check_request``/``check_warmup`` for the
-deployment's limits and the model's size multiple), so nothing invalid reaches a replica; errors
+deployment's limits and the model's size and frame multiples), so nothing invalid reaches a replica; errors
 are 4xx with the FastAPI error list whose ``loc`` names the field. ``check_request`` computes the
 request's shape key (the one place a served request's key is computed) and the ingress passes it as
 the ``shape_key`` kwarg, which the replica deployment's router reads (the HTTP
@@ -145,6 +145,8 @@ class Ingress:
                 self._info = await asyncio.wait_for(self.replica.model_info.remote(), self.request_timeout_s)
                 if self._limits.get("size_multiple") is None:
                     self._limits["size_multiple"] = self._info["size_multiple"]
+                if self._info["is_video"]:  # frames k*frame_multiple+1; images keep None (1 frame)
+                    self._limits["frame_multiple"] = self._info["frame_multiple"] or 1
                 self.limits = RequestLimits(**self._limits)
         return self._info
 

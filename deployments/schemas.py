@@ -1,17 +1,19 @@
 """Pydantic models at the HTTP and Python-handle edge of the app.
 
 The request model follows the OpenAI Images API (``prompt, model, n, size "WxH", response_format,
-user``) plus ``num_inference_steps``, ``guidance_scale`` and ``seed``; unknown fields are rejected.
+user``) plus ``num_inference_steps``, ``guidance_scale``, ``seed`` and, for video models only,
+``num_frames`` (diffusers' name); unknown fields are rejected.
 Static checks live in the model, which is strict: no type coercion (``"2"`` is not an int, ``true``
 is not a number), no NaN or infinity, bounded strings. The deployment's maxima (``RequestLimits``) and
 the model's size multiple are checked by ``check_request``, which also computes the request's shape
 key (``request_shape_key``), and by ``check_plan`` for warmup plans, the one place a plan's keys are
 normalised; so the same limits apply to HTTP and to Python callers. What one pipeline run may compute
-(images per run, pixels, size multiple) is checked in one place, ``check_shape_limits``, for request
+(images per run, pixels, size multiple, frames) is checked in one place, ``check_shape_limits``, for request
 keys and warmup plan keys alike. Every error names the field it is about.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Annotated, Dict, Iterable, List, Literal, Optional
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
@@ -38,6 +40,8 @@ class RequestLimits(BaseModel):
     size_multiple: int = Field(16, ge=1)
     max_body_bytes: int = Field(64 * 1024, ge=256)     # HTTP bodies above it get a 413
     max_warmup_keys: int = Field(64, ge=1)
+    max_frames: int = Field(129, ge=1)                  # video models: frames per video
+    frame_multiple: Optional[int] = Field(None, ge=1)   # None: an image model (1 frame); video: frames k*m+1
 
 
 class ImageGenerationRequest(BaseModel):
@@ -52,6 +56,7 @@ class ImageGenerationRequest(BaseModel):
     num_inference_steps: Optional[int] = Field(None, ge=1)
     guidance_scale: Optional[float] = Field(None, ge=0.0, le=100.0)
     seed: Optional[int] = Field(None, ge=0, lt=2**63)
+    num_frames: Optional[int] = Field(None, ge=1)  # video models only; None: the model's default
 
     @field_validator("prompt", "model", "user")
     @classmethod
@@ -80,9 +85,10 @@ class FieldError(ValueError):
 def check_shape_limits(key: ShapeKey, limits: RequestLimits) -> ShapeKey:
     """The deployment's limits on one pipeline run, for a request's shape key and a plan's key alike.
 
-    Raises FieldError naming the request field at fault (``n`` or ``size``); ``check_warmup`` reports
-    it under the plan key's own field. A key a request cannot have (``.p`` prompt bucket, ``.f``
-    frames: requests run at the model's default prompt length, as images) is an error too.
+    Raises FieldError naming the request field at fault (``n``, ``size`` or ``num_frames``);
+    ``check_warmup`` reports it under the plan key's own field. A key a request cannot have (``.p``
+    prompt bucket: requests run at the model's default prompt length; ``.f`` frames on an image
+    model, ``frame_multiple`` None) is an error too.
     """
     if key.batch_size > limits.max_n:
         raise FieldError("n", f"at most {limits.max_n} images per request, got {key.batch_size}")
@@ -90,9 +96,15 @@ def check_shape_limits(key: ShapeKey, limits: RequestLimits) -> ShapeKey:
         raise FieldError("size", f"no prompt bucket ('.p{key.prompt_bucket}'): requests run at the model's "
                                  "default prompt length, so no request has one")
     try:
-        check_shape(key, limits.size_multiple)
+        check_shape(dataclasses.replace(key, num_frames=1), limits.size_multiple)
     except ValueError as exc:
         raise FieldError("size", str(exc)) from None
+    if key.num_frames > limits.max_frames:
+        raise FieldError("num_frames", f"at most {limits.max_frames} frames, got {key.num_frames}")
+    try:
+        check_shape(key, 1, frame_multiple=limits.frame_multiple)
+    except ValueError as exc:
+        raise FieldError("num_frames", str(exc)) from None
     if key.width * key.height * key.batch_size > limits.max_pixels:
         raise FieldError("size", f"width*height*n must be at most {limits.max_pixels} pixels, got "
                                  f"{key.width}x{key.height}x{key.batch_size}")
@@ -117,7 +129,10 @@ def check_request(req: ImageGenerationRequest, limits: RequestLimits, served_mod
         raise FieldError("prompt", f"at most {limits.max_prompt_chars} characters, got {len(req.prompt)}")
     if req.num_inference_steps is not None and req.num_inference_steps > limits.max_steps:
         raise FieldError("num_inference_steps", f"at most {limits.max_steps}, got {req.num_inference_steps}")
-    key = request_shape_key(info, size=req.size or default_size, n=req.n, guidance=req.guidance_scale)
+    if req.num_frames is not None and not info["is_video"]:
+        raise FieldError("num_frames", f"{served_model!r} makes images; num_frames is for video models only")
+    key = request_shape_key(info, size=req.size or default_size, n=req.n, guidance=req.guidance_scale,
+                            num_frames=req.num_frames)
     return check_shape_limits(key, limits)
 
 

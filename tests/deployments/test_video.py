@@ -1,0 +1,55 @@
+"""A video model (tiny-wan) served over HTTP on CPU: ``num_frames`` requests, warmup plan keys with
+frames (``.f<frames>``), and each video back as one animated PNG; ``num_frames`` on an image model
+is a 422 naming the field."""
+import base64
+import io
+
+import httpx
+import pytest
+
+from tests.deployments.conftest import http_app
+
+KEY = "64x64.f5.cfg"  # Wan's default guidance runs CFG
+
+
+@pytest.fixture(scope="module")
+def wan_client(ray_serve):
+    args = {"model": "tiny-wan", "num_replicas": 1, "num_cpus_per_replica": 0, "num_gpus_per_replica": 0,
+            "device": "cpu", "warmup": KEY, "warmup_steps": 2, "default_steps": 2, "cpu_threads": 2,
+            "max_batch_size": 1, "max_frames": 9, "routing_stats_period_s": 0.2}
+    with http_app(ray_serve, "video", "/video", args) as client:
+        yield client
+
+
+def test_a_video_request_is_served_warm_as_one_animated_png_per_video(wan_client):
+    from PIL import Image
+
+    r = wan_client.post("/v1/images/generations", json={"prompt": "a cat", "size": "64x64", "num_frames": 5,
+                                                        "num_inference_steps": 2, "seed": 1})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["bcg"]["shape_key"] == KEY and body["bcg"]["warm"] is True
+    (item,) = body["data"]
+    video = Image.open(io.BytesIO(base64.b64decode(item["b64_json"])))
+    assert video.format == "PNG" and video.size == (64, 64)
+    assert video.is_animated and video.n_frames == 5
+    (replica,) = wan_client.get("/v1/stats").json()["replicas"].values()
+    assert replica["warm_keys"] == [KEY] and replica["warm_requests"] == 1
+
+
+@pytest.mark.parametrize("frames, words", [(6, "k*4+1"), (13, "at most 9")])
+def test_bad_frame_counts_are_a_422_naming_num_frames(wan_client, frames, words):
+    r = wan_client.post("/v1/images/generations", json={"prompt": "a cat", "size": "64x64", "num_frames": frames})
+    assert r.status_code == 422, r.text
+    (error,) = r.json()["detail"]
+    assert error["loc"] == ["body", "num_frames"] and words in error["msg"]
+
+
+def test_num_frames_on_an_image_model_is_a_422_naming_it(serve_app):
+    base, _ = serve_app
+    with httpx.Client(base_url=base, timeout=60) as client:
+        r = client.post("/v1/images/generations", json={"prompt": "a cat", "size": "64x64", "num_frames": 5})
+        assert r.status_code == 422, r.text
+        assert [e["loc"] for e in r.json()["detail"]] == [["body", "num_frames"]]
+        r = client.post("/v1/warmup", json={"keys": ["64x64.f5"]})
+        assert r.status_code == 422 and "num_frames" in r.text
