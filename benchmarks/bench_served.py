@@ -24,12 +24,8 @@ Wan2.1-1.3B: ``--wan-sizes`` 832x480 (width x height, the 480x832 of Wan's docs)
   component the runner's achieved settings (enabled or why not, compile stats, segments). Peak device
   memory while the app ran is sampled from this process (``torch.cuda.mem_get_info`` every 0.2 s,
   device-wide, minus what was used before the app started).
-- ``speedup`` = eager median / served median, only when both ran the same shape key. Served requests
-  carry no frame count (the OpenAI Images API has none): the ingress gives a video request its pipeline's
-  default frames (Wan2.1: 81), so the served key of a Wan row is ``<size>.f81.cfg`` whatever ``--wan-frames``
-  says, and no speed-up is computed for it. Today ``build_app`` refuses that key (its plan and request
-  checks take every model for an image model: "num_frames must be 1"); the row records the error and
-  its eager half stands alone.
+- ``speedup`` = eager median / served median, only when both ran the same shape key (video requests name
+  their ``num_frames``, so a Wan row's served key is its eager key).
 
 The JSON (machine, command, settings, rows) is rewritten after every measurement, so a timeout keeps what
 was measured; ``--budget-s`` stops starting new measurements once that many seconds have passed; progress
@@ -245,6 +241,8 @@ def measure_served(args, port: int, app: str, app_args: dict, shape: dict, steps
     cuda = torch.device(args.device).type == "cuda"
     sampler = DeviceMemorySampler() if cuda else None
     body = {"prompt": PROMPT, "size": shape["size"], "num_inference_steps": steps}
+    if shape.get("frames"):
+        body["num_frames"] = shape["frames"]
     with contextlib.ExitStack() as stack:
         if sampler:
             stack.enter_context(sampler)
@@ -339,8 +337,7 @@ def run_model(args, model: str, result: dict, port_box: list) -> None:
         if info["is_video"]:
             row["frames"] = row["frames"] or info["default_frames"]
         row["eager_key"] = request_shape_key(info, size=row["size"], num_frames=row["frames"]).key
-        # what the ingress computes for a request of this size (requests name no frames)
-        row["served_key"] = request_shape_key(info, size=row["size"]).key
+        row["served_key"] = row["eager_key"]  # what the ingress computes for the request (frames named)
         row["eager"] = {"load_s": load_s}
     try:
         for row in rows:
@@ -385,8 +382,7 @@ def run_model(args, model: str, result: dict, port_box: list) -> None:
             _say(f"{model} {row['served_key']}: speed-up eager/served {row['speedup']:.2f}x")
         elif eager_ms and served_ms:
             row["speedup"] = None
-            row["not_comparable"] = (f"eager ran {row['eager_key']}, served requests ran {row['served_key']} "
-                                     "(requests carry no frame count: the pipeline's default frames)")
+            row["not_comparable"] = f"eager ran {row['eager_key']}, served requests ran {row['served_key']}"
         args.save()
 
 
