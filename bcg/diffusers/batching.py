@@ -47,7 +47,8 @@ import torch
 from bcg.diffusers.batch_queue import ALONE, BatcherConfig, QueuedRequest, RequestQueue
 from bcg.diffusers.buckets import ShapeKey, parse_plan
 from bcg.diffusers.families import family_of
-from bcg.diffusers.step_families import StepFamily, pipeline_call_scope
+from bcg.diffusers.accelerated import pipeline_call_scope
+from bcg.diffusers.step_families import StepFamily
 
 logger = logging.getLogger(__name__)
 

@@ -48,7 +48,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["FluxStepFamily", "RequestState", "SD3StepFamily", "StepFamily", "pad_rows", "pipeline_call_scope"]
+__all__ = ["FluxStepFamily", "RequestState", "SD3StepFamily", "StepFamily", "pad_rows"]
 
 
 @dataclasses.dataclass
@@ -414,37 +414,3 @@ def _cache_context(transformer, name: str):
     # diffusers' cache hooks key their state by this context, as the pipeline enters it
     enter = getattr(transformer, "cache_context", None)
     return enter(name) if enter is not None else contextlib.nullcontext()
-
-
-def pipeline_call_scope(pipe):
-    """A context in which an accelerated pipeline answers device queries as inside its own ``pipe(...)``.
-
-    The batcher calls the pipeline's methods (``encode_prompt``, ``prepare_latents``, the VAE) outside
-    ``pipe(...)``; there, diffusers' ``get_module_execution_device`` walks every submodule of a component
-    for offload hooks on each call (measured on CPU: about 5 ms a request, three calls), which an
-    accelerated pipeline answers from facts checked once per call (`bcg.diffusers.accelerated`). Uses
-    ``bcg.diffusers.accelerated.pipeline_call_scope`` when that module offers one; until then its call
-    context directly (the same two names its ``__call__`` uses). A plain pipeline: nothing changes.
-    """
-    from bcg.diffusers import accelerated
-
-    public = getattr(accelerated, "pipeline_call_scope", None)
-    if public is not None:
-        return public(pipe)
-    calls, facts = getattr(accelerated, "_CALL_DEVICES", None), getattr(accelerated, "_device_facts", None)
-    if calls is None or facts is None or "__bcg_pipeline_base__" not in type(pipe).__dict__:
-        return contextlib.nullcontext()
-    return _ContextValue(calls, facts(pipe))
-
-
-class _ContextValue:
-    def __init__(self, var, value):
-        self._var, self._value, self._token = var, value, None
-
-    def __enter__(self):
-        self._token = self._var.set(self._value)
-        return self._value
-
-    def __exit__(self, *exc):
-        self._var.reset(self._token)
-        return False

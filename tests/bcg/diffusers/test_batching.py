@@ -243,7 +243,7 @@ def test_a_batch_of_b_rows_has_the_transformer_signature_of_the_pipeline_with_b_
 
 def test_an_accelerated_pipeline_batches_in_its_call_scope_with_the_same_images(flux):
     from bcg.diffusers import accelerate, unaccelerate
-    from bcg.diffusers.step_families import pipeline_call_scope
+    from bcg.diffusers.accelerated import pipeline_call_scope
 
     with pipeline_call_scope(flux) as facts:
         assert facts is None  # a plain pipeline: nothing changes
