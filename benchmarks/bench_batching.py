@@ -6,6 +6,7 @@
     python3 benchmarks/bench_batching.py --allow-cpu --size 64x64 --steps 2 --requests 6   # smoke run
     python3 benchmarks/bench_batching.py --via handle   # or --via http: one replica of build_app
     python3 benchmarks/bench_batching.py --plot-only benchmarks/results/bench_batching.json
+    python3 benchmarks/bench_batching.py --transformer flux-2.5b --size 512x512 --out .../bench_batching_2p5b_512.json
 
 Set-up: the built-in pipeline, on CUDA accelerated (`accelerate(pipe, components=...)`) and warmed with the
 batcher's plan (`StepBatcher.warmup_plan`: the request's shape key at every batch bucket, so one graph per
@@ -27,6 +28,13 @@ during the run (0 when every bucket was warm), and an estimate of the transforme
 are not counted). ``direct`` is the median ms of ``pipe(**kwargs)`` called back to back (today's
 unbatched path); the low-load criterion compares the batched p50 at the lowest rate with it (and with
 one at a time at that rate: Poisson arrivals overlap now and then even at low load, and queue).
+``--transformer flux-2.5b`` (engine only) swaps the built-in tiny-flux pipeline's transformer for the 2.56 B
+Flux of ``bench_compiled.py`` (12 blocks at FLUX.1 width, random weights under ``torch.manual_seed(0)``,
+built on the device) with text encoders of the widths it expects (a 2-layer T5 of d_model 4096, a 2-layer
+CLIP of width 768; the request's prompt bucket sets the text tokens, as when served) and a VAE of 16 latent
+channels: the transformer's cost is a real model's,
+the rest stays small, so the batched-vs-one-at-a-time figure is the transformer's. The achieved TFLOP/s is
+reported beside images/s, so the GPU's compute ceiling is visible.
 A PNG (images/s and latency against offered rate; batch-size histogram at saturation) is written next to
 the JSON. Needs CUDA unless ``--allow-cpu``.
 
@@ -366,6 +374,27 @@ def _run_served_modes(args, port: int) -> tuple[list[dict], dict, dict]:
     return runs, serial, warmups
 
 
+def swap_in_flux_2p5b(pipe, device):
+    """A FluxPipeline of `pipe`'s tokenizers and scheduler around bench_compiled's 2.56 B Flux transformer,
+    with text encoders and a VAE of the widths that transformer expects (see the module docstring)."""
+    from diffusers import FluxPipeline
+
+    from bench_compiled import build_model
+    from bcg.diffusers.models import _clip_text, _t5_encoder, _vae_kl
+
+    dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+    transformer = build_model("flux-2.5b", device, dtype)
+    torch.manual_seed(0)
+    text_encoder, text_encoder_2 = _clip_text(768), _t5_encoder(4096)
+    vae = _vae_kl(transformer.config.in_channels // 4, shift_factor=0.1)
+    out = FluxPipeline(scheduler=pipe.scheduler, vae=vae, text_encoder=text_encoder, tokenizer=pipe.tokenizer,
+                       text_encoder_2=text_encoder_2, tokenizer_2=pipe.tokenizer_2, transformer=transformer)
+    for module in (text_encoder, text_encoder_2, vae):
+        module.to(device=device, dtype=dtype)
+    out.set_progress_bar_config(disable=True)
+    return out
+
+
 def _batcher(pipe, args, mode: str) -> StepBatcher:
     if mode == "one_at_a_time":
         return StepBatcher(pipe, max_batch_size=1, batch_buckets=(1,))
@@ -376,6 +405,8 @@ def _batcher(pipe, args, mode: str) -> StepBatcher:
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="tiny-flux")
+    p.add_argument("--transformer", default="builtin", choices=("builtin", "flux-2.5b"),
+                   help="flux-2.5b: the 2.56 B Flux of bench_compiled in a tiny-flux pipeline (engine only)")
     p.add_argument("--size", default="256x256")
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--negative-prompt", default=None, help="run CFG (Flux: true CFG) with this negative prompt")
@@ -404,6 +435,8 @@ def parse_args(argv=None):
         args.out = DEFAULT_OUT if args.via == "engine" else DEFAULT_OUT.replace(".json", f"_{args.via}.json")
     if args.via != "engine" and (args.negative_prompt is not None or args.output_type != "pil"):
         p.error("--negative-prompt and --output-type are engine-only (served requests carry neither)")
+    if args.transformer != "builtin" and (args.via != "engine" or args.model != "tiny-flux"):
+        p.error("--transformer flux-2.5b swaps the transformer of tiny-flux, in the engine only")
     args.buckets = tuple(int(b) for b in args.buckets.split(","))
     args.modes = [m for m in args.modes.split(",") if m]
     unknown = [m for m in args.modes if m not in MODES]
@@ -425,6 +458,8 @@ def main(argv=None) -> int:
     if args.via != "engine":
         return main_served(args, argv, started)
     pipe = load_pipeline(args.model, device=args.device)
+    if args.transformer == "flux-2.5b":
+        pipe = swap_in_flux_2p5b(pipe, args.device)
     pipe.set_progress_bar_config(disable=True)
     components = [c for c in args.components.split(",") if c]
     pipe = accelerate(pipe, components=components)
