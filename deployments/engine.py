@@ -5,6 +5,7 @@ around it; its module docstring states the contract both keep.
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import io
 import logging
 import threading
@@ -234,6 +235,13 @@ class ReplicaEngine:
         """Per warm key: batch bucket -> pool bytes of the graphs its warmup captured for that bucket."""
         warm = set(self.warm_keys())
         return {k: dict(v) for k, v in self._bucket_pools.items() if k in warm}
+
+    def warm_batch_keys(self) -> List[str]:
+        """The shape key of every batch bucket the warm keys' warmups captured (``<key>.b<bucket>``, the
+        batcher's `warmup_plan`): a request of that many images replays those graphs, alone or in a
+        batch. They are live while their key is warm (its warm set holds every bucket's graphs)."""
+        return sorted({dataclasses.replace(ShapeKey.parse(key), batch_size=bucket).key
+                       for key, buckets in self.bucket_pool_bytes().items() for bucket in buckets})
 
     def warmup_key(self, key: str) -> dict:
         """Run the pipeline once for ``key`` inside the runners' ``warmup()``; returns what happened.

@@ -20,7 +20,9 @@ Contract:
 * A request arrives with its shape key (``shape_key``, computed once by the ingress's
   ``check_request``) and runs at it: ``plan_request(..., key=...)`` takes size, n and CFG from the key
   and raises when the request's own fields contradict it.
-* A request is *warm* when its shape key is in the warm set when it reaches the replica; replicas
+* A request is *warm* when its shape key is in the warm set when it reaches the replica, or is the
+  key of a batch bucket a warm key's warmup captured (``K.b2``, a request of 2 images, once K's
+  warmup captured bucket 2): ``routing_view.warm_set``, the set the router routes by. Replicas
   count warm and cold requests, and (on GPU meaningful) the runners' replays vs eager calls while
   serving. A response's own ``replays``/``eager_calls`` are the runners' calls while it was on the
   replica: exactly its own when it ran alone, shared with its neighbours when batched.
@@ -35,9 +37,10 @@ Contract:
   free for stats, health and routing probes; PNG encoding runs on a worker thread. Runner state is read
   on the loop thread after each request and warmup; stats and routing stats answer from that snapshot,
   so they never wait for a capture in progress (a runner holds its lock while capturing).
-* ``record_routing_stats()`` publishes ``warm_keys``, ``queue_len`` (requests on this replica, queued
-  or running), ``pool_bytes`` and ``batch_free_rows`` (per group running a batch now, the image rows it
-  has room for); the router reads them. Serve's ``max_ongoing_requests`` caps how many requests reach
+* ``record_routing_stats()`` publishes ``warm_keys``, ``warm_batch_keys`` (the keys of the batch
+  buckets their warmups captured), ``queue_len`` (requests on this replica, queued or running),
+  ``pool_bytes`` and ``batch_free_rows`` (per group running a batch now, the image rows it has room
+  for); the router reads them. Serve's ``max_ongoing_requests`` caps how many requests reach
   the batcher, so it must be at least ``max_batch_size`` (``build_app`` checks).
 """
 from __future__ import annotations
@@ -55,7 +58,8 @@ from ray.serve.config import RequestRouterConfig
 from bcg.diffusers.buckets import ShapeKey
 from deployments.engine import ReplicaEngine, _pngs, _release_cached_memory, cuda_memory
 from deployments.metrics import ReplicaMetrics
-from deployments.router import BATCH_FREE_ROWS, POOL_BYTES, QUEUE_LEN, WARM_KEYS, ShapeAffinityRouter
+from deployments.router import (BATCH_FREE_ROWS, POOL_BYTES, QUEUE_LEN, WARM_BATCH_KEYS, WARM_KEYS,
+                                ShapeAffinityRouter, warm_set)
 from deployments.schemas import ImageGenerationRequest, ReplicaReport
 
 logger = logging.getLogger(__name__)
@@ -148,11 +152,14 @@ class Replica:
             raise
 
     # -- Serve hooks -------------------------------------------------------------------------------
+    def _warm_view(self) -> dict:
+        return {WARM_KEYS: self.engine.warm_keys(), WARM_BATCH_KEYS: self.engine.warm_batch_keys()}
+
     def _routing_view(self) -> dict:
         free = {group: load["free_rows"] for group, load in self.engine.batcher.load().items()
                 if load["running_rows"]}
-        return {WARM_KEYS: self.engine.warm_keys(), QUEUE_LEN: self._ongoing,
-                POOL_BYTES: self.engine.pool_bytes(), BATCH_FREE_ROWS: free}
+        return {**self._warm_view(), QUEUE_LEN: self._ongoing, POOL_BYTES: self.engine.pool_bytes(),
+                BATCH_FREE_ROWS: free}
 
     def record_replica_metadata(self) -> dict:
         return self._routing_view()
@@ -263,7 +270,7 @@ class Replica:
         if self.first_request_at is None:
             self.first_request_at = time.time()
         try:
-            warm = key.key in self.engine.warm_keys()
+            warm = key.key in warm_set(self._warm_view())  # what the router routed it by
             answer = self.engine.submit(request, key, self.default_steps)
             out = await self._wait(asyncio.wrap_future(answer), on_cancel=lambda: self.engine.cancel(answer))
             out["images"] = await self._wait(asyncio.get_running_loop().run_in_executor(

@@ -6,7 +6,9 @@ Contract (one call of ``choose_replicas`` = one routing attempt, Serve retries w
   only; when the replica is full or unknown the request waits (callers time out);
 * otherwise the request's shape key (kwarg ``shape_key``) is looked up in every replica's warm set,
   which replicas publish through ``record_routing_stats()`` (fresh) and ``record_replica_metadata()``
-  (known before the first stats poll). The first tier is the replicas warm for the key, least loaded
+  (known before the first stats poll): the keys they warmed and the batch-bucket keys those warmups
+  captured (``routing_view.warm_set``), so a request for 2 images of K (``K.b2``) is warm on a replica
+  whose warmup of K captured bucket 2. The first tier is the replicas warm for the key, least loaded
   first. Cold replicas are *not* a fallback tier: a warm replica that is merely busy is still the
   better choice for a graph-replayed request, so the request waits for a warm slot ...
 * ... and among the warm replicas, those running a batch of the request's group with room for its
@@ -49,7 +51,8 @@ from typing import Dict, Iterable, List, Optional, Tuple
 from ray.serve.request_router import LocalityMixin, MultiplexMixin, PendingRequest, RequestRouter, RunningReplica
 
 from deployments import routing_view
-from deployments.routing_view import BATCH_FREE_ROWS, WARM_KEYS, batch_group, replica_free_rows, replica_warm_keys
+from deployments.routing_view import (BATCH_FREE_ROWS, WARM_BATCH_KEYS, WARM_KEYS, batch_group, replica_free_rows,
+                                      replica_warm_keys, warm_set)
 # Serve's default router, whose choose_replicas is the fallback here (Serve's experimental
 # CapacityQueueRouter delegates the same way).
 from deployments.serve_internals import PowerOfTwoChoicesRequestRouter
@@ -57,13 +60,14 @@ from deployments.serve_internals import PowerOfTwoChoicesRequestRouter
 logger = logging.getLogger(__name__)
 
 # Keys of the dict a replica returns from record_routing_stats() / record_replica_metadata()
-# (besides WARM_KEYS).
+# (besides WARM_KEYS, WARM_BATCH_KEYS and BATCH_FREE_ROWS).
 QUEUE_LEN = "queue_len"
 POOL_BYTES = "pool_bytes"
 
 DEFAULT_SPILL_THRESHOLD = 3
 
-__all__ = ["BATCH_FREE_ROWS", "POOL_BYTES", "QUEUE_LEN", "WARM_KEYS", "ShapeAffinityRouter", "replica_warm_keys"]
+__all__ = ["BATCH_FREE_ROWS", "POOL_BYTES", "QUEUE_LEN", "WARM_BATCH_KEYS", "WARM_KEYS", "ShapeAffinityRouter",
+           "replica_warm_keys", "warm_set"]
 
 
 # Decisions of one ranking; a ranking whose tiers are None asks Serve's power-of-two router.

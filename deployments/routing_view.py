@@ -6,13 +6,16 @@ stats (``warm_keys``) from the controller, which polls the replicas every
 sets. Every ShapeAffinityRouter registers itself here when Serve builds it, which lets code in the
 same process read what its routers will decide on:
 
-* ``view(app)``: replica id -> warm keys, as every router of this process sees them (None when this
-  process has no router yet: its handles have not received their deployment's config);
+* ``view(app)``: replica id -> the shape keys it serves warm (``warm_set``), as every router of this
+  process sees them (None when this process has no router yet: its handles have not received their
+  deployment's config);
 * ``wait_until_warm(app, expected)``: returns once every router of this process sees each key warm
   on the replicas ``expected`` names for it (the warmup report's ``keys``), or False after a timeout.
 
-It also reads the routing stats a router ranks by: ``replica_warm_keys`` and ``replica_free_rows`` (room
-in a batch of the request's group running on the replica, ``BATCH_FREE_ROWS``).
+It also reads the routing stats a router ranks by: ``replica_warm_keys`` (``warm_set``: the keys a
+replica warmed and the batch-bucket keys their warmups captured, ``WARM_BATCH_KEYS``, so a request of
+2 images, ``K.b2``, is warm where a warmup of K captured bucket 2) and ``replica_free_rows`` (room in a
+batch of the request's group running on the replica, ``BATCH_FREE_ROWS``).
 
 The coordinator assigns start-up shares from the view (no call that waits on a busy replica), and the
 ingress answers ``POST /v1/warmup`` only after its routers see the new warm sets, so the next request
@@ -31,6 +34,9 @@ from typing import Dict, Iterable, List, Mapping, Optional
 
 # Keys of the dict a replica returns from record_routing_stats() / record_replica_metadata().
 WARM_KEYS = "warm_keys"
+# the shape key of every batch bucket the warmups of the warm keys captured (``<key>.b<bucket>``, what
+# `StepBatcher.warmup_plan` runs): a request of that many images replays those graphs
+WARM_BATCH_KEYS = "warm_batch_keys"
 # group key (a shape key with one image) -> image rows free in the batch of that group running on the
 # replica; only groups that run now (a replica with no batch of a group has no room in one)
 BATCH_FREE_ROWS = "batch_free_rows"
@@ -45,12 +51,19 @@ def register(router) -> None:
         _routers.add(router)
 
 
+def warm_set(stats: Mapping) -> frozenset:
+    """The shape keys a replica serves warm, from its routing stats: its warm keys and their captured
+    batch-bucket keys. The replica counts its requests warm or cold by the same set."""
+    return frozenset(stats.get(WARM_KEYS) or ()) | frozenset(stats.get(WARM_BATCH_KEYS) or ())
+
+
 def replica_warm_keys(replica) -> frozenset:
-    """The shape keys a replica reports warm: routing stats when polled yet, else start-up metadata."""
-    keys = (replica.routing_stats or {}).get(WARM_KEYS)
-    if keys is None:
-        keys = (replica.replica_metadata or {}).get(WARM_KEYS, ())
-    return frozenset(keys)
+    """The shape keys a replica serves warm (`warm_set`): routing stats when polled yet, else start-up
+    metadata."""
+    stats = replica.routing_stats or {}
+    if stats.get(WARM_KEYS) is None:
+        stats = replica.replica_metadata or {}
+    return warm_set(stats)
 
 
 def batch_group(key: str) -> tuple:

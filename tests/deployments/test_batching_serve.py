@@ -23,6 +23,7 @@ from tests.deployments.faults import POISON_GUIDANCE
 APP, PREFIX = "bcg_batch", "/batch"
 GEN = "/v1/images/generations"
 KEY, TWO = "64x64", "64x64.b2"   # one image, two images: one batch group (their rows add up)
+FOUR = "64x64.b4"                # a batch bucket the plan does not name
 STEPS = 6
 
 
@@ -56,11 +57,25 @@ def _pixels(response) -> list:
 def test_the_warmup_captures_every_batch_bucket_of_its_key(batch_app):
     replica = _stats(batch_app)
     assert replica["warm_keys"] == [KEY, TWO]
+    assert replica["warm_batch_keys"] == [KEY, TWO, FOUR]             # the buckets of either key
     report = replica["warmups"][0]
     assert report["captured"] == [KEY, TWO] and not report["failed"]
     assert replica["batcher"]["config"]["max_batch_size"] == 4 and replica["batcher"]["family"] == "flux"
     # each key's warmup ran buckets 1, 2 and 4 (no CUDA here: no pools)
     assert replica["batch_pool_bytes"] == {k: {"1": 0, "2": 0, "4": 0} for k in (KEY, TWO)}
+
+
+def test_a_request_for_a_bucket_the_plan_does_not_name_is_served_warm(batch_app):
+    before = _stats(batch_app)
+    r = batch_app.post(GEN, json=_body(20, n=4))
+    assert r.status_code == 200, r.text
+    assert (r.json()["bcg"]["shape_key"], r.json()["bcg"]["warm"], len(r.json()["data"])) == (FOUR, True, 4)
+    after = _stats(batch_app)
+    assert (after["warm_requests"] - before["warm_requests"], after["cold_requests"] - before["cold_requests"]) \
+        == (1, 0)
+    assert FOUR not in after["cold_keys"]
+    steps = {int(rows): n for rows, n in after["batcher"]["batch_size_histogram"].items()}
+    assert steps[4] > before["batcher"]["batch_size_histogram"].get("4", 0)   # one step of its 4 rows
 
 
 def test_a_burst_batches_and_each_image_is_its_alone_image_and_a_failing_request_fails_alone(batch_app):

@@ -10,7 +10,7 @@ from ray.serve._private.common import DeploymentHandleSource, DeploymentID, Repl
 from ray.serve.request_router import PendingRequest
 
 from deployments import routing_view
-from deployments.router import ShapeAffinityRouter, replica_warm_keys
+from deployments.router import ShapeAffinityRouter, replica_warm_keys, warm_set
 
 _LOOP = asyncio.new_event_loop()
 _APPS = itertools.count()
@@ -33,6 +33,7 @@ class FakeReplica:
     multiplexed_model_ids: frozenset = frozenset()
     app: str = "bcg"
     free_rows: dict = field(default_factory=dict)   # group key -> rows free in its running batch
+    batch_keys: tuple = ()                          # the batch-bucket keys its warmups captured
 
     @property
     def replica_id(self):
@@ -42,7 +43,8 @@ class FakeReplica:
     def routing_stats(self):
         if self.warm is None:
             return {}
-        return {"warm_keys": list(self.warm), "queue_len": self.queue_len, "batch_free_rows": dict(self.free_rows)}
+        return {"warm_keys": list(self.warm), "warm_batch_keys": list(self.batch_keys), "queue_len": self.queue_len,
+                "batch_free_rows": dict(self.free_rows)}
 
     @property
     def replica_metadata(self):
@@ -128,6 +130,26 @@ def test_warm_replica_with_room_in_a_running_batch_of_the_key_ranks_first():
     full = FakeReplica("batching", ("64x64",), 3, free_rows={"64x64": 0})
     ranks, _ = choose(make_router([idle, full]), [idle, full], shape_key="64x64")
     assert [uids(r) for r in ranks] == [["idle", "batching"]]
+
+
+def test_a_request_for_n_images_is_warm_where_the_warmup_of_its_key_captured_bucket_n():
+    buckets = ("64x64", "64x64.b2", "64x64.b4")                       # a warmup of 64x64 with max_batch_size 4
+    batching = FakeReplica("batching", ("64x64",), 2, batch_keys=buckets)
+    alone = FakeReplica("alone", ("64x64",), 0, batch_keys=("64x64",))  # max_batch_size 1: its own bucket only
+    reps = [batching, alone]
+    router = make_router(reps)
+    for key in ("64x64.b2", "64x64.b4"):
+        ranks, _ = choose(router, reps, shape_key=key)
+        assert [uids(r) for r in ranks] == [["batching"]], key       # busier, but the only one warm for it
+    ranks, _ = choose(router, reps, shape_key="64x64")
+    assert [uids(r) for r in ranks] == [["alone", "batching"]]        # both warm for one image
+    ranks, _ = choose(router, reps, shape_key="64x64.b3")             # no bucket of 3 rows was captured
+    assert router.decisions["no_warm"] == 1 and len(ranks[0]) == 2
+    assert router.decisions["warm"] == 3
+    # before the first stats poll the start-up metadata says the same
+    fresh = FakeReplica("fresh", warm=None, metadata={"warm_keys": ["64x64"], "warm_batch_keys": list(buckets)})
+    assert replica_warm_keys(fresh) == set(buckets)
+    assert warm_set({"warm_keys": ["64x64.b2"]}) == {"64x64.b2"}     # batch keys are optional
 
 
 def test_pinned_request_goes_to_that_replica_only():

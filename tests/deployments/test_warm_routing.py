@@ -35,8 +35,8 @@ def warm_app(ray_serve):
         yield client
 
 
-def _generate(client, size, seed=1) -> dict:
-    r = client.post(GEN, json={"prompt": "a kite", "size": size, "num_inference_steps": 1, "seed": seed})
+def _generate(client, size, seed=1, **kw) -> dict:
+    r = client.post(GEN, json={"prompt": "a kite", "size": size, "num_inference_steps": 1, "seed": seed, **kw})
     assert r.status_code == 200, r.text
     return r.json()["bcg"]
 
@@ -46,6 +46,20 @@ def test_first_requests_after_start_up_warmup_land_warm(warm_app):
     assert [s["warm"] for s in served] == [True] * 4
     owners = {s["shape_key"]: s["replica"] for s in served}
     assert len(set(owners.values())) == 2                 # sharded: each key on its own replica
+
+
+def test_requests_for_several_images_land_on_the_replica_whose_warmup_captured_their_bucket(warm_app):
+    # the replicas batch up to 4 image rows (max_batch_size: min(4, max_ongoing_requests)), so the
+    # start-up warmup of each key captured its buckets of 2 and 4 rows too, though the plan names the key
+    owners = {s["shape_key"]: s["replica"] for s in (_generate(warm_app, key) for key in START_KEYS)}
+    replicas = warm_app.get("/v1/stats").json()["replicas"]
+    for key, rid in owners.items():
+        assert replicas[rid]["warm_keys"] == [key]                       # the plan's key alone ...
+        assert replicas[rid]["warm_batch_keys"] == [key, f"{key}.b2", f"{key}.b4"]   # ... and its buckets
+    sent = [(f"{key}.b{n}", seed) for seed in range(2) for key in START_KEYS for n in (2, 4)]
+    served = [_generate(warm_app, key.split(".")[0], seed, n=int(key[-1])) for key, seed in sent]
+    assert [(s["shape_key"], s["warm"], s["replica"]) for s in served] == \
+        [(key, True, owners[key.split(".")[0]]) for key, _ in sent]
 
 
 def test_first_request_after_post_warmup_lands_on_a_replica_warm_for_it(warm_app):
