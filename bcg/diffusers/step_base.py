@@ -1,0 +1,318 @@
+"""The base of the step families (`bcg.diffusers.step_families` states their contract): `RequestState`,
+`StepFamily` and the row helpers every family shares.
+
+`StepFamily.prepare_batch` prepares the requests that join at one step boundary: every request's input
+checks, latents (from its own generator) and scheduler are its own, as in the pipeline, while their
+prompts go through one ``encode_prompt`` call. A subclass says what that takes: which call arguments
+hold prompts (`prompt_fields`), the settings two requests must share to share an encode
+(`_encode_settings`), the encode itself (`_encode`) and the rest of one request's preparation (`_state`).
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import inspect
+import sys
+from typing import Any, Callable
+
+import torch
+
+__all__ = ["RequestState", "StepFamily", "pad_rows"]
+
+
+@dataclasses.dataclass
+class RequestState:
+    """One request's denoising state; the batcher owns it and only `StepFamily` methods read its tensors.
+
+    ``rows`` images (``num_images_per_prompt`` times the prompts) at step ``step_index`` of ``timesteps``
+    on ``scheduler`` (this request's own). ``row_inputs`` are batch-dim tensors concatenated across
+    requests (``neg_inputs`` the negative branch's), ``shared`` tensors are the same for every request of a
+    layout (Flux's position ids) and taken from the first request. ``layout`` is what two requests must
+    share to be batched: every shape but the batch dimension, dtypes, CFG on/off.
+    """
+
+    rows: int
+    latents: torch.Tensor
+    scheduler: Any
+    timesteps: torch.Tensor
+    row_inputs: dict
+    neg_inputs: dict | None
+    shared: dict
+    guidance_scale: float
+    height: int
+    width: int
+    output_type: str
+    layout: tuple
+    step_index: int = 0
+
+    @property
+    def num_steps(self) -> int:
+        return len(self.timesteps)
+
+    @property
+    def done(self) -> bool:
+        return self.step_index >= len(self.timesteps)
+
+    @property
+    def timestep(self) -> torch.Tensor:
+        return self.timesteps[self.step_index]
+
+
+def pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
+    """`x` with its last row repeated up to `rows` rows (a real row: finite values, any layer is safe)."""
+    missing = rows - x.shape[0]
+    if missing <= 0:
+        return x
+    return torch.cat([x, x[-1:].expand(missing, *x.shape[1:])])
+
+
+def _cat_rows(parts: list[torch.Tensor], rows: int) -> torch.Tensor:
+    # one request and no padding: its own tensor, as the pipeline would pass it (no copy)
+    return pad_rows(parts[0] if len(parts) == 1 else torch.cat(parts), rows)
+
+
+def _guided(states, cond: torch.Tensor, uncond: torch.Tensor | None) -> list[torch.Tensor]:
+    """Each state's rows of the batched prediction, with CFG at its own scale (the pipelines' formula)."""
+    noise, offset = [], 0
+    for s in states:
+        pred = cond[offset:offset + s.rows]
+        if uncond is not None:
+            neg = uncond[offset:offset + s.rows]
+            pred = neg + s.guidance_scale * (pred - neg)
+        noise.append(pred)
+        offset += s.rows
+    return noise
+
+
+def _layout(*tensors) -> tuple:
+    return tuple(None if t is None else (tuple(t.shape[1:]), t.dtype) for t in tensors)
+
+
+def _call_defaults(pipe) -> dict:
+    # read once per class: the signature of __call__ is the pipeline's defaults
+    cls = type(pipe)
+    cached = cls.__dict__.get("__bcg_step_defaults__")
+    if cached is None:
+        params = inspect.signature(cls.__call__).parameters
+        cached = {name: p.default for name, p in params.items() if p.default is not inspect.Parameter.empty}
+        setattr(cls, "__bcg_step_defaults__", cached)
+    return cached
+
+
+def _prompt_columns(fields: dict, broadcast_negatives: bool = False) -> dict[str, list] | None:
+    """Prompt fields as lists of one length (the prompts'), None when they are not: a list of another
+    length, or a string beside several prompts (a negative string is repeated where the pipeline does)."""
+    prompt = fields["prompt"]
+    if not isinstance(prompt, (str, list)) or not prompt:
+        return None
+    count = len(prompt) if isinstance(prompt, list) else 1
+    columns = {}
+    for name, value in fields.items():
+        if isinstance(value, str):
+            value = [value] * (count if broadcast_negatives and name.startswith("negative") else 1)
+        if not isinstance(value, list) or len(value) != count:
+            return None
+        columns[name] = value
+    return columns
+
+
+def _generators(value) -> list[torch.Generator]:
+    return [g for g in (value if isinstance(value, (list, tuple)) else [value]) if isinstance(g, torch.Generator)]
+
+
+def _split_rows(rows: dict, prompts: list[int], per_prompt: list[int]) -> list[dict]:
+    """Each request's rows of one encode over all their prompts (padding rows left out), each prompt's
+    row repeated per image: the layout of ``encode_prompt(num_images_per_prompt=k)`` (prompt-major).
+
+    Rows of one image per prompt are views: the joint tensors (padding rows too; ``encode_prompt``'s own
+    copies, never a runner's static outputs) live until the last request holding a view leaves."""
+    out, offset = [], 0
+    for count, k in zip(prompts, per_prompt):
+        part = {name: t[offset:offset + count] for name, t in rows.items()}
+        out.append(part if k == 1 else {name: t.repeat_interleave(k, dim=0) for name, t in part.items()})
+        offset += count
+    return out
+
+
+class StepFamily:
+    """Base of a family's step hooks; subclasses implement the preparation parts (see the module
+    docstring), `forward` and `decode_latents`."""
+
+    name = "generic"
+    # call arguments a step-wise run honours; a request with any other argument runs alone
+    batch_args: frozenset = frozenset()
+    # the call arguments that hold prompts, in the order `_encode` reads them
+    prompt_fields: tuple[str, ...] = ("prompt",)
+
+    def batchable(self, kwargs: dict) -> str | None:
+        """None when `kwargs` can run step-wise, else the reason it runs alone."""
+        extra = sorted(k for k, v in kwargs.items() if k not in self.batch_args and v is not None)
+        return f"arguments {extra} are not step-batched" if extra else None
+
+    # preparation -------------------------------------------------------------------------------------
+
+    def prepare(self, pipe, kwargs: dict) -> RequestState:
+        """One request's state, everything the pipeline does before its loop (no padded prompts)."""
+        return self.prepare_batch(pipe, [kwargs])[0]
+
+    def encode_group(self, pipe, kwargs: dict) -> tuple[tuple, int] | None:
+        """``(settings, prompts)``: requests with equal settings can share one `prepare_batch`, which
+        encodes their prompts (``prompts`` of this one) in one call; None: prepare this one alone."""
+        a = self._args(pipe, kwargs)
+        columns = self._columns(a)
+        return None if columns is None else (self._encode_settings(a), len(columns["prompt"]))
+
+    def prepare_batch(self, pipe, kwargs_list: list[dict], bucket: int | None = None) -> list[RequestState]:
+        """The states of several requests (in order) whose prompts are encoded in one ``encode_prompt``
+        call, padded to `bucket` prompts by repeating the last (None: not padded), so the text encoders
+        see the batch sizes a warmup captured. The rows never mix: each request gets its own prompts'
+        rows, the same values up to the rounding of batched kernels. One request with `bucket` None (or
+        its prompt count) is the pipeline's preparation exactly. Requests with different `encode_group`
+        settings raise ValueError; any request's error raises, with every request's generator put back
+        as it was, so that the caller's retry of each alone draws the same latents.
+        """
+        args = [self._args(pipe, kwargs) for kwargs in kwargs_list]
+        generators = [g for a in args for g in _generators(a.get("generator"))]
+        saved = [(g, g.get_state()) for g in generators]
+        try:
+            return self._prepare_batch(pipe, args, bucket)
+        except BaseException:
+            for generator, state in saved:  # a request before the culprit drew its latents already
+                generator.set_state(state)
+            raise
+
+    def _prepare_batch(self, pipe, args: list[dict], bucket: int | None) -> list[RequestState]:
+        for a in args:
+            self._check(pipe, a)
+        device = pipe._execution_device
+        columns = [self._columns(a) for a in args]
+        if len(args) == 1 and columns[0] is None:
+            # prompt fields of unequal lengths: the pipeline's own encode says what they mean
+            a = args[0]
+            rows, shared = self._encode(pipe, a, {f: a.get(f) for f in self.prompt_fields}, self._per_prompt(a),
+                                        device)
+            per_request = [rows]
+        else:
+            if None in columns or len({self._encode_settings(a) for a in args}) > 1:
+                raise ValueError("these requests cannot share one prompt encode (their encode_group differs); "
+                                 "prepare each with prepare()")
+            prompts = [len(c["prompt"]) for c in columns]
+            joint = {}
+            for name in columns[0]:
+                flat = [p for c in columns for p in c[name]]
+                joint[name] = flat + flat[-1:] * max(0, (bucket or 0) - len(flat))
+            rows, shared = self._encode(pipe, args[0], joint, 1, device)
+            per_request = _split_rows(rows, prompts, [self._per_prompt(a) for a in args])
+        return [self._state(pipe, a, r, shared, device) for a, r in zip(args, per_request)]
+
+    def _check(self, pipe, a: dict) -> None:
+        """The pipeline's input checks of one request."""
+        raise NotImplementedError
+
+    def _cfg(self, a: dict) -> bool:
+        """Whether the request runs a negative branch."""
+        raise NotImplementedError
+
+    def _encode_settings(self, a: dict) -> tuple:
+        """What requests must share to share an encode (sequence length, CFG, ...)."""
+        raise NotImplementedError
+
+    def _columns(self, a: dict) -> dict[str, list] | None:
+        """The request's prompt fields as lists of its prompt count (`_prompt_columns`), None when they
+        are not (then it is prepared alone, its fields as given)."""
+        raise NotImplementedError
+
+    def _encode(self, pipe, a: dict, prompts: dict, per_prompt: int, device) -> tuple[dict, dict]:
+        """``encode_prompt`` of `prompts` (`prompt_fields` -> values): ``(rows, shared)``, rows the batch
+        tensors by `_state`'s names, shared those that are not per row."""
+        raise NotImplementedError
+
+    def _state(self, pipe, a: dict, rows: dict, shared: dict, device) -> RequestState:
+        """The rest of one request's preparation (latents, scheduler, timesteps) from its encoded rows."""
+        raise NotImplementedError
+
+    # the loop ----------------------------------------------------------------------------------------
+
+    def forward(self, pipe, states: list[RequestState], bucket: int) -> list[torch.Tensor]:
+        raise NotImplementedError
+
+    def decode_latents(self, pipe, latents: torch.Tensor, state: RequestState) -> torch.Tensor:
+        """The VAE's images of `latents` (rows of requests laid out like `state`'s), before post-processing."""
+        raise NotImplementedError
+
+    def finish(self, pipe, state: RequestState) -> list:
+        """The request's outputs (a list of its images) from its final latents, as the pipeline makes them."""
+        return self.finish_batch(pipe, [state], state.rows)[0]
+
+    def finish_batch(self, pipe, states: list[RequestState], bucket: int) -> list[list]:
+        """`finish` of several requests with one VAE decode over their rows, padded to `bucket` rows.
+
+        A VAE's rows never mix either (convolutions and its mid-block attention are per image), so each
+        request's images differ from `finish` alone only by the rounding of batched kernels; one request
+        with `bucket` equal to its rows is `finish` exactly.
+        """
+        output_type = states[0].output_type
+        if any(s.output_type != output_type for s in states[1:]):
+            return [self.finish(pipe, s) for s in states]
+        if output_type == "latent":
+            return [list(s.latents) for s in states]
+        rows = sum(s.rows for s in states)
+        image = self.decode_latents(pipe, _cat_rows([s.latents for s in states], bucket), states[0])
+        images = list(pipe.image_processor.postprocess(image[:rows] if bucket > rows else image,
+                                                       output_type=output_type))
+        out, offset = [], 0
+        for s in states:
+            out.append(images[offset:offset + s.rows])
+            offset += s.rows
+        return out
+
+    def step(self, pipe, states: list[RequestState], bucket: int | None = None) -> None:
+        """One denoising step of every state: one batched `forward`, then each state's scheduler step."""
+        rows = sum(s.rows for s in states)
+        for state, noise in zip(states, self.forward(pipe, states, max(bucket or rows, rows))):
+            state.latents = state.scheduler.step(noise, state.timestep, state.latents, return_dict=False)[0]
+            state.step_index += 1
+
+    # shared helpers --------------------------------------------------------------------------------
+
+    @staticmethod
+    def _args(pipe, kwargs: dict) -> dict:
+        """The request's call arguments over the pipeline's defaults, its height and width resolved."""
+        a = _call_defaults(pipe) | kwargs
+        a["height"] = a.get("height") or pipe.default_sample_size * pipe.vae_scale_factor
+        a["width"] = a.get("width") or pipe.default_sample_size * pipe.vae_scale_factor
+        return a
+
+    @staticmethod
+    def _pipeline_function(pipe, name: str, fallback_module: str) -> Callable:
+        """`name` (``retrieve_timesteps``, ``calculate_shift``) from the module of the pipeline's class."""
+        for cls in type(pipe).__mro__:
+            module = sys.modules.get(cls.__module__)
+            if module is not None and hasattr(module, name):
+                return getattr(module, name)
+        return getattr(__import__(fallback_module, fromlist=[name]), name)
+
+    def _scheduler(self, pipe):
+        """A scheduler of the request's own (timesteps, sigmas, step index), as fresh as ``from_config``.
+
+        Copied from a pristine template (``from_config`` costs 0.4 ms, a shallow copy 5 us). Shallow for
+        FlowMatchEulerDiscreteScheduler, whose `set_timesteps` and `step` only rebind its attributes (the
+        template's tensors are never written in place); deep for any other class, whose state may be
+        lists updated in place (multistep schedulers).
+        """
+        from diffusers import FlowMatchEulerDiscreteScheduler
+
+        source, template = getattr(self, "_scheduler_template", (None, None))
+        if source is not pipe.scheduler:
+            template = type(pipe.scheduler).from_config(pipe.scheduler.config)
+            self._scheduler_template = (pipe.scheduler, template)
+        return copy.copy(template) if type(template) is FlowMatchEulerDiscreteScheduler else copy.deepcopy(template)
+
+    @staticmethod
+    def _per_prompt(a: dict) -> int:
+        return int(a.get("num_images_per_prompt") or 1)
+
+    @classmethod
+    def _rows(cls, a: dict) -> int:
+        prompt = a.get("prompt")
+        return (len(prompt) if isinstance(prompt, list) else 1) * cls._per_prompt(a)

@@ -1,0 +1,149 @@
+"""`FluxPipeline.__call__` cut at its step boundary: `FluxStepFamily` (contract in `bcg.diffusers.step_families`).
+
+Guidance is an embedding per row; true CFG (``true_cfg_scale`` > 1 with a negative prompt) is a second
+transformer call on the negative rows, and a second ``encode_prompt`` call over the negative prompts.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+import torch
+
+from bcg.diffusers.step_base import RequestState, StepFamily, _cat_rows, _guided, _layout, _prompt_columns
+
+__all__ = ["FluxStepFamily"]
+
+_PIPELINE_MODULE = "diffusers.pipelines.flux.pipeline_flux"
+
+
+class FluxStepFamily(StepFamily):
+    """`FluxPipeline.__call__` cut at its step boundary (see `bcg.diffusers.step_families`)."""
+
+    name = "flux"
+    batch_args = frozenset({
+        "prompt", "prompt_2", "negative_prompt", "negative_prompt_2", "true_cfg_scale", "height", "width",
+        "num_inference_steps", "sigmas", "guidance_scale", "num_images_per_prompt", "generator", "latents",
+        "output_type", "return_dict", "max_sequence_length",
+    })
+    prompt_fields = ("prompt", "prompt_2", "negative_prompt", "negative_prompt_2")
+
+    # preparation -------------------------------------------------------------------------------------
+
+    def _check(self, pipe, a):
+        pipe.check_inputs(a["prompt"], a.get("prompt_2"), a["height"], a["width"],
+                          negative_prompt=a.get("negative_prompt"), negative_prompt_2=a.get("negative_prompt_2"),
+                          max_sequence_length=a["max_sequence_length"])
+
+    def _cfg(self, a):
+        return a["true_cfg_scale"] > 1 and a.get("negative_prompt") is not None
+
+    def _encode_settings(self, a):
+        return ("flux", a["max_sequence_length"], self._cfg(a))
+
+    def _columns(self, a):
+        # the pipeline's defaults: prompt_2 is the prompt, negative_prompt_2 the negative prompt; a
+        # negative string beside several prompts is one negative row in the pipeline: not repeated here
+        fields = {"prompt": a["prompt"], "prompt_2": a.get("prompt_2") or a["prompt"]}
+        if self._cfg(a):
+            fields |= {"negative_prompt": a["negative_prompt"],
+                       "negative_prompt_2": a.get("negative_prompt_2") or a["negative_prompt"]}
+        return _prompt_columns(fields)
+
+    def _encode(self, pipe, a, prompts, per_prompt, device):
+        def encode(prompt, prompt_2):
+            return pipe.encode_prompt(prompt=prompt, prompt_2=prompt_2, device=device,
+                                      num_images_per_prompt=per_prompt, max_sequence_length=a["max_sequence_length"])
+
+        embeds, pooled, text_ids = encode(prompts["prompt"], prompts.get("prompt_2"))
+        rows = {"embeds": embeds, "pooled": pooled}
+        if self._cfg(a):
+            neg_embeds, neg_pooled, neg_text_ids = encode(prompts["negative_prompt"], prompts.get("negative_prompt_2"))
+            if neg_text_ids.shape != text_ids.shape:
+                raise ValueError(f"negative prompt ids {tuple(neg_text_ids.shape)} differ from the prompt's "
+                                 f"{tuple(text_ids.shape)}")
+            rows |= {"neg_embeds": neg_embeds, "neg_pooled": neg_pooled}
+        return rows, {"txt_ids": text_ids}
+
+    def _state(self, pipe, a, rows, shared, device):
+        count = self._rows(a)
+        embeds, pooled = rows["embeds"], rows["pooled"]
+        latents, image_ids = pipe.prepare_latents(
+            count, pipe.transformer.config.in_channels // 4, a["height"], a["width"], embeds.dtype, device,
+            a.get("generator"), a.get("latents"))
+        steps = a["num_inference_steps"]
+        sigmas = np.linspace(1.0, 1 / steps, steps) if a.get("sigmas") is None else a["sigmas"]
+        config = pipe.scheduler.config
+        if getattr(config, "use_flow_sigmas", False):
+            sigmas = None
+        mu = self._pipeline_function(pipe, "calculate_shift", _PIPELINE_MODULE)(
+            latents.shape[1], config.get("base_image_seq_len", 256), config.get("max_image_seq_len", 4096),
+            config.get("base_shift", 0.5), config.get("max_shift", 1.15))
+        scheduler = self._scheduler(pipe)
+        retrieve = self._pipeline_function(pipe, "retrieve_timesteps", _PIPELINE_MODULE)
+        timesteps, _ = retrieve(scheduler, steps, device, sigmas=sigmas, mu=mu)
+        scheduler.set_begin_index(0)
+        guidance = None
+        if pipe.transformer.config.guidance_embeds:
+            guidance = torch.full([1], a["guidance_scale"], device=device, dtype=torch.float32).expand(count)
+        row_inputs = {"encoder_hidden_states": embeds, "pooled_projections": pooled, "guidance": guidance}
+        neg = None
+        if "neg_embeds" in rows:
+            neg = {"encoder_hidden_states": rows["neg_embeds"], "pooled_projections": rows["neg_pooled"],
+                   "guidance": guidance}
+        text_ids = shared["txt_ids"]
+        return RequestState(
+            rows=count, latents=latents, scheduler=scheduler, timesteps=timesteps, row_inputs=row_inputs,
+            neg_inputs=neg, shared={"txt_ids": text_ids, "img_ids": image_ids},
+            guidance_scale=float(a["true_cfg_scale"]), height=a["height"], width=a["width"],
+            output_type=a.get("output_type") or "pil",
+            layout=("flux", neg is not None, _layout(latents, embeds, pooled, guidance), tuple(text_ids.shape),
+                    tuple(image_ids.shape)))
+
+    # the loop ----------------------------------------------------------------------------------------
+
+    def forward(self, pipe, states, bucket):
+        first = states[0]
+        latents = _cat_rows([s.latents for s in states], bucket)
+        # as the pipeline: t broadcast to the rows in the latents' dtype, then scaled (each row its own t)
+        timestep = _cat_rows([s.timestep.expand(s.rows).to(s.latents.dtype) for s in states], bucket)
+        transformer = pipe.transformer
+
+        def call(branch, inputs):
+            guidance = inputs[0]["guidance"]
+            with _cache_context(transformer, branch):
+                return transformer(
+                    hidden_states=latents, timestep=timestep / 1000,
+                    guidance=None if guidance is None else _cat_rows([i["guidance"] for i in inputs], bucket),
+                    pooled_projections=_cat_rows([i["pooled_projections"] for i in inputs], bucket),
+                    encoder_hidden_states=_cat_rows([i["encoder_hidden_states"] for i in inputs], bucket),
+                    txt_ids=first.shared["txt_ids"], img_ids=first.shared["img_ids"],
+                    joint_attention_kwargs={}, return_dict=False)[0]
+
+        cond = call("cond", [s.row_inputs for s in states])
+        uncond = call("uncond", [s.neg_inputs for s in states]) if first.neg_inputs is not None else None
+        return _guided(states, cond, uncond)
+
+    def decode_latents(self, pipe, latents, state):
+        latents = pipe._unpack_latents(latents, state.height, state.width, pipe.vae_scale_factor)
+        latents = (latents / pipe.vae.config.scaling_factor) + pipe.vae.config.shift_factor
+        latents = latents.to(self._vae_device(pipe))
+        return pipe.vae.decode(latents, return_dict=False)[0]
+
+    def _vae_device(self, pipe):
+        """diffusers' ``get_module_execution_device(pipe.vae)``, asked again only when the VAE object or its
+        parameters' device changed (the question walks every submodule for offload hooks: ~1.6 ms)."""
+        from diffusers.utils.torch_utils import get_module_execution_device
+
+        vae = pipe.vae
+        seen = (vae, vae.device)  # vae.device: its first parameter's, no walk
+        cached = getattr(self, "_vae_device_seen", None)
+        if cached is None or cached[0][0] is not vae or cached[0][1] != seen[1]:
+            cached = self._vae_device_seen = (seen, get_module_execution_device(vae))
+        return cached[1]
+
+
+def _cache_context(transformer, name: str):
+    # diffusers' cache hooks key their state by this context, as the pipeline enters it
+    enter = getattr(transformer, "cache_context", None)
+    return enter(name) if enter is not None else contextlib.nullcontext()

@@ -1,0 +1,127 @@
+"""`StableDiffusion3Pipeline.__call__` cut at its step boundary: `SD3StepFamily` (contract in
+`bcg.diffusers.step_families`).
+
+CFG rows are ``[negatives; positives]`` in one transformer call, each half padded to the bucket; one
+``encode_prompt`` call encodes the prompts (three encoders) and, with CFG, the negatives.
+"""
+from __future__ import annotations
+
+import torch
+
+from bcg.diffusers.step_base import RequestState, StepFamily, _cat_rows, _guided, _layout, _prompt_columns
+
+__all__ = ["SD3StepFamily"]
+
+_PIPELINE_MODULE = "diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3"
+
+
+class SD3StepFamily(StepFamily):
+    """`StableDiffusion3Pipeline.__call__` cut at its step boundary (see `bcg.diffusers.step_families`)."""
+
+    name = "sd3"
+    batch_args = frozenset({
+        "prompt", "prompt_2", "prompt_3", "negative_prompt", "negative_prompt_2", "negative_prompt_3", "height",
+        "width", "num_inference_steps", "sigmas", "guidance_scale", "num_images_per_prompt", "generator",
+        "latents", "output_type", "return_dict", "clip_skip", "max_sequence_length", "mu",
+    })
+    prompt_fields = ("prompt", "prompt_2", "prompt_3", "negative_prompt", "negative_prompt_2", "negative_prompt_3")
+
+    def batchable(self, kwargs):
+        reason = super().batchable(kwargs)
+        if reason is None and kwargs.get("skip_guidance_layers") is not None:
+            reason = "skip-layer guidance is not step-batched"
+        return reason
+
+    # preparation -------------------------------------------------------------------------------------
+
+    def _check(self, pipe, a):
+        pipe.check_inputs(a["prompt"], a.get("prompt_2"), a.get("prompt_3"), a["height"], a["width"],
+                          negative_prompt=a.get("negative_prompt"), negative_prompt_2=a.get("negative_prompt_2"),
+                          negative_prompt_3=a.get("negative_prompt_3"), max_sequence_length=a["max_sequence_length"])
+
+    def _cfg(self, a):
+        return a["guidance_scale"] > 1
+
+    def _encode_settings(self, a):
+        return ("sd3", a["max_sequence_length"], a.get("clip_skip"), self._cfg(a))
+
+    def _columns(self, a):
+        # the pipeline's defaults: prompt_2 and prompt_3 are the prompt; the negative prompt is "", its
+        # _2 and _3 the negative prompt, each string repeated for every prompt
+        prompt = a["prompt"]
+        fields = {"prompt": prompt, "prompt_2": a.get("prompt_2") or prompt, "prompt_3": a.get("prompt_3") or prompt}
+        if self._cfg(a):
+            neg = a.get("negative_prompt") or ""
+            fields |= {"negative_prompt": neg, "negative_prompt_2": a.get("negative_prompt_2") or neg,
+                       "negative_prompt_3": a.get("negative_prompt_3") or neg}
+        return _prompt_columns(fields, broadcast_negatives=True)
+
+    def _encode(self, pipe, a, prompts, per_prompt, device):
+        cfg = self._cfg(a)
+        embeds, neg_embeds, pooled, neg_pooled = pipe.encode_prompt(
+            prompt=prompts["prompt"], prompt_2=prompts.get("prompt_2"), prompt_3=prompts.get("prompt_3"),
+            negative_prompt=prompts.get("negative_prompt"), negative_prompt_2=prompts.get("negative_prompt_2"),
+            negative_prompt_3=prompts.get("negative_prompt_3"), do_classifier_free_guidance=cfg, device=device,
+            clip_skip=a.get("clip_skip"), num_images_per_prompt=per_prompt,
+            max_sequence_length=a["max_sequence_length"])
+        rows = {"embeds": embeds, "pooled": pooled}
+        if cfg:
+            rows |= {"neg_embeds": neg_embeds, "neg_pooled": neg_pooled}
+        return rows, {}
+
+    def _state(self, pipe, a, rows, shared, device):
+        count = self._rows(a)
+        embeds, pooled = rows["embeds"], rows["pooled"]
+        latents = pipe.prepare_latents(count, pipe.transformer.config.in_channels, a["height"], a["width"],
+                                       embeds.dtype, device, a.get("generator"), a.get("latents"))
+        scheduler = self._scheduler(pipe)
+        scheduler_kwargs = {}
+        mu = a.get("mu")
+        if scheduler.config.get("use_dynamic_shifting", None) and mu is None:
+            patch = pipe.transformer.config.patch_size
+            seq_len = (latents.shape[2] // patch) * (latents.shape[3] // patch)
+            config = scheduler.config
+            mu = self._pipeline_function(pipe, "calculate_shift", _PIPELINE_MODULE)(
+                seq_len, config.get("base_image_seq_len", 256), config.get("max_image_seq_len", 4096),
+                config.get("base_shift", 0.5), config.get("max_shift", 1.16))
+        if mu is not None:
+            scheduler_kwargs["mu"] = mu
+        retrieve = self._pipeline_function(pipe, "retrieve_timesteps", _PIPELINE_MODULE)
+        timesteps, _ = retrieve(scheduler, a["num_inference_steps"], device, sigmas=a.get("sigmas"),
+                                **scheduler_kwargs)
+        neg = None
+        if "neg_embeds" in rows:
+            neg = {"encoder_hidden_states": rows["neg_embeds"], "pooled_projections": rows["neg_pooled"]}
+        return RequestState(
+            rows=count, latents=latents, scheduler=scheduler, timesteps=timesteps,
+            row_inputs={"encoder_hidden_states": embeds, "pooled_projections": pooled}, neg_inputs=neg, shared={},
+            guidance_scale=float(a["guidance_scale"]), height=a["height"], width=a["width"],
+            output_type=a.get("output_type") or "pil",
+            layout=("sd3", neg is not None, _layout(latents, embeds, pooled)))
+
+    # the loop ----------------------------------------------------------------------------------------
+
+    def forward(self, pipe, states, bucket):
+        cfg = states[0].neg_inputs is not None
+        latents = _cat_rows([s.latents for s in states], bucket)
+        timestep = _cat_rows([s.timestep.expand(s.rows) for s in states], bucket)
+
+        def rows_of(inputs, name):
+            return _cat_rows([i[name] for i in inputs], bucket)
+
+        pos = [s.row_inputs for s in states]
+        embeds, pooled = rows_of(pos, "encoder_hidden_states"), rows_of(pos, "pooled_projections")
+        if cfg:
+            # the pipeline's layout: [negatives; positives], each half the bucket's rows
+            neg = [s.neg_inputs for s in states]
+            embeds = torch.cat([rows_of(neg, "encoder_hidden_states"), embeds])
+            pooled = torch.cat([rows_of(neg, "pooled_projections"), pooled])
+            latents, timestep = torch.cat([latents] * 2), torch.cat([timestep] * 2)
+        out = pipe.transformer(hidden_states=latents, timestep=timestep, encoder_hidden_states=embeds,
+                               pooled_projections=pooled, joint_attention_kwargs=None, return_dict=False)[0]
+        uncond, text = out.chunk(2) if cfg else (None, out)
+        return _guided(states, text, uncond)
+
+    def decode_latents(self, pipe, latents, state):
+        latents = (latents / pipe.vae.config.scaling_factor) + pipe.vae.config.shift_factor
+        return pipe.vae.decode(latents, return_dict=False)[0]
