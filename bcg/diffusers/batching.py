@@ -5,7 +5,9 @@ bucket) share a denoising loop. Each keeps its own state (`RequestState`: its ow
 step index, generator-drawn latents, guidance scale): prompts, seeds, step counts and guidance scales may
 differ. At every step boundary queued requests of the key join (up to ``max_batch_size`` image rows) and
 finished ones leave: the requests leaving at a step are decoded (in one VAE call, padded to a bucket, unless
-``batch_decode`` is off) and their futures answered before the next step runs.
+``batch_decode`` is off) and their futures answered before the next step runs. The requests that join a
+group at one step boundary are prepared together (`StepFamily.prepare_batch`): one ``encode_prompt`` call
+over all their prompts, padded to a bucket of prompts, then each its own latents and scheduler.
 
 One step is one transformer call (two for Flux's true CFG) over the group's rows, padded up to the next
 of ``batch_buckets`` by repeating a real row, so an accelerated transformer replays one graph per bucket;
@@ -19,8 +21,9 @@ arrives to an idle batcher starts at once (the latency of ``pipe(**kwargs)`` alo
 holds a *new* group until it is full or its oldest request has waited that long.
 
 Failures stay with their request: a request whose planning or preparation raises, or whose scheduler step
-or decode raises, fails alone. A batched transformer call that raises is retried per request, so only the
-requests that fail alone fail. Pipelines without step hooks (anything but Flux and SD3 today) and
+or decode raises, fails alone. A batched preparation, transformer call or decode that raises is retried
+per request (a failed preparation puts the generators back first), so only the requests that fail alone
+fail. Pipelines without step hooks (anything but Flux and SD3 today) and
 requests with arguments the hooks do not batch run alone through ``pipe(**kwargs)``, one whole request per
 `step()`, taking their turn in the round-robin.
 
@@ -83,6 +86,7 @@ class StepBatcher:
         self._counts = collections.Counter()
         self._rows_hist = collections.Counter()    # real rows per step -> steps
         self._bucket_hist = collections.Counter()  # bucket per step -> steps
+        self._prompts_hist = collections.Counter()  # real prompts per encode -> encodes
         self._alone_reasons = collections.Counter()
 
     # ------------------------------------------------------------------------------------------------
@@ -192,22 +196,26 @@ class StepBatcher:
     def _step_group(self, group: str, joining: list[QueuedRequest]) -> None:
         active = self._queue.active(group)
         started = bool(active)
+        starting = []
         for request in joining:
-            if not request.future.set_running_or_notify_cancel():
+            if request.future.set_running_or_notify_cancel():
+                starting.append(request)
+            else:
                 self._count("cancelled")
+        states = self._prepare(starting)
+        for request in starting:
+            state = states[request.id]
+            layout = self._layouts.get(group) if active else None
+            if not isinstance(state, BaseException) and layout is not None and state.layout != layout:
+                state = ValueError(f"request planned as {group} does not match its running batch "
+                                   f"(layout {state.layout} vs {layout}); plan it with plan_request")
+            if isinstance(state, BaseException):  # its own input: it fails alone
+                logger.info("request %d (%s) failed in preparation: %s", request.id, group, state)
+                self._fail(request, state)
                 continue
-            try:
-                request.state = self.family.prepare(self.pipe, request.kwargs)
-                layout = self._layouts.get(group) if active else None
-                if layout is not None and request.state.layout != layout:
-                    raise ValueError(f"request planned as {group} does not match its running batch "
-                                     f"(layout {request.state.layout} vs {layout}); plan it with plan_request")
-            except Exception as exc:  # noqa: BLE001 -- its own input: it fails alone
-                logger.info("request %d (%s) failed in preparation: %s", request.id, group, exc)
-                self._fail(request, exc)
-                continue
+            request.state = state
             if not active:
-                self._layouts[group] = request.state.layout
+                self._layouts[group] = state.layout
             active.append(request)
             self._count("joins_mid_run" if started else "admitted_at_start")
         if not active:
@@ -232,6 +240,65 @@ class StepBatcher:
         if leaving:
             self._finish(leaving)
 
+    def _prepare(self, requests: list[QueuedRequest]) -> dict:
+        """State per request id (an exception where its own preparation failed). Requests whose prompts
+        can share an encode (equal `StepFamily.encode_group` settings) are prepared in one `prepare_batch`,
+        their prompts padded to a batch bucket; the rest one by one, unpadded."""
+        encode_group = getattr(self.family, "encode_group", None)  # optional: hooks without it prepare alone
+        batches: dict = {}
+        prompts: dict = {}  # request id -> its prompts (None: prepared alone)
+        for request in requests:
+            try:
+                group = None if encode_group is None else encode_group(self.pipe, request.kwargs)
+            except Exception:  # noqa: BLE001 -- prepare() alone says what is wrong with it
+                group = None
+            settings, prompts[request.id] = group if group is not None else (("alone", request.id), None)
+            batches.setdefault(settings, []).append(request)
+
+        def prepare(batch: list[QueuedRequest]) -> dict:
+            counts = [prompts[r.id] for r in batch]
+            if counts[0] is None:
+                states, total, bucket = [self.family.prepare(self.pipe, batch[0].kwargs)], None, None
+            else:
+                total = sum(counts)
+                bucket = self.config.bucket_for(total)
+                states = self.family.prepare_batch(self.pipe, [r.kwargs for r in batch], bucket)
+            self._count_prepare(len(batch), total, bucket)
+            return {r.id: s for r, s in zip(batch, states)}
+
+        out = {}
+        for batch in batches.values():
+            out |= self._isolated(batch, prepare, "preparation")
+        return out
+
+    def _forward(self, requests: list[QueuedRequest]) -> dict:
+        """Noise prediction per request id (an exception where its own call failed)."""
+        def forward(batch: list[QueuedRequest]) -> dict:
+            states = [r.state for r in batch]
+            rows = sum(s.rows for s in states)
+            bucket = self.config.bucket_for(rows)
+            preds = self.family.forward(self.pipe, states, bucket)
+            self._count_step(rows, bucket)
+            return {r.id: p for r, p in zip(batch, preds)}
+
+        return self._isolated(requests, forward, "step")
+
+    def _isolated(self, requests: list[QueuedRequest], run: Callable[[list], dict], what: str) -> dict:
+        """``run(requests)``, a result per request id; when it raises, `run` of each request alone, so an
+        error stays with the request that raises it alone (its exception as its result)."""
+        try:
+            return run(requests)
+        except Exception as exc:  # noqa: BLE001
+            if len(requests) == 1:
+                return {requests[0].id: exc}
+            logger.warning("a batched %s of %d requests failed (%s: %s); retrying each alone",
+                           what, len(requests), type(exc).__name__, exc)
+            self._count("isolation_retries")
+        out = {}
+        for request in requests:
+            out |= self._isolated([request], run, what)
+        return out
+
     def _finish(self, requests: list[QueuedRequest]) -> None:
         """Decode the requests that leave at this step (together unless ``batch_decode`` is off) and answer
         each; a batched decode that raises is retried per request."""
@@ -255,26 +322,6 @@ class StepBatcher:
             request.state = None  # the latents and embeddings go now, not when the caller drops the future
             self._count("leaves")
             request.future.set_result(images)
-
-    def _forward(self, requests: list[QueuedRequest]) -> dict:
-        """Noise prediction per request id (an exception where its own call failed)."""
-        states = [r.state for r in requests]
-        rows = sum(s.rows for s in states)
-        bucket = self.config.bucket_for(rows)
-        try:
-            preds = self.family.forward(self.pipe, states, bucket)
-            self._count_step(rows, bucket)
-            return {r.id: p for r, p in zip(requests, preds)}
-        except Exception as exc:  # noqa: BLE001
-            if len(requests) == 1:
-                return {requests[0].id: exc}
-            logger.warning("a batched step of %d requests failed (%s: %s); retrying each alone",
-                           len(requests), type(exc).__name__, exc)
-            self._count("isolation_retries")
-        out = {}
-        for request in requests:
-            out |= self._forward([request])
-        return out
 
     def _run_alone(self, request: QueuedRequest) -> None:
         if not request.future.set_running_or_notify_cancel():
@@ -303,6 +350,15 @@ class StepBatcher:
     def _count(self, name: str, n: int = 1) -> None:
         with self._stats_lock:
             self._counts[name] += n
+
+    def _count_prepare(self, requests: int, prompts: int | None, bucket: int | None) -> None:
+        with self._stats_lock:
+            self._counts["prepares"] += 1
+            if requests > 1:
+                self._counts["batched_prepares"] += 1
+            if prompts is not None:
+                self._prompts_hist[prompts] += 1
+                self._counts["padded_prompts"] += bucket - prompts
 
     def _count_step(self, rows: int, bucket: int) -> None:
         with self._stats_lock:
@@ -354,7 +410,9 @@ class StepBatcher:
 
     def stats(self) -> dict:
         """Counters since construction: requests (submitted, joins, leaves, failed, ran alone), steps,
-        rows and padded rows, histograms of real rows and of buckets per step, what is running now."""
+        rows and padded rows, histograms of real rows and of buckets per step, preparations (``prepares``;
+        ``batched_prepares`` of several requests; ``prepare_prompts_histogram``: real prompts per joint
+        encode; ``padded_prompts``), what is running now."""
         running, queued = self._queue.snapshot()
         with self._stats_lock:
             counts = dict(self._counts)
@@ -372,6 +430,10 @@ class StepBatcher:
                 "alone_reasons": dict(self._alone_reasons),
                 "isolation_retries": counts.get("isolation_retries", 0),
                 "batched_decodes": counts.get("batched_decodes", 0),
+                "prepares": counts.get("prepares", 0),
+                "batched_prepares": counts.get("batched_prepares", 0),
+                "padded_prompts": counts.get("padded_prompts", 0),
+                "prepare_prompts_histogram": dict(sorted(self._prompts_hist.items())),
                 "steps": steps,
                 "rows": counts.get("rows", 0),
                 "padded_rows": counts.get("padded_rows", 0),

@@ -1,9 +1,9 @@
 """Continuous batching (`StepBatcher`) on the built-in tiny Flux and SD3 pipelines, CPU float32.
 
 Every request is checked against the image it gets alone from ``pipe(**kwargs)`` with the same seed and
-steps. Alone through the batcher (bucket 1, one request) the transformer sees the pipeline's own inputs:
-bitwise equal. Batched, rows of other requests (and padding rows) share the transformer's matmuls, which
-CPU kernels may block differently for another row count.
+steps. Alone through the batcher (bucket 1, one request) the text encoders and the transformer see the
+pipeline's own inputs: bitwise equal. Batched, rows of other requests (and padding rows) share the text
+encoders' and the transformer's matmuls, which CPU kernels may block differently for another row count.
 """
 import concurrent.futures
 import threading
@@ -22,10 +22,11 @@ from bcg.runtime.signature import signature_of
 SIZE = "64x64"
 # Largest |batched - alone| over the pixels of an image in [0, 1], seen on CPU float32 (torch 2.13,
 # 2 threads), 7 requests of 1-2 images and 2-4 steps per batch (buckets 4 and 8), CFG off and on, sizes
-# 64x64, 96x64, 128x96, 128x128, both models: 3.4e-6 with each request decoded alone, 7.3e-6 with the
-# leavers of a step decoded together (SD3, 128x128, CFG), i.e. the last bits of float32 through the
-# matmuls and convolutions. The bound leaves 4x room; a row that saw another request's inputs, timestep or
-# guidance is off by > 1e-2.
+# 64x64, 96x64, 128x96, 128x128, both models, the leavers of a step decoded together: 8.4e-6 with the
+# prompts of the requests joining at a step encoded in one call (6 prompts padded to 8; SD3, 128x128),
+# 8.3e-6 with each request's prompts encoded alone, i.e. the last bits of float32 through the encoders,
+# matmuls and convolutions. The bound leaves 3.5x room; a row that saw another request's prompt, inputs,
+# timestep or guidance is off by > 1e-2.
 BATCH_TOLERANCE = 3e-5
 
 
@@ -80,12 +81,71 @@ def _diff(future, expected):
 
 def test_alone_is_bitwise_the_pipeline_image(pipe):
     batcher = StepBatcher(pipe)
-    for request in REQUESTS[:2]:
+    for request in REQUESTS[:2] + [_request("a red chair", seed=4, steps=2, n=2)]:
         future = _submit(batcher, request)
         _drain(batcher, [future])
         assert _diff(future, _alone(pipe, request)) == 0.0
     stats = batcher.stats()
-    assert stats["leaves"] == 2 and stats["batch_size_histogram"] == {1: 5}
+    assert stats["leaves"] == 3 and stats["batch_size_histogram"] == {1: 5, 2: 2}
+    # one prompt each (two images of one prompt: its row repeated, as the pipeline repeats it)
+    assert stats["prepare_prompts_histogram"] == {1: 3} and stats["batched_prepares"] == 0
+
+
+def _encoder_batches(pipe):
+    """Batch sizes of each text encoder's calls, recorded by forward pre-hooks; returns (seen, remove)."""
+    seen, hooks = {}, []
+    for name in ("text_encoder", "text_encoder_2", "text_encoder_3"):
+        encoder = getattr(pipe, name, None)
+        if encoder is None:
+            continue
+        seen[name] = []
+
+        def record(module, args, kwargs, name=name):
+            seen[name].append((args[0] if args else kwargs["input_ids"]).shape[0])
+
+        hooks.append(encoder.register_forward_pre_hook(record, with_kwargs=True))
+    return seen, lambda: [h.remove() for h in hooks]
+
+
+def test_requests_joining_together_share_one_prompt_encode_padded_to_a_bucket(pipe):
+    # 3 prompts (padded to 4) for 4 image rows; two requests of one prompt with their own seeds
+    requests = [_request("a photo of a cat", seed=1, steps=2, guidance=3.0, n=2),
+                _request("a dog", seed=2, steps=3, guidance=5.0), _request("a dog", seed=3, steps=2, guidance=5.0)]
+    batcher = StepBatcher(pipe)
+    futures = [_submit(batcher, r) for r in requests]
+    seen, remove = _encoder_batches(pipe)
+    try:
+        batcher.step()  # all three join at this step boundary
+    finally:
+        remove()
+    calls = 2 if type(pipe).__name__.startswith("StableDiffusion3") else 1  # SD3's CFG: the negatives too
+    assert seen and all(batches == [4] * calls for batches in seen.values()), seen
+    _drain(batcher, futures)
+    diffs = [_diff(f, _alone(pipe, r)) for f, r in zip(futures, requests)]
+    assert max(diffs) <= BATCH_TOLERANCE, diffs
+    images = [np.asarray(f.result()) for f in futures]
+    assert [len(i) for i in images] == [2, 1, 1]
+    assert np.abs(images[1] - images[2]).max() > 1e-2  # one prompt, two seeds: two images
+    stats = batcher.stats()
+    assert stats["batched_prepares"] == 1 and stats["prepare_prompts_histogram"] == {3: 1}
+    assert stats["padded_prompts"] == 1 and stats["admitted_at_start"] == 3 and stats["failed"] == 0
+
+
+def test_a_request_of_several_prompts_joins_an_encode_with_its_own_rows(flux):
+    key, listed = plan_request(flux, "a dog", size=SIZE, n=2, steps=2, output_type="np", seed=4)
+    listed = {**listed, "prompt": ["a dog", "a fox on a hill"], "num_images_per_prompt": 1}
+    expected = np.asarray(flux(**{**listed, "generator": torch.Generator().manual_seed(4)}).images)
+    batcher = StepBatcher(flux)
+    futures = [batcher.submit_planned(key, listed), _submit(batcher, _request("a cat", seed=5, steps=2))]
+    seen, remove = _encoder_batches(flux)
+    try:
+        _drain(batcher, futures)
+    finally:
+        remove()
+    assert seen == {"text_encoder": [4], "text_encoder_2": [4]}  # 3 prompts padded to 4, one call
+    assert _diff(futures[0], expected) <= BATCH_TOLERANCE and len(expected) == 2
+    assert _diff(futures[1], _alone(flux, _request("a cat", seed=5, steps=2))) <= BATCH_TOLERANCE
+    assert batcher.stats()["prepare_prompts_histogram"] == {3: 1}
 
 
 def test_batched_requests_with_own_seeds_steps_and_guidance_match_their_alone_images(pipe):
@@ -150,6 +210,8 @@ def test_max_batch_size_counts_image_rows_and_the_rest_waits(flux):
 
 
 def test_a_request_failing_in_preparation_fails_alone(flux):
+    """Its batched preparation with the others raises after the first drew its latents: retried per
+    request, each good request draws the same latents from its own generator again."""
     good = [_request("a cat", seed=1, steps=2), _request("a dog", seed=2, steps=3)]
     batcher = StepBatcher(flux)
     futures = [_submit(batcher, good[0])]
@@ -163,6 +225,7 @@ def test_a_request_failing_in_preparation_fails_alone(flux):
     assert max(_diff(f, _alone(flux, r)) for f, r in zip(futures, good)) <= BATCH_TOLERANCE
     stats = batcher.stats()
     assert stats["failed"] == 1 and stats["leaves"] == 2 and stats["batch_size_histogram"] == {2: 2, 1: 1}
+    assert stats["isolation_retries"] == 1 and stats["batched_prepares"] == 0  # the one batched try failed
 
 
 class _FailsOnMarkedRows(FluxStepFamily):
@@ -170,10 +233,9 @@ class _FailsOnMarkedRows(FluxStepFamily):
 
     batch_args = FluxStepFamily.batch_args | {"_mark"}
 
-    def prepare(self, pipe, kwargs):
-        marked = kwargs.pop("_mark", False)
-        state = super().prepare(pipe, kwargs)
-        state.marked = marked
+    def _state(self, pipe, a, rows, shared, device):
+        state = super()._state(pipe, a, rows, shared, device)
+        state.marked = a.get("_mark", False)
         return state
 
     def forward(self, pipe, states, bucket):
