@@ -12,8 +12,9 @@ over all their prompts, padded to a bucket of prompts, then each its own latents
 One step is one transformer call (two for Flux's true CFG) over the group's rows, padded up to the next
 of ``batch_buckets`` by repeating a real row, so an accelerated transformer replays one graph per bucket;
 rows above the largest bucket run unpadded. The family hooks (`bcg.diffusers.step_families`) build the
-inputs exactly as the pipeline does, so ``warmup_plan(keys)`` (``<key>.b<bucket>`` per bucket, run by
-`warmup_pipeline`) captures the graphs the batcher replays.
+inputs exactly as the pipeline does, so ``warmup(keys)`` (``<key>.b<bucket>`` per bucket, run by
+`warmup_pipeline` with that many prompts) captures the graphs the batcher replays: the transformer's and
+the VAE decoder's per row bucket, the text encoders' per prompt bucket.
 
 Scheduling (`bcg.diffusers.batch_queue`): one step of one group per `step()`, groups taken round-robin,
 so a second key never waits for the first to drain. With ``max_wait_ms`` 0 (default) a request that
@@ -383,20 +384,31 @@ class StepBatcher:
         request of ``n`` images alone pads to it), for `warmup_pipeline`."""
         if self.family is None:  # every request runs alone, at its own image count
             return parse_plan(keys)
+        return parse_plan([dataclasses.replace(key, batch_size=b) for key in parse_plan(keys)
+                           for b in sorted({*self._join_buckets(), self.config.bucket_for(key.batch_size)})])
+
+    def _join_buckets(self) -> list[int]:
+        """The buckets that requests joining one group pad to: their rows per step, and their prompts per
+        joint encode (both at most ``max_batch_size``)."""
         buckets = [b for b in self.config.batch_buckets if b < self.config.max_batch_size]
         buckets.append(self.config.bucket_for(self.config.max_batch_size))
-        return parse_plan([dataclasses.replace(key, batch_size=b) for key in parse_plan(keys)
-                           for b in sorted({*buckets, self.config.bucket_for(key.batch_size)})])
+        return buckets
 
     def warmup(self, keys: Iterable[ShapeKey | str], num_inference_steps: int = 2) -> dict:
         """Capture what this batcher replays for `keys` (`warmup_plan`: every bucket) with `warmup_pipeline`;
-        on the loop thread when it runs (between two steps), else here. Returns the warmup report."""
+        on the loop thread when it runs (between two steps), else here. Returns the warmup report.
+
+        A join bucket b runs as b prompts of one image each (``batched_prompts``), so the text encoders are
+        captured at the batch of a joint encode of b prompts as well; a key's own image count (a request of
+        n images alone: one prompt) runs as one prompt of n images."""
         from bcg.diffusers.pipelines import warmup_pipeline
 
         plan = self.warmup_plan(keys)
+        batched = () if self.family is None else self._join_buckets()
 
         def run():
-            return warmup_pipeline(self.pipe, plan, num_inference_steps=num_inference_steps)
+            return warmup_pipeline(self.pipe, plan, num_inference_steps=num_inference_steps,
+                                   batched_prompts=batched)
 
         with self._thread_lock:
             thread = self._thread

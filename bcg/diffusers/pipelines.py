@@ -234,16 +234,26 @@ def generate(pipe, prompt: str, **request) -> list:
 # warmup
 
 
-def _warmup_request(pipe, key: ShapeKey, info: dict, steps: int, prompt: str) -> dict:
-    """The call arguments of a request at `key`: its guidance runs CFG exactly when the key does."""
+def _warmup_request(pipe, key: ShapeKey, info: dict, steps: int, prompt: str, batched: bool = False) -> dict:
+    """The call arguments of a request at `key`: its guidance runs CFG exactly when the key does; `batched`:
+    its images come from as many prompts (one image each), so the text encoders see that batch too."""
     guidance, negative = family_named(info["family"]).cfg.request_for(key.cfg, info["default_guidance"])
-    return plan_request(pipe, prompt, key=key, steps=steps, guidance=guidance, negative_prompt=negative,
-                        seed=0, output_type="np", info=info)[1]
+    kwargs = plan_request(pipe, prompt, key=key, steps=steps, guidance=guidance, negative_prompt=negative,
+                          seed=0, output_type="np", info=info)[1]
+    if batched and key.batch_size > 1 and "num_images_per_prompt" in kwargs:
+        kwargs |= {"prompt": [prompt] * key.batch_size, "num_images_per_prompt": 1}
+        if isinstance(kwargs.get("negative_prompt"), str):  # one negative row in some pipelines (Flux)
+            kwargs["negative_prompt"] = [kwargs["negative_prompt"]] * key.batch_size
+    return kwargs
 
 
-def warmup_pipeline(pipe, plan, num_inference_steps: int = 2, prompt: str = "a photo of a cat") -> dict:
+def warmup_pipeline(pipe, plan, num_inference_steps: int = 2, prompt: str = "a photo of a cat",
+                    batched_prompts: Iterable[int] = ()) -> dict:
     """Run `pipe` once per shape key of `plan` inside every runner's ``warmup()``; return a report.
 
+    A key whose image count is in `batched_prompts` runs as that many prompts of one image each, not one
+    prompt of that many images: the same transformer and VAE signatures, and the text encoders at that
+    batch too (what a step batcher's joint encode of the requests joining together runs: `StepBatcher.warmup`).
     Two steps reach every transformer signature of the supported pipelines (the first step and the
     rest; Wan 2.2's second transformer after its boundary). Report: ``{"keys": [{"key", "captured":
     {component: [signature keys]}, "failed": {component: [reasons]}, "error", "seconds"}], "captured",
@@ -255,6 +265,7 @@ def warmup_pipeline(pipe, plan, num_inference_steps: int = 2, prompt: str = "a p
         logger.warning("warmup_pipeline: %s has no runners; call accelerate(pipe) first", type(pipe).__name__)
     info = pipeline_info(pipe)
     report = {"keys": [], "captured": 0, "failed": 0, "seconds": 0.0, "steps": num_inference_steps}
+    batched_prompts = frozenset(batched_prompts)
     start_all = time.perf_counter()
     for key in parse_plan(plan):
         start = time.perf_counter()
@@ -262,7 +273,8 @@ def warmup_pipeline(pipe, plan, num_inference_steps: int = 2, prompt: str = "a p
                   for name, r in runners.items()}
         error = None
         try:
-            kwargs = _warmup_request(pipe, key, info, num_inference_steps, prompt)
+            kwargs = _warmup_request(pipe, key, info, num_inference_steps, prompt,
+                                     batched=key.batch_size in batched_prompts)
             with contextlib.ExitStack() as stack:
                 for runner in runners.values():
                     stack.enter_context(runner.warmup())
