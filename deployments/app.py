@@ -32,12 +32,24 @@ logger = logging.getLogger(__name__)
 
 
 class AutoscalingArgs(BaseModel):
-    """The subset of Serve's AutoscalingConfig this app exposes (``"MIN:MAX"`` on a command line)."""
+    """The subset of Serve's AutoscalingConfig this app exposes (``"MIN:MAX"`` on a command line).
+
+    ``target_ongoing_requests`` is what Serve scales towards: requests running on or queued for a
+    replica, on average over the replicas. Unset, it follows a replica's batch capacity
+    (``AppArgs.target_ongoing_requests``): ``max_batch_size`` when batching is on (above 1), since a
+    replica runs that many one-image requests of a shape key in one batch, a step of it costing little
+    more than a step of one (so Serve's 2 would add replicas while the first have room in their batches);
+    with batching off, Serve's own default (2), at most ``max_ongoing_requests``. Families without
+    step-batching hooks (all but Flux and SD3) run one request at a time whatever ``max_batch_size``
+    says: set ``max_batch_size: 1`` (or the target) for them. A target above
+    ``max_ongoing_requests`` is an error: a replica never holds more requests than that, so Serve
+    would scale out only once requests queue at the callers.
+    """
     model_config = ConfigDict(extra="forbid")
     min_replicas: int = Field(1, ge=0)
     max_replicas: int = Field(4, ge=1)
     initial_replicas: Optional[int] = Field(None, ge=0)
-    target_ongoing_requests: float = Field(2.0, gt=0)
+    target_ongoing_requests: Optional[float] = Field(None, gt=0)   # None: see the docstring
     upscale_delay_s: float = Field(30.0, ge=0)
     downscale_delay_s: float = Field(600.0, ge=0)
 
@@ -139,6 +151,34 @@ class AppArgs(BaseModel):
         """The replicas' batcher settings (``bcg.diffusers.BatcherConfig`` fields)."""
         size = self.max_batch_size if self.max_batch_size is not None else min(4, self.max_ongoing_requests)
         return {"max_batch_size": size, "batch_buckets": list(self.batch_buckets), "max_wait_ms": self.max_wait_ms}
+
+    @model_validator(mode="after")
+    def _target_fits_ongoing(self):
+        target = self.autoscaling.target_ongoing_requests if self.autoscaling is not None else None
+        if target is not None and target > self.max_ongoing_requests:
+            raise ValueError(f"autoscaling.target_ongoing_requests ({target:g}) must be <= max_ongoing_requests "
+                             f"({self.max_ongoing_requests}): a replica never holds more than max_ongoing_requests "
+                             "requests, so Serve would add replicas only once requests queue at the callers; "
+                             "lower the target or raise max_ongoing_requests")
+        return self
+
+    def target_ongoing_requests(self) -> float:
+        """Serve's autoscaling target (see `AutoscalingArgs`): the one given, else ``max_batch_size`` with
+        batching on, else Serve's default capped at ``max_ongoing_requests``."""
+        if self.autoscaling is not None and self.autoscaling.target_ongoing_requests is not None:
+            return self.autoscaling.target_ongoing_requests
+        batch = self.batching()["max_batch_size"]
+        if batch > 1:
+            return float(batch)
+        from ray.serve.config import AutoscalingConfig
+        return float(min(AutoscalingConfig().target_ongoing_requests, self.max_ongoing_requests))
+
+    def autoscaling_config(self) -> Optional[dict]:
+        """Serve's ``autoscaling_config`` for the replicas (None without ``autoscaling``)."""
+        if self.autoscaling is None:
+            return None
+        return {**self.autoscaling.model_dump(exclude_none=True),
+                "target_ongoing_requests": self.target_ongoing_requests()}
 
     @field_validator("autoscaling", mode="before")
     @classmethod
@@ -271,7 +311,7 @@ def build_app(args: Optional[dict] = None):
         if getattr(a, name) is not None:
             replica_options[name] = getattr(a, name)
     if a.autoscaling is not None:
-        replica_options["autoscaling_config"] = a.autoscaling.model_dump(exclude_none=True)
+        replica_options["autoscaling_config"] = a.autoscaling_config()
     else:
         replica_options["num_replicas"] = a.num_replicas
     plan = {"keys": a.warmup, "placement": a.placement, "replication": a.replication} if a.warmup else None

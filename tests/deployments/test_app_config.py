@@ -51,6 +51,8 @@ def test_batching_settings_default_to_no_wait_and_a_batch_the_replica_can_fill()
     ({"max_batch_size": 8, "max_ongoing_requests": 4}, r"max_batch_size \(8\) must be <= max_ongoing_requests \(4\)"),
     ({"batch_buckets": "1,0"}, "batch_buckets"),
     ({"max_wait_ms": -1}, "max_wait_ms"),
+    ({"autoscaling": {"max_replicas": 2, "target_ongoing_requests": 8}},
+     r"target_ongoing_requests \(8\) must be <= max_ongoing_requests \(4\)"),
 ])
 def test_bad_args_are_errors_naming_the_arg(args, named):
     with pytest.raises(ValueError, match=named) as info:
@@ -73,6 +75,24 @@ def test_build_app_binds_the_deployment_graph():
     assert coordinator._bound_deployment.init_kwargs["plan"]["keys"] == ["64x64"]
 
 
+def _replica_deployment(args):
+    return build_app(args)._bound_deployment.init_args[0]._bound_deployment
+
+
+@pytest.mark.parametrize("args, target", [
+    ({}, 4.0),                                                  # batching on: max_batch_size min(4, 4)
+    ({"max_batch_size": 8, "max_ongoing_requests": 16}, 8.0),
+    ({"max_batch_size": 1}, 2.0),                               # batching off: Serve's default ...
+    ({"max_ongoing_requests": 1}, 1.0),                         # ... at most max_ongoing_requests
+    ({"max_batch_size": 8, "max_ongoing_requests": 16, "autoscaling": {"target_ongoing_requests": 3}}, 3.0),
+])
+def test_autoscaling_target_follows_the_replicas_batch_capacity_unless_set(args, target):
+    config = _replica_deployment({"autoscaling": "1:4", **args})._deployment_config.autoscaling_config
+    assert config.target_ongoing_requests == target
+    assert (config.min_replicas, config.max_replicas) == (1, 4)
+    assert _replica_deployment(args | {"autoscaling": None}).num_replicas == 2   # no autoscaling: fixed
+
+
 # -- serve_config.yaml -------------------------------------------------------------------------------
 def test_serve_config_validates_and_its_args_build():
     from ray.serve.schema import ServeDeploySchema
@@ -82,6 +102,9 @@ def test_serve_config_validates_and_its_args_build():
     assert app.import_path == "deployments.app:build_app"
     args = parse_args(app.args)
     assert args.autoscaling is not None and args.autoscaling.min_replicas >= 1
+    # the target is left to follow the batch capacity: a full batch per replica before scaling out
+    config = _replica_deployment(app.args)._deployment_config.autoscaling_config
+    assert config.target_ongoing_requests == args.max_batch_size == 8 <= args.max_ongoing_requests
     assert {d.name for d in app.deployments} <= {"Replica", "Ingress", "Coordinator"}
     # num_replicas together with autoscaling is rejected by Serve's own schema
     bad = copy.deepcopy(raw)
