@@ -1,7 +1,9 @@
 """Small helpers shared by the benchmark scripts: machine facts, CUDA-event timing, JSON output.
 
 Stable on purpose (every benchmark imports it): ``machine_info() -> dict``,
-``time_cuda(fn, iters=50, warmup=10) -> float`` (median milliseconds), ``write_json(path, obj)``.
+``time_cuda(fn, iters=50, warmup=10) -> float`` (median milliseconds), ``write_json(path, obj)``,
+``sync(device)``, ``pick_device(args, say) -> bool`` (the CUDA-or-``--allow-cpu`` rule of the end-to-end
+benchmarks).
 """
 from __future__ import annotations
 
@@ -96,3 +98,20 @@ def plot_only(json_path: str, plot) -> int:
     with open(json_path) as f:
         result = json.load(f)
     return 0 if plot(result, os.path.splitext(json_path)[0] + ".png") else 1
+
+
+def sync(device) -> None:
+    """Wait for `device`'s queued work (CUDA); nothing elsewhere."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def pick_device(args, say) -> bool:
+    """Set ``args.device`` (its value, else ``cuda`` when available, else ``cpu``); False (after saying why)
+    when CUDA is missing and ``args.allow_cpu`` does not ask for a smoke run."""
+    cuda = torch.cuda.is_available()
+    if not cuda and not args.allow_cpu:
+        say("CUDA is not available; run on a GPU host or pass --allow-cpu for a smoke run")
+        return False
+    args.device = args.device or ("cuda" if cuda else "cpu")
+    return True

@@ -62,7 +62,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _common import add_plot_only, machine_info, plot_only, pyplot, write_json  # noqa: E402
+from _common import add_plot_only, machine_info, pick_device, plot_only, pyplot, sync, write_json  # noqa: E402
 
 from bcg.diffusers import accelerate, pipeline_runners, plan_request, warmup_pipeline  # noqa: E402
 from bcg.diffusers.batching import StepBatcher  # noqa: E402
@@ -81,11 +81,6 @@ VIAS = ("engine", "handle", "http")
 
 def _say(msg: str) -> None:
     print(f"[bench_batching {time.strftime('%H:%M:%S')}] {msg}", flush=True)
-
-
-def _sync(device) -> None:
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize()
 
 
 def _request(args, i: int) -> dict:
@@ -134,7 +129,7 @@ def time_direct(pipe, args, iters: int) -> list[float]:
         _, kwargs = plan_request(pipe, PROMPTS[i % len(PROMPTS)], **_request(args, i))
         start = time.perf_counter()
         pipe(**kwargs)
-        _sync(args.device)
+        sync(args.device)
         if i:
             times.append((time.perf_counter() - start) * 1000)
     return times
@@ -214,7 +209,7 @@ def run_load(pipe, batcher: StepBatcher, args, offsets: list[float]) -> dict:
     """`open_loop` through one in-process `StepBatcher`, with the batcher's figures and the eager calls."""
     eager_before = _eager_calls(pipe)
     row = open_loop(lambda i: batcher.submit(PROMPTS[i % len(PROMPTS)], **_request(args, i)), offsets,
-                    args.timeout_s, sync=lambda: _sync(args.device))
+                    args.timeout_s, sync=lambda: sync(args.device))
     return {**row, **batch_figures({}, batcher.stats()), "eager_calls": _eager_calls(pipe) - eager_before}
 
 
@@ -449,11 +444,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.plot_only:
         return plot_only(args.plot_only, plot)
-    cuda = torch.cuda.is_available()
-    if not cuda and not args.allow_cpu:
-        _say("CUDA is not available; run on a GPU host or pass --allow-cpu for a smoke run")
+    if not pick_device(args, _say):
         return 2
-    args.device = args.device or ("cuda" if cuda else "cpu")
     started = time.perf_counter()
     if args.via != "engine":
         return main_served(args, argv, started)

@@ -48,7 +48,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _common import add_plot_only, machine_info, plot_only, pyplot, write_json  # noqa: E402
+from _common import add_plot_only, machine_info, plot_only, pyplot, sync, write_json  # noqa: E402
 
 from bcg.runtime.config import RunnerConfig  # noqa: E402
 from bcg.diffusers import accelerate, pipeline_info, pipeline_runners, plan_request, warmup_pipeline  # noqa: E402
@@ -56,11 +56,6 @@ from bcg.diffusers.models import load_pipeline  # noqa: E402
 
 ALL_COMPONENTS = ("transformer", "text_encoder", "text_encoder_2", "text_encoder_3", "vae_decoder")
 PHASES = ("text_encoding", "prepare", "denoising", "vae_decode", "postprocess", "other")
-
-
-def _sync(device):
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize()
 
 
 def _as_array(out):
@@ -74,13 +69,13 @@ def time_pipeline(pipe, kwargs_fn, device, iters, warmup):
     out = None
     for _ in range(warmup):
         out = pipe(**kwargs_fn())
-    _sync(device)
+    sync(device)
     times = []
     for _ in range(iters):
         kwargs = kwargs_fn()
         start = time.perf_counter()
         out = pipe(**kwargs)
-        _sync(device)
+        sync(device)
         times.append((time.perf_counter() - start) * 1e3)
     return {"median_ms": round(statistics.median(times), 3), "min_ms": round(min(times), 3),
             "mean_ms": round(statistics.fmean(times), 3), "iters": iters}, out
@@ -123,7 +118,7 @@ class PhaseClock:
                 obj.__dict__.pop(name, None)
 
     def mark(self, what):
-        _sync(self.device)
+        sync(self.device)
         self.marks.append((what, time.perf_counter()))
 
     def run(self, kwargs):

@@ -75,7 +75,7 @@ REPO = os.path.dirname(HERE)
 sys.path.insert(0, REPO)
 sys.path.insert(0, HERE)
 
-from _common import add_plot_only, machine_info, plot_only, pyplot, write_json  # noqa: E402
+from _common import add_plot_only, machine_info, pick_device, plot_only, pyplot, sync, write_json  # noqa: E402
 
 PROMPT = "a photo of a cat sitting on a red chair, studio lighting"
 MODELS = ("flux.1-dev", "wan2.1-1.3b")  # make_pipeline_dirs.PIPELINES' names: the folder names
@@ -91,11 +91,6 @@ def _ms_summary(times_ms: list[float]) -> dict:
     return {"median_ms": round(statistics.median(times_ms), 2),
             "p90_ms": round(float(np.percentile(times_ms, 90)), 2), "min_ms": round(min(times_ms), 2),
             "all_ms": [round(t, 2) for t in times_ms]}
-
-
-def _sync(device: str) -> None:
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize()
 
 
 def shapes(args, model: str) -> list[dict]:
@@ -127,13 +122,13 @@ def measure_eager(pipe, info: dict, shape: dict, steps: int, args) -> dict:
         torch.cuda.reset_peak_memory_stats()
     for i in range(args.warmup_iters):
         pipe(**eager_kwargs(info, shape, steps, seed=1000 + i))
-    _sync(args.device)
+    sync(args.device)
     times = []
     for i in range(args.iters):
         kwargs = eager_kwargs(info, shape, steps, seed=i)
         start = time.perf_counter()
         pipe(**kwargs)
-        _sync(args.device)
+        sync(args.device)
         times.append((time.perf_counter() - start) * 1e3)
     row = _ms_summary(times)
     if cuda:
@@ -481,11 +476,9 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.plot_only:
         return plot_only(args.plot_only, plot)
-    cuda = torch.cuda.is_available()
-    if not cuda and not args.allow_cpu:
-        _say("CUDA is not available; run on a GPU host or pass --allow-cpu for a smoke run")
+    if not pick_device(args, _say):
         return 2
-    args.device = args.device or ("cuda" if cuda else "cpu")
+    cuda = torch.device(args.device).type == "cuda"
     tmp = None
     if not cuda:  # smoke run: tiny directories and shapes, one request each
         tmp = tempfile.mkdtemp(prefix="bench_served_")
