@@ -40,7 +40,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(1, os.path.dirname(HERE))
 
-from bench_real_size import MODELS as TRANSFORMERS, model_config  # noqa: E402
+from bench_real_size import model_config  # noqa: E402
 
 # Published component configs (each repository's <component>/config.json, the fields that shape weights).
 CLIP_L = dict(  # openai/clip-vit-large-patch14, text tower (FLUX.1-dev text_encoder)
