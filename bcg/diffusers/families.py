@@ -81,9 +81,11 @@ class CfgRule:
 class BatchingHooks(Protocol):
     """What the step-wise batching engine (`bcg.diffusers.batching.StepBatcher`) needs of a family.
 
-    Requests of one shape key share a denoising loop: each is prepared alone (its prompt embeddings,
-    latents, scheduler and generator), joins the running batch at a step boundary and leaves decoded
-    when its steps are done. `bcg.diffusers.step_families` implements these for the flow-matching
+    Requests of one shape key share a denoising loop: each is prepared (its prompt embeddings, latents,
+    scheduler and generator), joins the running batch at a step boundary and leaves decoded when its
+    steps are done. Optional: ``encode_group(pipe, kwargs)`` and ``prepare_batch(pipe, kwargs_list,
+    bucket)`` prepare the requests joining at one boundary with one prompt encode; hooks without them
+    prepare each request alone. `bcg.diffusers.step_families` implements these for the flow-matching
     families. A family without hooks runs one pipeline call per request.
     """
 
