@@ -9,9 +9,9 @@
     python3 benchmarks/bench_batching.py --transformer flux-2.5b --size 512x512 --out .../bench_batching_2p5b_512.json
 
 Set-up: the built-in pipeline, on CUDA accelerated (`accelerate(pipe, components=...)`) and warmed with the
-batcher's plan (`StepBatcher.warmup_plan`: the request's shape key at every batch bucket, so one graph per
-bucket is captured before any timing). Each request is the same shape key (``--size``, ``--steps``, no CFG
-unless ``--negative-prompt``) with its own prompt (from a fixed list, one prompt bucket) and its own seed.
+batcher's own warmup (`StepBatcher.warmup`: the request's shape key at every batch bucket, the text
+encoders at every joint-encode batch, so one graph per bucket is captured before any timing). Each
+request is the same shape key (``--size``, ``--steps``, no CFG unless ``--negative-prompt``) with its own prompt (from a fixed list, one prompt bucket) and its own seed.
 
 Workload (in the manner of vLLM's ``benchmark_serving``): for each offered rate, ``--requests`` arrivals with
 exponential gaps (Poisson process) drawn from ``--seed``; the same arrival times for both modes. ``inf``
@@ -64,7 +64,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _common import add_plot_only, machine_info, pick_device, plot_only, pyplot, sync, write_json  # noqa: E402
 
-from bcg.diffusers import accelerate, pipeline_runners, plan_request, warmup_pipeline  # noqa: E402
+from bcg.diffusers import accelerate, pipeline_runners, plan_request  # noqa: E402
 from bcg.diffusers.batching import StepBatcher  # noqa: E402
 from bcg.diffusers.models import load_pipeline  # noqa: E402
 
@@ -459,7 +459,7 @@ def main(argv=None) -> int:
     probe = _batcher(pipe, args, "batched")
     plan = probe.warmup_plan([key])
     _say(f"warming {[k.key for k in plan]}")
-    warm = warmup_pipeline(pipe, plan, num_inference_steps=2)
+    warm = probe.warmup([key])  # every bucket, the text encoders at each joint-encode batch too
     flops = transformer_flops_per_row(pipe, args)
     cfg_calls = 2 if key.cfg else 1
 
