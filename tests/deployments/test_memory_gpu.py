@@ -2,9 +2,11 @@
 key's graph bytes and eager peak are measured, a plan that fits warms, and a key beyond the share fails at
 warmup naming the key and the bytes, stays cold, and leaves no graph of its own behind.
 
-Run I (H200, 2026-12-03) failed an earlier form of this test, which set the share at construction from a
-probe's figures; its reason was not recorded. This form sets the share from the engine's own measure
-after the first key and has not run on a GPU yet."""
+Runs I and J (H200, 2026-12-03) failed an earlier form of this test, which set the share at construction
+from the probe's figures; the reason was not recorded. A likely one: the probe engine was never freed
+(only a local name was deleted), so the second engine held the probe's graphs too and met the share's
+"already holds" message. This form sets the share from the engine's own measure after its first key,
+frees the probe, and has not run on a GPU yet."""
 import dataclasses
 import gc
 
@@ -21,9 +23,8 @@ def _engine(**kwargs):
     return ReplicaEngine("tiny-flux", device="cuda", warmup_steps=1, **kwargs)
 
 
-def _free(engine):
+def _close(engine):
     engine.close()
-    del engine
     gc.collect()
     torch.cuda.empty_cache()
 
@@ -41,7 +42,10 @@ def test_a_key_beyond_the_share_fails_at_warmup_on_cuda_and_the_rest_serves():
             assert report["memory"]["graphs_bytes"] > 0 and report["memory"]["eager_peak_bytes"] > 0, report
         need = {r["key"]: r["memory"]["graphs_bytes"] + r["memory"]["eager_peak_bytes"] for r in (small, large)}
     finally:
-        _free(probe)
+        _close(probe)
+    del probe  # its graphs and weights go before the second engine loads
+    gc.collect()
+    torch.cuda.empty_cache()
 
     # on a second engine: SMALL warms within the whole device; then the share is set to what the engine
     # holds plus half of what LARGE needs (set after the fact, from the engine's own measure, so that
@@ -65,4 +69,4 @@ def test_a_key_beyond_the_share_fails_at_warmup_on_cuda_and_the_rest_serves():
         again = engine.warmup_key(SMALL)
         assert again["ok"] and again["captures"] == 0, again
     finally:
-        _free(engine)
+        _close(engine)
