@@ -22,8 +22,9 @@ Modes: ``batched`` (``--max-batch-size``, ``--buckets``, ``--max-wait-ms``) and 
 
 Reported per rate and mode: images/s (answered / (last answer - first arrival)), latency p50/p90/p99/mean
 (submit to answer, ms), the batch-size histogram (real rows per transformer step) and bucket histogram,
-joins mid-run, failures, lost or doubly answered requests (must be 0), the transformer's eager calls
-during the run (0 when every bucket was warm), and an estimate of the transformer's achieved TFLOP/s
+joins mid-run, the batcher's host seconds per phase (``phase_seconds``: preparation, transformer calls,
+scheduler steps, decode and answers; see `StepBatcher.stats`), failures, lost or doubly answered requests
+(must be 0), the transformer's eager calls during the run (0 when every bucket was warm), and an estimate of the transformer's achieved TFLOP/s
 (2 x parameters x tokens + 4 x attention layers x tokens^2 x width, per real row and call: padding rows
 are not counted). ``direct`` is the median ms of ``pipe(**kwargs)`` called back to back (today's
 unbatched path); the low-load criterion compares the batched p50 at the lowest rate with it (and with
@@ -199,7 +200,10 @@ def batch_figures(before: dict, after: dict) -> dict:
 
     steps = after["steps"] - before.get("steps", 0)
     rows = after["rows"] - before.get("rows", 0)
+    phases = {k: round(v - before.get("phase_seconds", {}).get(k, 0.0), 4)
+              for k, v in after.get("phase_seconds", {}).items()}
     return {"batch_size_histogram": hist("batch_size_histogram"), "bucket_histogram": hist("bucket_histogram"),
+            "phase_seconds": phases,
             "mean_rows_per_step": round(rows / steps, 3) if steps else 0.0,
             "joins_mid_run": after["joins_mid_run"] - before.get("joins_mid_run", 0), "steps": steps, "rows": rows,
             "padded_rows": after["padded_rows"] - before.get("padded_rows", 0)}

@@ -89,6 +89,7 @@ class StepBatcher:
         self._bucket_hist = collections.Counter()  # bucket per step -> steps
         self._prompts_hist = collections.Counter()  # real prompts per encode -> encodes
         self._alone_reasons = collections.Counter()
+        self._seconds = collections.Counter()  # phase of a group step -> host seconds in it
 
     # ------------------------------------------------------------------------------------------------
     # submitting (any thread)
@@ -203,7 +204,9 @@ class StepBatcher:
                 starting.append(request)
             else:
                 self._count("cancelled")
+        t0 = time.perf_counter()
         states = self._prepare(starting)
+        t1 = time.perf_counter()
         for request in starting:
             state = states[request.id]
             layout = self._layouts.get(group) if active else None
@@ -221,8 +224,10 @@ class StepBatcher:
             self._count("joins_mid_run" if started else "admitted_at_start")
         if not active:
             self._set_active(group, [])
+            self._add_seconds(prepare=t1 - t0)
             return
         noise = self._forward(active)
+        t2 = time.perf_counter()
         survivors, leaving = [], []
         for request in active:
             pred = noise.get(request.id)
@@ -238,8 +243,10 @@ class StepBatcher:
                 continue
             (leaving if state.done else survivors).append(request)
         self._set_active(group, survivors)
+        t3 = time.perf_counter()
         if leaving:
             self._finish(leaving)
+        self._add_seconds(prepare=t1 - t0, forward=t2 - t1, scheduler=t3 - t2, finish=time.perf_counter() - t3)
 
     def _prepare(self, requests: list[QueuedRequest]) -> dict:
         """State per request id (an exception where its own preparation failed). Requests whose prompts
@@ -361,6 +368,10 @@ class StepBatcher:
                 self._prompts_hist[prompts] += 1
                 self._counts["padded_prompts"] += bucket - prompts
 
+    def _add_seconds(self, **phases: float) -> None:
+        with self._stats_lock:
+            self._seconds.update(phases)
+
     def _count_step(self, rows: int, bucket: int) -> None:
         with self._stats_lock:
             self._counts["steps"] += 1
@@ -424,7 +435,12 @@ class StepBatcher:
         """Counters since construction: requests (submitted, joins, leaves, failed, ran alone), steps,
         rows and padded rows, histograms of real rows and of buckets per step, preparations (``prepares``;
         ``batched_prepares`` of several requests; ``prepare_prompts_histogram``: real prompts per joint
-        encode; ``padded_prompts``), what is running now."""
+        encode; ``padded_prompts``), ``phase_seconds``: wall seconds of the loop thread in each phase of
+        the group steps (``prepare``: joining requests' preparation; ``forward``: the batched transformer
+        calls; ``scheduler``: the requests' scheduler steps; ``finish``: decode, post-processing and
+        answers), measured on the host without a device sync (in a loop bound by the host, where the
+        time goes; on CUDA a phase that waits for the device absorbs the device time queued before it),
+        what is running now."""
         running, queued = self._queue.snapshot()
         with self._stats_lock:
             counts = dict(self._counts)
@@ -446,6 +462,7 @@ class StepBatcher:
                 "batched_prepares": counts.get("batched_prepares", 0),
                 "padded_prompts": counts.get("padded_prompts", 0),
                 "prepare_prompts_histogram": dict(sorted(self._prompts_hist.items())),
+                "phase_seconds": {k: round(v, 6) for k, v in sorted(self._seconds.items())},
                 "steps": steps,
                 "rows": counts.get("rows", 0),
                 "padded_rows": counts.get("padded_rows", 0),

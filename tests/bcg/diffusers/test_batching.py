@@ -193,6 +193,10 @@ def test_request_joining_mid_run_leaves_when_its_own_steps_are_done(pipe):
     stats = batcher.stats()
     assert stats["joins_mid_run"] == 1 and stats["admitted_at_start"] == 1
     assert stats["batch_size_histogram"] == {1: 3, 2: 2} and stats["steps"] == 5
+    # host time per phase of the group steps: every phase ran, the transformer calls took the most here
+    phases = stats["phase_seconds"]
+    assert set(phases) == {"prepare", "forward", "scheduler", "finish"} and min(phases.values()) > 0
+    assert phases["forward"] > phases["scheduler"]
 
 
 def test_max_batch_size_counts_image_rows_and_the_rest_waits(flux):
