@@ -15,6 +15,7 @@ import inspect
 import sys
 from typing import Any, Callable
 
+import numpy as np
 import torch
 
 __all__ = ["RequestState", "StepFamily", "pad_rows"]
@@ -86,6 +87,13 @@ def _guided(states, cond: torch.Tensor, uncond: torch.Tensor | None) -> list[tor
 
 def _layout(*tensors) -> tuple:
     return tuple(None if t is None else (tuple(t.shape[1:]), t.dtype) for t in tensors)
+
+
+def _hashable(value):
+    """A cache key part for a scheduler argument (sigmas come as numpy arrays or lists)."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return tuple(float(x) for x in np.asarray(value, dtype=np.float64).ravel())
 
 
 def _call_defaults(pipe) -> dict:
@@ -307,6 +315,33 @@ class StepFamily:
             template = type(pipe.scheduler).from_config(pipe.scheduler.config)
             self._scheduler_template = (pipe.scheduler, template)
         return copy.copy(template) if type(template) is FlowMatchEulerDiscreteScheduler else copy.deepcopy(template)
+
+    def _scheduler_at(self, pipe, retrieve: Callable, steps: int, device, **kwargs):
+        """``(scheduler, timesteps)``: a scheduler of the request's own with its timesteps set, as
+        ``retrieve(scheduler, steps, device, **kwargs)`` (the pipeline's ``retrieve_timesteps``) sets them.
+
+        For FlowMatchEulerDiscreteScheduler the scheduler so prepared is kept per arguments and each request
+        gets a shallow copy (`_scheduler` says why that is safe): the same tensors `set_timesteps` would
+        build again, without its host-to-device copies per request (a copy from pageable host memory
+        waits for the device's queue). Any other class: a fresh `_scheduler` and its own ``retrieve``.
+        """
+        from diffusers import FlowMatchEulerDiscreteScheduler
+
+        template = self._scheduler(pipe)
+        if type(template) is not FlowMatchEulerDiscreteScheduler:
+            timesteps, _ = retrieve(template, steps, device, **kwargs)
+            return template, timesteps
+        source = self._scheduler_template[1]  # a new pipeline scheduler: a new template, a new cache
+        owner, cache = getattr(self, "_prepared_schedulers", (None, {}))
+        if owner is not source or len(cache) >= 64:  # distinct step counts and shifts are few
+            cache = {}
+            self._prepared_schedulers = (source, cache)
+        key = (steps, str(device), tuple(sorted((k, _hashable(v)) for k, v in kwargs.items())))
+        prepared = cache.get(key)
+        if prepared is None:
+            timesteps, _ = retrieve(template, steps, device, **kwargs)
+            prepared = cache[key] = (template, timesteps)
+        return copy.copy(prepared[0]), prepared[1]
 
     @staticmethod
     def _per_prompt(a: dict) -> int:

@@ -79,9 +79,8 @@ class FluxStepFamily(StepFamily):
         mu = self._pipeline_function(pipe, "calculate_shift", _PIPELINE_MODULE)(
             latents.shape[1], config.get("base_image_seq_len", 256), config.get("max_image_seq_len", 4096),
             config.get("base_shift", 0.5), config.get("max_shift", 1.15))
-        scheduler = self._scheduler(pipe)
         retrieve = self._pipeline_function(pipe, "retrieve_timesteps", _PIPELINE_MODULE)
-        timesteps, _ = retrieve(scheduler, steps, device, sigmas=sigmas, mu=mu)
+        scheduler, timesteps = self._scheduler_at(pipe, retrieve, steps, device, sigmas=sigmas, mu=mu)
         scheduler.set_begin_index(0)
         guidance = None
         if pipe.transformer.config.guidance_embeds:

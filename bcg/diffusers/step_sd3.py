@@ -74,21 +74,20 @@ class SD3StepFamily(StepFamily):
         embeds, pooled = rows["embeds"], rows["pooled"]
         latents = pipe.prepare_latents(count, pipe.transformer.config.in_channels, a["height"], a["width"],
                                        embeds.dtype, device, a.get("generator"), a.get("latents"))
-        scheduler = self._scheduler(pipe)
+        config = pipe.scheduler.config
         scheduler_kwargs = {}
         mu = a.get("mu")
-        if scheduler.config.get("use_dynamic_shifting", None) and mu is None:
+        if config.get("use_dynamic_shifting", None) and mu is None:
             patch = pipe.transformer.config.patch_size
             seq_len = (latents.shape[2] // patch) * (latents.shape[3] // patch)
-            config = scheduler.config
             mu = self._pipeline_function(pipe, "calculate_shift", _PIPELINE_MODULE)(
                 seq_len, config.get("base_image_seq_len", 256), config.get("max_image_seq_len", 4096),
                 config.get("base_shift", 0.5), config.get("max_shift", 1.16))
         if mu is not None:
             scheduler_kwargs["mu"] = mu
         retrieve = self._pipeline_function(pipe, "retrieve_timesteps", _PIPELINE_MODULE)
-        timesteps, _ = retrieve(scheduler, a["num_inference_steps"], device, sigmas=a.get("sigmas"),
-                                **scheduler_kwargs)
+        scheduler, timesteps = self._scheduler_at(pipe, retrieve, a["num_inference_steps"], device,
+                                                  sigmas=a.get("sigmas"), **scheduler_kwargs)
         neg = None
         if "neg_embeds" in rows:
             neg = {"encoder_hidden_states": rows["neg_embeds"], "pooled_projections": rows["neg_pooled"]}

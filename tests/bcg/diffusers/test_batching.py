@@ -176,6 +176,35 @@ def test_flux_true_cfg_requests_batch_with_their_own_scales(flux, batch_decode):
     assert stats["batch_size_histogram"] == {2: 2} and stats["batched_decodes"] == int(batch_decode)
 
 
+def test_requests_of_one_step_count_share_prepared_timesteps_and_keep_their_own_step_index(pipe):
+    family = StepBatcher(pipe).family
+
+    def prepare(request):
+        request = dict(request)
+        _, kwargs = plan_request(pipe, request.pop("prompt"), **request)
+        with torch.no_grad():
+            return family.prepare(pipe, kwargs)
+
+    a, b = prepare(_request("a cat", seed=1, steps=3)), prepare(_request("a dog", seed=2, steps=3))
+    other = prepare(_request("a fox", seed=3, steps=4))
+    # the same step count: one prepared set of timesteps (no host-to-device copy per request), own schedulers
+    assert a.timesteps is b.timesteps and a.scheduler is not b.scheduler
+    assert other.timesteps is not a.timesteps and other.num_steps == 4
+    # stepping one request leaves the other's state where it was
+    noise = torch.zeros_like(a.latents)
+    a.latents = a.scheduler.step(noise, a.timestep, a.latents, return_dict=False)[0]
+    a.step_index += 1
+    assert a.scheduler.step_index == 1 and b.scheduler.step_index is None
+    # a new pipeline scheduler is a new template: nothing prepared for the old one is reused
+    saved = pipe.scheduler
+    try:
+        pipe.scheduler = type(saved).from_config(saved.config)
+        again = prepare(_request("a cat", seed=1, steps=3))
+        assert again.timesteps is not a.timesteps and torch.equal(again.timesteps.cpu(), a.timesteps.cpu())
+    finally:
+        pipe.scheduler = saved
+
+
 def test_request_joining_mid_run_leaves_when_its_own_steps_are_done(pipe):
     long, short = _request("a red chair", seed=7, steps=5), _request("a blue lake", seed=8, steps=2)
     batcher = StepBatcher(pipe)
