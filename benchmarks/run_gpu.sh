@@ -1,6 +1,10 @@
 #!/usr/bin/env bash
 # Everything the GPU host runs, in one call (device time is scarce):
 #   bash benchmarks/run_gpu.sh [tests|bench|all|pending] [extra pytest args]
+#   bash benchmarks/run_gpu.sh steps 'CMD1' 'CMD2' ...   # any commands; each writes its files under $R
+#     (e.g. 'python3 benchmarks/bench_pool_plan.py --out $R/bench_pool_plan.json'); its output goes to
+#     $R/step<i>.log, the folder is packed after every step, and a step's own timeout is the caller's.
+#     Use this, not files written straight to $OUT: the device tool returns at most 8 files.
 # pending: what no session had device time left for (issues 2 and 8): the GPU tests with failure
 # reasons, the per-break host cost, and compiled segments on the second family and flux-9m at 1024^2
 # (timeouts sum to under the device's 600 s per call).
@@ -26,6 +30,14 @@ fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   for b in ${BCG_BENCHES:-bench_forward bench_runner_overhead bench_pipeline bench_serve}; do
     echo "== $b"; timeout ${BCG_BENCH_TIMEOUT:-300} python3 benchmarks/$b.py --out "$OUT/$b.json" 2>&1 | tail -30; pack
+  done
+fi
+if [ "$what" = steps ]; then
+  i=0
+  for cmd in "$@"; do
+    i=$((i + 1)); echo "== step $i (t=${SECONDS}s): $cmd" | tee -a "$OUT/steps.log"
+    R="$OUT" bash -c "$cmd" > "$OUT/step$i.log" 2>&1; echo "   rc=$? (t=${SECONDS}s)" | tee -a "$OUT/steps.log"
+    tail -15 "$OUT/step$i.log"; pack
   done
 fi
 if [ "$what" = pending ]; then
