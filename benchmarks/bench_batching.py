@@ -17,7 +17,7 @@ Workload (in the manner of vLLM's ``benchmark_serving``): for each offered rate,
 exponential gaps (Poisson process) drawn from ``--seed``; the same arrival times for both modes. ``inf``
 sends every request at once (saturation). Rates are ``--rate-factors`` times the measured one-at-a-time
 capacity (1000 / the direct ``pipe(**kwargs)`` median ms), or absolute images/s with ``--rates``.
-Modes: ``batched`` (``--max-batch-size``, ``--buckets``, ``--max-wait-ms``) and ``one_at_a_time``
+Modes: ``batched`` (``--max-batch-size``, ``--buckets``, ``--max-wait-ms``, ``--join-policy``) and ``one_at_a_time``
 (max_batch_size 1: the engine as a queue in front of today's path).
 
 Reported per rate and mode: images/s (answered / (last answer - first arrival)), latency p50/p90/p99/mean
@@ -244,7 +244,7 @@ def served_app_args(args, mode: str) -> dict:
         "warmup": [args.size], "placement": "all", "warmup_steps": 2, "default_steps": args.steps,
         "max_ongoing_requests": args.max_batch_size, "max_queued_requests": -1,
         "max_batch_size": 1 if mode == "one_at_a_time" else args.max_batch_size, "batch_buckets": buckets,
-        "max_wait_ms": 0.0 if mode == "one_at_a_time" else args.max_wait_ms,
+        "max_wait_ms": 0.0 if mode == "one_at_a_time" else args.max_wait_ms, "join_policy": args.join_policy,
         "runner": {"max_entries": 4 * len(buckets) + 4}, "request_timeout_s": args.timeout_s,
         "max_steps": max(50, args.steps), "max_pixels": 4096 * 4096, "routing_stats_period_s": 0.5,
     }
@@ -398,7 +398,7 @@ def _batcher(pipe, args, mode: str) -> StepBatcher:
     if mode == "one_at_a_time":
         return StepBatcher(pipe, max_batch_size=1, batch_buckets=(1,))
     return StepBatcher(pipe, max_batch_size=args.max_batch_size, batch_buckets=args.buckets,
-                       max_wait_ms=args.max_wait_ms)
+                       max_wait_ms=args.max_wait_ms, join_policy=args.join_policy)
 
 
 def parse_args(argv=None):
@@ -418,6 +418,8 @@ def parse_args(argv=None):
     p.add_argument("--max-batch-size", type=int, default=8)
     p.add_argument("--buckets", default="1,2,4,8")
     p.add_argument("--max-wait-ms", type=float, default=0.0)
+    p.add_argument("--join-policy", default="step", choices=("step", "batch"),
+                   help="batched mode: join a running batch at any step (continuous) or only at its start")
     p.add_argument("--components", default="transformer", help="accelerated components (CUDA), comma-separated")
     p.add_argument("--direct-iters", type=int, default=10)
     p.add_argument("--seed", type=int, default=0)

@@ -82,6 +82,8 @@ class AppArgs(BaseModel):
     max_batch_size: Optional[int] = Field(None, ge=1)
     batch_buckets: List[int] = Field(default_factory=lambda: [1, 2, 4, 8])  # rows a step pads up to
     max_wait_ms: float = Field(0.0, ge=0)                      # a new batch waits for company (0: never)
+    # "step": requests join a running batch at any step boundary; "batch": only a batch not yet started
+    join_policy: Literal["step", "batch"] = "step"
     autoscaling: Optional[AutoscalingArgs] = None
     router: Literal["shape_affinity", "power_of_two"] = "shape_affinity"  # power_of_two: Serve's default
     spill_threshold: Optional[int] = Field(DEFAULT_SPILL_THRESHOLD, ge=1)
@@ -150,7 +152,8 @@ class AppArgs(BaseModel):
     def batching(self) -> dict:
         """The replicas' batcher settings (``bcg.diffusers.BatcherConfig`` fields)."""
         size = self.max_batch_size if self.max_batch_size is not None else min(4, self.max_ongoing_requests)
-        return {"max_batch_size": size, "batch_buckets": list(self.batch_buckets), "max_wait_ms": self.max_wait_ms}
+        return {"max_batch_size": size, "batch_buckets": list(self.batch_buckets), "max_wait_ms": self.max_wait_ms,
+                "join_policy": self.join_policy}
 
     @model_validator(mode="after")
     def _target_fits_ongoing(self):

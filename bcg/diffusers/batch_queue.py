@@ -8,7 +8,10 @@ The policy half of continuous batching (`bcg.diffusers.batching.StepBatcher` run
 - at each of its step boundaries a group admits queued requests in arrival order while their image rows
   fit ``max_batch_size`` (a request larger than that only into an empty group, alone);
 - with ``max_wait_ms`` > 0 a *new* group waits until it is full or its oldest request has waited that
-  long; joining a running group never waits; with 0 (default) nothing waits.
+  long; joining a running group never waits; with 0 (default) nothing waits;
+- ``join_policy`` ``"step"`` (default) admits at every step boundary (continuous batching); ``"batch"``
+  admits only into a group that is not running (request-level batching: a batch runs until its last
+  request leaves before the next one starts, so no request's steps are interleaved with a newcomer's).
 
 Thread-safe: `put` and `put_task` from any thread, `next_work` and `set_active` from the one loop
 thread, `load` and `snapshot` from any thread. No torch, no pipeline.
@@ -22,21 +25,25 @@ import threading
 import time
 from typing import Any, Callable
 
-__all__ = ["ALONE", "BatcherConfig", "QueuedRequest", "RequestQueue"]
+__all__ = ["ALONE", "JOIN_POLICIES", "BatcherConfig", "QueuedRequest", "RequestQueue"]
 
 ALONE = "<alone>"  # the round-robin slot of requests that run whole, one at a time
+JOIN_POLICIES = ("step", "batch")  # when queued requests may join a group: any step boundary, or its start
 
 
 @dataclasses.dataclass(frozen=True)
 class BatcherConfig:
     """``max_batch_size``: image rows per step; ``batch_buckets``: row counts a step pads up to;
     ``max_wait_ms``: how long a new group waits for company before its first step (0: never);
-    ``batch_decode``: requests that leave at one step share one VAE decode (padded to a bucket too)."""
+    ``batch_decode``: requests that leave at one step share one VAE decode (padded to a bucket too);
+    ``join_policy``: ``"step"`` (join a running batch at any step boundary) or ``"batch"`` (join only a
+    batch that has not started: request-level batching)."""
 
     max_batch_size: int = 8
     batch_buckets: tuple[int, ...] = (1, 2, 4, 8)
     max_wait_ms: float = 0.0
     batch_decode: bool = True
+    join_policy: str = "step"
 
     def __post_init__(self):
         if isinstance(self.max_batch_size, bool) or not isinstance(self.max_batch_size, int) or self.max_batch_size < 1:
@@ -47,6 +54,8 @@ class BatcherConfig:
         object.__setattr__(self, "batch_buckets", buckets)
         if not isinstance(self.max_wait_ms, (int, float)) or self.max_wait_ms < 0:
             raise ValueError(f"max_wait_ms must be a number >= 0, got {self.max_wait_ms!r}")
+        if self.join_policy not in JOIN_POLICIES:
+            raise ValueError(f"join_policy must be one of {list(JOIN_POLICIES)}, got {self.join_policy!r}")
 
     def bucket_for(self, rows: int) -> int:
         """Smallest bucket holding `rows`; `rows` itself above the largest bucket (no padding)."""
@@ -155,8 +164,9 @@ class RequestQueue:
             for key in sorted(keys):
                 running = sum(r.rows for r in self._active.get(key, []))
                 queued = sum(r.rows for r in self._queued.get(key, ()))
+                closed = running and self.config.join_policy == "batch"  # a running batch admits no one
                 out[key] = {"running_rows": running, "queued_rows": queued,
-                            "free_rows": max(0, self.config.max_batch_size - running - queued)}
+                            "free_rows": 0 if closed else max(0, self.config.max_batch_size - running - queued)}
             return out
 
     def snapshot(self) -> tuple[dict, int]:
@@ -185,7 +195,9 @@ class RequestQueue:
                     continue
             rows = sum(r.rows for r in active)
             joining = []
-            while queued and (rows + queued[0].rows <= self.config.max_batch_size or (not active and not joining)):
+            admits = not (active and self.config.join_policy == "batch")
+            while admits and queued and (rows + queued[0].rows <= self.config.max_batch_size
+                                         or (not active and not joining)):
                 request = queued.popleft()
                 rows += request.rows
                 joining.append(request)

@@ -28,10 +28,13 @@ def test_command_line_strings_are_parsed():
 
 
 def test_batching_settings_default_to_no_wait_and_a_batch_the_replica_can_fill():
-    assert parse_args({}).batching() == {"max_batch_size": 4, "batch_buckets": [1, 2, 4, 8], "max_wait_ms": 0.0}
+    assert parse_args({}).batching() == {"max_batch_size": 4, "batch_buckets": [1, 2, 4, 8], "max_wait_ms": 0.0,
+                                         "join_policy": "step"}
     assert parse_args({"max_ongoing_requests": 2}).batching()["max_batch_size"] == 2
-    a = parse_args({"max_batch_size": "8", "max_ongoing_requests": "16", "batch_buckets": "8,1,2,4", "max_wait_ms": "5"})
-    assert a.batching() == {"max_batch_size": 8, "batch_buckets": [1, 2, 4, 8], "max_wait_ms": 5.0}
+    a = parse_args({"max_batch_size": "8", "max_ongoing_requests": "16", "batch_buckets": "8,1,2,4", "max_wait_ms": "5",
+                    "join_policy": "batch"})
+    assert a.batching() == {"max_batch_size": 8, "batch_buckets": [1, 2, 4, 8], "max_wait_ms": 5.0,
+                            "join_policy": "batch"}
     replica = build_app({"max_batch_size": 2, "warmup": "64x64"})._bound_deployment.init_args[0]
     assert replica._bound_deployment.init_kwargs["batching"]["max_batch_size"] == 2
 
@@ -51,6 +54,7 @@ def test_batching_settings_default_to_no_wait_and_a_batch_the_replica_can_fill()
     ({"max_batch_size": 8, "max_ongoing_requests": 4}, r"max_batch_size \(8\) must be <= max_ongoing_requests \(4\)"),
     ({"batch_buckets": "1,0"}, "batch_buckets"),
     ({"max_wait_ms": -1}, "max_wait_ms"),
+    ({"join_policy": "sometimes"}, "join_policy"),
     ({"autoscaling": {"max_replicas": 2, "target_ongoing_requests": 8}},
      r"target_ongoing_requests \(8\) must be <= max_ongoing_requests \(4\)"),
 ])

@@ -32,6 +32,29 @@ def test_a_group_admits_queued_requests_while_their_rows_fit_then_at_step_bounda
     assert _ids(joining) == [2, 3]
 
 
+@pytest.mark.parametrize("policy", ["step", "batch"])
+def test_join_policy_batch_admits_only_into_a_group_that_is_not_running(policy):
+    queue = RequestQueue(BatcherConfig(max_batch_size=4, join_policy=policy))
+    queue.put(_request(0))
+    _, slot, joining = queue.next_work(0)
+    queue.set_active(slot, joining)
+    queue.put(_request(1))  # arrives while request 0 runs, with 3 rows free
+    _, _, joining = queue.next_work(0)
+    if policy == "step":  # continuous batching: it joins at this step boundary
+        assert _ids(joining) == [1]
+        return
+    assert joining == []  # request-level batching: it waits for the running batch to end
+    assert queue.load()["64x64"]["free_rows"] == 0  # so a router sees no room in the running batch
+    queue.set_active("64x64", [])
+    _, _, joining = queue.next_work(0)
+    assert _ids(joining) == [1]
+
+
+def test_join_policy_is_checked():
+    with pytest.raises(ValueError, match="join_policy must be one of"):
+        BatcherConfig(join_policy="sometimes")
+
+
 def test_a_request_larger_than_the_batch_runs_in_an_empty_group_alone():
     queue = RequestQueue(BatcherConfig(max_batch_size=2))
     queue.put(_request(0, rows=3))
