@@ -237,11 +237,14 @@ class ReplicaEngine:
         return {k: dict(v) for k, v in self._bucket_pools.items() if k in warm}
 
     def warm_batch_keys(self) -> List[str]:
-        """The shape key of every batch bucket the warm keys' warmups captured (``<key>.b<bucket>``, the
-        batcher's `warmup_plan`): a request of that many images replays those graphs, alone or in a
-        batch. They are live while their key is warm (its warm set holds every bucket's graphs)."""
-        return sorted({dataclasses.replace(ShapeKey.parse(key), batch_size=bucket).key
-                       for key, buckets in self.bucket_pool_bytes().items() for bucket in buckets})
+        """The shape key of every image count whose batch bucket the warm keys' warmups captured
+        (``<key>.b<n>``; buckets from the batcher's `warmup_plan`): a request of n images pads to its
+        bucket (3 to 4) and replays those graphs, alone or in a batch. They are live while their key is
+        warm (its warm set holds every bucket's graphs)."""
+        bucket_for = self.batcher.config.bucket_for
+        return sorted({dataclasses.replace(ShapeKey.parse(key), batch_size=n).key
+                       for key, buckets in self.bucket_pool_bytes().items()
+                       for n in range(1, max(buckets) + 1) if bucket_for(n) in buckets})
 
     def warmup_key(self, key: str) -> dict:
         """Run the pipeline once for ``key`` inside the runners' ``warmup()``; returns what happened.

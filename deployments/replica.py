@@ -21,8 +21,9 @@ Contract:
   ``check_request``) and runs at it: ``plan_request(..., key=...)`` takes size, n and CFG from the key
   and raises when the request's own fields contradict it.
 * A request is *warm* when its shape key is in the warm set when it reaches the replica, or is the
-  key of a batch bucket a warm key's warmup captured (``K.b2``, a request of 2 images, once K's
-  warmup captured bucket 2): ``routing_view.warm_set``, the set the router routes by. Replicas
+  key of an image count whose batch bucket a warm key's warmup captured (``K.b2`` once K's warmup
+  captured bucket 2; ``K.b3``, padded to 4, once it captured bucket 4): ``routing_view.warm_set``,
+  the set the router routes by. Replicas
   count warm and cold requests, and (on GPU meaningful) the runners' replays vs eager calls while
   serving. A response's own ``replays``/``eager_calls`` are the runners' calls while it was on the
   replica: exactly its own when it ran alone, shared with its neighbours when batched.

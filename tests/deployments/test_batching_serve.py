@@ -24,6 +24,7 @@ APP, PREFIX = "bcg_batch", "/batch"
 GEN = "/v1/images/generations"
 KEY, TWO = "64x64", "64x64.b2"   # one image, two images: one batch group (their rows add up)
 FOUR = "64x64.b4"                # a batch bucket the plan does not name
+THREE = "64x64.b3"               # an image count padded to that bucket
 STEPS = 6
 
 
@@ -57,7 +58,7 @@ def _pixels(response) -> list:
 def test_the_warmup_captures_every_batch_bucket_of_its_key(batch_app):
     replica = _stats(batch_app)
     assert replica["warm_keys"] == [KEY, TWO]
-    assert replica["warm_batch_keys"] == [KEY, TWO, FOUR]             # the buckets of either key
+    assert replica["warm_batch_keys"] == [KEY, TWO, THREE, FOUR]      # the image counts of their buckets
     report = replica["warmups"][0]
     assert report["captured"] == [KEY, TWO] and not report["failed"]
     assert replica["batcher"]["config"]["max_batch_size"] == 4 and replica["batcher"]["family"] == "flux"
@@ -76,6 +77,12 @@ def test_a_request_for_a_bucket_the_plan_does_not_name_is_served_warm(batch_app)
     assert FOUR not in after["cold_keys"]
     steps = {int(rows): n for rows, n in after["batcher"]["batch_size_histogram"].items()}
     assert steps[4] > before["batcher"]["batch_size_histogram"].get("4", 0)   # one step of its 4 rows
+    # 3 images: padded to bucket 4 in every step and in its decode, so warm as well
+    r = batch_app.post(GEN, json=_body(21, n=3))
+    assert r.status_code == 200, r.text
+    assert (r.json()["bcg"]["shape_key"], r.json()["bcg"]["warm"], len(r.json()["data"])) == (THREE, True, 3)
+    buckets = {int(b): n for b, n in _stats(batch_app)["batcher"]["bucket_histogram"].items()}
+    assert buckets[4] > steps[4]
 
 
 def test_a_burst_batches_and_each_image_is_its_alone_image_and_a_failing_request_fails_alone(batch_app):

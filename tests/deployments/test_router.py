@@ -143,7 +143,7 @@ def test_a_request_for_n_images_is_warm_where_the_warmup_of_its_key_captured_buc
         assert [uids(r) for r in ranks] == [["batching"]], key       # busier, but the only one warm for it
     ranks, _ = choose(router, reps, shape_key="64x64")
     assert [uids(r) for r in ranks] == [["alone", "batching"]]        # both warm for one image
-    ranks, _ = choose(router, reps, shape_key="64x64.b3")             # no bucket of 3 rows was captured
+    ranks, _ = choose(router, reps, shape_key="64x64.b3")             # a key the replicas do not report warm
     assert router.decisions["no_warm"] == 1 and len(ranks[0]) == 2
     assert router.decisions["warm"] == 3
     # before the first stats poll the start-up metadata says the same

@@ -55,7 +55,7 @@ def test_requests_for_several_images_land_on_the_replica_whose_warmup_captured_t
     replicas = warm_app.get("/v1/stats").json()["replicas"]
     for key, rid in owners.items():
         assert replicas[rid]["warm_keys"] == [key]                       # the plan's key alone ...
-        assert replicas[rid]["warm_batch_keys"] == [key, f"{key}.b2", f"{key}.b4"]   # ... and its buckets
+        assert replicas[rid]["warm_batch_keys"] == [key, f"{key}.b2", f"{key}.b3", f"{key}.b4"]  # ... its buckets
     sent = [(f"{key}.b{n}", seed) for seed in range(2) for key in START_KEYS for n in (2, 4)]
     served = [_generate(warm_app, key.split(".")[0], seed, n=int(key[-1])) for key, seed in sent]
     assert [(s["shape_key"], s["warm"], s["replica"]) for s in served] == \
