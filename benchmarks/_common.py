@@ -2,7 +2,7 @@
 
 Stable on purpose (every benchmark imports it): ``machine_info() -> dict``,
 ``time_cuda(fn, iters=50, warmup=10) -> float`` (median milliseconds), ``write_json(path, obj)``,
-``sync(device)``, ``pick_device(args, say) -> bool`` (the CUDA-or-``--allow-cpu`` rule of the end-to-end
+``sync(device)``, ``pick_device(args, say) -> bool``, ``save_figure(fig, path, dpi=120) -> True`` (the CUDA-or-``--allow-cpu`` rule of the end-to-end
 benchmarks).
 """
 from __future__ import annotations
@@ -114,4 +114,15 @@ def pick_device(args, say) -> bool:
         say("CUDA is not available; run on a GPU host or pass --allow-cpu for a smoke run")
         return False
     args.device = args.device or ("cuda" if cuda else "cpu")
+    return True
+
+
+def save_figure(fig, path, dpi: int = 120) -> bool:
+    """Lay out, write and close a benchmark's figure, and say where it went; True (a plot's return)."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)
+    print(f"wrote {path}", flush=True)
     return True

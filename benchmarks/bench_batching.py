@@ -63,7 +63,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _common import add_plot_only, machine_info, pick_device, plot_only, pyplot, sync, write_json  # noqa: E402
+from _common import add_plot_only, machine_info, pick_device, plot_only, pyplot, save_figure, sync, write_json# noqa: E402
 
 from bcg.diffusers import accelerate, pipeline_runners, plan_request  # noqa: E402
 from bcg.diffusers.batching import StepBatcher  # noqa: E402
@@ -604,11 +604,7 @@ def plot(result: dict, png: str) -> bool:
         result.get("via"), "")
     fig.suptitle(f"{result['settings'].get('model')} {result.get('shape_key')} {result['settings'].get('steps')} steps "
                  f"on {machine.get('gpu', 'CPU')}{via}: continuous batching vs one at a time")
-    fig.tight_layout()
-    fig.savefig(png, dpi=110)
-    plt.close(fig)
-    print(f"wrote {png}", file=sys.stderr)
-    return True
+    return save_figure(fig, png, dpi=110)
 
 
 if __name__ == "__main__":

@@ -466,7 +466,7 @@ def run(args):
 
 
 def plot(result, png_path):
-    from _common import pyplot
+    from _common import pyplot, save_figure
 
     plt = pyplot()
     if plt is None:
@@ -494,11 +494,7 @@ def plot(result, png_path):
         ax.set_ylabel("forward, median ms (log)")
     axes[0][0].legend(fontsize=7)
     fig.suptitle(f"bf16, batch 1 — {result['machine'].get('gpu', '?')}", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(png_path, dpi=120)
-    plt.close(fig)
-    print(f"wrote {png_path}", flush=True)
-    return True
+    return save_figure(fig, png_path)
 
 
 def merge(paths, out):

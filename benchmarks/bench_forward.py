@@ -178,7 +178,7 @@ def run(args) -> dict:
 
 
 def plot(result: dict, png_path: str) -> bool:
-    from _common import pyplot
+    from _common import pyplot, save_figure
 
     plt = pyplot()
     if plt is None:
@@ -200,11 +200,7 @@ def plot(result: dict, png_path: str) -> bool:
     ax.set_title(f"Flux transformer {result['model']['params'] / 1e6:.1f} M params, bf16, batch 1 — "
                  f"{machine.get('gpu', '?')}", fontsize=9)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(png_path, dpi=120)
-    plt.close(fig)
-    print(f"wrote {png_path}", flush=True)
-    return True
+    return save_figure(fig, png_path)
 
 
 def main(argv=None) -> int:

@@ -48,7 +48,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _common import add_plot_only, machine_info, plot_only, pyplot, sync, write_json  # noqa: E402
+from _common import add_plot_only, machine_info, plot_only, pyplot, save_figure, sync, write_json# noqa: E402
 
 from bcg.runtime.config import RunnerConfig  # noqa: E402
 from bcg.diffusers import accelerate, pipeline_info, pipeline_runners, plan_request, warmup_pipeline  # noqa: E402
@@ -195,11 +195,7 @@ def plot(results: dict, png_path: str) -> bool:
     ax.set_title(f"{params.get('model', '?')} {params.get('size', '?')}, {params.get('steps', '?')} steps, "
                  f"output_type={params.get('output_type', '?')} -- {machine.get('gpu', 'CPU')}", fontsize=9)
     ax.legend(fontsize=7, ncol=3)
-    fig.tight_layout()
-    fig.savefig(png_path, dpi=120)
-    plt.close(fig)
-    print(f"wrote {png_path}", file=sys.stderr)
-    return True
+    return save_figure(fig, png_path)
 
 
 def main(argv=None):

@@ -156,7 +156,7 @@ MODE_NAMES = {"plain": "pool, plain segments", "reserve": "pool, warm-up peak re
 
 def plot(result: dict, png_path: str) -> bool:
     """Bars per case: eager peak, the capture's live peak, each mode's pool; a line at the 1.25x bar."""
-    from _common import pyplot
+    from _common import pyplot, save_figure
 
     plt = pyplot()
     if plt is None:
@@ -190,11 +190,7 @@ def plot(result: dict, png_path: str) -> bool:
                  f"torch {machine.get('torch', '?')}", fontsize=9)
     ax.set_ylim(0, ax.get_ylim()[1] * 1.45)
     ax.legend(fontsize=7, loc="upper center", ncol=3)
-    fig.tight_layout()
-    fig.savefig(png_path, dpi=120)
-    plt.close(fig)
-    print(f"wrote {png_path}", flush=True)
-    return True
+    return save_figure(fig, png_path)
 
 
 def _first(rows, case, field):

@@ -176,7 +176,7 @@ def capture_plan(model, order, inputs_by_key, references, config, cuda, on_captu
 
 def plot(result: dict, png_path: str) -> bool:
     """Left: eager peak per key. Right: each run's pool, stacked by what each capture added; the bar."""
-    from _common import pyplot
+    from _common import pyplot, save_figure
 
     keys = result.get("keys", {})
     runs = [r for r in result.get("runs", []) if "error" not in r and r.get("captures")]
@@ -216,11 +216,7 @@ def plot(result: dict, png_path: str) -> bool:
     machine = result.get("machine", {})
     fig.suptitle(f"{result.get('model', '?')}, bf16, batch 1 -- {machine.get('gpu', 'CPU')}, "
                  f"torch {machine.get('torch', '?')}", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(png_path, dpi=120)
-    plt.close(fig)
-    print(f"wrote {png_path}", flush=True)
-    return True
+    return save_figure(fig, png_path)
 
 
 def run(args) -> dict:

@@ -37,7 +37,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(1, os.path.dirname(HERE))
 
-from _common import add_plot_only, machine_info, plot_only, pyplot, time_cuda, write_json  # noqa: E402
+from _common import add_plot_only, machine_info, plot_only, pyplot, save_figure, time_cuda, write_json# noqa: E402
 
 DEFAULT_OUT = os.path.join(HERE, "results", "bench_real_size.json")
 VARIANTS = ("eager", "one_graph", "runner", "runner_attention", "compiled_segments", "reduce_overhead")
@@ -316,10 +316,7 @@ def plot(result, png):
     ax.set_ylabel("speed-up over eager (x)")
     ax.set_title(f"real-size DiT transformers, one forward, bf16, batch 1 ({result['machine'].get('gpu', 'CPU')})")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(png, dpi=110)
-    print(f"wrote {png}", file=sys.stderr)
-    return True
+    return save_figure(fig, png, dpi=110)
 
 
 def main():

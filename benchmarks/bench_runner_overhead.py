@@ -33,7 +33,7 @@ import torch  # noqa: E402
 DEFAULT_OUT = os.path.join(HERE, "results", "bench_runner_overhead.json")
 BAR_US = 30.0
 
-from _common import add_plot_only, machine_info, plot_only, pyplot, write_json  # noqa: E402
+from _common import add_plot_only, machine_info, plot_only, pyplot, save_figure, write_json# noqa: E402
 
 
 class TenInputs(torch.nn.Module):
@@ -92,11 +92,7 @@ def plot(result: dict, png_path: str) -> bool:
     machine = result.get("machine", {})
     ax.set_title(f"BreakableGraphRunner per-call overhead, {result.get('args', {}).get('inputs', '?')} inputs -- "
                  f"{machine.get('gpu', 'CPU')}", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(png_path, dpi=120)
-    plt.close(fig)
-    print(f"wrote {png_path}", flush=True)
-    return True
+    return save_figure(fig, png_path)
 
 
 def main(argv=None):

@@ -75,7 +75,7 @@ REPO = os.path.dirname(HERE)
 sys.path.insert(0, REPO)
 sys.path.insert(0, HERE)
 
-from _common import add_plot_only, machine_info, pick_device, plot_only, pyplot, sync, write_json  # noqa: E402
+from _common import add_plot_only, machine_info, pick_device, plot_only, pyplot, save_figure, sync, write_json# noqa: E402
 
 PROMPT = "a photo of a cat sitting on a red chair, studio lighting"
 MODELS = ("flux.1-dev", "wan2.1-1.3b")  # make_pipeline_dirs.PIPELINES' names: the folder names
@@ -415,10 +415,7 @@ def plot(result: dict, png: str) -> bool:
     ax.set_title(f"end to end: eager vs served ({(result.get('machine') or {}).get('gpu', 'CPU')}, "
                  f"compile {'on' if compile_on else 'off'})", fontsize=10)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(png, dpi=120)
-    plt.close(fig)
-    return True
+    return save_figure(fig, png)
 
 
 def _runner_arg(text: str) -> dict:

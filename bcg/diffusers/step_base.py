@@ -96,6 +96,14 @@ def _hashable(value):
     return tuple(float(x) for x in np.asarray(value, dtype=np.float64).ravel())
 
 
+def _shallow_copyable(scheduler) -> bool:
+    """FlowMatchEulerDiscreteScheduler: `set_timesteps` and `step` only rebind its attributes (see
+    `StepFamily._scheduler`)."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    return type(scheduler) is FlowMatchEulerDiscreteScheduler
+
+
 def _call_defaults(pipe) -> dict:
     # read once per class: the signature of __call__ is the pipeline's defaults
     cls = type(pipe)
@@ -308,13 +316,17 @@ class StepFamily:
         template's tensors are never written in place); deep for any other class, whose state may be
         lists updated in place (multistep schedulers).
         """
-        from diffusers import FlowMatchEulerDiscreteScheduler
+        template = self._template(pipe)
+        return copy.copy(template) if _shallow_copyable(template) else copy.deepcopy(template)
 
+    def _template(self, pipe):
+        """The pristine scheduler `_scheduler` copies: a ``from_config`` of the pipeline's, made again when
+        the pipeline's scheduler object changes."""
         source, template = getattr(self, "_scheduler_template", (None, None))
         if source is not pipe.scheduler:
             template = type(pipe.scheduler).from_config(pipe.scheduler.config)
             self._scheduler_template = (pipe.scheduler, template)
-        return copy.copy(template) if type(template) is FlowMatchEulerDiscreteScheduler else copy.deepcopy(template)
+        return template
 
     def _scheduler_at(self, pipe, retrieve: Callable, steps: int, device, **kwargs):
         """``(scheduler, timesteps)``: a scheduler of the request's own with its timesteps set, as
@@ -325,13 +337,11 @@ class StepFamily:
         build again, without its host-to-device copies per request (a copy from pageable host memory
         waits for the device's queue). Any other class: a fresh `_scheduler` and its own ``retrieve``.
         """
-        from diffusers import FlowMatchEulerDiscreteScheduler
-
-        template = self._scheduler(pipe)
-        if type(template) is not FlowMatchEulerDiscreteScheduler:
-            timesteps, _ = retrieve(template, steps, device, **kwargs)
-            return template, timesteps
-        source = self._scheduler_template[1]  # a new pipeline scheduler: a new template, a new cache
+        source = self._template(pipe)  # a new pipeline scheduler: a new template, a new cache
+        if not _shallow_copyable(source):
+            scheduler = self._scheduler(pipe)
+            timesteps, _ = retrieve(scheduler, steps, device, **kwargs)
+            return scheduler, timesteps
         owner, cache = getattr(self, "_prepared_schedulers", (None, {}))
         if owner is not source or len(cache) >= 64:  # distinct step counts and shifts are few
             cache = {}
@@ -339,8 +349,9 @@ class StepFamily:
         key = (steps, str(device), tuple(sorted((k, _hashable(v)) for k, v in kwargs.items())))
         prepared = cache.get(key)
         if prepared is None:
-            timesteps, _ = retrieve(template, steps, device, **kwargs)
-            prepared = cache[key] = (template, timesteps)
+            scheduler = copy.copy(source)
+            timesteps, _ = retrieve(scheduler, steps, device, **kwargs)
+            prepared = cache[key] = (scheduler, timesteps)
         return copy.copy(prepared[0]), prepared[1]
 
     @staticmethod

@@ -1,12 +1,6 @@
 """The CUDA side of the replica's memory check (deployments.memory, ReplicaEngine.warmup_key): on a GPU a
 key's graph bytes and eager peak are measured, a plan that fits warms, and a key beyond the share fails at
-warmup naming the key and the bytes, stays cold, and leaves no graph of its own behind.
-
-Runs I and J (H200, 2026-12-03) failed an earlier form of this test, which set the share at construction
-from the probe's figures; the reason was not recorded. A likely one: the probe engine was never freed
-(only a local name was deleted), so the second engine held the probe's graphs too and met the share's
-"already holds" message. This form sets the share from the engine's own measure after its first key,
-frees the probe, and has not run on a GPU yet."""
+warmup naming the key and the bytes, stays cold, and leaves no graph of its own behind."""
 import dataclasses
 import gc
 
