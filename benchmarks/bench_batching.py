@@ -430,6 +430,9 @@ def parse_args(argv=None):
                    help="engine: one StepBatcher in-process; handle / http: one replica of build_app through the "
                         "app's DeploymentHandle / POST /v1/images/generations")
     p.add_argument("--out", default=None, help="default: benchmarks/results/bench_batching[_<via>].json")
+    p.add_argument("--profile", default=None, metavar="PREFIX",
+                   help="engine only: one more saturation run of the batched mode under torch.profiler (not timed); "
+                        "writes PREFIX.txt (ops by host time, with their Python stacks) and PREFIX.trace.json.gz")
     add_plot_only(p)
     args = p.parse_args(argv)
     if args.out is None:
@@ -519,7 +522,30 @@ def main(argv=None) -> int:
     }
     write_json(args.out, result)
     plot(result, os.path.splitext(args.out)[0] + ".png")
+    if args.profile:
+        profile_saturation(pipe, args, args.profile)
     return 0 if all(r["lost"] == 0 and r["answered_twice"] == 0 for r in runs) else 1
+
+
+def profile_saturation(pipe, args, prefix: str) -> None:
+    """One saturation run of the batched mode under torch.profiler: where the loop thread's host time goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    offsets = [0.0] * args.requests
+    batcher = _batcher(pipe, args, "batched")
+    with batcher:
+        with profile(activities=activities, with_stack=True, record_shapes=False) as prof:
+            row = run_load(pipe, batcher, args, offsets)
+    os.makedirs(os.path.dirname(os.path.abspath(prefix)), exist_ok=True)
+    with open(prefix + ".txt", "w") as f:
+        f.write(f"saturation run under the profiler: {row['images_per_s']} images/s, "
+                f"phase_seconds {row['phase_seconds']}\n\n")
+        f.write(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=60))
+        f.write("\n\nby Python stack (5 frames):\n")
+        f.write(prof.key_averages(group_by_stack_n=5).table(sort_by="self_cpu_time_total", row_limit=40))
+    prof.export_chrome_trace(prefix + ".trace.json.gz")
+    _say(f"profile: {prefix}.txt, {prefix}.trace.json.gz ({row['images_per_s']} images/s under the profiler)")
 
 
 def main_served(args, argv, started: float) -> int:
