@@ -28,7 +28,8 @@ scheduler steps, decode and answers; see `StepBatcher.stats`), failures, lost or
 (2 x parameters x tokens + 4 x attention layers x tokens^2 x width, per real row and call: padding rows
 are not counted). ``direct`` is the median ms of ``pipe(**kwargs)`` called back to back (today's
 unbatched path); the low-load criterion compares the batched p50 at the lowest rate with it (and with
-one at a time at that rate: Poisson arrivals overlap now and then even at low load, and queue).
+one at a time at that rate: Poisson arrivals overlap now and then even at low load, and queue), and
+``serial_ms`` (each mode's batcher sent one request at a time, the next when the last is answered) with it.
 ``--transformer flux-2.5b`` (engine only) swaps the built-in tiny-flux pipeline's transformer for the 2.56 B
 Flux of ``bench_compiled.py`` (12 blocks at FLUX.1 width, random weights under ``torch.manual_seed(0)``,
 built on the device) with text encoders of the widths it expects (a 2-layer T5 of d_model 4096, a 2-layer
@@ -481,6 +482,20 @@ def main(argv=None) -> int:
         rates = [float(f) * capacity for f in args.rate_factors.split(",")]
     _say(f"direct pipe() median {direct_ms:.2f} ms ({capacity:.2f} images/s one at a time); rates {rates}")
 
+    # one request at a time through each mode's batcher (the next sent when the last is answered): the
+    # low-load criterion without Poisson overlaps, against the direct pipe() call
+    serial = {}
+    for mode in args.modes:
+        with _batcher(pipe, args, mode) as batcher:
+            times = []
+            for i in range(args.direct_iters + 1):
+                start = time.perf_counter()
+                batcher.submit(PROMPTS[i % len(PROMPTS)], **_request(args, 20_000 + i)).result(timeout=args.timeout_s)
+                if i:
+                    times.append((time.perf_counter() - start) * 1000)
+        serial[mode] = {"median": round(statistics.median(times), 3), "all": [round(t, 3) for t in times]}
+    _say("one request at a time: " + ", ".join(f"{m} {v['median']} ms" for m, v in serial.items()))
+
     runs = []
     for r_index, rate in enumerate(rates):
         offsets = arrivals(args.requests, rate, args.seed + r_index)
@@ -516,8 +531,9 @@ def main(argv=None) -> int:
                  for name, r in pipeline_runners(pipe).items()},
         "transformer": flops,
         "direct_ms": {"median": round(direct_ms, 3), "all": [round(t, 3) for t in direct]},
+        "serial_ms": serial,  # each mode's batcher, one request at a time (answered before the next is sent)
         "runs": runs,
-        "summary": summarize(runs, direct_ms),
+        "summary": summarize(runs, direct_ms, serial),
         "elapsed_s": round(time.perf_counter() - started, 1),
     }
     write_json(args.out, result)
@@ -570,8 +586,9 @@ def main_served(args, argv, started: float) -> int:
     return 0 if all(r["lost"] == 0 and r["answered_twice"] == 0 for r in runs) else 1
 
 
-def summarize(runs: list[dict], direct_ms: float) -> dict:
-    """Saturation speed-up (batched / one at a time images/s at the highest rate) and low-load p50 ratio."""
+def summarize(runs: list[dict], direct_ms: float, serial: dict | None = None) -> dict:
+    """Saturation speed-up (batched / one at a time images/s at the highest rate), low-load p50 ratios, and
+    (engine) the batched mode's median with one request at a time against the direct call."""
     by = {(r["mode"], r["offered_rate"]): r for r in runs}
     rates = [r["offered_rate"] for r in runs if r["mode"] == "batched"]
     out = {}
@@ -588,6 +605,9 @@ def summarize(runs: list[dict], direct_ms: float) -> dict:
             alone = by.get(("one_at_a_time", low), {}).get("latency_ms", {}).get("p50")
             if p50 and alone:
                 out["low_load_p50_vs_one_at_a_time"] = round(p50 / alone, 3)
+    if serial and serial.get("batched"):
+        out["serial_batched_ms"] = serial["batched"]["median"]
+        out["serial_batched_vs_direct"] = round(serial["batched"]["median"] / direct_ms, 3)
     return out
 
 

@@ -228,20 +228,19 @@ class StepBatcher:
             return
         noise = self._forward(active)
         t2 = time.perf_counter()
-        survivors, leaving = [], []
+        survivors, leaving, stepping = [], [], []
         for request in active:
             pred = noise.get(request.id)
             if isinstance(pred, BaseException):
                 self._fail(request, pred)
-                continue
-            state = request.state
-            try:
-                state.latents = state.scheduler.step(pred, state.timestep, state.latents, return_dict=False)[0]
-                state.step_index += 1
-            except Exception as exc:  # noqa: BLE001
-                self._fail(request, exc)
-                continue
-            (leaving if state.done else survivors).append(request)
+            else:
+                stepping.append(request)
+        errors = self.family.scheduler_step([r.state for r in stepping], [noise[r.id] for r in stepping])
+        for request, error in zip(stepping, errors):
+            if error is not None:
+                self._fail(request, error)
+            else:
+                (leaving if request.state.done else survivors).append(request)
         self._set_active(group, survivors)
         t3 = time.perf_counter()
         if leaving:

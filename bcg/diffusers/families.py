@@ -100,8 +100,12 @@ class BatchingHooks(Protocol):
     def forward(self, pipe: Any, states: list, bucket: int) -> list:
         """The noise prediction of every state, rows of all states in one transformer batch of `bucket` rows."""
 
+    def scheduler_step(self, states: list, noise: list) -> list:
+        """Each state's scheduler step with its noise prediction; per state None, or the exception its own
+        step raised."""
+
     def step(self, pipe: Any, states: list, bucket: Optional[int] = None) -> None:
-        """`forward`, then each state's scheduler step."""
+        """`forward`, then `scheduler_step`."""
 
     def finish(self, pipe: Any, state: Any) -> list:
         """The decoded output of a request whose steps are done."""

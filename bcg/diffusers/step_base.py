@@ -18,7 +18,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-__all__ = ["RequestState", "StepFamily", "pad_rows"]
+__all__ = ["RequestState", "StepFamily", "pad_rows", "postprocess"]
 
 
 @dataclasses.dataclass
@@ -67,6 +67,32 @@ def pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.cat([x, x[-1:].expand(missing, *x.shape[1:])])
 
 
+def postprocess(processor, image: torch.Tensor, output_type: str) -> list:
+    """``processor.postprocess(image, output_type=output_type)`` as a list, the same values.
+
+    For PIL images from diffusers' own `VaeImageProcessor` (denormalizing, so values lie in [0, 1]) the
+    conversion to 8 bits runs on the image's device and a quarter of the bytes crosses to the host: the
+    same float32 ``(x * 255).round()`` per element as ``numpy_to_pil`` (both round half to even), so the
+    same pixels, without the host's float work on the whole batch.
+    """
+    from diffusers.image_processor import VaeImageProcessor
+
+    cls = type(processor)
+    fast = (output_type == "pil" and isinstance(processor, VaeImageProcessor) and image.is_floating_point()
+            and image.ndim == 4 and getattr(processor.config, "do_normalize", False)
+            and all(inspect.getattr_static(cls, name) is VaeImageProcessor.__dict__[name]
+                    for name in ("postprocess", "pt_to_numpy", "numpy_to_pil")))
+    if not fast:
+        return list(processor.postprocess(image, output_type=output_type))
+    from PIL import Image
+
+    image = processor.postprocess(image, output_type="pt")  # denormalized (clamped to [0, 1]) on the device
+    pixels = (image.permute(0, 2, 3, 1).float() * 255).round().to(torch.uint8).cpu().numpy()
+    if pixels.shape[-1] == 1:
+        return [Image.fromarray(p.squeeze(), mode="L") for p in pixels]
+    return [Image.fromarray(p) for p in pixels]
+
+
 def _cat_rows(parts: list[torch.Tensor], rows: int) -> torch.Tensor:
     # one request and no padding: its own tensor, as the pipeline would pass it (no copy)
     return pad_rows(parts[0] if len(parts) == 1 else torch.cat(parts), rows)
@@ -102,6 +128,36 @@ def _shallow_copyable(scheduler) -> bool:
     from diffusers import FlowMatchEulerDiscreteScheduler
 
     return type(scheduler) is FlowMatchEulerDiscreteScheduler
+
+
+def _fused_step_key(state: RequestState, noise: torch.Tensor) -> tuple | None:
+    """What states must share for `_fused_step`, None where the step must be the scheduler's own: a
+    FlowMatchEulerDiscreteScheduler (exactly) at a known step index, deterministic, its latents and
+    prediction of one shape and dtype per row."""
+    scheduler = state.scheduler
+    if not _shallow_copyable(scheduler) or scheduler.config.get("stochastic_sampling", False):
+        return None
+    index = scheduler.step_index if scheduler.step_index is not None else scheduler.begin_index
+    if index is None or index + 1 >= len(scheduler.sigmas) or state.latents.shape != noise.shape:
+        return None
+    return ("flow", id(scheduler.sigmas), index, state.latents.dtype, noise.dtype, tuple(noise.shape[1:]),
+            noise.device)
+
+
+def _fused_step(states: list[RequestState], noise: list[torch.Tensor]) -> None:
+    """``FlowMatchEulerDiscreteScheduler.step`` (deterministic, no per-token timesteps) of states that share
+    a `_fused_step_key`, on their rows at once; see `StepFamily.scheduler_step`."""
+    first = states[0].scheduler
+    index = first.step_index if first.step_index is not None else first.begin_index
+    dt = first.sigmas[index + 1] - first.sigmas[index]  # the scheduler's own 0-dim tensor, as it makes it
+    sample = torch.cat([s.latents for s in states]).to(torch.float32)
+    prev = (sample + dt * torch.cat(noise)).to(noise[0].dtype)
+    offset = 0
+    for state in states:
+        state.latents = prev[offset:offset + state.latents.shape[0]]
+        offset += state.latents.shape[0]
+        state.scheduler._step_index = index + 1  # as the scheduler's step leaves it
+        state.step_index += 1
 
 
 def _call_defaults(pipe) -> dict:
@@ -274,8 +330,7 @@ class StepFamily:
             return [list(s.latents) for s in states]
         rows = sum(s.rows for s in states)
         image = self.decode_latents(pipe, _cat_rows([s.latents for s in states], bucket), states[0])
-        images = list(pipe.image_processor.postprocess(image[:rows] if bucket > rows else image,
-                                                       output_type=output_type))
+        images = postprocess(pipe.image_processor, image[:rows] if bucket > rows else image, output_type)
         out, offset = [], 0
         for s in states:
             out.append(images[offset:offset + s.rows])
@@ -285,9 +340,42 @@ class StepFamily:
     def step(self, pipe, states: list[RequestState], bucket: int | None = None) -> None:
         """One denoising step of every state: one batched `forward`, then each state's scheduler step."""
         rows = sum(s.rows for s in states)
-        for state, noise in zip(states, self.forward(pipe, states, max(bucket or rows, rows))):
-            state.latents = state.scheduler.step(noise, state.timestep, state.latents, return_dict=False)[0]
-            state.step_index += 1
+        for error in self.scheduler_step(states, self.forward(pipe, states, max(bucket or rows, rows))):
+            if error is not None:
+                raise error
+
+    def scheduler_step(self, states: list[RequestState], noise: list[torch.Tensor]) -> list[BaseException | None]:
+        """Each state's scheduler step with its noise prediction (latents and step index advanced); per
+        state None, or the exception its own step raised (its state then as before).
+
+        Where states are at the same point of one prepared flow-matching schedule (`_fused_step_key`: the
+        same sigmas tensor, step index and dtypes), their steps run as one: the scheduler's own
+        expression, ``(sample.float() + dt * noise).to(noise.dtype)`` with the same 0-dim ``dt`` tensor,
+        on their rows concatenated. Elementwise, so each row's result is the one its own step makes, bit
+        for bit, with a few kernel launches a step instead of a few per request. A fused step that
+        raises is retried per state.
+        """
+        errors: list[BaseException | None] = [None] * len(states)
+        groups: dict = {}
+        for i, (state, pred) in enumerate(zip(states, noise)):
+            key = _fused_step_key(state, pred)
+            groups.setdefault(("alone", i) if key is None else key, []).append(i)
+        for members in groups.values():
+            if len(members) > 1:
+                try:
+                    _fused_step([states[i] for i in members], [noise[i] for i in members])
+                    continue
+                except Exception:  # noqa: BLE001 -- each alone below says whose it is
+                    pass
+            for i in members:
+                state = states[i]
+                try:
+                    state.latents = state.scheduler.step(noise[i], state.timestep, state.latents,
+                                                         return_dict=False)[0]
+                    state.step_index += 1
+                except Exception as exc:  # noqa: BLE001
+                    errors[i] = exc
+        return errors
 
     # shared helpers --------------------------------------------------------------------------------
 

@@ -6,6 +6,7 @@ pipeline's own inputs: bitwise equal. Batched, rows of other requests (and paddi
 encoders' and the transformer's matmuls, which CPU kernels may block differently for another row count.
 """
 import concurrent.futures
+import copy
 import threading
 import time
 
@@ -503,3 +504,56 @@ def test_cuda_batches_replay_a_graph_per_bucket_and_match_alone_images(record_pr
     record_property("batched_vs_alone_max_abs", max(diffs))
     record_property("batched_vs_alone_per_request", ",".join(f"{d:.3g}" for d in diffs))
     assert max(diffs) <= GPU_BATCH_TOLERANCE, diffs
+
+
+def _prepared(pipe, family, prompt, **kw):
+    _, kwargs = plan_request(pipe, prompt, **{k: v for k, v in _request(prompt, **kw).items() if k != "prompt"})
+    with torch.no_grad():
+        return family.prepare(pipe, kwargs)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_scheduler_steps_are_each_requests_own_step_bit_for_bit(pipe, dtype):
+    family = StepBatcher(pipe).family
+
+    def prepare(prompt, seed, steps):
+        state = _prepared(pipe, family, prompt, seed=seed, steps=steps)
+        state.latents = state.latents.to(dtype)
+        return state
+
+    states = [prepare(p, s, n) for p, s, n in (("a cat", 1, 4), ("a dog", 2, 4), ("a fox", 3, 4), ("an owl", 4, 5))]
+    g = torch.Generator().manual_seed(0)
+    for round_ in range(3):
+        if round_ == 1:  # the fox is one step ahead now: it steps alone, the others fused
+            twin = copy.copy(states[2].scheduler)
+            states[2].latents = twin.step(torch.zeros_like(states[2].latents), states[2].timestep,
+                                          states[2].latents, return_dict=False)[0]
+            states[2].scheduler, states[2].step_index = twin, states[2].step_index + 1
+        noise = [torch.randn(s.latents.shape, generator=g).to(dtype) for s in states]
+        want = []
+        for s, n in zip(states, noise):  # each request's own scheduler step, on copies
+            own = copy.copy(s.scheduler)
+            want.append((own.step(n, s.timestep, s.latents, return_dict=False)[0], own.step_index))
+        before = [s.step_index for s in states]
+        # an index known before the step (Flux sets a begin index; SD3's first step finds it from t)
+        known = states[0].scheduler.step_index is not None or states[0].scheduler.begin_index is not None
+        assert family.scheduler_step(states, noise) == [None] * len(states)
+        for s, (latents, index), b in zip(states, want, before):
+            assert s.latents.dtype == latents.dtype and torch.equal(s.latents, latents)
+            assert s.scheduler.step_index == index and s.step_index == b + 1
+        # fused: the steps of one schedule and index wrote one tensor (the 5-step owl and, from round 1,
+        # the fox step on their own)
+        storage = [s.latents.untyped_storage().data_ptr() for s in states]
+        fused = ({0, 1, 2} if round_ == 0 else {0, 1}) if known else {0}
+        assert len({storage[i] for i in fused}) == 1 and len(set(storage)) == 4 - len(fused) + 1
+    assert known  # SD3 too, from its second step
+
+
+def test_a_scheduler_step_that_raises_fails_only_its_request(pipe):
+    family = StepBatcher(pipe).family
+    states = [_prepared(pipe, family, prompt, seed=seed, steps=3) for prompt, seed in (("a cat", 1), ("a dog", 2))]
+    noise = [torch.zeros_like(states[0].latents), torch.zeros(1, 3)]  # the second: a wrong shape
+    latents = states[1].latents
+    errors = family.scheduler_step(states, noise)
+    assert errors[0] is None and isinstance(errors[1], RuntimeError)
+    assert states[0].step_index == 1 and states[1].step_index == 0 and states[1].latents is latents

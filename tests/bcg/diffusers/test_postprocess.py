@@ -1,0 +1,44 @@
+"""`bcg.diffusers.step_base.postprocess`: the step batcher's decode output is the pipeline's, pixel for pixel."""
+import numpy as np
+import pytest
+import torch
+from diffusers.image_processor import VaeImageProcessor
+
+from bcg.diffusers.step_base import postprocess
+
+
+def _decoded(dtype, channels=3):
+    g = torch.Generator().manual_seed(0)
+    x = torch.rand(3, channels, 16, 24, generator=g) * 2.4 - 1.2  # beyond [-1, 1] too: the clamp
+    # values whose x * 255 lands on .5 after denormalizing: rounding half to even must agree
+    half = (torch.arange(16, dtype=torch.float64) + 0.5) / 255 * 2 - 1
+    x[0, 0, 0, :16] = half.to(torch.float32)
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("channels", [3, 1])
+def test_pil_images_are_the_processors_pixel_for_pixel(dtype, channels):
+    processor = VaeImageProcessor(vae_scale_factor=8)
+    image = _decoded(dtype, channels)
+    want = processor.postprocess(image.clone(), output_type="pil")
+    got = postprocess(processor, image.clone(), "pil")
+    assert len(got) == len(want) == 3
+    for a, b in zip(got, want):
+        assert a.mode == b.mode and a.size == b.size
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_other_outputs_and_processors_take_the_processors_own_path():
+    class Custom(VaeImageProcessor):
+        @staticmethod
+        def numpy_to_pil(images):
+            return ["custom"] * len(images)
+
+    image = _decoded(torch.float32)
+    assert postprocess(Custom(vae_scale_factor=8), image, "pil") == ["custom"] * 3
+    no_norm = VaeImageProcessor(vae_scale_factor=8, do_normalize=False)
+    assert [np.asarray(a).tolist() for a in postprocess(no_norm, image.clamp(0, 1), "pil")] == \
+        [np.asarray(b).tolist() for b in no_norm.postprocess(image.clamp(0, 1), output_type="pil")]
+    np_out = postprocess(VaeImageProcessor(vae_scale_factor=8), image, "np")
+    assert len(np_out) == 3 and np_out[0].shape == (16, 24, 3)
