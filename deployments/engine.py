@@ -13,7 +13,7 @@ import time
 from typing import Dict, List, Optional
 
 from bcg.diffusers.buckets import ShapeKey
-from deployments.memory import ReplicaMemory, plan_fits
+from deployments.memory import ReplicaMemory, format_bytes, plan_fits
 from deployments.schemas import ImageGenerationRequest
 
 logger = logging.getLogger(__name__)
@@ -172,6 +172,8 @@ class ReplicaEngine:
         # the replica's memory share, fixed once here; warmup_key checks each key against it
         self.memory = ReplicaMemory.measure(self.pipe, self.cuda, gpu_memory_fraction, memory_budget_bytes)
         self._key_bytes: Dict[str, dict] = {}  # key -> {graphs_bytes, eager_peak_bytes} measured at warmup
+        # pool bytes that dropped graphs left reserved in their runner's pool (deployments.memory)
+        self._stranded_bytes = 0
         self._used_bytes = self.memory.used_bytes(0)
         self.refresh()
         config = BatcherConfig(**{**NO_BATCHING, **(batching or {})})
@@ -251,10 +253,12 @@ class ReplicaEngine:
 
         The key must fit in the replica's memory share (`deployments.memory`): its new graphs plus its
         eager peak within what was left before it. A key that does not fit fails (``reason`` names
-        the key and the bytes), stays cold and its new graphs are dropped."""
+        the key and the bytes), stays cold and its new graphs are dropped; the pool bytes they leave
+        reserved count as stranded, not used, until a later warmup captures."""
         t0 = time.perf_counter()
         before = self.refresh()
-        used_before = self.memory.used_bytes(self.pool_bytes())
+        held_before = self.memory.used_bytes(self.pool_bytes())
+        used_before = held_before - self._stranded_bytes
         with self.memory.peak() as peak:
             report, delta, used = self._warmup_run(key)
         ok, reason = _warmup_outcome(report)
@@ -281,18 +285,26 @@ class ReplicaEngine:
         if ok:  # what serving the key takes, measured (the coordinator checks later plans against it)
             self._key_bytes = {**self._key_bytes, report["key"]: {
                 "graphs_bytes": memory["graphs_bytes"], "eager_peak_bytes": peak.bytes}}
-        if ok and misfit:
+        dropped = ok and misfit
+        if dropped:
             ok, reason = False, misfit
-            logger.warning("warmup of %s: %s", report["key"], misfit)
             self._drop_graphs(new)
         if ok:
             self._warmed = {**self._warmed, report["key"]: used}
-        self._used_bytes = self.memory.used_bytes(self.pool_bytes())
+        held = self.memory.used_bytes(self.pool_bytes())
+        done = _delta(before, self._runner_stats)
+        self._stranded_bytes = self.memory.stranded_bytes(
+            self._stranded_bytes, captured=bool(done["captures"] or done["failures"]),
+            dropped_bytes=memory["graphs_bytes"] if dropped else 0, kept_bytes=held - held_before)
+        self._used_bytes = held - self._stranded_bytes
+        if dropped:
+            stranded = (f" (graphs dropped; {format_bytes(self._stranded_bytes)} stranded in the graph pools, "
+                        "free for later captures)" if self._stranded_bytes else "")
+            logger.warning("warmup of %s: %s%s", report["key"], misfit, stranded)
         segments = sum(e.get("segments", 0) for g, e in _graphs(self._runner_stats).items() if g in new)
         seconds = time.perf_counter() - t0
         return {"key": report["key"], "ok": ok, "reason": reason, "capture_ms": seconds * 1e3, "seconds": seconds,
-                "captures": _delta(before, self._runner_stats)["captures"], "segments": segments,
-                "memory": memory}
+                "captures": done["captures"], "segments": segments, "memory": memory}
 
     def _drop_graphs(self, graphs) -> None:
         """Drop these (component, signature key) graphs from their runners (a key that does not fit)."""
@@ -305,9 +317,9 @@ class ReplicaEngine:
         _release_cached_memory()
 
     def memory_report(self) -> dict:
-        """The replica's share, weights and held bytes (as of the last warmup), and per key measured
-        what it needs (``key_bytes``: graphs, eager peak), for the coordinator's plan check."""
-        return {**self.memory.report(self._used_bytes), "key_bytes": dict(self._key_bytes)}
+        """The replica's share, weights, used and stranded pool bytes (as of the last warmup), and per
+        key measured what it needs (``key_bytes``: graphs, eager peak), for the coordinator's plan check."""
+        return {**self.memory.report(self._used_bytes, self._stranded_bytes), "key_bytes": dict(self._key_bytes)}
 
     def submit(self, request: ImageGenerationRequest, key: ShapeKey, default_steps: int) -> concurrent.futures.Future:
         """Queue one request at its shape key (any thread). The future's result: ``{"images": [PIL

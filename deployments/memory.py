@@ -8,13 +8,23 @@ Contract:
   (``torch.cuda.mem_get_info``); else None, and nothing is checked.
 * Used memory is what the replica holds between runs: on CUDA ``torch.cuda.memory_reserved()`` after
   ``empty_cache()`` (cached blocks of eager runs are handed back first, so they are not counted twice:
-  a later run reuses them as its eager peak); elsewhere parameter bytes plus the runners' pool bytes.
+  a later run reuses them as its eager peak) less the stranded pool bytes (below); elsewhere parameter
+  bytes plus the runners' pool bytes.
 * A key needs its new graphs (the runners' pool bytes it added) plus its eager peak: on CUDA the peak
   allocation above what was allocated when its replay-only run started (`peak`), the transient
   memory serving it takes on top of the graphs; zero where it cannot be measured (CPU).
 * `plan_fits` is the rule: the key fits when what it needs is at most the share minus what was used
   before it. A key that does not fit fails its warmup with the reason and stays cold (its new graphs
   are dropped); no request then finds a plan too large for the replica by running out of memory.
+* Stranded pool bytes (CUDA only): a runner's graphs share one graph pool, and a pool hands no
+  segment back while any graph of it lives, so the graphs of a key that does not fit leave the pool
+  bytes they grew reserved when they are dropped. `stranded_pool_bytes` counts them (at most what the
+  device still holds beyond what it held before that warmup) and used memory leaves them out: the
+  next capture into the pool reuses them first, so without this one misfit would leave the replica
+  over its share for good. Any later capture forgets them (it may have reused them; counting reserved
+  bytes again is conservative). Eager runs cannot use those segments, so on a tight share a replica
+  that reports ``stranded_pool_bytes`` (`ReplicaEngine.memory_report`) may still run out of memory.
+  Elsewhere the dropped graphs' bytes leave ``pool_bytes`` and nothing is stranded.
 """
 from __future__ import annotations
 
@@ -52,6 +62,14 @@ def plan_fits(key: str, graphs_bytes: int, eager_peak_bytes: int, used_bytes: in
                 f"{FIX}, or set memory_budget_bytes / gpu_memory_fraction to the memory this replica has")
     return (f"plan does not fit: {what}, {format_bytes(left)} left of the replica's share "
             f"{format_bytes(share_bytes)} (weights {format_bytes(weights_bytes)}); {FIX}")
+
+
+def stranded_pool_bytes(stranded_bytes: int, captured: bool, dropped_bytes: int = 0, kept_bytes: int = 0) -> int:
+    """Pool bytes stranded after a warmup (see the module docstring). `stranded_bytes`: stranded before
+    it; `captured`: it captured a graph (which may have reused them); `dropped_bytes`: the pool bytes
+    that the graphs it dropped grew; `kept_bytes`: what the device holds now beyond what it held before
+    the warmup (a pool left without graphs is handed back whole, and then nothing is stranded)."""
+    return (0 if captured else max(0, stranded_bytes)) + min(max(0, dropped_bytes), max(0, kept_bytes))
 
 
 def weights_bytes(pipe) -> int:
@@ -94,12 +112,18 @@ class ReplicaMemory:
         return cls(share_bytes=share, weights_bytes=weights_bytes(pipe), cuda=cuda)
 
     def used_bytes(self, pool_bytes: int) -> int:
-        """What the replica holds now (call on the pipeline thread, between runs)."""
+        """What the replica holds now, stranded pool bytes included (call on the pipeline thread,
+        between runs)."""
         if self.cuda:
             import torch
             torch.cuda.empty_cache()
             return int(torch.cuda.memory_reserved())
         return self.weights_bytes + int(pool_bytes)
+
+    def stranded_bytes(self, stranded_bytes: int, captured: bool, dropped_bytes: int = 0,
+                       kept_bytes: int = 0) -> int:
+        """`stranded_pool_bytes` on CUDA; 0 elsewhere (dropped graphs leave ``pool_bytes`` there)."""
+        return stranded_pool_bytes(stranded_bytes, captured, dropped_bytes, kept_bytes) if self.cuda else 0
 
     @contextlib.contextmanager
     def peak(self):
@@ -117,8 +141,9 @@ class ReplicaMemory:
         torch.cuda.synchronize()
         out.bytes = max(0, int(torch.cuda.max_memory_allocated()) - base)
 
-    def report(self, used_bytes: int) -> dict:
-        return {"share_bytes": self.share_bytes, "weights_bytes": self.weights_bytes, "used_bytes": used_bytes}
+    def report(self, used_bytes: int, stranded_bytes: int = 0) -> dict:
+        return {"share_bytes": self.share_bytes, "weights_bytes": self.weights_bytes, "used_bytes": used_bytes,
+                "stranded_pool_bytes": stranded_bytes}
 
 
-__all__ = ["ReplicaMemory", "format_bytes", "plan_fits", "weights_bytes"]
+__all__ = ["ReplicaMemory", "format_bytes", "plan_fits", "stranded_pool_bytes", "weights_bytes"]

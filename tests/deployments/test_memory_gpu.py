@@ -1,6 +1,7 @@
 """The CUDA side of the replica's memory check (deployments.memory, ReplicaEngine.warmup_key): on a GPU a
 key's graph bytes and eager peak are measured, a plan that fits warms, and a key beyond the share fails at
-warmup naming the key and the bytes, stays cold, and leaves no graph of its own behind."""
+warmup naming the key and the bytes, stays cold, and leaves no graph of its own behind; the pool bytes its
+graphs leave reserved count as stranded, not used, so the keys warm before it warm again."""
 import dataclasses
 import gc
 
@@ -62,5 +63,8 @@ def test_a_key_beyond_the_share_fails_at_warmup_on_cuda_and_the_rest_serves():
         # SMALL still replays: its warmup again captures nothing
         again = engine.warmup_key(SMALL)
         assert again["ok"] and again["captures"] == 0, again
+        # SMALL's graphs keep the runners' pools alive: LARGE's pool bytes stay reserved, as stranded
+        stranded = engine.memory_report()["stranded_pool_bytes"]
+        assert 0 < stranded <= failed["memory"]["graphs_bytes"], (stranded, failed)
     finally:
         _close(engine)
