@@ -263,8 +263,10 @@ def _start_serve() -> tuple[int, bool]:
     started = not ray.is_initialized()
     if started:
         repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        # the caller's path too: where Ray, diffusers and pydantic come from on a host without them installed
+        path = os.pathsep.join(x for x in (repo, os.environ.get("PYTHONPATH")) if x)
         ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False,
-                 runtime_env={"env_vars": {"PYTHONPATH": repo, "RAY_AUTH_MODE": "disabled"}})
+                 runtime_env={"env_vars": {"PYTHONPATH": path, "RAY_AUTH_MODE": "disabled"}})
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]

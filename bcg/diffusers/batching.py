@@ -5,7 +5,9 @@ bucket) share a denoising loop. Each keeps its own state (`RequestState`: its ow
 step index, generator-drawn latents, guidance scale): prompts, seeds, step counts and guidance scales may
 differ. At every step boundary queued requests of the key join (up to ``max_batch_size`` image rows) and
 finished ones leave: the requests leaving at a step are decoded (in one VAE call, padded to a bucket, unless
-``batch_decode`` is off) and their futures answered before the next step runs. The requests that join a
+``batch_decode`` is off) and answered as soon as the device is done with them: the loop goes on to the next
+step while an answers thread waits for the decode's copy to the host and makes the images
+(`StepFamily.finish_batch_async`), so the device's decode overlaps the host's next step. The requests that join a
 group at one step boundary are prepared together (`StepFamily.prepare_batch`): one ``encode_prompt`` call
 over all their prompts, padded to a bucket of prompts, then each its own latents and scheduler.
 
@@ -31,7 +33,9 @@ requests with arguments the hooks do not batch run alone through ``pipe(**kwargs
 Threads: every pipeline call runs on the thread that calls `step()`: `start()` runs a daemon loop thread
 that does, tests may call `step()` themselves. `submit` / `submit_planned` are thread-safe and return a
 `concurrent.futures.Future` of the request's image list (what `generate` returns); done-callbacks run on
-the loop thread, so keep them short (``asyncio.wrap_future`` hands the result to an event loop).
+the answers thread (the loop thread for a failure before the decode; the caller of `step()` without
+`start()`), so keep them short (``asyncio.wrap_future`` hands the result to an event loop). `close()`
+answers the requests already decoded before it returns.
 `call_between_steps(fn)` runs `fn` on the loop thread between two steps (runner stats); `warmup(keys)`
 captures every bucket of `keys` there.
 """
@@ -82,6 +86,9 @@ class StepBatcher:
         self._layouts: dict[str, tuple] = {}  # group -> layout of its running batch (loop thread only)
         self._ids = itertools.count()
         self._thread: threading.Thread | None = None
+        # answers (waiting for a decode's copy to the host, the PIL images, the futures) run here while
+        # the loop thread goes on; None until start(): a caller driving step() itself gets them inline
+        self._answers: concurrent.futures.ThreadPoolExecutor | None = None
         self._thread_lock = threading.Lock()
         self._stats_lock = threading.Lock()
         self._counts = collections.Counter()
@@ -134,6 +141,7 @@ class StepBatcher:
         """Run `step()` on a daemon thread until `close()`; idempotent."""
         with self._thread_lock:
             if self._thread is None:
+                self._answers = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="bcg-answers")
                 self._thread = threading.Thread(target=self._serve, name="bcg-step-batcher", daemon=True)
                 self._thread.start()
         return self
@@ -145,6 +153,8 @@ class StepBatcher:
             thread = self._thread
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout_s)
+        if self._answers is not None:  # the requests already decoded are answered, not dropped
+            self._answers.shutdown(wait=True)
         left, tasks = self._queue.close()
         for request in left:
             self._fail(request, RuntimeError("StepBatcher closed before the request finished"))
@@ -243,9 +253,13 @@ class StepBatcher:
                 (leaving if request.state.done else survivors).append(request)
         self._set_active(group, survivors)
         t3 = time.perf_counter()
-        if leaving:
-            self._finish(leaving)
+        answers = self._finish(leaving) if leaving else []
         self._add_seconds(prepare=t1 - t0, forward=t2 - t1, scheduler=t3 - t2, finish=time.perf_counter() - t3)
+        for requests, outputs in answers:
+            if self._answers is None:
+                self._answer(requests, outputs)
+            else:
+                self._answers.submit(self._answer, requests, outputs)
 
     def _prepare(self, requests: list[QueuedRequest]) -> dict:
         """State per request id (an exception where its own preparation failed). Requests whose prompts
@@ -306,31 +320,46 @@ class StepBatcher:
             out |= self._isolated([request], run, what)
         return out
 
-    def _finish(self, requests: list[QueuedRequest]) -> None:
-        """Decode the requests that leave at this step (together unless ``batch_decode`` is off) and answer
-        each; a batched decode that raises is retried per request."""
-        outputs = None
+    def _finish(self, requests: list[QueuedRequest]) -> list[tuple[list[QueuedRequest], Callable[[], list]]]:
+        """Queue the decode of the requests that leave at this step (together unless ``batch_decode`` is
+        off; a batched decode that raises is retried per request): ``(requests, outputs)`` pairs, where
+        ``outputs()`` makes their outputs once the device is done (`_answer`)."""
         if self.config.batch_decode and len(requests) > 1:
             rows = sum(r.state.rows for r in requests)
             try:
-                outputs = self.family.finish_batch(self.pipe, [r.state for r in requests],
-                                                   self.config.bucket_for(rows))
+                outputs = self.family.finish_batch_async(self.pipe, [r.state for r in requests],
+                                                         self.config.bucket_for(rows))
                 self._count("batched_decodes")
+                return [(requests, outputs)]
             except Exception as exc:  # noqa: BLE001
                 logger.warning("a batched decode of %d requests failed (%s: %s); decoding each alone",
                                len(requests), type(exc).__name__, exc)
                 self._count("isolation_retries")
-        for i, request in enumerate(requests):
+        out = []
+        for request in requests:
             try:
                 # alone: its rows padded to their bucket too, the VAE graph a warmup of that bucket captured
-                images = outputs[i] if outputs is not None else self.family.finish_batch(
-                    self.pipe, [request.state], self.config.bucket_for(request.state.rows))[0]
+                out.append(([request], self.family.finish_batch_async(
+                    self.pipe, [request.state], self.config.bucket_for(request.state.rows))))
             except Exception as exc:  # noqa: BLE001
                 self._fail(request, exc)
-                continue
+        return out
+
+    def _answer(self, requests: list[QueuedRequest], outputs: Callable[[], list]) -> None:
+        """Answer each request with its outputs (``outputs()`` waits for the device's copy); the answers
+        thread once `start()`ed, else the caller of `step()`."""
+        t0 = time.perf_counter()
+        try:
+            images = outputs()
+        except Exception as exc:  # noqa: BLE001 -- e.g. a device error surfacing at the copy
+            for request in requests:
+                self._fail(request, exc)
+            images = None
+        for request, result in zip(requests, images or ()):
             request.state = None  # the latents and embeddings go now, not when the caller drops the future
             self._count("leaves")
-            request.future.set_result(images)
+            request.future.set_result(result)
+        self._add_seconds(answer=time.perf_counter() - t0)
 
     def _run_alone(self, request: QueuedRequest) -> None:
         if not request.future.set_running_or_notify_cancel():
@@ -438,9 +467,11 @@ class StepBatcher:
         ``batched_prepares`` of several requests; ``prepare_prompts_histogram``: real prompts per joint
         encode; ``padded_prompts``), ``phase_seconds``: wall seconds of the loop thread in each phase of
         the group steps (``prepare``: joining requests' preparation; ``forward``: the batched transformer
-        calls; ``scheduler``: the requests' scheduler steps; ``finish``: decode, post-processing and
-        answers), measured on the host without a device sync (in a loop bound by the host, where the
-        time goes; on CUDA a phase that waits for the device absorbs the device time queued before it),
+        calls; ``scheduler``: the requests' scheduler steps; ``finish``: queueing the decode and its copy
+        to the host) and ``answer``: the answers thread's (waiting for that copy, the images, the
+        futures; inline when `step()` is driven without `start()`), measured on the host without a
+        device sync (in a loop bound by the host, where the time goes; on CUDA a phase that waits for the
+        device absorbs the device time queued before it),
         what is running now."""
         running, queued = self._queue.snapshot()
         with self._stats_lock:

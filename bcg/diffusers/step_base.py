@@ -18,7 +18,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-__all__ = ["RequestState", "StepFamily", "pad_rows", "postprocess"]
+__all__ = ["RequestState", "StepFamily", "pad_rows", "postprocess", "postprocess_async"]
 
 
 @dataclasses.dataclass
@@ -68,12 +68,19 @@ def pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
 
 
 def postprocess(processor, image: torch.Tensor, output_type: str) -> list:
-    """``processor.postprocess(image, output_type=output_type)`` as a list, the same values.
+    """``processor.postprocess(image, output_type=output_type)`` as a list, the same values (see
+    `postprocess_async`)."""
+    return postprocess_async(processor, image, output_type)()
+
+
+def postprocess_async(processor, image: torch.Tensor, output_type: str) -> Callable[[], list]:
+    """`postprocess` in two halves: this call queues the device's part; the function it returns waits
+    for the copy to the host and makes the images (any thread), so a caller can go on queueing work.
 
     For PIL images from diffusers' own `VaeImageProcessor` (denormalizing, so values lie in [0, 1]) the
-    conversion to 8 bits runs on the image's device and a quarter of the bytes crosses to the host: the
-    same float32 ``(x * 255).round()`` per element as ``numpy_to_pil`` (both round half to even), so the
-    same pixels, without the host's float work on the whole batch.
+    conversion to 8 bits runs on the image's device and a quarter of the bytes crosses to the host, into
+    pinned memory without a wait: the same float32 ``(x * 255).round()`` per element as ``numpy_to_pil``
+    (both round half to even), so the same pixels. Anything else: the processor's own call, done here.
     """
     from diffusers.image_processor import VaeImageProcessor
 
@@ -83,14 +90,30 @@ def postprocess(processor, image: torch.Tensor, output_type: str) -> list:
             and all(inspect.getattr_static(cls, name) is VaeImageProcessor.__dict__[name]
                     for name in ("postprocess", "pt_to_numpy", "numpy_to_pil")))
     if not fast:
-        return list(processor.postprocess(image, output_type=output_type))
-    from PIL import Image
-
+        out = list(processor.postprocess(image, output_type=output_type))
+        return lambda: out
     image = processor.postprocess(image, output_type="pt")  # denormalized (clamped to [0, 1]) on the device
-    pixels = (image.permute(0, 2, 3, 1).float() * 255).round().to(torch.uint8).cpu().numpy()
-    if pixels.shape[-1] == 1:
-        return [Image.fromarray(p.squeeze(), mode="L") for p in pixels]
-    return [Image.fromarray(p) for p in pixels]
+    pixels = (image.permute(0, 2, 3, 1).float() * 255).round().to(torch.uint8)
+    copied = None
+    if pixels.is_cuda:
+        host = torch.empty(pixels.shape, dtype=torch.uint8, pin_memory=True)
+        host.copy_(pixels, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+    else:
+        host = pixels
+
+    def images() -> list:
+        from PIL import Image
+
+        if copied is not None:
+            copied.synchronize()
+        arrays = host.numpy()
+        if arrays.shape[-1] == 1:
+            return [Image.fromarray(a.squeeze(), mode="L") for a in arrays]
+        return [Image.fromarray(a) for a in arrays]
+
+    return images
 
 
 def _cat_rows(parts: list[torch.Tensor], rows: int) -> torch.Tensor:
@@ -323,19 +346,31 @@ class StepFamily:
         request's images differ from `finish` alone only by the rounding of batched kernels; one request
         with `bucket` equal to its rows is `finish` exactly.
         """
+        return self.finish_batch_async(pipe, states, bucket)()
+
+    def finish_batch_async(self, pipe, states: list[RequestState], bucket: int) -> Callable[[], list[list]]:
+        """`finish_batch` in two halves (`postprocess_async`): this call queues the decode; the function
+        it returns makes each request's outputs once the device is done (any thread)."""
         output_type = states[0].output_type
         if any(s.output_type != output_type for s in states[1:]):
-            return [self.finish(pipe, s) for s in states]
+            out = [self.finish(pipe, s) for s in states]
+            return lambda: out
         if output_type == "latent":
-            return [list(s.latents) for s in states]
+            out = [list(s.latents) for s in states]
+            return lambda: out
         rows = sum(s.rows for s in states)
         image = self.decode_latents(pipe, _cat_rows([s.latents for s in states], bucket), states[0])
-        images = postprocess(pipe.image_processor, image[:rows] if bucket > rows else image, output_type)
-        out, offset = [], 0
-        for s in states:
-            out.append(images[offset:offset + s.rows])
-            offset += s.rows
-        return out
+        images = postprocess_async(pipe.image_processor, image[:rows] if bucket > rows else image, output_type)
+        counts = [s.rows for s in states]
+
+        def outputs() -> list[list]:
+            flat, out, offset = images(), [], 0
+            for count in counts:
+                out.append(flat[offset:offset + count])
+                offset += count
+            return out
+
+        return outputs
 
     def step(self, pipe, states: list[RequestState], bucket: int | None = None) -> None:
         """One denoising step of every state: one batched `forward`, then each state's scheduler step."""

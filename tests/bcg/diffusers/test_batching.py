@@ -225,7 +225,7 @@ def test_request_joining_mid_run_leaves_when_its_own_steps_are_done(pipe):
     assert stats["batch_size_histogram"] == {1: 3, 2: 2} and stats["steps"] == 5
     # host time per phase of the group steps: every phase ran, the transformer calls took the most here
     phases = stats["phase_seconds"]
-    assert set(phases) == {"prepare", "forward", "scheduler", "finish"} and min(phases.values()) > 0
+    assert set(phases) == {"prepare", "forward", "scheduler", "finish", "answer"} and min(phases.values()) > 0
     assert phases["forward"] > phases["scheduler"]
 
 
@@ -557,3 +557,22 @@ def test_a_scheduler_step_that_raises_fails_only_its_request(pipe):
     errors = family.scheduler_step(states, noise)
     assert errors[0] is None and isinstance(errors[1], RuntimeError)
     assert states[0].step_index == 1 and states[1].step_index == 0 and states[1].latents is latents
+
+
+def test_a_started_batcher_answers_on_its_answers_thread_with_the_inline_images(flux):
+    requests = [_request("a cat", seed=1, steps=2), _request("a dog", seed=2, steps=2)]
+    inline = StepBatcher(flux)
+    expected = [_submit(inline, r) for r in requests]
+    _drain(inline, expected)
+    threads = []
+    batcher = StepBatcher(flux)
+    futures = [_submit(batcher, r) for r in requests]  # queued before the loop starts: none answered yet
+    for f in futures:
+        f.add_done_callback(lambda _: threads.append(threading.current_thread().name))
+    with batcher:
+        results = [f.result(timeout=120) for f in futures]
+    # the loop thread queued the decode and went on; the answers thread made the images and answered
+    assert all(name.startswith("bcg-answers") for name in threads) and len(threads) == 2
+    for got, want in zip(results, expected):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want.result()))
+    assert batcher.stats()["phase_seconds"]["answer"] > 0
