@@ -21,6 +21,8 @@ from typing import Any, Iterable
 import torch
 
 from bcg.diffusers.breaks import install_breaks, remove_breaks, unwrap_runner, with_globals
+from bcg.diffusers.tokenizers import fast_tensors
+from bcg.diffusers.tokenizers import restore as restore_tokenizer
 from bcg.diffusers.placement import placement_stats
 
 logger = logging.getLogger(__name__)
@@ -336,7 +338,8 @@ def accelerate(pipe, config=None, policy: Any = "auto", components: Iterable[str
     for signatures captured in ``warmup_pipeline`` (or a runner's ``warmup()``), the rest runs eagerly.
 
     The instance's class becomes a subclass of its own (same name and call signature) whose device
-    queries and hook resets cost no module walks (see `_accelerated_class`), and its progress bar is
+    queries and hook resets cost no module walks (see `_accelerated_class`), its tokenizers build their
+    tensors without per-token Python (`bcg.diffusers.tokenizers`: the same ids), and its progress bar is
     turned off unless `progress_bar` is true: a server has no terminal to draw it on.
     """
     from bcg.runtime.runner import BreakableGraphRunner
@@ -373,6 +376,8 @@ def accelerate(pipe, config=None, policy: Any = "auto", components: Iterable[str
         runners[name] = runner
     if "__bcg_pipeline_base__" not in type(pipe).__dict__:
         object.__setattr__(pipe, "__class__", _accelerated_class(type(pipe)))
+    for component in pipe.components.values():  # prompt ids as tensors without per-token Python
+        fast_tensors(component)
     pipe.__dict__.pop("_bcg_devices", None)  # components changed: recompute device facts on the next call
     pipe.__dict__.pop("_bcg_component_names", None)
     if not progress_bar and hasattr(pipe, "set_progress_bar_config"):
@@ -395,6 +400,8 @@ def unaccelerate(pipe):
     base = type(pipe).__dict__.get("__bcg_pipeline_base__")
     if base is not None:
         object.__setattr__(pipe, "__class__", base)
+    for component in pipe.components.values():
+        restore_tokenizer(component)
     for attr in ("_bcg_devices", "_bcg_component_names", "_bcg_image_ids"):
         pipe.__dict__.pop(attr, None)
     return pipe
