@@ -236,14 +236,15 @@ def _served_body(args, i: int) -> dict:
 
 def served_app_args(args, mode: str) -> dict:
     """``build_app`` args of the one-replica app for `mode` (one at a time: ``max_batch_size`` 1; both
-    modes take the same ``max_ongoing_requests``, so requests queue on the replica either way)."""
+    modes take the same ``max_ongoing_requests``, so requests queue on the replica either way): twice the
+    batch, so that the next batch's requests are on the replica while the last one's PNGs are encoded."""
     cuda = torch.device(args.device).type == "cuda"
     buckets = [b for b in args.buckets if b <= args.max_batch_size] or [1]
     return {
         "model": args.model, "num_replicas": 1, "device": args.device, "num_gpus_per_replica": 1 if cuda else 0,
         "num_cpus_per_replica": 0, "cpu_threads": None if cuda else 1, "components": args.components.split(","),
         "warmup": [args.size], "placement": "all", "warmup_steps": 2, "default_steps": args.steps,
-        "max_ongoing_requests": args.max_batch_size, "max_queued_requests": -1,
+        "max_ongoing_requests": 2 * args.max_batch_size, "max_queued_requests": -1,
         "max_batch_size": 1 if mode == "one_at_a_time" else args.max_batch_size, "batch_buckets": buckets,
         "max_wait_ms": 0.0 if mode == "one_at_a_time" else args.max_wait_ms, "join_policy": args.join_policy,
         "runner": {"max_entries": 4 * len(buckets) + 4}, "request_timeout_s": args.timeout_s,

@@ -49,6 +49,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Dict, List, Optional
@@ -89,8 +90,10 @@ class Replica:
         self.replica_id = ctx.replica_id.unique_id
         self.rank = getattr(getattr(ctx, "rank", None), "rank", None)
         self.default_steps = default_steps
-        # loads the pipeline, then encodes PNGs; the pipeline itself runs on the engine's loop thread
-        self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="bcg-replica")
+        # loads the pipeline, then encodes PNGs (Pillow's encoder lets go of the GIL: the images of a batch
+        # that leaves at one step encode side by side); the pipeline itself runs on the engine's loop thread
+        self._executor = ThreadPoolExecutor(max_workers=max(2, min(8, (os.cpu_count() or 2) // 2)),
+                                            thread_name_prefix="bcg-replica")
         self._lock = asyncio.Lock()  # one warmup at a time (requests take no lock)
         self._ongoing = 0
         self._counters = {"warm_requests": 0, "cold_requests": 0, "errors": 0}
