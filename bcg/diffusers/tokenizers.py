@@ -43,7 +43,8 @@ def _fast_class(base: type) -> type:
                     for name, value in lists.items()}
         except (TypeError, ValueError, RuntimeError):  # ragged lists: the tokenizer's own call says what is wrong
             return base.__call__(self, text, return_tensors=return_tensors, **kwargs)
-        return BatchEncoding(data, encoding=lists.encodings, n_sequences=lists.n_sequences)
+        return BatchEncoding(data, encoding=getattr(lists, "encodings", None),
+                             n_sequences=getattr(lists, "n_sequences", None))
 
     cls = type(base.__name__, (base,), {"__call__": __call__, "__module__": base.__module__,
                                          "__qualname__": base.__qualname__, "__bcg_tokenizer_base__": base})
