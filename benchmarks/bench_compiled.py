@@ -13,7 +13,11 @@ Variants (each built fresh per model from the same seed; ``torch._dynamo.reset()
   by default) -> warm-up calls on the capture stream (compile, autotune) -> BreakableCUDAGraph capture;
 - inductor_one_graph: the same compile without breaks -> warm-up -> one torch.cuda.CUDAGraph;
 - reduce_overhead: torch.compile(mode="reduce-overhead", dynamic=False), called with
-  torch.compiler.cudagraph_mark_step_begin() before each call.
+  torch.compiler.cudagraph_mark_step_begin() before each call;
+- runner / runner_compiled: `bcg.diffusers.install_breaks(model)` at its default placement + a
+  `BreakableGraphRunner` (``RunnerConfig()`` / ``RunnerConfig(compile=True)``), captured in ``runner.warmup()``
+  and timed as a server calls it (``runner(**inputs)``: signature, input and output copies), not as a bare
+  replay; so runner_compiled against reduce_overhead is the runner call against the compiled call.
 Each is timed as the median of --iters CUDA-event-timed calls (after --warmup), bf16, batch 1. Compile
 time (first call wall time per size) and compile statistics are recorded; outputs are compared with
 eager (max abs error, relative L2 error) and, for compiled_segments, replay with the compiled forward
@@ -34,8 +38,9 @@ sys.path.insert(0, HERE)
 sys.path.insert(1, os.path.dirname(HERE))  # the repository root, for `bcg`
 
 DEFAULT_OUT = os.path.join(HERE, "results", "bench_compiled.json")
-VARIANTS = ("eager", "one_graph", "segments", "compiled_segments", "inductor_one_graph", "reduce_overhead")
-COMPILE_VARIANTS = {"compiled_segments", "inductor_one_graph", "reduce_overhead"}
+VARIANTS = ("eager", "one_graph", "segments", "compiled_segments", "inductor_one_graph", "reduce_overhead",
+            "runner", "runner_compiled")
+COMPILE_VARIANTS = {"compiled_segments", "inductor_one_graph", "reduce_overhead", "runner_compiled"}
 MODELS = {
     # 9.17 M parameters: the bench_forward model (64 text tokens)
     "flux-9m": dict(cls="FluxTransformer2DModel", text_tokens=64, config=dict(
@@ -53,7 +58,9 @@ MODELS = {
         pos_embed_max_size=96)),
 }
 TARGETS = "compiled_segments >= 1.2x faster than reduce_overhead (flux-9m, 256 and 512); never slower " \
-          "than reduce_overhead (flux-2.5b); within 5% of inductor_one_graph"
+          "than reduce_overhead (flux-2.5b); within 5% of inductor_one_graph. Issue 16 (flux-9m, sd3-small): " \
+          "runner <= 1.02x one_graph; runner_compiled <= 1.05x inductor_one_graph and >= 1.2x faster than " \
+          "reduce_overhead at 256 and 512"
 
 
 def log(msg):
@@ -285,6 +292,33 @@ def measure(variant, model, name, size, args, state):
         result = fn().clone()
         return row, result
 
+    if variant in ("runner", "runner_compiled"):
+        from bcg.diffusers import install_breaks, placement_stats
+        from bcg.runtime.config import RunnerConfig
+        from bcg.runtime.runner import BreakableGraphRunner
+
+        runner = state.get("runner")
+        if runner is None:  # one runner across sizes, as a replica holds one per component
+            install_breaks(model)
+            runner = state["runner"] = BreakableGraphRunner(
+                model, config=RunnerConfig(compile=variant == "runner_compiled"))
+        eager_before = runner.stats()["eager_calls_total"]
+        start = time.perf_counter()
+        with runner.warmup():
+            runner(**static, return_dict=False)
+        torch.cuda.synchronize()
+        row["compile_s" if variant == "runner_compiled" else "capture_s"] = time.perf_counter() - start
+
+        def fn():
+            return runner(**static, return_dict=False)[0]
+        row["ms"] = time_cuda(fn, args.iters, args.warmup)
+        out = fn()
+        stats = runner.stats()
+        row["segments"] = [e.get("segments") for e in stats.get("entries", [])][-1:]
+        row["eager_calls"] = stats["eager_calls_total"] - eager_before  # 0: every timed call replayed
+        row["placement"] = placement_stats(model)
+        return row, out.clone()
+
     # compiled_segments / inductor_one_graph / segments: a capture of `forward` on `stream`
     if variant == "segments":
         forward_fn = model
@@ -344,6 +378,9 @@ def measure(variant, model, name, size, args, state):
 def _free(state):
     import torch
 
+    runner = state.get("runner")
+    if runner is not None:
+        runner.reset()
     state.clear()
     gc.collect()
     torch._dynamo.reset()
@@ -377,6 +414,14 @@ def targets(rows):
             if cs and og:
                 ratio = cs / og
                 add(f"{model} {size}: compiled_segments / inductor_one_graph <= 1.05", ratio, ratio <= 1.05)
+            runner, graph = ms.get((model, size, "runner")), ms.get((model, size, "one_graph"))
+            if runner and graph:
+                add(f"{model} {size}: runner / one_graph <= 1.02", runner / graph, runner / graph <= 1.02)
+            rc = ms.get((model, size, "runner_compiled"))
+            if rc and og:
+                add(f"{model} {size}: runner_compiled / inductor_one_graph <= 1.05", rc / og, rc / og <= 1.05)
+            if rc and ro and size in (256, 512):
+                add(f"{model} {size}: reduce_overhead / runner_compiled >= 1.2", ro / rc, ro / rc >= 1.2)
     return checks
 
 
