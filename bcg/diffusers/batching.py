@@ -256,10 +256,7 @@ class StepBatcher:
         answers = self._finish(leaving) if leaving else []
         self._add_seconds(prepare=t1 - t0, forward=t2 - t1, scheduler=t3 - t2, finish=time.perf_counter() - t3)
         for requests, outputs in answers:
-            if self._answers is None:
-                self._answer(requests, outputs)
-            else:
-                self._answers.submit(self._answer, requests, outputs)
+            self._answer_later(requests, outputs)
 
     def _prepare(self, requests: list[QueuedRequest]) -> dict:
         """State per request id (an exception where its own preparation failed). Requests whose prompts
@@ -344,6 +341,17 @@ class StepBatcher:
             except Exception as exc:  # noqa: BLE001
                 self._fail(request, exc)
         return out
+
+    def _answer_later(self, requests: list[QueuedRequest], outputs: Callable[[], list]) -> None:
+        """`_answer` on the answers thread; inline without one (`step()` driven by its caller) or once it
+        is shut down (a `close()` whose join timed out while this step ran): never dropped."""
+        if self._answers is not None:
+            try:
+                self._answers.submit(self._answer, requests, outputs)
+                return
+            except RuntimeError:  # shut down
+                pass
+        self._answer(requests, outputs)
 
     def _answer(self, requests: list[QueuedRequest], outputs: Callable[[], list]) -> None:
         """Answer each request with its outputs (``outputs()`` waits for the device's copy); the answers
