@@ -46,7 +46,8 @@ warmup of ``--size`` at every bucket), through the app's ingress ``DeploymentHan
 /v1/images/generations`` from a client thread per request in flight. Rates are multiples of the served
 one-at-a-time capacity (requests sent one after another through the same path: ``serial_ms``, also the
 low-load baseline); the batch figures are the replica's batcher stats over each run; results go to
-``bench_batching_<via>.json``.
+``bench_batching_<via>.json``. The served ``serial_ms`` splits one request's time (``split_ms``: the client's
+hop, the ingress, the replica's pipeline run, its PNG encoding) from the response's ``bcg`` timings.
 """
 from __future__ import annotations
 
@@ -289,7 +290,7 @@ def _served_caller(args, app: str, port: int):
 
         def call(i):
             return ingress.generate.remote(ImageGenerationRequest(**_served_body(args, i))).result(
-                timeout_s=args.timeout_s).bcg.warm
+                timeout_s=args.timeout_s).bcg.model_dump()
         return call, None
     import httpx
 
@@ -300,7 +301,7 @@ def _served_caller(args, app: str, port: int):
         r = client.post("/v1/images/generations", json=_served_body(args, i))
         if r.status_code != 200:
             raise RuntimeError(f"HTTP {r.status_code}: {r.text[:200]}")
-        return r.json()["bcg"]["warm"]
+        return r.json()["bcg"]
     return call, client
 
 
@@ -343,12 +344,13 @@ def _run_served_modes(args, port: int) -> tuple[list[dict], dict, dict]:
                 # untimed: a full batch once (every bucket's path), then one at a time for the serial latency
                 for future in [pool.submit(call, 20_000 + j) for j in range(args.max_batch_size)]:
                     future.result(timeout=args.timeout_s)
-                times = []
+                times, infos = [], []
                 for j in range(args.direct_iters):
                     start = time.perf_counter()
-                    call(30_000 + j)
+                    infos.append(call(30_000 + j))
                     times.append((time.perf_counter() - start) * 1000)
-                serial[mode] = {"median": round(statistics.median(times), 3), "all": [round(t, 3) for t in times]}
+                serial[mode] = {"median": round(statistics.median(times), 3), "all": [round(t, 3) for t in times],
+                                **_served_split(times, infos)}
                 if rates is None:
                     capacity = 1000.0 / statistics.median(times)
                     rates = ([float(r) for r in args.rates.split(",")] if args.rates
@@ -375,6 +377,25 @@ def _run_served_modes(args, port: int) -> tuple[list[dict], dict, dict]:
                 client.close()
             serve.delete(app)
     return runs, serial, warmups
+
+
+def _served_split(times: list[float], infos: list[dict]) -> dict:
+    """Where one served request's milliseconds go (medians, from the response's ``bcg``): the client's
+    hop (HTTP proxy or handle: client time less the ingress's), the ingress (its time less the
+    replica's: validation, the call to the replica, the response), the replica's pipeline run and its
+    PNG encoding."""
+    def median(values):
+        values = [v for v in values if v is not None]
+        return round(statistics.median(values), 3) if values else None
+
+    ingress = [i.get("ingress_ms") for i in infos]
+    replica = [i.get("latency_ms") for i in infos]
+    encode = [i.get("encode_ms") for i in infos]
+    return {"split_ms": {
+        "client_hop": median([t - g for t, g in zip(times, ingress) if g is not None]),
+        "ingress": median([g - r for g, r in zip(ingress, replica) if g is not None and r is not None]),
+        "replica_run": median([r - e for r, e in zip(replica, encode) if r is not None and e is not None]),
+        "png_encode": median(encode)}}
 
 
 def swap_in_flux_2p5b(pipe, device):

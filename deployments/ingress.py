@@ -174,17 +174,19 @@ class Ingress:
     async def generate(self, request: ImageGenerationRequest) -> ImageGenerationResponse:
         """Validate, compute the request's shape key, route by it, run; raises FieldError (a
         ValueError) naming the field."""
+        t0 = time.perf_counter()
         if isinstance(request, dict):
             request = ImageGenerationRequest.model_validate(request)
         info = await self._model_info()
         key = check_request(request, self.limits, self.model, info, self.default_size)
         request = request.model_copy(update={"size": key.size})
         out = await self._call_replica(request, key.key)
+        data = [ImageData(b64_json=base64.b64encode(png).decode("ascii")) for png in out["images"]]
         return ImageGenerationResponse(
-            created=int(time.time()),
-            data=[ImageData(b64_json=base64.b64encode(png).decode("ascii")) for png in out["images"]],
+            created=int(time.time()), data=data,
             bcg=ServeInfo(replica=out["replica"], warm=out["warm"], shape_key=out["shape_key"],
-                          latency_ms=out["latency_ms"], replays=out["replays"],
+                          latency_ms=out["latency_ms"], encode_ms=out.get("encode_ms"),
+                          ingress_ms=(time.perf_counter() - t0) * 1e3, replays=out["replays"],
                           eager_calls=out["eager_calls"]),
         )
 

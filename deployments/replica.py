@@ -277,8 +277,10 @@ class Replica:
             warm = key.key in warm_set(self._warm_view())  # what the router routed it by
             answer = self.engine.submit(request, key, self.default_steps)
             out = await self._wait(asyncio.wrap_future(answer), on_cancel=lambda: self.engine.cancel(answer))
+            t_encode = time.perf_counter()
             out["images"] = await self._wait(asyncio.get_running_loop().run_in_executor(
                 self._executor, _pngs, out["images"]))
+            out["encode_ms"] = (time.perf_counter() - t_encode) * 1e3
         except Exception as exc:
             self._counters["errors"] += 1
             self.metrics.record_error()

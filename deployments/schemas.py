@@ -160,11 +160,16 @@ def check_warmup(plan: "WarmupRequest", limits: RequestLimits) -> List[str]:
 
 
 class ServeInfo(BaseModel):
-    """Where and how a request was served (extra field ``bcg`` of the response)."""
+    """Where and how a request was served (extra field ``bcg`` of the response): ``latency_ms`` on the
+    replica (queued, run and encoded), ``encode_ms`` of that for the PNGs, ``ingress_ms`` in the ingress
+    (validation, the call to the replica and the response); what a client measures beyond ``ingress_ms``
+    is its own hop (HTTP proxy or handle)."""
     replica: str
     warm: bool
     shape_key: str
     latency_ms: float
+    encode_ms: Optional[float] = None
+    ingress_ms: Optional[float] = None
     replays: int = 0
     eager_calls: int = 0
 

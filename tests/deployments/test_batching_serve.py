@@ -71,6 +71,9 @@ def test_a_request_for_a_bucket_the_plan_does_not_name_is_served_warm(batch_app)
     r = batch_app.post(GEN, json=_body(20, n=4))
     assert r.status_code == 200, r.text
     assert (r.json()["bcg"]["shape_key"], r.json()["bcg"]["warm"], len(r.json()["data"])) == (FOUR, True, 4)
+    # where its time went: the PNGs within the replica's time, the replica's within the ingress's
+    bcg = r.json()["bcg"]
+    assert 0 < bcg["encode_ms"] < bcg["latency_ms"] < bcg["ingress_ms"], bcg
     after = _stats(batch_app)
     assert (after["warm_requests"] - before["warm_requests"], after["cold_requests"] - before["cold_requests"]) \
         == (1, 0)
