@@ -40,9 +40,17 @@ def test_cpu_smoke_run_answers_every_request_once(tmp_path):
     out = tmp_path / "bench_batching.json"
     code = bench_batching.main(["--allow-cpu", "--size", "64x64", "--steps", "2", "--requests", "4",
                                 "--rate-factors", "inf", "--max-batch-size", "2", "--buckets", "1,2",
-                                "--direct-iters", "1", "--output-type", "np", "--out", str(out)])
+                                "--direct-iters", "1", "--output-type", "np", "--out", str(out),
+                                "--profile", str(tmp_path / "profile")])
     result = json.loads(out.read_text())
     assert code == 0 and result["warmup"]["plan"] == ["64x64.p32", "64x64.b2.p32"]
+    # one request at a time through each mode's batcher, against the direct call
+    assert set(result["serial_ms"]) == {"batched", "one_at_a_time"}
+    assert result["summary"]["serial_batched_ms"] == result["serial_ms"]["batched"]["median"] > 0
+    # the profiled saturation run: where the loop's host time went, by op
+    profile = (tmp_path / "profile.txt").read_text()
+    assert profile.startswith("saturation run under the profiler") and "Self CPU" in profile
+    assert (tmp_path / "profile.trace.json.gz").stat().st_size > 0
     runs = {r["mode"]: r for r in result["runs"]}
     assert set(runs) == {"batched", "one_at_a_time"}
     for run in runs.values():
@@ -65,6 +73,10 @@ def test_cpu_smoke_run_through_one_served_replica_answers_every_request_once(tmp
     result = json.loads(out.read_text())
     assert code == 0 and result["via"] == via
     assert result["warmup"]["batched"]["batch_pool_bytes"] == {"64x64": {"1": 0, "2": 0}}
+    # one request's time split from the response's timings: each part measured
+    split = result["serial_ms"]["batched"]["split_ms"]
+    assert set(split) == {"client_hop", "ingress", "replica_run", "png_encode"}
+    assert all(v is not None for v in split.values()) and split["png_encode"] > 0 and split["replica_run"] > 0
     for run in result["runs"]:
         assert (run["answered_ok"], run["failed"], run["lost"], run["answered_twice"]) == (4, 0, 0, 0)
         assert sum(int(k) * v for k, v in run["batch_size_histogram"].items()) == 8   # 4 requests x 2 steps

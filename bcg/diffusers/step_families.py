@@ -19,9 +19,11 @@ pipeline's ``__call__`` does, cut at the step boundary:
 - `StepFamily.finish(pipe, state) -> list`: what the pipeline does after its loop, for one request
   (decode and post-process); `finish_batch` decodes the requests that leave at one step together (their
   rows padded to a bucket: the VAE decoder's graphs per bucket come from the same warmup);
-  `StepFamily.step(pipe, states, bucket)` is `forward` plus each request's
-  scheduler step (the `bcg.diffusers.families.BatchingHooks` shape; the batcher calls `forward` itself
-  so that a failed batched call can be retried per request).
+  `StepFamily.scheduler_step(states, noise)` is each request's scheduler step (those at the same point
+  of one flow-matching schedule in one elementwise call, bit for bit their own steps), and
+  `StepFamily.step(pipe, states, bucket)` is `forward` plus `scheduler_step` (the
+  `bcg.diffusers.families.BatchingHooks` shape; the batcher calls `forward` itself so that a failed
+  batched call can be retried per request).
 
 Neither a transformer's nor a text encoder's rows mix (per-row norms, per-row attention, per-row timestep
 and guidance embeddings; the tokenizers pad every prompt to a fixed length), so a row's result does not
