@@ -464,6 +464,8 @@ def parse_args(argv=None):
         args.out = DEFAULT_OUT if args.via == "engine" else DEFAULT_OUT.replace(".json", f"_{args.via}.json")
     if args.via != "engine" and (args.negative_prompt is not None or args.output_type != "pil"):
         p.error("--negative-prompt and --output-type are engine-only (served requests carry neither)")
+    if args.profile and args.via != "engine":
+        p.error("--profile profiles the in-process batcher: --via engine only")
     if args.transformer != "builtin" and (args.via != "engine" or args.model != "tiny-flux"):
         p.error("--transformer flux-2.5b swaps the transformer of tiny-flux, in the engine only")
     args.buckets = tuple(int(b) for b in args.buckets.split(","))

@@ -36,6 +36,12 @@ def test_summary_compares_saturation_throughput_and_low_load_latency(tmp_path):
     assert bench_batching.main(["--plot-only", str(path)]) == 0 and (tmp_path / "b.png").stat().st_size > 0
 
 
+def test_profile_is_refused_where_there_is_no_in_process_batcher(capsys):
+    with pytest.raises(SystemExit):
+        bench_batching.parse_args(["--via", "http", "--profile", "/tmp/p"])
+    assert "--via engine only" in capsys.readouterr().err
+
+
 def test_cpu_smoke_run_answers_every_request_once(tmp_path):
     out = tmp_path / "bench_batching.json"
     code = bench_batching.main(["--allow-cpu", "--size", "64x64", "--steps", "2", "--requests", "4",
