@@ -117,6 +117,36 @@ def pick_device(args, say) -> bool:
     return True
 
 
+def start_local_serve(reuse_running: bool = True) -> tuple[int, bool]:
+    """A local Ray and Serve's HTTP proxy on a free port: ``(port, started)``, `started` whether this call
+    started Ray (the caller shuts it down then). Ray's workers get the repository and the caller's
+    PYTHONPATH (where Ray, diffusers and pydantic come from on a host without them installed). In a
+    process whose Ray already runs: Serve's own port when `reuse_running`, else RuntimeError."""
+    import socket
+
+    import ray
+    from ray import serve
+
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    started = not ray.is_initialized()
+    if not started and not reuse_running:
+        raise RuntimeError("this benchmark starts and stops its own Ray; run it as a script, not inside a "
+                           "process whose Ray is running")
+    if started:
+        repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        path = os.pathsep.join(x for x in (repo, os.environ.get("PYTHONPATH")) if x)
+        ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False,
+                 runtime_env={"env_vars": {"PYTHONPATH": path, "RAY_AUTH_MODE": "disabled"}})
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    if not started:  # Serve may have been running already, on its own port (private: Serve's client)
+        from ray.serve.context import _get_global_client
+        port = _get_global_client().get_serve_details()["http_options"]["port"]
+    return port, started
+
+
 def save_figure(fig, path, dpi: int = 120) -> bool:
     """Lay out, write and close a benchmark's figure, and say where it went; True (a plot's return)."""
     import matplotlib.pyplot as plt

@@ -65,7 +65,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _common import add_plot_only, machine_info, pick_device, plot_only, pyplot, save_figure, sync, write_json# noqa: E402
+from _common import (add_plot_only, machine_info, pick_device, plot_only, pyplot, save_figure,  # noqa: E402
+                     start_local_serve, sync, write_json)
 
 from bcg.diffusers import accelerate, pipeline_runners, plan_request  # noqa: E402
 from bcg.diffusers.batching import StepBatcher  # noqa: E402
@@ -253,32 +254,6 @@ def served_app_args(args, mode: str) -> dict:
     }
 
 
-def _start_serve() -> tuple[int, bool]:
-    """A local Ray (the repository on the workers' PYTHONPATH) and Serve on a free port: (the HTTP port,
-    whether this call started Ray). In a process whose Ray already runs, Serve keeps its own port."""
-    import socket
-
-    import ray
-    from ray import serve
-
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    started = not ray.is_initialized()
-    if started:
-        repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        # the caller's path too: where Ray, diffusers and pydantic come from on a host without them installed
-        path = os.pathsep.join(x for x in (repo, os.environ.get("PYTHONPATH")) if x)
-        ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False,
-                 runtime_env={"env_vars": {"PYTHONPATH": path, "RAY_AUTH_MODE": "disabled"}})
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    if not started:  # Serve may have been running already, on its own port (private: Serve's client)
-        from ray.serve.context import _get_global_client
-        port = _get_global_client().get_serve_details()["http_options"]["port"]
-    return port, started
-
-
 def _served_caller(args, app: str, port: int):
     """``call(i)``: request i through the app's ingress handle or HTTP, blocking; raises unless answered."""
     from ray import serve
@@ -309,7 +284,7 @@ def run_served(args) -> tuple[list[dict], dict, dict]:
     """Every mode against one replica of ``build_app``: rows per (mode, rate), serial ms per mode, warmups."""
     from ray import serve
 
-    port, started = _start_serve()
+    port, started = start_local_serve()
     try:
         return _run_served_modes(args, port)
     finally:

@@ -60,7 +60,6 @@ import contextlib
 import gc
 import os
 import shutil
-import socket
 import statistics
 import sys
 import tempfile
@@ -75,7 +74,8 @@ REPO = os.path.dirname(HERE)
 sys.path.insert(0, REPO)
 sys.path.insert(0, HERE)
 
-from _common import add_plot_only, machine_info, pick_device, plot_only, pyplot, save_figure, sync, write_json# noqa: E402
+from _common import (add_plot_only, machine_info, pick_device, plot_only, pyplot, save_figure,  # noqa: E402
+                     start_local_serve, sync, write_json)
 
 PROMPT = "a photo of a cat sitting on a red chair, studio lighting"
 MODELS = ("flux.1-dev", "wan2.1-1.3b")  # make_pipeline_dirs.PIPELINES' names: the folder names
@@ -139,26 +139,6 @@ def measure_eager(pipe, info: dict, shape: dict, steps: int, args) -> dict:
 
 # ------------------------------------------------------------------------------------------------------
 # served: one replica of build_app on the GPU, over HTTP
-
-
-def start_serve() -> int:
-    """A local Ray (the repository and the caller's PYTHONPATH on the workers' path) and Serve's HTTP proxy
-    on a free port; returns the port."""
-    import ray
-    from ray import serve
-
-    if ray.is_initialized():
-        raise RuntimeError("bench_served starts and stops its own Ray; run it as a script, not inside a "
-                           "process whose Ray is running")
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    path = os.pathsep.join(x for x in (REPO, os.environ.get("PYTHONPATH")) if x)
-    ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False,
-             runtime_env={"env_vars": {"PYTHONPATH": path, "RAY_AUTH_MODE": "disabled"}})
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    return port
 
 
 def served_app_args(args, model_dir: str, shape: dict, steps: int, key: str) -> dict:
@@ -357,7 +337,7 @@ def run_model(args, model: str, result: dict, port_box: list) -> None:
         if args.over_budget():
             break
         if not port_box:
-            port_box.append(start_serve())
+            port_box.append(start_local_serve(reuse_running=False)[0])
         app = f"bench_served_{model.replace('.', '_')}_{i}"
         _say(f"{model} {row['served_key']} served: starting {app} (warmup {row['served_key']}, compile "
              f"{args.compile})")

@@ -18,7 +18,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-__all__ = ["RequestState", "StepFamily", "pad_rows", "postprocess", "postprocess_async"]
+__all__ = ["RequestState", "StepFamily", "pad_rows", "postprocess_async"]
 
 
 @dataclasses.dataclass
@@ -67,15 +67,10 @@ def pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.cat([x, x[-1:].expand(missing, *x.shape[1:])])
 
 
-def postprocess(processor, image: torch.Tensor, output_type: str) -> list:
-    """``processor.postprocess(image, output_type=output_type)`` as a list, the same values (see
-    `postprocess_async`)."""
-    return postprocess_async(processor, image, output_type)()
-
-
 def postprocess_async(processor, image: torch.Tensor, output_type: str) -> Callable[[], list]:
-    """`postprocess` in two halves: this call queues the device's part; the function it returns waits
-    for the copy to the host and makes the images (any thread), so a caller can go on queueing work.
+    """``processor.postprocess(image, output_type=output_type)`` as a list, the same values, in two halves:
+    this call queues the device's part; the function it returns waits for the copy to the host and makes
+    the images (any thread), so a caller can go on queueing work.
 
     For PIL images from diffusers' own `VaeImageProcessor` (denormalizing, so values lie in [0, 1]) the
     conversion to 8 bits runs on the image's device and a quarter of the bytes crosses to the host, into
@@ -160,18 +155,24 @@ def _fused_step_key(state: RequestState, noise: torch.Tensor) -> tuple | None:
     scheduler = state.scheduler
     if not _shallow_copyable(scheduler) or scheduler.config.get("stochastic_sampling", False):
         return None
-    index = scheduler.step_index if scheduler.step_index is not None else scheduler.begin_index
+    index = _next_index(scheduler)
     if index is None or index + 1 >= len(scheduler.sigmas) or state.latents.shape != noise.shape:
         return None
     return ("flow", id(scheduler.sigmas), index, state.latents.dtype, noise.dtype, tuple(noise.shape[1:]),
             noise.device)
 
 
+def _next_index(scheduler) -> int | None:
+    """The sigma index the scheduler's next step uses: its step index, before the first step its begin
+    index (None: the scheduler would find it from the timestep)."""
+    return scheduler.step_index if scheduler.step_index is not None else scheduler.begin_index
+
+
 def _fused_step(states: list[RequestState], noise: list[torch.Tensor]) -> None:
     """``FlowMatchEulerDiscreteScheduler.step`` (deterministic, no per-token timesteps) of states that share
     a `_fused_step_key`, on their rows at once; see `StepFamily.scheduler_step`."""
     first = states[0].scheduler
-    index = first.step_index if first.step_index is not None else first.begin_index
+    index = _next_index(first)
     dt = first.sigmas[index + 1] - first.sigmas[index]  # the scheduler's own 0-dim tensor, as it makes it
     sample = torch.cat([s.latents for s in states]).to(torch.float32)
     prev = (sample + dt * torch.cat(noise)).to(noise[0].dtype)

@@ -134,7 +134,8 @@ class FluxStepFamily(StepFamily):
         first tensor's device changed (the question walks every submodule for offload hooks: ~1.6 ms)."""
         from diffusers.utils.torch_utils import get_module_execution_device
 
-        from bcg.diffusers.accelerated import _first_tensor_device, unwrap_runner
+        from bcg.diffusers.accelerated import _first_tensor_device
+        from bcg.diffusers.breaks import unwrap_runner
 
         vae = pipe.vae
         # its first tensor's device, found without a walk (``vae.device`` walks every submodule for group

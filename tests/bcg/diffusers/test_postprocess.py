@@ -1,16 +1,20 @@
-"""`bcg.diffusers.step_base.postprocess`: the step batcher's decode output is the pipeline's, pixel for pixel."""
+"""`bcg.diffusers.step_base.postprocess_async`: the step batcher's decode output is the pipeline's, pixel for pixel."""
 import numpy as np
 import pytest
 import torch
 from diffusers.image_processor import VaeImageProcessor
 
-from bcg.diffusers.step_base import postprocess
+from bcg.diffusers.step_base import postprocess_async
+
+
+def postprocess(processor, image, output_type):
+    return postprocess_async(processor, image, output_type)()
 
 
 def _decoded(dtype, channels=3):
     g = torch.Generator().manual_seed(0)
     x = torch.rand(3, channels, 16, 24, generator=g) * 2.4 - 1.2  # beyond [-1, 1] too: the clamp
-    # values whose x * 255 lands on .5 after denormalizing: rounding half to even must agree
+    # values whose x * 255 lies at or next to .5 after denormalizing: the rounding of halves must agree
     half = (torch.arange(16, dtype=torch.float64) + 0.5) / 255 * 2 - 1
     x[0, 0, 0, :16] = half.to(torch.float32)
     return x.to(dtype)
