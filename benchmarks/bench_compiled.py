@@ -521,7 +521,8 @@ def plot(result, png_path):
     if not models:
         return False
     variants = [v for v in VARIANTS if any(r["variant"] == v for r in rows)]
-    colors = dict(zip(VARIANTS, ("#9e9e9e", "#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd", "#d62728")))
+    colors = dict(zip(VARIANTS, ("#9e9e9e", "#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd", "#d62728", "#17becf",
+                                 "#8c564b")))  # one per variant
     fig, axes = plt.subplots(1, len(models), figsize=(5.2 * len(models), 4.4), squeeze=False)
     for ax, model in zip(axes[0], models):
         sizes = sorted({r["size"] for r in rows if r["model"] == model})

@@ -87,3 +87,10 @@ def test_pipeline_and_runner_overhead_plots_are_made_from_their_json(tmp_path):
     assert bench_runner_overhead.main(["--plot-only", str(path)]) == 0 and (tmp_path / "overhead.png").exists()
     path.write_text(json.dumps({"results_us": {}}))  # nothing measured: nothing to draw
     assert bench_runner_overhead.main(["--plot-only", str(path)]) == 1
+
+
+def test_compiled_plot_draws_every_variant(tmp_path):
+    rows = [_row("flux-9m", 256, v, 0.5 + i / 10) for i, v in enumerate(bench_compiled.VARIANTS)]
+    result = {"results": rows, "models": {"flux-9m": {"params": 9172032}}, "machine": {"gpu": "H200"}}
+    png = tmp_path / "all.png"
+    assert bench_compiled.plot(result, str(png)) and png.stat().st_size > 0
