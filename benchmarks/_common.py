@@ -156,3 +156,22 @@ def save_figure(fig, path, dpi: int = 120) -> bool:
     plt.close(fig)
     print(f"wrote {path}", flush=True)
     return True
+
+
+def served_split(times: list[float], infos: list[dict]) -> dict:
+    """Where one served request's milliseconds go (medians, from the response's ``bcg``): the client's
+    hop (HTTP proxy or handle: client time less the ingress's), the ingress (its time less the
+    replica's: validation, the call to the replica, the response), the replica's pipeline run and its
+    PNG encoding."""
+    def median(values):
+        values = [v for v in values if v is not None]
+        return round(statistics.median(values), 3) if values else None
+
+    ingress = [i.get("ingress_ms") for i in infos]
+    replica = [i.get("latency_ms") for i in infos]
+    encode = [i.get("encode_ms") for i in infos]
+    return {"split_ms": {
+        "client_hop": median([t - g for t, g in zip(times, ingress) if g is not None]),
+        "ingress": median([g - r for g, r in zip(ingress, replica) if g is not None and r is not None]),
+        "replica_run": median([r - e for r, e in zip(replica, encode) if r is not None and e is not None]),
+        "png_encode": median(encode)}}

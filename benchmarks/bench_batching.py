@@ -66,7 +66,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _common import (add_plot_only, machine_info, pick_device, plot_only, pyplot, save_figure,  # noqa: E402
-                     start_local_serve, sync, write_json)
+                     served_split, start_local_serve, sync, write_json)
 
 from bcg.diffusers import accelerate, pipeline_runners, plan_request  # noqa: E402
 from bcg.diffusers.batching import StepBatcher  # noqa: E402
@@ -325,7 +325,7 @@ def _run_served_modes(args, port: int) -> tuple[list[dict], dict, dict]:
                     infos.append(call(30_000 + j))
                     times.append((time.perf_counter() - start) * 1000)
                 serial[mode] = {"median": round(statistics.median(times), 3), "all": [round(t, 3) for t in times],
-                                **_served_split(times, infos)}
+                                **served_split(times, infos)}
                 if rates is None:
                     capacity = 1000.0 / statistics.median(times)
                     rates = ([float(r) for r in args.rates.split(",")] if args.rates
@@ -352,25 +352,6 @@ def _run_served_modes(args, port: int) -> tuple[list[dict], dict, dict]:
                 client.close()
             serve.delete(app)
     return runs, serial, warmups
-
-
-def _served_split(times: list[float], infos: list[dict]) -> dict:
-    """Where one served request's milliseconds go (medians, from the response's ``bcg``): the client's
-    hop (HTTP proxy or handle: client time less the ingress's), the ingress (its time less the
-    replica's: validation, the call to the replica, the response), the replica's pipeline run and its
-    PNG encoding."""
-    def median(values):
-        values = [v for v in values if v is not None]
-        return round(statistics.median(values), 3) if values else None
-
-    ingress = [i.get("ingress_ms") for i in infos]
-    replica = [i.get("latency_ms") for i in infos]
-    encode = [i.get("encode_ms") for i in infos]
-    return {"split_ms": {
-        "client_hop": median([t - g for t, g in zip(times, ingress) if g is not None]),
-        "ingress": median([g - r for g, r in zip(ingress, replica) if g is not None and r is not None]),
-        "replica_run": median([r - e for r, e in zip(replica, encode) if r is not None and e is not None]),
-        "png_encode": median(encode)}}
 
 
 def swap_in_flux_2p5b(pipe, device):

@@ -75,7 +75,7 @@ sys.path.insert(0, REPO)
 sys.path.insert(0, HERE)
 
 from _common import (add_plot_only, machine_info, pick_device, plot_only, pyplot, save_figure,  # noqa: E402
-                     start_local_serve, sync, write_json)
+                     served_split, start_local_serve, sync, write_json)
 
 PROMPT = "a photo of a cat sitting on a red chair, studio lighting"
 MODELS = ("flux.1-dev", "wan2.1-1.3b")  # make_pipeline_dirs.PIPELINES' names: the folder names
@@ -244,7 +244,7 @@ def measure_served(args, port: int, app: str, app_args: dict, shape: dict, steps
             ms, info = post(i)
             times.append(ms)
             answers.append(info)
-        row.update(_ms_summary(times))
+        row.update(_ms_summary(times), **served_split(times, answers))
         stats = client.get("/v1/stats").json()
     (rid, replica), = stats["replicas"].items()
     progress = stats.get("warmup_progress", {}).get(rid, {})
