@@ -18,6 +18,9 @@ Variants (each built fresh per model from the same seed; ``torch._dynamo.reset()
   `BreakableGraphRunner` (``RunnerConfig()`` / ``RunnerConfig(compile=True)``), captured in ``runner.warmup()``
   and timed as a server calls it (``runner(**inputs)``: signature, input and output copies), not as a bare
   replay; so runner_compiled against reduce_overhead is the runner call against the compiled call.
+  One runner serves all sizes of a model, as in a replica; ``--runner-compile-dynamic false`` gives its
+  compiled code static kernels per size (the default, dynamo's automatic dynamic, recompiles with dynamic
+  sizes at the second size and reuses them after).
 Each is timed as the median of --iters CUDA-event-timed calls (after --warmup), bf16, batch 1. Compile
 time (first call wall time per size) and compile statistics are recorded; outputs are compared with
 eager (max abs error, relative L2 error) and, for compiled_segments, replay with the compiled forward
@@ -300,8 +303,10 @@ def measure(variant, model, name, size, args, state):
         runner = state.get("runner")
         if runner is None:  # one runner across sizes, as a replica holds one per component
             install_breaks(model)
-            runner = state["runner"] = BreakableGraphRunner(
-                model, config=RunnerConfig(compile=variant == "runner_compiled"))
+            compiled = variant == "runner_compiled"
+            runner = state["runner"] = BreakableGraphRunner(model, config=RunnerConfig(
+                compile=compiled, **({"compile_dynamic": args.runner_compile_dynamic}
+                                     if compiled and args.runner_compile_dynamic != "default" else {})))
         eager_before = runner.stats()["eager_calls_total"]
         start = time.perf_counter()
         with runner.warmup():
@@ -457,6 +462,7 @@ def run(args):
         "settings": {"dtype": "bfloat16", "batch": 1, "iters": args.iters, "warmup": args.warmup,
                      "statistic": "median ms, CUDA events around each call, calls back to back",
                      "compiled_segments_dynamic": args.dynamic, "compile_mode": args.compile_mode,
+                     "runner_compile_dynamic": args.runner_compile_dynamic,
                      "weights": "random, torch.manual_seed(0)"},
         "targets_text": TARGETS,
         "results": [],
@@ -577,6 +583,9 @@ def main(argv=None):
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--dynamic", default="false", choices=["false", "true", "auto"],
                         help="compile_for_segments dynamic= (false: static kernels per size, as reduce_overhead)")
+    parser.add_argument("--runner-compile-dynamic", default="default", choices=["default", "false", "true", "auto"],
+                        help="runner_compiled's RunnerConfig.compile_dynamic (default: RunnerConfig's own, dynamo's "
+                             "automatic dynamic, which recompiles with dynamic sizes at the second size)")
     parser.add_argument("--budget-s", type=float, default=540.0,
                         help="start no new model/variant after this many seconds (the JSON says what was skipped)")
     parser.add_argument("--compile-mode", default=None, choices=[None, "default", "max-autotune-no-cudagraphs"],
@@ -594,6 +603,8 @@ def main(argv=None):
     if args.merge:
         return merge(args.merge, args.out)
     args.dynamic = {"false": False, "true": True, "auto": None}[args.dynamic]
+    if args.runner_compile_dynamic != "default":
+        args.runner_compile_dynamic = {"false": False, "true": True, "auto": None}[args.runner_compile_dynamic]
     if args.plot_only:
         return plot_only(args.plot_only, plot)
     from _common import write_json
