@@ -14,7 +14,7 @@ from typing import Dict, List, Optional
 
 from bcg.diffusers.buckets import ShapeKey
 from deployments.memory import ReplicaMemory, format_bytes, plan_fits
-from deployments.schemas import ImageGenerationRequest
+from deployments.schemas import ImageGenerationRequest, OutputFormat
 
 logger = logging.getLogger(__name__)
 
@@ -72,19 +72,34 @@ def cuda_memory() -> dict:
     return {"allocated_bytes": torch.cuda.memory_allocated(), "reserved_bytes": torch.cuda.memory_reserved()}
 
 
-def _png(image) -> bytes:
-    """One PNG; a video (a list of PIL frames) is one animated PNG (APNG) of all its frames."""
+# Pillow's format name for each ``output_format`` of a request
+_PIL_FORMATS = {"png": "PNG", "jpeg": "JPEG", "webp": "WEBP"}
+
+
+def encode_image(image, output_format: OutputFormat = "png", quality: Optional[int] = None) -> bytes:
+    """One output as `output_format` bytes: PNG at Pillow's default compress level, JPEG or WebP at
+    `quality` (0..100; None: Pillow's default). A video (a list of PIL frames) is one animated file of all
+    its frames: an APNG or an animated WebP (which merges identical consecutive frames, adding up their
+    durations); JPEG holds no video (``check_request`` refuses it before the pipeline runs)."""
+    if output_format not in _PIL_FORMATS:
+        raise ValueError(f"output_format must be one of {sorted(_PIL_FORMATS)}, got {output_format!r}")
+    if quality is not None and output_format == "png":
+        raise ValueError("quality is for jpeg and webp; png is lossless")
+    options = {} if quality is None else {"quality": quality}
     buf = io.BytesIO()
     if isinstance(image, (list, tuple)):
-        image[0].save(buf, format="PNG", save_all=True, append_images=list(image[1:]))
+        if output_format == "jpeg":
+            raise ValueError("jpeg cannot hold a video; use png or webp")
+        image[0].save(buf, format=_PIL_FORMATS[output_format], save_all=True, append_images=list(image[1:]),
+                      **options)
     else:
-        image.save(buf, format="PNG")
+        image.save(buf, format=_PIL_FORMATS[output_format], **options)
     return buf.getvalue()
 
 
-def _pngs(images) -> List[bytes]:
-    """A request's outputs as PNG bytes: an image each, or an animated PNG each for video."""
-    return [_png(im) for im in images]
+def encode_images(images, output_format: OutputFormat = "png", quality: Optional[int] = None) -> List[bytes]:
+    """A request's outputs as bytes of its ``output_format`` (`encode_image`), an image or a video each."""
+    return [encode_image(im, output_format, quality) for im in images]
 
 
 def _release_cached_memory() -> None:
@@ -371,9 +386,10 @@ class ReplicaEngine:
             pass  # cancelled by its caller meanwhile
 
     def generate(self, request: ImageGenerationRequest, key: ShapeKey, default_steps: int) -> dict:
-        """`submit` and wait: PNGs and the runners' replays/eager calls for the request."""
+        """`submit` and wait: the encoded images (the request's ``output_format``) and the runners'
+        replays/eager calls for the request."""
         out = self.submit(request, key, default_steps).result()
-        return {**out, "images": [_png(im) for im in out["images"]]}
+        return {**out, "images": encode_images(out["images"], request.output_format, request.output_compression)}
 
 
 def _warmup_outcome(report: dict) -> tuple:

@@ -1,7 +1,8 @@
 """HTTP ingress (FastAPI) and the Python entry point of the app.
 
 Routes: ``POST /v1/images/generations`` (OpenAI Images shape plus ``num_inference_steps``,
-``guidance_scale``, ``seed``; the response adds ``bcg: {replica, warm, shape_key, latency_ms}``),
+``guidance_scale``, ``seed``; images come back as ``output_format`` (png, jpeg or webp), which the
+response names as OpenAI's does, and the response adds ``bcg: {replica, warm, shape_key, latency_ms}``),
 ``POST /v1/warmup`` (a ``WarmupRequest`` -> the coordinator's merged report), ``GET /v1/stats``,
 ``GET /v1/models``, ``GET /healthz``.
 
@@ -181,9 +182,9 @@ class Ingress:
         key = check_request(request, self.limits, self.model, info, self.default_size)
         request = request.model_copy(update={"size": key.size})
         out = await self._call_replica(request, key.key)
-        data = [ImageData(b64_json=base64.b64encode(png).decode("ascii")) for png in out["images"]]
+        data = [ImageData(b64_json=base64.b64encode(image).decode("ascii")) for image in out["images"]]
         return ImageGenerationResponse(
-            created=int(time.time()), data=data,
+            created=int(time.time()), data=data, output_format=request.output_format,
             bcg=ServeInfo(replica=out["replica"], warm=out["warm"], shape_key=out["shape_key"],
                           latency_ms=out["latency_ms"], encode_ms=out.get("encode_ms"),
                           ingress_ms=(time.perf_counter() - t0) * 1e3, replays=out["replays"],

@@ -35,7 +35,8 @@ Contract:
   turns with the batches. Warmups run on the same thread between two steps, and capture every batch
   bucket of a key (``StepBatcher.warmup_plan``), so a key is warm only when the graphs of all its buckets
   are live. With ``max_wait_ms`` 0 a request reaching an idle replica starts at once. The event loop stays
-  free for stats, health and routing probes; PNG encoding runs on a worker thread. Runner state is read
+  free for stats, health and routing probes; image encoding (PNG, JPEG or WebP: the request's
+  ``output_format``, which plays no part in batching) runs on a worker thread. Runner state is read
   on the loop thread after each request and warmup; stats and routing stats answer from that snapshot,
   so they never wait for a capture in progress (a runner holds its lock while capturing).
 * ``record_routing_stats()`` publishes ``warm_keys``, ``warm_batch_keys`` (the keys of the batch
@@ -58,7 +59,7 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 
 from bcg.diffusers.buckets import ShapeKey
-from deployments.engine import ReplicaEngine, _pngs, _release_cached_memory, cuda_memory
+from deployments.engine import ReplicaEngine, _release_cached_memory, cuda_memory, encode_images
 from deployments.metrics import ReplicaMetrics
 from deployments.router import (BATCH_FREE_ROWS, POOL_BYTES, QUEUE_LEN, WARM_BATCH_KEYS, WARM_KEYS,
                                 ShapeAffinityRouter, warm_set)
@@ -90,7 +91,7 @@ class Replica:
         self.replica_id = ctx.replica_id.unique_id
         self.rank = getattr(getattr(ctx, "rank", None), "rank", None)
         self.default_steps = default_steps
-        # loads the pipeline, then encodes PNGs (Pillow's encoder lets go of the GIL: the images of a batch
+        # loads the pipeline, then encodes images (Pillow's encoders let go of the GIL: the images of a batch
         # that leaves at one step encode side by side); the pipeline itself runs on the engine's loop thread
         self._executor = ThreadPoolExecutor(max_workers=max(2, min(8, (os.cpu_count() or 2) // 2)),
                                             thread_name_prefix="bcg-replica")
@@ -278,8 +279,9 @@ class Replica:
             answer = self.engine.submit(request, key, self.default_steps)
             out = await self._wait(asyncio.wrap_future(answer), on_cancel=lambda: self.engine.cancel(answer))
             t_encode = time.perf_counter()
+            # after the batch: requests of any output_format share one, each encodes its own way
             out["images"] = await self._wait(asyncio.get_running_loop().run_in_executor(
-                self._executor, _pngs, out["images"]))
+                self._executor, encode_images, out["images"], request.output_format, request.output_compression))
             out["encode_ms"] = (time.perf_counter() - t_encode) * 1e3
         except Exception as exc:
             self._counters["errors"] += 1

@@ -1,8 +1,8 @@
 """Pydantic models at the HTTP and Python-handle edge of the app.
 
 The request model follows the OpenAI Images API (``prompt, model, n, size "WxH", response_format,
-user``) plus ``num_inference_steps``, ``guidance_scale``, ``seed`` and, for video models only,
-``num_frames`` (diffusers' name); unknown fields are rejected.
+user, output_format, output_compression``) plus ``num_inference_steps``, ``guidance_scale``, ``seed``
+and, for video models only, ``num_frames`` (diffusers' name); unknown fields are rejected.
 Static checks live in the model, which is strict: no type coercion (``"2"`` is not an int, ``true``
 is not a number), no NaN or infinity, bounded strings. The deployment's maxima (``RequestLimits``) and
 the model's size multiple are checked by ``check_request``, which also computes the request's shape
@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Annotated, Dict, Iterable, List, Literal, Optional
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from bcg.diffusers.buckets import ShapeKey, check_shape, parse_size, request_shape_key
 
@@ -28,6 +28,9 @@ def _size_text(v: str) -> str:
 
 # An image size "WxH", as requests and the app's default_size give it.
 SizeText = Annotated[str, Field(max_length=32), AfterValidator(_size_text)]
+
+# How a replica encodes a request's images (OpenAI's ``output_format``); a video is an animated PNG or WebP.
+OutputFormat = Literal["png", "jpeg", "webp"]
 
 
 class RequestLimits(BaseModel):
@@ -57,6 +60,18 @@ class ImageGenerationRequest(BaseModel):
     guidance_scale: Optional[float] = Field(None, ge=0.0, le=100.0)
     seed: Optional[int] = Field(None, ge=0, lt=2**63)
     num_frames: Optional[int] = Field(None, ge=1)  # video models only; None: the model's default
+    output_format: OutputFormat = "png"
+    # jpeg/webp quality in percent; None: Pillow's default (75 for JPEG, 80 for WebP). OpenAI ignores it
+    # for png; here it is an error, since nothing would honour it.
+    output_compression: Optional[int] = Field(None, ge=0, le=100)
+
+    @field_validator("output_compression")
+    @classmethod
+    def _lossy_only(cls, v, info: ValidationInfo):
+        # output_format is validated first (field order); missing from info.data when it was invalid
+        if v is not None and info.data.get("output_format") == "png":
+            raise ValueError("only for jpeg and webp (png is lossless); leave it out or set output_format")
+        return v
 
     @field_validator("prompt", "model", "user")
     @classmethod
@@ -131,6 +146,8 @@ def check_request(req: ImageGenerationRequest, limits: RequestLimits, served_mod
         raise FieldError("num_inference_steps", f"at most {limits.max_steps}, got {req.num_inference_steps}")
     if req.num_frames is not None and not info["is_video"]:
         raise FieldError("num_frames", f"{served_model!r} makes images; num_frames is for video models only")
+    if req.output_format == "jpeg" and info["is_video"]:
+        raise FieldError("output_format", f"jpeg cannot hold a video; use png or webp ({served_model!r} makes videos)")
     key = request_shape_key(info, size=req.size or default_size, n=req.n, guidance=req.guidance_scale,
                             num_frames=req.num_frames)
     return check_shape_limits(key, limits)
@@ -161,7 +178,7 @@ def check_warmup(plan: "WarmupRequest", limits: RequestLimits) -> List[str]:
 
 class ServeInfo(BaseModel):
     """Where and how a request was served (extra field ``bcg`` of the response): ``latency_ms`` on the
-    replica (queued, run and encoded), ``encode_ms`` of that for the PNGs, ``ingress_ms`` in the ingress
+    replica (queued, run and encoded), ``encode_ms`` of that for the images' encoding, ``ingress_ms`` in the ingress
     (validation, the call to the replica and the response); what a client measures beyond ``ingress_ms``
     is its own hop (HTTP proxy or handle)."""
     replica: str
@@ -182,6 +199,7 @@ class ImageData(BaseModel):
 class ImageGenerationResponse(BaseModel):
     created: int
     data: List[ImageData]
+    output_format: OutputFormat = "png"  # as OpenAI's gpt-image-1 response: the format of data[i]
     bcg: ServeInfo
 
 

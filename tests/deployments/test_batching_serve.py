@@ -139,3 +139,22 @@ def test_replica_handle_calls_batch_too_and_the_routing_stats_show_room(batch_ap
     assert after["steps"] - before["steps"] < sum(STEPS - (10 + i) % 3 for i in range(3))  # steps were shared
     info = handle.replica_info.remote().result(timeout_s=30)
     assert info["batch_free_rows"] == {}                              # idle: no batch to join
+
+
+def test_requests_of_different_output_formats_share_a_batch_and_each_gets_its_format(batch_app):
+    formats = {"png": ("PNG", {}), "jpeg": ("JPEG", {"output_compression": 80}), "webp": ("WEBP", {})}
+    bodies = [_body(40 + i, output_format=f, **extra) for i, (f, (_, extra)) in enumerate(formats.items())]
+    before = _stats(batch_app)["batcher"]
+    with ThreadPoolExecutor(len(bodies)) as pool:
+        at_once = list(pool.map(lambda b: batch_app.post(GEN, json=b), bodies))
+    assert [r.status_code for r in at_once] == [200] * 3, [r.text for r in at_once]
+    for r, (output_format, (pil_format, _)) in zip(at_once, formats.items()):
+        assert r.json()["output_format"] == output_format and r.json()["bcg"]["warm"]
+        image = Image.open(io.BytesIO(base64.b64decode(r.json()["data"][0]["b64_json"])))
+        assert image.format == pil_format and image.size == (64, 64)
+    after = _stats(batch_app)["batcher"]
+    steps = {int(rows): n for rows, n in after["batch_size_histogram"].items()}
+    steps_before = {int(rows): n for rows, n in before["batch_size_histogram"].items()}
+    assert any(n > steps_before.get(rows, 0) for rows, n in steps.items() if rows > 1), steps   # batched
+    delta = {k: after[k] - before[k] for k in ("submitted", "leaves", "ran_alone")}
+    assert delta == {"submitted": 3, "leaves": 3, "ran_alone": 0}, delta

@@ -220,6 +220,7 @@ def _cheap_and_valid(path, body) -> bool:
             and 1 <= body.get("n", 1) <= LIMITS["max_n"]
             and body.get("num_inference_steps") in (None, *range(1, LIMITS["max_steps"] + 1))
             and body.get("num_frames") is None  # tiny-flux makes images: num_frames is a 422
+            and (body.get("output_compression") is None or body.get("output_format", "png") != "png")
             and body.get("response_format", "b64_json") == "b64_json" and _size_ok(body.get("size"), body.get("n", 1)))
 
 

@@ -10,6 +10,7 @@ import time
 from collections import Counter, defaultdict
 
 import httpx
+import numpy as np
 import pytest
 from PIL import Image
 from ray import serve
@@ -113,18 +114,55 @@ def test_http_round_trip_returns_png_of_requested_size(serve_app):
     r = httpx.post(f"{url}/v1/images/generations", json=body, timeout=120)
     assert r.status_code == 200, r.text
     out = r.json()
-    assert set(out) == {"created", "data", "bcg"} and len(out["data"]) == 1
-    image = Image.open(io.BytesIO(base64.b64decode(out["data"][0]["b64_json"])))
-    assert image.format == "PNG" and image.size == (128, 64)
+    assert set(out) == {"created", "data", "output_format", "bcg"} and len(out["data"]) == 1
+    png = base64.b64decode(out["data"][0]["b64_json"])
+    image = Image.open(io.BytesIO(png))
+    assert out["output_format"] == "png" and image.format == "PNG" and image.size == (128, 64)
+    resaved = io.BytesIO()
+    image.save(resaved, format="PNG")
+    assert resaved.getvalue() == png   # Pillow's default PNG of its pixels, as before output_format
     assert out["bcg"]["warm"] is True and out["bcg"]["shape_key"] == "128x64"
-    # same seed, same image
-    again = httpx.post(f"{url}/v1/images/generations", json=body, timeout=120).json()
+    # same seed, same image; an explicit png is the default
+    again = httpx.post(f"{url}/v1/images/generations", json={**body, "output_format": "png"}, timeout=120).json()
     assert again["data"][0]["b64_json"] == out["data"][0]["b64_json"]
     models = httpx.get(f"{url}/v1/models", timeout=30).json()
     assert models["object"] == "list" and models["data"][0]["id"] == "tiny-flux"
     assert httpx.get(f"{url}/healthz", timeout=30).json()["status"] == "ok"
     stats = httpx.get(f"{url}/v1/stats", timeout=60).json()
     assert len(stats["replicas"]) == 2 and set(PLAN_KEYS) <= set(stats["keys"])
+
+
+@pytest.mark.parametrize("output_format, quality, pil_format", [("jpeg", 90, "JPEG"), ("webp", None, "WEBP")])
+def test_http_returns_jpeg_and_webp_of_the_same_image(serve_app, output_format, quality, pil_format):
+    url, _ = serve_app
+    body = {"prompt": "a red boat", "size": "128x64", "num_inference_steps": 1, "seed": 3}
+    png = httpx.post(f"{url}/v1/images/generations", json=body, timeout=120)
+    lossy = httpx.post(f"{url}/v1/images/generations", timeout=120, json={
+        **body, "output_format": output_format, **({} if quality is None else {"output_compression": quality})})
+    assert png.status_code == lossy.status_code == 200, lossy.text
+    assert lossy.json()["output_format"] == output_format
+    want, got = (Image.open(io.BytesIO(base64.b64decode(r.json()["data"][0]["b64_json"]))) for r in (png, lossy))
+    assert got.format == pil_format and got.size == (128, 64)
+    # the format changes the encoding only: the same seed's image, within the codec's loss
+    error = np.abs(np.asarray(got.convert("RGB"), np.int16) - np.asarray(want.convert("RGB"), np.int16)).mean()
+    assert error < 16, error
+
+
+def test_a_handle_caller_gets_the_output_format_it_asked_for(serve_app):
+    _, app = serve_app
+    ingress = serve.get_app_handle(app)
+    out = ingress.generate.remote(ImageGenerationRequest(
+        prompt="a fox", size="64x64", num_inference_steps=1, output_format="webp", output_compression=70,
+    )).result(timeout_s=120)
+    assert out.output_format == "webp"
+    assert Image.open(io.BytesIO(base64.b64decode(out.data[0].b64_json))).format == "WEBP"
+    # a dict is validated as the model is
+    out = ingress.generate.remote({"prompt": "a fox", "size": "64x64", "num_inference_steps": 1,
+                                   "output_format": "jpeg"}).result(timeout_s=120)
+    assert out.output_format == "jpeg"
+    assert Image.open(io.BytesIO(base64.b64decode(out.data[0].b64_json))).format == "JPEG"
+    with pytest.raises(Exception, match="output_compression"):
+        ingress.generate.remote({"prompt": "a fox", "output_compression": 70}).result(timeout_s=60)
 
 
 @pytest.mark.parametrize("patch, status, field", [
@@ -142,6 +180,10 @@ def test_http_round_trip_returns_png_of_requested_size(serve_app):
     ({"quality": "hd"}, 422, "quality"),
     ({"response_format": "url"}, 400, "response_format"),
     ({"model": "other-model"}, 404, "model"),
+    ({"output_format": "gif"}, 422, "output_format"),
+    ({"output_format": "jpeg", "output_compression": 101}, 422, "output_compression"),
+    ({"output_format": "webp", "output_compression": -1}, 422, "output_compression"),
+    ({"output_compression": 50}, 422, "output_compression"),           # png: only for jpeg and webp
 ])
 def test_http_rejects_bad_input_naming_the_field(serve_app, patch, status, field):
     url, app = serve_app

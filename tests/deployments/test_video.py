@@ -1,6 +1,6 @@
 """A video model (tiny-wan) served over HTTP on CPU: ``num_frames`` requests, warmup plan keys with
-frames (``.f<frames>``), and each video back as one animated PNG; ``num_frames`` on an image model
-is a 422 naming the field."""
+frames (``.f<frames>``), and each video back as one animated PNG, or animated WebP
+(``output_format``); ``num_frames`` on an image model and ``jpeg`` for a video are 422s naming the field."""
 import base64
 import io
 
@@ -35,6 +35,32 @@ def test_a_video_request_is_served_warm_as_one_animated_png_per_video(wan_client
     assert video.is_animated and video.n_frames == 5
     (replica,) = wan_client.get("/v1/stats").json()["replicas"].values()
     assert replica["warm_keys"] == [KEY] and replica["warm_requests"] == 1
+
+
+def test_a_webp_video_is_one_animated_webp_of_its_frames(wan_client):
+    from PIL import Image
+
+    r = wan_client.post("/v1/images/generations", json={"prompt": "a cat", "size": "64x64", "num_frames": 5,
+                                                        "num_inference_steps": 2, "seed": 1, "output_format": "webp"})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["output_format"] == "webp" and body["bcg"]["shape_key"] == KEY
+    (item,) = body["data"]
+    video = Image.open(io.BytesIO(base64.b64decode(item["b64_json"])))
+    assert video.format == "WEBP" and video.size == (64, 64)
+    assert video.is_animated and video.n_frames == 5
+
+
+def test_jpeg_for_a_video_is_a_422_naming_output_format_and_runs_nothing(wan_client):
+    (before,) = wan_client.get("/v1/stats").json()["replicas"].values()
+    r = wan_client.post("/v1/images/generations", json={"prompt": "a cat", "size": "64x64", "num_frames": 5,
+                                                        "output_format": "jpeg"})
+    assert r.status_code == 422, r.text
+    (error,) = r.json()["detail"]
+    assert error["loc"] == ["body", "output_format"] and "jpeg cannot hold a video" in error["msg"]
+    (after,) = wan_client.get("/v1/stats").json()["replicas"].values()
+    served = ("warm_requests", "cold_requests", "errors")
+    assert [after[k] for k in served] == [before[k] for k in served]
 
 
 @pytest.mark.parametrize("frames, words", [(6, "k*4+1"), (13, "at most 9")])

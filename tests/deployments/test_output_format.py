@@ -1,0 +1,93 @@
+"""A request's ``output_format`` and ``output_compression`` without a cluster: the replica's encoder
+(`deployments.engine.encode_image`) and the request checks. The served paths (HTTP, handle, batching,
+video) are tested on the apps that exist already: test_serve.py, test_batching_serve.py, test_video.py."""
+import io
+
+import numpy as np
+import pytest
+from PIL import Image
+from pydantic import ValidationError
+
+from deployments.engine import encode_image, encode_images
+from deployments.schemas import FieldError, ImageGenerationRequest, RequestLimits, check_request
+
+FLUX = {"family": "flux", "default_size": "64x64", "is_video": False, "default_frames": 1, "default_guidance": 3.5}
+WAN = {"family": "wan", "default_size": "64x64", "is_video": True, "default_frames": 5, "default_guidance": 5.0}
+LIMITS = RequestLimits(max_frames=9, frame_multiple=4)
+
+
+def _image(seed: int, size=(64, 48)) -> Image.Image:
+    """A smooth gradient with noise, like a decoded latent (a flat image says little about a codec)."""
+    rng = np.random.default_rng(seed)
+    w, h = size
+    ramp = np.add.outer(np.linspace(0, 200, h), np.linspace(0, 55, w))[..., None] * np.ones(3)
+    return Image.fromarray(np.clip(ramp + rng.normal(0, 12, ramp.shape), 0, 255).astype(np.uint8))
+
+
+def _open(data: bytes) -> Image.Image:
+    return Image.open(io.BytesIO(data))
+
+
+def test_png_bytes_are_the_ones_pillow_wrote_before_the_field_existed():
+    image, frames = _image(0), [_image(i) for i in range(3)]
+    before = io.BytesIO()
+    image.save(before, format="PNG")
+    video_before = io.BytesIO()
+    frames[0].save(video_before, format="PNG", save_all=True, append_images=frames[1:])
+    assert encode_image(image) == encode_image(image, "png") == before.getvalue()
+    assert encode_images([frames]) == [video_before.getvalue()]
+
+
+@pytest.mark.parametrize("output_format, pil_format", [("jpeg", "JPEG"), ("webp", "WEBP")])
+def test_jpeg_and_webp_decode_at_their_size_and_quality_trades_bytes(output_format, pil_format):
+    image = _image(1)
+    default, low, high = (encode_image(image, output_format, q) for q in (None, 10, 95))
+    for data in (default, low, high):
+        out = _open(data)
+        assert out.format == pil_format and out.size == (64, 48) and out.mode == "RGB"
+    assert len(low) < len(default) < len(high)
+    # lossy but close: the mean error at the default quality is a few levels of 255
+    error = np.abs(np.asarray(_open(default).convert("RGB"), np.int16) - np.asarray(image, np.int16)).mean()
+    assert 0 < error < 12, error
+
+
+def test_a_video_is_an_animated_webp_of_all_its_frames():
+    frames = [_image(i) for i in range(5)]
+    (data,) = encode_images([frames], "webp", 50)
+    video = _open(data)
+    assert video.format == "WEBP" and video.is_animated and video.n_frames == 5 and video.size == (64, 48)
+
+
+def test_the_encoder_refuses_what_the_request_checks_refuse():
+    with pytest.raises(ValueError, match="jpeg cannot hold a video"):
+        encode_image([_image(0), _image(1)], "jpeg")
+    with pytest.raises(ValueError, match="png is lossless"):
+        encode_image(_image(0), "png", 50)
+    with pytest.raises(ValueError, match="output_format must be one of"):
+        encode_image(_image(0), "gif")
+
+
+@pytest.mark.parametrize("body, field, words", [
+    ({"output_compression": 50}, "output_compression", "only for jpeg and webp"),
+    ({"output_format": "png", "output_compression": 0}, "output_compression", "only for jpeg and webp"),
+    ({"output_format": "jpeg", "output_compression": 101}, "output_compression", "less than or equal to 100"),
+    ({"output_format": "webp", "output_compression": -1}, "output_compression", "greater than or equal to 0"),
+    ({"output_format": "jpeg", "output_compression": 50.0}, "output_compression", "integer"),
+    ({"output_format": "gif"}, "output_format", "'png', 'jpeg' or 'webp'"),
+    ({"output_format": "JPEG"}, "output_format", "'png', 'jpeg' or 'webp'"),
+])
+def test_bad_output_fields_are_errors_naming_the_field(body, field, words):
+    with pytest.raises(ValidationError) as info:
+        ImageGenerationRequest.model_validate({"prompt": "a cat", **body})
+    errors = info.value.errors()
+    assert [e["loc"] for e in errors] == [(field,)] and words in errors[0]["msg"], errors
+
+
+def test_jpeg_is_refused_for_a_video_model_before_it_runs():
+    jpeg = ImageGenerationRequest(prompt="a cat", output_format="jpeg", output_compression=80)
+    with pytest.raises(FieldError) as info:
+        check_request(jpeg, LIMITS, "tiny-wan", WAN)
+    assert info.value.field == "output_format" and "use png or webp" in info.value.msg
+    assert check_request(jpeg, LIMITS, "tiny-flux", FLUX).key == "64x64"
+    webp = ImageGenerationRequest(prompt="a cat", output_format="webp", num_frames=5)
+    assert check_request(webp, LIMITS, "tiny-wan", WAN).key == "64x64.f5.cfg"
