@@ -28,7 +28,8 @@ or decode raises, fails alone. A batched preparation, transformer call or decode
 per request (a failed preparation puts the generators back first), so only the requests that fail alone
 fail. Pipelines without step hooks (anything but Flux and SD3 today) and
 requests with arguments the hooks do not batch run alone through ``pipe(**kwargs)``, one whole request per
-`step()`, taking their turn in the round-robin.
+`step()`, taking their turn in the round-robin; their PIL images are made from 8 bits converted on the
+device, answered from the answers thread (`bcg.diffusers.step_base.pipeline_call_async`).
 
 Threads: every pipeline call runs on the thread that calls `step()`: `start()` runs a daemon loop thread
 that does, tests may call `step()` themselves. `submit` / `submit_planned` are thread-safe and return a
@@ -56,6 +57,7 @@ from bcg.diffusers.batch_queue import ALONE, BatcherConfig, QueuedRequest, Reque
 from bcg.diffusers.buckets import ShapeKey, parse_plan
 from bcg.diffusers.families import family_of
 from bcg.diffusers.accelerated import pipeline_call_scope
+from bcg.diffusers.step_base import pipeline_call_async
 from bcg.diffusers.step_families import StepFamily
 
 logger = logging.getLogger(__name__)
@@ -376,14 +378,13 @@ class StepBatcher:
         with self._stats_lock:
             self._alone_reasons[request.alone] += 1
         try:
-            out = self.pipe(**request.kwargs)
-            images = list(out.frames) if hasattr(out, "frames") else list(out.images)
+            # PIL output converted to 8 bits on the device, made into images on the answers thread
+            outputs = pipeline_call_async(self.pipe, request.kwargs)
         except Exception as exc:  # noqa: BLE001
             self._fail(request, exc)
             return
         self._count("ran_alone")
-        self._count("leaves")
-        request.future.set_result(images)
+        self._answer_later([request], lambda: [outputs()])
 
     # ------------------------------------------------------------------------------------------------
     # bookkeeping

@@ -18,7 +18,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-__all__ = ["RequestState", "StepFamily", "pad_rows", "postprocess_async"]
+__all__ = ["RequestState", "StepFamily", "pad_rows", "pipeline_call_async", "postprocess_async"]
 
 
 @dataclasses.dataclass
@@ -67,6 +67,17 @@ def pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.cat([x, x[-1:].expand(missing, *x.shape[1:])])
 
 
+def _stock_pil_processor(processor) -> bool:
+    """Whether `processor` makes PIL images as diffusers' own `VaeImageProcessor` does (denormalizing, so
+    its ``"pt"`` output lies in [0, 1]): its class overrides none of the methods that path runs."""
+    from diffusers.image_processor import VaeImageProcessor
+
+    cls = type(processor)
+    return (isinstance(processor, VaeImageProcessor) and getattr(processor.config, "do_normalize", False)
+            and all(inspect.getattr_static(cls, name) is VaeImageProcessor.__dict__[name]
+                    for name in ("postprocess", "pt_to_numpy", "numpy_to_pil")))
+
+
 def postprocess_async(processor, image: torch.Tensor, output_type: str) -> Callable[[], list]:
     """``processor.postprocess(image, output_type=output_type)`` as a list, the same values, in two halves:
     this call queues the device's part; the function it returns waits for the copy to the host and makes
@@ -77,17 +88,22 @@ def postprocess_async(processor, image: torch.Tensor, output_type: str) -> Calla
     pinned memory without a wait: the same float32 ``(x * 255).round()`` per element as ``numpy_to_pil``
     (both round half to even), so the same pixels. Anything else: the processor's own call, done here.
     """
-    from diffusers.image_processor import VaeImageProcessor
-
-    cls = type(processor)
-    fast = (output_type == "pil" and isinstance(processor, VaeImageProcessor) and image.is_floating_point()
-            and image.ndim == 4 and getattr(processor.config, "do_normalize", False)
-            and all(inspect.getattr_static(cls, name) is VaeImageProcessor.__dict__[name]
-                    for name in ("postprocess", "pt_to_numpy", "numpy_to_pil")))
+    fast = (output_type == "pil" and _stock_pil_processor(processor) and image.is_floating_point()
+            and image.ndim == 4)
     if not fast:
         out = list(processor.postprocess(image, output_type=output_type))
         return lambda: out
-    image = processor.postprocess(image, output_type="pt")  # denormalized (clamped to [0, 1]) on the device
+    # denormalized (clamped to [0, 1]) on the device
+    return _pil_async(processor, processor.postprocess(image, output_type="pt"))
+
+
+def _pil_async(processor, image: torch.Tensor) -> Callable[[], list]:
+    """The PIL images of denormalized images (``N x C x H x W`` in [0, 1], what a stock `VaeImageProcessor`'s
+    ``postprocess(..., output_type="pt")`` returns), as its ``numpy_to_pil(pt_to_numpy(image))`` makes them,
+    in the two halves of `postprocess_async` (8 bits on the device; a tensor of another shape: on the host)."""
+    if not (image.is_floating_point() and image.ndim == 4):
+        out = list(processor.numpy_to_pil(processor.pt_to_numpy(image)))
+        return lambda: out
     pixels = (image.permute(0, 2, 3, 1).float() * 255).round().to(torch.uint8)
     copied = None
     if pixels.is_cuda:
@@ -109,6 +125,62 @@ def postprocess_async(processor, image: torch.Tensor, output_type: str) -> Calla
         return [Image.fromarray(a) for a in arrays]
 
     return images
+
+
+def _device_pil(pipe, kwargs: dict) -> str | None:
+    """``"video"`` or ``"image"`` where ``pipe(**kwargs)`` may run with ``output_type="pt"`` and its PIL
+    images be made from that by `_pil_async` (`pipeline_call_async`), None where it must run as asked.
+
+    That holds for a pipeline of a known family (`bcg.diffusers.families`: their ``__call__`` uses the
+    output type only in the processor's ``postprocess`` / ``postprocess_video``) asked for PIL images, whose
+    processor (``video_processor`` for video, else ``image_processor``) is a stock one."""
+    from bcg.diffusers.families import GENERIC, family_of
+
+    family = family_of(pipe)
+    output_type = kwargs.get("output_type", _call_defaults(pipe).get("output_type"))
+    if family is GENERIC or output_type != "pil" or kwargs.get("return_dict") is False:
+        return None
+    if family.video:
+        from diffusers.video_processor import VideoProcessor
+
+        processor = getattr(pipe, "video_processor", None)
+        stock = (isinstance(processor, VideoProcessor) and inspect.getattr_static(type(processor), "postprocess_video")
+                 is VideoProcessor.__dict__["postprocess_video"])
+        return "video" if stock and _stock_pil_processor(processor) else None
+    return "image" if _stock_pil_processor(getattr(pipe, "image_processor", None)) else None
+
+
+def pipeline_call_async(pipe, kwargs: dict) -> Callable[[], list]:
+    """``pipe(**kwargs)``'s outputs as a list (images; for video one list of frames per video), the same
+    values, in the two halves of `postprocess_async`: this call runs the pipeline; the function it returns
+    waits for the copy to the host and makes the images (any thread).
+
+    Where `_device_pil` allows, the pipeline runs with ``output_type="pt"`` (denormalized on the device, as
+    its PIL path does first) and the conversion to 8 bits runs on the device: for a video of 33 frames
+    at 832x480 the host would otherwise turn 40 M bf16 values into float32, then scale, round and cast
+    them in NumPy, on the thread that runs the pipeline. Anything else: ``pipe(**kwargs)`` as it is.
+    """
+    kind = _device_pil(pipe, kwargs)
+    if kind is None:
+        out = pipe(**kwargs)
+        images = list(out.frames) if hasattr(out, "frames") else list(out.images)
+        return lambda: images
+    out = pipe(**{**kwargs, "output_type": "pt"})
+    if kind == "image":
+        processor = pipe.image_processor
+        return _pil_async(processor, out.images)
+    processor, video = pipe.video_processor, out.frames  # videos x frames x C x H x W
+    if not (isinstance(video, torch.Tensor) and video.ndim == 5):
+        out = [list(processor.numpy_to_pil(processor.pt_to_numpy(v))) for v in video]
+        return lambda: out
+    frames = video.shape[1]
+    flat = _pil_async(processor, video.flatten(0, 1))
+
+    def videos() -> list:
+        images = flat()
+        return [images[i:i + frames] for i in range(0, len(images), frames)]
+
+    return videos
 
 
 def _cat_rows(parts: list[torch.Tensor], rows: int) -> torch.Tensor:
