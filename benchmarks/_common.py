@@ -162,7 +162,7 @@ def served_split(times: list[float], infos: list[dict]) -> dict:
     """Where one served request's milliseconds go (medians, from the response's ``bcg``): the client's
     hop (HTTP proxy or handle: client time less the ingress's), the ingress (its time less the
     replica's: validation, the call to the replica, the response), the replica's pipeline run and its
-    PNG encoding."""
+    images' encoding (the request's ``output_format``)."""
     def median(values):
         values = [v for v in values if v is not None]
         return round(statistics.median(values), 3) if values else None
@@ -174,4 +174,4 @@ def served_split(times: list[float], infos: list[dict]) -> dict:
         "client_hop": median([t - g for t, g in zip(times, ingress) if g is not None]),
         "ingress": median([g - r for g, r in zip(ingress, replica) if g is not None and r is not None]),
         "replica_run": median([r - e for r, e in zip(replica, encode) if r is not None and e is not None]),
-        "png_encode": median(encode)}}
+        "encode": median(encode)}}

@@ -47,7 +47,7 @@ warmup of ``--size`` at every bucket), through the app's ingress ``DeploymentHan
 one-at-a-time capacity (requests sent one after another through the same path: ``serial_ms``, also the
 low-load baseline); the batch figures are the replica's batcher stats over each run; results go to
 ``bench_batching_<via>.json``. The served ``serial_ms`` splits one request's time (``split_ms``: the client's
-hop, the ingress, the replica's pipeline run, its PNG encoding) from the response's ``bcg`` timings.
+hop, the ingress, the replica's pipeline run, its images' encoding, by ``--output-format``) from the response's ``bcg`` timings.
 """
 from __future__ import annotations
 
@@ -233,7 +233,7 @@ def _percentiles(values: list[float]) -> dict:
 
 def _served_body(args, i: int) -> dict:
     return {"prompt": PROMPTS[i % len(PROMPTS)], "size": args.size, "num_inference_steps": args.steps,
-            "seed": args.seed * 100_003 + i}
+            "seed": args.seed * 100_003 + i, "output_format": args.output_format}
 
 
 def served_app_args(args, mode: str) -> dict:
@@ -410,6 +410,8 @@ def parse_args(argv=None):
     p.add_argument("--via", default="engine", choices=VIAS,
                    help="engine: one StepBatcher in-process; handle / http: one replica of build_app through the "
                         "app's DeploymentHandle / POST /v1/images/generations")
+    p.add_argument("--output-format", default="png", choices=["png", "jpeg", "webp"],
+                   help="served requests' output_format (the replica encodes each image so; png is the default)")
     p.add_argument("--out", default=None, help="default: benchmarks/results/bench_batching[_<via>].json")
     p.add_argument("--profile", default=None, metavar="PREFIX",
                    help="engine only: one more saturation run of the batched mode under torch.profiler (not timed); "
@@ -420,6 +422,8 @@ def parse_args(argv=None):
         args.out = DEFAULT_OUT if args.via == "engine" else DEFAULT_OUT.replace(".json", f"_{args.via}.json")
     if args.via != "engine" and (args.negative_prompt is not None or args.output_type != "pil"):
         p.error("--negative-prompt and --output-type are engine-only (served requests carry neither)")
+    if args.output_format != "png" and args.via == "engine":
+        p.error("--output-format is the served requests' (--via handle or http); the engine encodes nothing")
     if args.profile and args.via != "engine":
         p.error("--profile profiles the in-process batcher: --via engine only")
     if args.transformer != "builtin" and (args.via != "engine" or args.model != "tiny-flux"):

@@ -215,7 +215,7 @@ def measure_served(args, port: int, app: str, app_args: dict, shape: dict, steps
     row: dict = {"app_args": app_args}
     cuda = torch.device(args.device).type == "cuda"
     sampler = DeviceMemorySampler() if cuda else None
-    body = {"prompt": PROMPT, "size": shape["size"], "num_inference_steps": steps}
+    body = {"prompt": PROMPT, "size": shape["size"], "num_inference_steps": steps, "output_format": args.output_format}
     if shape.get("frames"):
         body["num_frames"] = shape["frames"]
     with contextlib.ExitStack() as stack:
@@ -432,6 +432,8 @@ def parse_args(argv=None):
     p.add_argument("--compile", action="store_true", help="served runners compile their segments (inductor)")
     p.add_argument("--runner", type=_runner_arg, default={}, help="more RunnerConfig fields: 'max_entries=8,...'")
     p.add_argument("--components", default="all", help="accelerated components of the served pipeline")
+    p.add_argument("--output-format", default="png", choices=["png", "jpeg", "webp"],
+                   help="the served requests' output_format (Wan: png or webp); eager returns frames unencoded")
     p.add_argument("--budget-s", type=float, default=None, help="start no new measurement after this many s")
     p.add_argument("--timeout-s", type=float, default=600.0, help="per HTTP request and the app's request timeout")
     p.add_argument("--device", default=None)

@@ -42,6 +42,12 @@ def test_profile_is_refused_where_there_is_no_in_process_batcher(capsys):
     assert "--via engine only" in capsys.readouterr().err
 
 
+def test_output_format_is_refused_in_process_where_nothing_is_encoded(capsys):
+    with pytest.raises(SystemExit):
+        bench_batching.parse_args(["--output-format", "jpeg"])
+    assert "--via handle or http" in capsys.readouterr().err
+
+
 def test_cpu_smoke_run_answers_every_request_once(tmp_path):
     out = tmp_path / "bench_batching.json"
     code = bench_batching.main(["--allow-cpu", "--size", "64x64", "--steps", "2", "--requests", "4",
@@ -75,14 +81,15 @@ def test_cpu_smoke_run_through_one_served_replica_answers_every_request_once(tmp
     out = tmp_path / f"bench_batching_{via}.json"
     code = bench_batching.main(["--allow-cpu", "--via", via, "--size", "64x64", "--steps", "2", "--requests", "4",
                                 "--rate-factors", "inf", "--max-batch-size", "2", "--buckets", "1,2",
-                                "--direct-iters", "1", "--out", str(out)])
+                                "--direct-iters", "1", "--output-format", "jpeg" if via == "http" else "png",
+                                "--out", str(out)])
     result = json.loads(out.read_text())
     assert code == 0 and result["via"] == via
     assert result["warmup"]["batched"]["batch_pool_bytes"] == {"64x64": {"1": 0, "2": 0}}
     # one request's time split from the response's timings: each part measured
     split = result["serial_ms"]["batched"]["split_ms"]
-    assert set(split) == {"client_hop", "ingress", "replica_run", "png_encode"}
-    assert all(v is not None for v in split.values()) and split["png_encode"] > 0 and split["replica_run"] > 0
+    assert set(split) == {"client_hop", "ingress", "replica_run", "encode"}
+    assert all(v is not None for v in split.values()) and split["encode"] > 0 and split["replica_run"] > 0
     for run in result["runs"]:
         assert (run["answered_ok"], run["failed"], run["lost"], run["answered_twice"]) == (4, 0, 0, 0)
         assert sum(int(k) * v for k, v in run["batch_size_histogram"].items()) == 8   # 4 requests x 2 steps

@@ -50,7 +50,7 @@ def test_cpu_smoke_run_serves_a_tiny_flux_directory_over_http_and_records_wan(tm
     assert set(served["runners"]) >= {"transformer", "vae_decoder"}
     assert served["memory"]["key_bytes"]["64x64"] == {"graphs_bytes": 0, "eager_peak_bytes": 0}
     split = served["split_ms"]  # the request's time, split from its response's bcg timings
-    assert set(split) == {"client_hop", "ingress", "replica_run", "png_encode"} and split["png_encode"] > 0
+    assert set(split) == {"client_hop", "ingress", "replica_run", "encode"} and split["encode"] > 0
     assert split["replica_run"] > 0 and sum(split.values()) == pytest.approx(served["median_ms"], abs=0.01)
     # Wan: served requests name their frames, so both halves run the same key
     assert (wan["eager_key"], wan["served_key"]) == ("64x64.f5.cfg", "64x64.f5.cfg")
