@@ -5,9 +5,11 @@
 #     (e.g. 'python3 benchmarks/bench_pool_plan.py --out $R/bench_pool_plan.json'); its output goes to
 #     $R/step<i>.log, the folder is packed after every step, and a step's own timeout is the caller's.
 #     Use this, not files written straight to $OUT: the device tool returns at most 8 files.
-# pending: issue 16's rows no session had device time for (one call; timeouts sum to under the device's
-# 600 s): the 9.2 M Flux and sd3-small at 256/512/1024 with the runner and runner_compiled timed as calls,
-# then FLUX.1-dev and Qwen-Image compiled rows at today's default placement (cold inductor cache).
+# pending: the rows no session had device time for yet (one call; timeouts sum to under the device's 600 s):
+# the small models' runner at 512² and 1024² with compiled code of static kernels per size (run O's were
+# dynamo's automatic dynamic there), the served Wan2.1 row again with its split (run P: 0.85x eager;
+# requests run alone now make their PIL frames from 8 bits on the device), and the served handle workload
+# with JPEG answers (run R: PNG encoding was 15 of a served request's 36 ms).
 # Writes logs, junit XML and benchmark JSON/PNG under $OUT (default ./out/gpu).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -41,11 +43,14 @@ if [ "$what" = steps ]; then
   done
 fi
 if [ "$what" = pending ]; then
-  timeout 270 python3 benchmarks/bench_compiled.py --models flux-9m,sd3-small --sizes 256,512,1024 \
-    --variants one_graph,runner,runner_compiled,inductor_one_graph,reduce_overhead --iters 40 --budget-s 240 \
-    --out "$OUT/bench_compiled_small.json" 2>&1 | tail -30; pack
-  timeout 300 python3 benchmarks/bench_real_size.py --models flux.1-dev,qwen-image \
-    --variants eager,runner,compiled_segments,reduce_overhead --budget-s 250 \
-    --out "$OUT/bench_real_size_compiled_today.json" 2>&1 | tail -20; pack
+  timeout 140 python3 benchmarks/bench_compiled.py --models flux-9m,sd3-small --sizes 512,1024 \
+    --variants runner_compiled,inductor_one_graph --runner-compile-dynamic false --iters 40 --budget-s 120 \
+    --out "$OUT/bench_compiled_small_static.json" 2>&1 | tail -20; pack
+  timeout 60 python3 benchmarks/make_pipeline_dirs.py --out /tmp/pipelines --models wan2.1-1.3b --device cuda 2>&1 | tail -3
+  timeout 240 python3 benchmarks/bench_served.py --pipelines-dir /tmp/pipelines --models wan2.1-1.3b --iters 2 \
+    --budget-s 200 --out "$OUT/bench_served_wan.json" 2>&1 | tail -8; pack
+  timeout 130 python3 benchmarks/bench_batching.py --via handle --size 256x256 --steps 4 --requests 32 \
+    --rate-factors 0.25,1,4,inf --components transformer,text_encoder,text_encoder_2,vae_decoder \
+    --output-format jpeg --out "$OUT/bench_batching_handle_jpeg.json" 2>&1 | tail -8; pack
 fi
 exit $rc
