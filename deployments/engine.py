@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import io
 import logging
 import threading
 import time
@@ -14,7 +13,8 @@ from typing import Dict, List, Optional
 
 from bcg.diffusers.buckets import ShapeKey
 from deployments.memory import ReplicaMemory, format_bytes, plan_fits
-from deployments.schemas import ImageGenerationRequest, OutputFormat
+from deployments.encoding import encode_images
+from deployments.schemas import ImageGenerationRequest
 
 logger = logging.getLogger(__name__)
 
@@ -70,36 +70,6 @@ def cuda_memory() -> dict:
     if not torch.cuda.is_available() or not torch.cuda.is_initialized():
         return {"allocated_bytes": 0, "reserved_bytes": 0}
     return {"allocated_bytes": torch.cuda.memory_allocated(), "reserved_bytes": torch.cuda.memory_reserved()}
-
-
-# Pillow's format name for each ``output_format`` of a request
-_PIL_FORMATS = {"png": "PNG", "jpeg": "JPEG", "webp": "WEBP"}
-
-
-def encode_image(image, output_format: OutputFormat = "png", quality: Optional[int] = None) -> bytes:
-    """One output as `output_format` bytes: PNG at Pillow's default compress level, JPEG or WebP at
-    `quality` (0..100; None: Pillow's default). A video (a list of PIL frames) is one animated file of all
-    its frames: an APNG or an animated WebP (which merges identical consecutive frames, adding up their
-    durations); JPEG holds no video (``check_request`` refuses it before the pipeline runs)."""
-    if output_format not in _PIL_FORMATS:
-        raise ValueError(f"output_format must be one of {sorted(_PIL_FORMATS)}, got {output_format!r}")
-    if quality is not None and output_format == "png":
-        raise ValueError("quality is for jpeg and webp; png is lossless")
-    options = {} if quality is None else {"quality": quality}
-    buf = io.BytesIO()
-    if isinstance(image, (list, tuple)):
-        if output_format == "jpeg":
-            raise ValueError("jpeg cannot hold a video; use png or webp")
-        image[0].save(buf, format=_PIL_FORMATS[output_format], save_all=True, append_images=list(image[1:]),
-                      **options)
-    else:
-        image.save(buf, format=_PIL_FORMATS[output_format], **options)
-    return buf.getvalue()
-
-
-def encode_images(images, output_format: OutputFormat = "png", quality: Optional[int] = None) -> List[bytes]:
-    """A request's outputs as bytes of its ``output_format`` (`encode_image`), an image or a video each."""
-    return [encode_image(im, output_format, quality) for im in images]
 
 
 def _release_cached_memory() -> None:

@@ -59,7 +59,8 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 
 from bcg.diffusers.buckets import ShapeKey
-from deployments.engine import ReplicaEngine, _release_cached_memory, cuda_memory, encode_images
+from deployments.encoding import encode_images
+from deployments.engine import ReplicaEngine, _release_cached_memory, cuda_memory
 from deployments.metrics import ReplicaMetrics
 from deployments.router import (BATCH_FREE_ROWS, POOL_BYTES, QUEUE_LEN, WARM_BATCH_KEYS, WARM_KEYS,
                                 ShapeAffinityRouter, warm_set)
@@ -93,8 +94,11 @@ class Replica:
         self.default_steps = default_steps
         # loads the pipeline, then encodes images (Pillow's encoders let go of the GIL: the images of a batch
         # that leaves at one step encode side by side); the pipeline itself runs on the engine's loop thread
-        self._executor = ThreadPoolExecutor(max_workers=max(2, min(8, (os.cpu_count() or 2) // 2)),
-                                            thread_name_prefix="bcg-replica")
+        threads = max(2, min(8, (os.cpu_count() or 2) // 2))
+        self._executor = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="bcg-replica")
+        # a video's PNG frames, encoded side by side for an APNG; a pool of its own, since its callers run on
+        # `_executor` and wait for it (one pool would deadlock once every thread waited)
+        self._frames = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="bcg-frames")
         self._lock = asyncio.Lock()  # one warmup at a time (requests take no lock)
         self._ongoing = 0
         self._counters = {"warm_requests": 0, "cold_requests": 0, "errors": 0}
@@ -281,7 +285,8 @@ class Replica:
             t_encode = time.perf_counter()
             # after the batch: requests of any output_format share one, each encodes its own way
             out["images"] = await self._wait(asyncio.get_running_loop().run_in_executor(
-                self._executor, encode_images, out["images"], request.output_format, request.output_compression))
+                self._executor, encode_images, out["images"], request.output_format, request.output_compression,
+                self._frames.map))
             out["encode_ms"] = (time.perf_counter() - t_encode) * 1e3
         except Exception as exc:
             self._counters["errors"] += 1

@@ -94,3 +94,19 @@ def test_compiled_plot_draws_every_variant(tmp_path):
     result = {"results": rows, "models": {"flux-9m": {"params": 9172032}}, "machine": {"gpu": "H200"}}
     png = tmp_path / "all.png"
     assert bench_compiled.plot(result, str(png)) and png.stat().st_size > 0
+
+
+def test_encoding_smoke_run_times_every_format_and_the_apng_ways_make_the_same_bytes(tmp_path):
+    import bench_encoding
+
+    out = tmp_path / "enc.json"
+    assert bench_encoding.main(["--sizes", "64", "--iters", "1", "--frames", "3", "--video-iters", "1",
+                                "--threads", "2", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert {(r["image"], r["output_format"]) for r in result["images"]} == {
+        (kind, fmt) for kind in ("noise", "smooth") for fmt in ("png", "jpeg", "webp")}
+    noise = {r["way"]: r["bytes"] for r in result["videos"] if r["video"] == "noise"}
+    # frames that differ all over: Pillow's writer and ours, on one thread or two, write the same file
+    assert noise["apng_pillow_writer"] == noise["apng_one_thread"] == noise["apng_2_threads"] > 0
+    assert all(r["ms"] > 0 for r in result["images"] + result["videos"])
+    assert (tmp_path / "enc.png").stat().st_size > 0

@@ -1,5 +1,5 @@
 """A request's ``output_format`` and ``output_compression`` without a cluster: the replica's encoder
-(`deployments.engine.encode_image`) and the request checks. The served paths (HTTP, handle, batching,
+(`deployments.encoding.encode_image`) and the request checks. The served paths (HTTP, handle, batching,
 video) are tested on the apps that exist already: test_serve.py, test_batching_serve.py, test_video.py."""
 import io
 
@@ -8,7 +8,7 @@ import pytest
 from PIL import Image
 from pydantic import ValidationError
 
-from deployments.engine import encode_image, encode_images
+from deployments.encoding import encode_image, encode_images
 from deployments.schemas import FieldError, ImageGenerationRequest, RequestLimits, check_request
 
 FLUX = {"family": "flux", "default_size": "64x64", "is_video": False, "default_frames": 1, "default_guidance": 3.5}
@@ -91,3 +91,33 @@ def test_jpeg_is_refused_for_a_video_model_before_it_runs():
     assert check_request(jpeg, LIMITS, "tiny-flux", FLUX).key == "64x64"
     webp = ImageGenerationRequest(prompt="a cat", output_format="webp", num_frames=5)
     assert check_request(webp, LIMITS, "tiny-wan", WAN).key == "64x64.f5.cfg"
+
+
+def test_an_apng_keeps_every_frame_whole_and_decodes_to_its_pixels_with_frames_encoded_on_threads():
+    from concurrent.futures import ThreadPoolExecutor
+
+    # a frame that changes only in a corner, then a repeated frame: Pillow's writer would crop the one and
+    # merge the other; every frame stays here, and each decodes to its own pixels
+    first, second = _image(0), _image(1)
+    corner = np.asarray(first).copy()
+    corner[:8, :8] = 255
+    frames = [first, Image.fromarray(corner), second, second]
+    with ThreadPoolExecutor(2) as pool:
+        (data,) = encode_images([frames], map_fn=pool.map)
+    assert encode_images([frames]) == [data]  # the frames' PNGs are the same on any thread
+    video = _open(data)
+    assert video.format == "PNG" and video.is_animated and video.n_frames == 4 and video.size == (64, 48)
+    for i, frame in enumerate(frames):
+        video.seek(i)
+        assert np.array_equal(np.asarray(video.convert("RGB")), np.asarray(frame)), i
+    assert video.info["loop"] == 0
+
+
+def test_apng_frames_of_another_size_are_refused():
+    from deployments.encoding import apng_from_pngs
+
+    small, large = (encode_image(_image(0, size)) for size in ((64, 48), (32, 32)))
+    with pytest.raises(ValueError, match="first frame's size and mode"):
+        apng_from_pngs([small, large])
+    with pytest.raises(ValueError, match="at least one frame"):
+        apng_from_pngs([])
