@@ -17,7 +17,9 @@ Wan2.1-1.3B: ``--wan-sizes`` 832x480 (width x height, the 480x832 of Wan's docs)
 - ``served``: ``build_app(model=<dir>, warmup=[<the row's shape key>], num_replicas=1, num_gpus_per_replica=1,
   max_batch_size=1, runner=<--runner, --compile>)`` under ``serve.run`` (one app per row, deleted after it;
   the eager pipeline is freed first), then ``--warmup-iters`` untimed and ``--iters`` timed ``POST
-  /v1/images/generations`` one after another over real HTTP (client wall clock: median, p90), and ``GET
+  /v1/images/generations`` one after another over real HTTP (client wall clock: median, p90; images as
+  ``--output-format``; ``split_ms``: the medians of the client's hop, the ingress, the replica's run and
+  its encoding, from the responses' ``bcg`` timings), and ``GET
   /v1/stats``: the start-up warmup's seconds for the key (the replica's report and the coordinator's
   progress record), the replica's memory report (share, weights, what the key's graphs and eager peak
   took), graphs' pool bytes, replays and eager calls (by reason) while serving, warm hits, and per
