@@ -47,14 +47,18 @@ def _chunk(kind: bytes, data: bytes) -> bytes:
     return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
 
 
-def apng_from_pngs(pngs: List[bytes]) -> bytes:
+def apng_from_pngs(pngs: List[bytes], fps: Optional[int] = None) -> bytes:
     """One animated PNG whose frames are `pngs` (PNGs of one size and mode), in order: each frame's
     compressed image data unchanged (the first frame's as the default image), every frame the whole canvas,
-    a delay of 0 (as Pillow writes without ``duration``), looping forever. Where every frame differs from
-    the one before all over, these are the bytes Pillow's APNG writer makes; otherwise Pillow crops a
-    frame to what changed and merges repeated frames, and this keeps every frame whole."""
+    shown for 1/`fps` s (None: a delay of 0, as Pillow writes without ``duration``), looping forever. Where
+    every frame differs from the one before all over, these are the bytes Pillow's APNG writer makes (with
+    its ``duration`` for the same rate); otherwise Pillow crops a frame to what changed and merges repeated
+    frames, and this keeps every frame whole."""
     if not pngs:
         raise ValueError("an APNG needs at least one frame")
+    if fps is not None and not 1 <= fps <= 65535:
+        raise ValueError(f"fps must be 1..65535 (an APNG delay is 1/fps s), got {fps}")
+    delay = (0, 1) if fps is None else (1, fps)
     frames = [_chunks(png) for png in pngs]
     header = frames[0][0]
     if header[0] != b"IHDR" or any(f[0] != header for f in frames[1:]):
@@ -66,9 +70,9 @@ def apng_from_pngs(pngs: List[bytes]) -> bytes:
     out += [_chunk(kind, data) for kind, data in frames[0][1:first_data]]
     sequence = 0
     for i, chunks in enumerate(frames):
-        # fcTL: sequence, size, offset 0,0, delay 0/1 s (Pillow's without a duration), dispose none, blend
-        # source (each frame replaces the whole canvas)
-        out.append(_chunk(b"fcTL", struct.pack(">IIIIIHHBB", sequence, width, height, 0, 0, 0, 1, 0, 0)))
+        # fcTL: sequence, size, offset 0,0, delay (numerator, denominator) s, dispose none, blend source
+        # (each frame replaces the whole canvas)
+        out.append(_chunk(b"fcTL", struct.pack(">IIIIIHHBB", sequence, width, height, 0, 0, *delay, 0, 0)))
         sequence += 1
         for kind, data in chunks:
             if kind != b"IDAT":
@@ -83,11 +87,12 @@ def apng_from_pngs(pngs: List[bytes]) -> bytes:
 
 
 def encode_image(image, output_format: OutputFormat = "png", quality: Optional[int] = None,
-                 map_fn: Map = map) -> bytes:
+                 map_fn: Map = map, fps: Optional[int] = None) -> bytes:
     """One output as `output_format` bytes: PNG at Pillow's default compress level, JPEG or WebP at
     `quality` (0..100; None: Pillow's default). A video (a list of PIL frames) is one animated file of all
-    its frames: an APNG (`apng_from_pngs` of its frames' PNGs, made through `map_fn`) or an animated WebP
-    (which merges identical consecutive frames, adding up their durations)."""
+    its frames at `fps` (the model's rate; None: no frame delay): an APNG (`apng_from_pngs` of its frames'
+    PNGs, made through `map_fn`) or an animated WebP (which merges identical consecutive frames, adding up
+    their durations; its delays are whole milliseconds)."""
     if output_format not in _PIL_FORMATS:
         raise ValueError(f"output_format must be one of {sorted(_PIL_FORMATS)}, got {output_format!r}")
     if quality is not None and output_format == "png":
@@ -97,7 +102,9 @@ def encode_image(image, output_format: OutputFormat = "png", quality: Optional[i
         if output_format == "jpeg":
             raise ValueError("jpeg cannot hold a video; use png or webp")
         if output_format == "png":
-            return apng_from_pngs(list(map_fn(_png, image)))
+            return apng_from_pngs(list(map_fn(_png, image)), fps)
+        if fps is not None:
+            options["duration"] = round(1000 / fps)
         buf = io.BytesIO()
         image[0].save(buf, format=_PIL_FORMATS[output_format], save_all=True, append_images=list(image[1:]),
                       **options)
@@ -108,7 +115,7 @@ def encode_image(image, output_format: OutputFormat = "png", quality: Optional[i
 
 
 def encode_images(images, output_format: OutputFormat = "png", quality: Optional[int] = None,
-                  map_fn: Map = map) -> List[bytes]:
-    """A request's outputs as bytes of its ``output_format`` (`encode_image`), an image or a video each;
-    `map_fn` (e.g. a thread pool's ``map``) encodes a video's PNG frames."""
-    return [encode_image(im, output_format, quality, map_fn) for im in images]
+                  map_fn: Map = map, fps: Optional[int] = None) -> List[bytes]:
+    """A request's outputs as bytes of its ``output_format`` (`encode_image`), an image or a video (at
+    `fps`) each; `map_fn` (e.g. a thread pool's ``map``) encodes a video's PNG frames."""
+    return [encode_image(im, output_format, quality, map_fn, fps) for im in images]

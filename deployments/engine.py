@@ -359,7 +359,8 @@ class ReplicaEngine:
         """`submit` and wait: the encoded images (the request's ``output_format``) and the runners'
         replays/eager calls for the request."""
         out = self.submit(request, key, default_steps).result()
-        return {**out, "images": encode_images(out["images"], request.output_format, request.output_compression)}
+        return {**out, "images": encode_images(out["images"], request.output_format, request.output_compression,
+                                               fps=self.info.get("fps"))}
 
 
 def _warmup_outcome(report: dict) -> tuple:

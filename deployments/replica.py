@@ -286,7 +286,7 @@ class Replica:
             # after the batch: requests of any output_format share one, each encodes its own way
             out["images"] = await self._wait(asyncio.get_running_loop().run_in_executor(
                 self._executor, encode_images, out["images"], request.output_format, request.output_compression,
-                self._frames.map))
+                self._frames.map, self.info.get("fps")))
             out["encode_ms"] = (time.perf_counter() - t_encode) * 1e3
         except Exception as exc:
             self._counters["errors"] += 1

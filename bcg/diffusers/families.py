@@ -9,8 +9,9 @@ A `ModelFamily` says how a request becomes a call of that family's pipeline:
 - its prompt bucketing: the tokenizer whose padding length is ``max_sequence_length``, whether prompt
   tokens are counted inside a chat template, whether the pipeline trims its text embeddings (then
   `bcg.diffusers.plan_request` pads them to the bucket);
-- frames (`video`), call arguments it always needs (`fixed_kwargs`), and where its step-wise batching
-  hooks are (`batching`, for `bcg.diffusers.batching`; None: one pipeline call per request).
+- frames (`video`) and their rate (`fps`, for playing the answer back), call arguments it always needs
+  (`fixed_kwargs`), and where its step-wise batching hooks are (`batching`, for `bcg.diffusers.batching`;
+  None: one pipeline call per request).
 
 The size default and the defaults of the call (steps, guidance, frames) are the pipeline's own and are
 read from it by `bcg.diffusers.pipeline_info`. `family_of(pipe)` finds a pipeline's record by its class
@@ -124,6 +125,7 @@ class ModelFamily:
     prompt_template: bool = False                 # tokens counted in the chat template, less its prefix
     trims_prompt_embeds: bool = False             # embeddings trimmed to the prompt: pad them to the bucket
     video: Optional[bool] = False                 # None: video when the call takes num_frames
+    fps: Optional[int] = None                     # video: frames per second it was trained for (playback)
     fixed_kwargs: Mapping[str, Any] = dataclasses.field(default_factory=lambda: MappingProxyType({}), hash=False)
     # "module:Class" of its BatchingHooks: imported when first asked for, as the hooks need torch
     batching: Optional[str] = None
@@ -152,7 +154,8 @@ FAMILIES: dict[str, ModelFamily] = {f.name: f for f in (
     ModelFamily("pixart", ("PixArtSigmaPipeline", "PixArtAlphaPipeline"), builtin="tiny-pixart",
                 fixed_kwargs=_EXACT),
     ModelFamily("sana", ("SanaPipeline",), builtin="tiny-sana", fixed_kwargs=_EXACT),
-    ModelFamily("wan", ("WanPipeline",), builtin="tiny-wan", cfg=CfgRule(separate_calls=True), video=True),
+    # Wan2.1 makes 16 frames a second (its model card exports videos at fps=16)
+    ModelFamily("wan", ("WanPipeline",), builtin="tiny-wan", cfg=CfgRule(separate_calls=True), video=True, fps=16),
     # Qwen-Image's `guidance_scale` feeds guidance-distilled transformers only; `true_cfg_scale` is CFG.
     ModelFamily("qwen-image", ("QwenImagePipeline",), builtin="tiny-qwen-image",
                 cfg=CfgRule(scale_arg="true_cfg_scale", default_negative_prompt=" ", separate_calls=True),

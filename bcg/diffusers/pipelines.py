@@ -80,6 +80,7 @@ def pipeline_info(pipe) -> dict:
         "prompt_buckets": list(buckets),
         "frame_multiple": getattr(pipe, "vae_scale_factor_temporal", None) if is_video else None,
         "default_frames": defaults.get("num_frames") if is_video else 1,
+        "fps": family.fps if is_video else None,  # None for a video family that names none: no frame delay
     }
 
 

@@ -113,6 +113,21 @@ def test_an_apng_keeps_every_frame_whole_and_decodes_to_its_pixels_with_frames_e
     assert video.info["loop"] == 0
 
 
+def test_a_video_plays_at_its_fps_in_both_animated_formats():
+    frames = [_image(i) for i in range(3)]
+    apng, webp = (_open(encode_image(frames, fmt, fps=16)) for fmt in ("png", "webp"))
+    for video in (apng, webp):
+        assert video.n_frames == 3
+        for i in range(3):
+            video.seek(i)
+            video.load()  # WebP reads a frame's duration when it decodes the frame
+            assert video.info["duration"] == (62.5 if video is apng else 62), (video.format, i)
+    # no rate: no delay, as Pillow writes without a duration
+    assert _open(encode_image(frames)).info["duration"] == 0
+    with pytest.raises(ValueError, match="fps must be"):
+        encode_image(frames, fps=0)
+
+
 def test_apng_frames_of_another_size_are_refused():
     from deployments.encoding import apng_from_pngs
 

@@ -33,6 +33,7 @@ def test_a_video_request_is_served_warm_as_one_animated_png_per_video(wan_client
     video = Image.open(io.BytesIO(base64.b64decode(item["b64_json"])))
     assert video.format == "PNG" and video.size == (64, 64)
     assert video.is_animated and video.n_frames == 5
+    assert video.info["duration"] == 1000 / 16  # Wan's 16 frames a second, each frame 1/16 s
     (replica,) = wan_client.get("/v1/stats").json()["replicas"].values()
     assert replica["warm_keys"] == [KEY] and replica["warm_requests"] == 1
 
@@ -49,6 +50,8 @@ def test_a_webp_video_is_one_animated_webp_of_its_frames(wan_client):
     video = Image.open(io.BytesIO(base64.b64decode(item["b64_json"])))
     assert video.format == "WEBP" and video.size == (64, 64)
     assert video.is_animated and video.n_frames == 5
+    video.load()  # WebP reads a frame's duration when it decodes the frame
+    assert video.info["duration"] == 62  # 1/16 s in WebP's whole milliseconds
 
 
 def test_jpeg_for_a_video_is_a_422_naming_output_format_and_runs_nothing(wan_client):

@@ -445,6 +445,7 @@ def test_pipeline_info_is_plain_and_right():
         "tiny-flux": 16, "tiny-sd3": 16, "tiny-pixart": 16, "tiny-sana": 32, "tiny-wan": 16, "tiny-qwen-image": 16}
     assert [n for n, i in info.items() if i["is_video"]] == ["tiny-wan"]
     assert info["tiny-wan"]["frame_multiple"] == 4
+    assert {n: i["fps"] for n, i in info.items() if i["fps"]} == {"tiny-wan": 16}  # videos only
     assert info["tiny-flux"]["prompt_buckets"] == [32, 64, 128, 256, 512]
     assert info["tiny-pixart"]["prompt_buckets"][-1] == 300
     assert {n: i["cfg_calls"] for n, i in info.items()}["tiny-sd3"] == "batched"
