@@ -7,8 +7,9 @@ Contract:
   them with a ``ray_`` prefix (Counters also get ``_total``): ``bcg_requests`` is scraped as
   ``ray_bcg_requests_total{key=..., warm=..., deployment=..., replica=..., application=...}``.
 * Events the replica sees go in directly: `record_request` (warm/cold per shape key, latency),
-  `record_warmup` (per key, ok or not, seconds), `record_batch` (one batched step's rows, for a
-  batcher that reports no stats of its own).
+  `record_encode` (a request's image encoding, seconds, by ``output_format``), `record_warmup` (per key,
+  ok or not, seconds), `record_batch` (one batched step's rows, for a batcher that reports no stats of
+  its own).
 * Everything the runners count goes in through `update(stats)`, which takes the replica's ``stats()``
   dict (runner stats under ``"runner"``) or a pipeline's ``{component: runner.stats()}``
   (``bcg.diffusers.pipeline_stats``). Monotone counters become Counter increments by their delta from
@@ -42,6 +43,8 @@ logger = logging.getLogger(__name__)
 BATCH_SIZE_BOUNDARIES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 LATENCY_S_BOUNDARIES = (0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64, 128)
 WARMUP_S_BOUNDARIES = (0.1, 0.5, 1, 2, 5, 10, 20, 40, 80, 160, 320)
+# encoding: a 256x256 JPEG takes well under a millisecond, a 1024x1024 PNG of noise ~0.1 s, a video seconds
+ENCODE_S_BOUNDARIES = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8)
 
 # runner.stats() counters -> (metric name, description). All per component.
 RUNNER_COUNTERS = {
@@ -137,6 +140,9 @@ class ReplicaMetrics:
         self._latency = m.Histogram("bcg_request_latency_seconds",
                                     description="Request latency on the replica (lock wait included).",
                                     boundaries=list(LATENCY_S_BOUNDARIES), tag_keys=("key", "warm"))
+        self._encode = m.Histogram("bcg_encode_seconds",
+                                   description="Seconds a request's images took to encode, by output_format.",
+                                   boundaries=list(ENCODE_S_BOUNDARIES), tag_keys=("output_format",))
         self._warmups = m.Counter("bcg_warmup_keys", description="Shape keys warmed, by outcome.",
                                   tag_keys=("key", "ok"))
         self._warmup_s = m.Histogram("bcg_warmup_seconds", description="Seconds one shape key's warmup took.",
@@ -180,6 +186,9 @@ class ReplicaMetrics:
         tags = {"key": key, "warm": "true" if warm else "false"}
         self._requests.inc(1, tags=tags)
         self._latency.observe(max(float(latency_s), 0.0), tags=tags)
+
+    def record_encode(self, output_format: str, seconds: float) -> None:
+        self._encode.observe(max(float(seconds), 0.0), tags={"output_format": output_format})
 
     def record_error(self) -> None:
         self._counters["bcg_request_errors"].inc(1)

@@ -288,6 +288,7 @@ class Replica:
                 self._executor, encode_images, out["images"], request.output_format, request.output_compression,
                 self._frames.map, self.info.get("fps")))
             out["encode_ms"] = (time.perf_counter() - t_encode) * 1e3
+            self.metrics.record_encode(request.output_format, out["encode_ms"] / 1e3)
         except Exception as exc:
             self._counters["errors"] += 1
             self.metrics.record_error()

@@ -124,6 +124,9 @@ def metrics_app(ray_serve):
         def batch(self, size: int):
             self.metrics.record_batch(size)
 
+        def encode(self, output_format: str, seconds: float):
+            self.metrics.record_encode(output_format, seconds)
+
         def update(self, stats: dict):
             self.metrics.update(stats)
             self.stats = stats
@@ -149,6 +152,8 @@ def test_replica_metrics_read_back_from_prometheus(metrics_app):
         handle.request.remote(key, warm, latency).result()
     for size in (1, 3, 3):
         handle.batch.remote(size).result()
+    for output_format, seconds in (("png", 0.02), ("png", 0.2), ("jpeg", 0.0004)):
+        handle.encode.remote(output_format, seconds).result()
     entry = {"key": "s1", "capture_ms": 1500.0}
     first = {"runner": {"transformer": _runner(replays=4, captures=1, eager={"unseen": 1}, pool_bytes=4096,
                                                entries=[entry], compile_ms=2000.0)},
@@ -176,6 +181,9 @@ def test_replica_metrics_read_back_from_prometheus(metrics_app):
         ("ray_bcg_batch_size_bucket", (("le", "3.0"),)): 4,
         ("ray_bcg_batch_size_bucket", (("le", "4.0"),)): 7,
         ("ray_bcg_batch_size_bucket", (("le", "8.0"),)): 8,
+        ("ray_bcg_encode_seconds_count", (("output_format", "png"),)): 2,
+        ("ray_bcg_encode_seconds_bucket", (("output_format", "png"), ("le", "0.025"))): 1,
+        ("ray_bcg_encode_seconds_bucket", (("output_format", "jpeg"), ("le", "0.001"))): 1,
         ("ray_bcg_batch_steps_total", ()): 5,
         ("ray_bcg_batch_rows_total", ()): 21,
         ("ray_bcg_replays_total", (("component", "transformer"),)): 10,
@@ -225,7 +233,7 @@ def test_the_app_counts_a_served_request_and_its_warm_key_on_the_prometheus_endp
     assert r.json()["bcg"]["warm"] is True
     rid = r.json()["bcg"]["replica"]
     port = _metrics_port()
-    expected = {"warm": 1, "cold": None, "latency": 1, "warmed": 1, "key_warm": 1, "errors": None}
+    expected = {"warm": 1, "cold": None, "latency": 1, "encoded": 1, "warmed": 1, "key_warm": 1, "errors": None}
     deadline, got = time.monotonic() + 40, {}
     while time.monotonic() < deadline:
         samples = _scrape(port, app)
@@ -233,6 +241,7 @@ def test_the_app_counts_a_served_request_and_its_warm_key_on_the_prometheus_endp
             "warm": _value(samples, "ray_bcg_requests_total", key="64x64", warm="true", replica=rid),
             "cold": _value(samples, "ray_bcg_requests_total", warm="false"),
             "latency": _value(samples, "ray_bcg_request_latency_seconds_count", key="64x64"),
+            "encoded": _value(samples, "ray_bcg_encode_seconds_count", output_format="png"),
             "warmed": _value(samples, "ray_bcg_warmup_keys_total", key="64x64", ok="true"),
             "key_warm": _value(samples, "ray_bcg_key_warm", key="64x64"),
             "errors": _value(samples, "ray_bcg_request_errors_total"),
