@@ -21,6 +21,9 @@ __all__ = ["apng_from_pngs", "encode_image", "encode_images"]
 # Pillow's format name for each ``output_format`` of a request
 _PIL_FORMATS = {"png": "PNG", "jpeg": "JPEG", "webp": "WEBP"}
 _PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+# modes whose PNGs carry no per-frame palette, so their frames share the first one's chunks; a video of
+# other frames (a palette each) goes through Pillow's writer
+_SHARED_LEAD_MODES = {"RGB", "RGBA", "L", "LA"}
 
 Map = Callable[[Callable, Iterable], Iterable]
 
@@ -63,11 +66,13 @@ def apng_from_pngs(pngs: List[bytes], fps: Optional[int] = None) -> bytes:
     header = frames[0][0]
     if header[0] != b"IHDR" or any(f[0] != header for f in frames[1:]):
         raise ValueError("every frame of an APNG must have the first frame's size and mode")
+    # the chunks between IHDR and the image data (a palette, transparency, pixel size) hold for all frames
+    leads = [chunks[:next(i for i, (kind, _) in enumerate(chunks) if kind == b"IDAT")] for chunks in frames]
+    if any(lead != leads[0] for lead in leads[1:]):
+        raise ValueError("every frame of an APNG must have the first frame's palette and ancillary chunks")
     width, height = struct.unpack(">II", header[1][:8])
     out = [_PNG_SIGNATURE, _chunk(b"IHDR", header[1]), _chunk(b"acTL", struct.pack(">II", len(pngs), 0))]
-    # the first frame's chunks between IHDR and its data (a palette, transparency, pixel size) hold for all
-    first_data = next(i for i, (kind, _) in enumerate(frames[0]) if kind == b"IDAT")
-    out += [_chunk(kind, data) for kind, data in frames[0][1:first_data]]
+    out += [_chunk(kind, data) for kind, data in leads[0][1:]]
     sequence = 0
     for i, chunks in enumerate(frames):
         # fcTL: sequence, size, offset 0,0, delay (numerator, denominator) s, dispose none, blend source
@@ -91,8 +96,9 @@ def encode_image(image, output_format: OutputFormat = "png", quality: Optional[i
     """One output as `output_format` bytes: PNG at Pillow's default compress level, JPEG or WebP at
     `quality` (0..100; None: Pillow's default). A video (a list of PIL frames) is one animated file of all
     its frames at `fps` (the model's rate; None: no frame delay): an APNG (`apng_from_pngs` of its frames'
-    PNGs, made through `map_fn`) or an animated WebP (which merges identical consecutive frames, adding up
-    their durations; its delays are whole milliseconds)."""
+    PNGs, made through `map_fn`; frames with a palette each go through Pillow's writer) or an animated WebP
+    (which merges identical consecutive frames, adding up their durations). Pillow's writers take delays
+    in whole milliseconds."""
     if output_format not in _PIL_FORMATS:
         raise ValueError(f"output_format must be one of {sorted(_PIL_FORMATS)}, got {output_format!r}")
     if quality is not None and output_format == "png":
@@ -101,7 +107,7 @@ def encode_image(image, output_format: OutputFormat = "png", quality: Optional[i
     if isinstance(image, (list, tuple)):
         if output_format == "jpeg":
             raise ValueError("jpeg cannot hold a video; use png or webp")
-        if output_format == "png":
+        if output_format == "png" and all(frame.mode in _SHARED_LEAD_MODES for frame in image):
             return apng_from_pngs(list(map_fn(_png, image)), fps)
         if fps is not None:
             options["duration"] = round(1000 / fps)

@@ -128,6 +128,21 @@ def test_a_video_plays_at_its_fps_in_both_animated_formats():
         encode_image(frames, fps=0)
 
 
+def test_palette_frames_keep_their_own_palettes():
+    # each frame quantized to its own palette: the muxer, which shares the first frame's chunks, refuses
+    # them, and the encoder hands such a video to Pillow's writer
+    from deployments.encoding import apng_from_pngs
+
+    frames = [_image(i).quantize(colors=16) for i in range(3)]
+    with pytest.raises(ValueError, match="palette"):
+        apng_from_pngs([encode_image(frame) for frame in frames])
+    video = _open(encode_image(frames, fps=16))
+    assert video.n_frames == 3
+    for i, frame in enumerate(frames):
+        video.seek(i)
+        assert np.array_equal(np.asarray(video.convert("RGB")), np.asarray(frame.convert("RGB"))), i
+
+
 def test_apng_frames_of_another_size_are_refused():
     from deployments.encoding import apng_from_pngs
 
