@@ -48,8 +48,9 @@ def test_other_outputs_and_processors_take_the_processors_own_path():
     assert len(np_out) == 3 and np_out[0].shape == (16, 24, 3)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("name", ["tiny-wan", "tiny-pixart"])
-def test_a_request_run_alone_makes_the_pipelines_pil_images_from_8_bits_on_the_device(name, monkeypatch):
+def test_a_request_run_alone_makes_the_pipelines_pil_images_from_8_bits_on_the_device(name, device, monkeypatch):
     """Pipelines without step hooks run alone; their PIL output is converted to 8 bits on the device (as the
     step families' decode is), not in NumPy on the host thread that runs the pipeline: 40 M values of a
     33-frame 832x480 video scaled, rounded and cast there on every request, then answered from that thread."""
@@ -57,7 +58,7 @@ def test_a_request_run_alone_makes_the_pipelines_pil_images_from_8_bits_on_the_d
     from bcg.diffusers.models import load_pipeline
     from bcg.diffusers.pipelines import plan_request
 
-    pipe = load_pipeline(name)
+    pipe = load_pipeline(name).to(device)  # on CUDA the 8 bits come back through pinned memory
     video = name == "tiny-wan"
     shape = dict(size="64x48", num_frames=5) if video else dict(size="64x64")
     _, kwargs = plan_request(pipe, "a red fox in the snow", steps=2, seed=3, **shape)
