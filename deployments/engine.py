@@ -12,8 +12,8 @@ import time
 from typing import Dict, List, Optional
 
 from bcg.diffusers.buckets import ShapeKey
-from deployments.memory import ReplicaMemory, format_bytes, plan_fits
 from deployments.encoding import encode_images
+from deployments.memory import ReplicaMemory, format_bytes, plan_fits
 from deployments.schemas import ImageGenerationRequest
 
 logger = logging.getLogger(__name__)
