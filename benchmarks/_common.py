@@ -93,11 +93,22 @@ def add_plot_only(parser) -> None:
     parser.add_argument("--plot-only", metavar="JSON", help="only make the PNG from an existing JSON")
 
 
+def png_path(json_path: str) -> str:
+    """Where a benchmark's plot goes: next to its JSON, the same name."""
+    return os.path.splitext(json_path)[0] + ".png"
+
+
 def plot_only(json_path: str, plot) -> int:
     """Draw ``plot(result, png_path)`` from a written JSON, the PNG next to it; 0 when a PNG was written."""
     with open(json_path) as f:
         result = json.load(f)
-    return 0 if plot(result, os.path.splitext(json_path)[0] + ".png") else 1
+    return 0 if plot(result, png_path(json_path)) else 1
+
+
+def write_result(json_path: str, result: dict, plot) -> bool:
+    """A benchmark's end: `result` written to `json_path`, then ``plot(result, png_path)`` next to it."""
+    write_json(json_path, result)
+    return plot(result, png_path(json_path))
 
 
 def sync(device) -> None:

@@ -66,7 +66,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _common import (add_plot_only, machine_info, pick_device, plot_only, pyplot, save_figure,  # noqa: E402
-                     served_split, start_local_serve, sync, write_json)
+                     served_split, start_local_serve, sync, write_result)
 
 from bcg.diffusers import accelerate, pipeline_runners, plan_request  # noqa: E402
 from bcg.diffusers.batching import StepBatcher  # noqa: E402
@@ -522,8 +522,7 @@ def main(argv=None) -> int:
         "summary": summarize(runs, direct_ms, serial),
         "elapsed_s": round(time.perf_counter() - started, 1),
     }
-    write_json(args.out, result)
-    plot(result, os.path.splitext(args.out)[0] + ".png")
+    write_result(args.out, result, plot)
     if args.profile:
         profile_saturation(pipe, args, args.profile)
     return 0 if all(r["lost"] == 0 and r["answered_twice"] == 0 for r in runs) else 1
@@ -567,8 +566,7 @@ def main_served(args, argv, started: float) -> int:
         "summary": summarize(runs, base["median"]),
         "elapsed_s": round(time.perf_counter() - started, 1),
     }
-    write_json(args.out, result)
-    plot(result, os.path.splitext(args.out)[0] + ".png")
+    write_result(args.out, result, plot)
     return 0 if all(r["lost"] == 0 and r["answered_twice"] == 0 for r in runs) else 1
 
 

@@ -551,7 +551,7 @@ def plot(result, png_path):
 
 def merge(paths, out):
     """Several runs' JSON -> one: results concatenated (later runs win per model/size/variant)."""
-    from _common import write_json
+    from _common import write_result
 
     runs = []
     for path in paths:
@@ -566,8 +566,7 @@ def merge(paths, out):
               "results": list(rows.values()), "skipped": [s for r in runs for s in r.get("skipped", [])],
               "elapsed_s": sum(r.get("elapsed_s", 0) for r in runs)}
     merged["targets"] = targets(merged["results"])
-    write_json(out, merged)
-    plot(merged, os.path.splitext(out)[0] + ".png")
+    write_result(out, merged, plot)
     return 0
 
 
@@ -607,13 +606,12 @@ def main(argv=None):
         args.runner_compile_dynamic = {"false": False, "true": True, "auto": None}[args.runner_compile_dynamic]
     if args.plot_only:
         return plot_only(args.plot_only, plot)
-    from _common import write_json
+    from _common import write_result
 
     result = run(args)
     if result is None:
         return 0
-    write_json(args.out, result)
-    plot(result, os.path.splitext(args.out)[0] + ".png")
+    write_result(args.out, result, plot)
     return 0
 
 

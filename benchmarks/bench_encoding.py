@@ -26,7 +26,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(1, os.path.dirname(HERE))  # the repository root, for `deployments`
 
-from _common import add_plot_only, machine_info, plot_only, pyplot, save_figure, write_json  # noqa: E402
+from _common import (add_plot_only, machine_info, plot_only, pyplot, save_figure, write_json,  # noqa: E402
+                     write_result)
 
 DEFAULT_OUT = os.path.join(HERE, "results", "bench_encoding.json")
 
@@ -127,7 +128,9 @@ def parse_args(argv=None):
     p.add_argument("--iters", type=int, default=9)
     p.add_argument("--frames", type=int, default=33)
     p.add_argument("--video-iters", type=int, default=3)
-    p.add_argument("--threads", type=int, default=max(2, min(8, (os.cpu_count() or 2) // 2)),
+    from deployments.encoding import encoding_threads
+
+    p.add_argument("--threads", type=int, default=encoding_threads(),
                    help="the video frames' pool (default: a replica's, half the CPUs, 2 to 8)")
     p.add_argument("--out", default=DEFAULT_OUT)
     add_plot_only(p)
@@ -139,8 +142,7 @@ def main(argv=None) -> int:
     if args.plot_only:
         return plot_only(args.plot_only, plot)
     result = run(args)
-    write_json(args.out, result)
-    plot(result, os.path.splitext(args.out)[0] + ".png")
+    write_result(args.out, result, plot)
     return 0
 
 

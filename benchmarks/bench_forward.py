@@ -215,11 +215,10 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.plot_only:
         return plot_only(args.plot_only, plot)
-    from _common import write_json
+    from _common import write_result
 
     result = run(args)
-    write_json(args.out, result)
-    plot(result, os.path.splitext(args.out)[0] + ".png")
+    write_result(args.out, result, plot)
     return 0
 
 

@@ -323,13 +323,12 @@ def main(argv=None):
                      f"allocators: {', '.join(ALLOCATORS)}")
     import torch
 
-    from _common import write_json
+    from _common import write_result
 
     if not torch.cuda.is_available() and not args.allow_cpu:
         raise SystemExit("bench_pool_plan needs CUDA; run it on a GPU host or pass --allow-cpu for a smoke run")
     result = run(args)
-    write_json(args.out, result)
-    plot(result, os.path.splitext(args.out)[0] + ".png")
+    write_result(args.out, result, plot)
     return 0
 
 

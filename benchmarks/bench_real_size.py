@@ -37,7 +37,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(1, os.path.dirname(HERE))
 
-from _common import add_plot_only, machine_info, plot_only, pyplot, save_figure, time_cuda, write_json# noqa: E402
+from _common import (add_plot_only, machine_info, plot_only, pyplot, save_figure, time_cuda, write_json,  # noqa: E402
+                     write_result)
 
 DEFAULT_OUT = os.path.join(HERE, "results", "bench_real_size.json")
 VARIANTS = ("eager", "one_graph", "runner", "runner_attention", "compiled_segments", "reduce_overhead")
@@ -399,8 +400,7 @@ def main():
         gc.collect()
         if device == "cuda":
             torch.cuda.empty_cache()
-    write_json(args.out, result)
-    plot(result, os.path.splitext(args.out)[0] + ".png")
+    write_result(args.out, result, plot)
     return 0
 
 

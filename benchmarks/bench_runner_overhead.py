@@ -33,7 +33,8 @@ import torch  # noqa: E402
 DEFAULT_OUT = os.path.join(HERE, "results", "bench_runner_overhead.json")
 BAR_US = 30.0
 
-from _common import add_plot_only, machine_info, plot_only, pyplot, save_figure, write_json# noqa: E402
+from _common import (add_plot_only, machine_info, plot_only, pyplot, save_figure, write_json,  # noqa: E402
+                     write_result)
 
 
 class TenInputs(torch.nn.Module):
@@ -157,8 +158,7 @@ def main(argv=None):
     result["meets_bar"] = result["overhead_us"]["runner_copy"] <= BAR_US
     print(f"overhead over bare replay: {result['overhead_us']} (bar {BAR_US} us: "
           f"{'met' if result['meets_bar'] else 'NOT met'}); replay == eager: {result['replay_equals_eager']}")
-    write_json(args.out, result)
-    plot(result, os.path.splitext(args.out)[0] + ".png")
+    write_result(args.out, result, plot)
     return 0
 
 

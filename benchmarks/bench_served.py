@@ -77,7 +77,7 @@ sys.path.insert(0, REPO)
 sys.path.insert(0, HERE)
 
 from _common import (add_plot_only, machine_info, pick_device, plot_only, pyplot, save_figure,  # noqa: E402
-                     served_split, start_local_serve, sync, write_json)
+                     served_split, start_local_serve, sync, write_json, write_result)
 
 PROMPT = "a photo of a cat sitting on a red chair, studio lighting"
 MODELS = ("flux.1-dev", "wan2.1-1.3b")  # make_pipeline_dirs.PIPELINES' names: the folder names
@@ -497,8 +497,7 @@ def main(argv=None) -> int:
     for t in result["targets"]:
         _say(f"target {t['check']}: {t['value']} -> {'met' if t['met'] else 'not met'}")
     result["elapsed_s"] = round(time.perf_counter() - started, 1)
-    write_json(args.out, result)
-    plot(result, os.path.splitext(args.out)[0] + ".png")
+    write_result(args.out, result, plot)
     failed = [r for r in result["rows"] if r.get("error") or "error" in r.get("eager", {})
               or "error" in r.get("served", {})]
     return 1 if failed else 0

@@ -10,13 +10,14 @@ frames' compressed data go into the APNG unchanged, so it decodes to the pixels 
 from __future__ import annotations
 
 import io
+import os
 import struct
 import zlib
 from typing import Callable, Iterable, List, Optional
 
 from deployments.schemas import OutputFormat
 
-__all__ = ["apng_from_pngs", "encode_image", "encode_images"]
+__all__ = ["apng_from_pngs", "encode_image", "encode_images", "encoding_threads"]
 
 # Pillow's format name for each ``output_format`` of a request
 _PIL_FORMATS = {"png": "PNG", "jpeg": "JPEG", "webp": "WEBP"}
@@ -26,6 +27,12 @@ _PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 _SHARED_LEAD_MODES = {"RGB", "RGBA", "L", "LA"}
 
 Map = Callable[[Callable, Iterable], Iterable]
+
+
+def encoding_threads() -> int:
+    """Threads a replica encodes on (each of its two pools: requests, and a video's frames): half the
+    CPUs, 2 to 8."""
+    return max(2, min(8, (os.cpu_count() or 2) // 2))
 
 
 def _png(image) -> bytes:

@@ -50,7 +50,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Dict, List, Optional
@@ -59,7 +58,7 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 
 from bcg.diffusers.buckets import ShapeKey
-from deployments.encoding import encode_images
+from deployments.encoding import encode_images, encoding_threads
 from deployments.engine import ReplicaEngine, _release_cached_memory, cuda_memory
 from deployments.metrics import ReplicaMetrics
 from deployments.router import (BATCH_FREE_ROWS, POOL_BYTES, QUEUE_LEN, WARM_BATCH_KEYS, WARM_KEYS,
@@ -94,7 +93,7 @@ class Replica:
         self.default_steps = default_steps
         # loads the pipeline, then encodes images (Pillow's encoders let go of the GIL: the images of a batch
         # that leaves at one step encode side by side); the pipeline itself runs on the engine's loop thread
-        threads = max(2, min(8, (os.cpu_count() or 2) // 2))
+        threads = encoding_threads()
         self._executor = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="bcg-replica")
         # a video's PNG frames, encoded side by side for an APNG; a pool of its own, since its callers run on
         # `_executor` and wait for it (one pool would deadlock once every thread waited)

@@ -49,9 +49,9 @@ def test_cpu_smoke_run_serves_a_tiny_flux_directory_over_http_and_records_wan(tm
     assert served["graphs_off_reason"] == "no CUDA" and served["app_args"]["runner"] == {"compile": False}
     assert set(served["runners"]) >= {"transformer", "vae_decoder"}
     assert served["memory"]["key_bytes"]["64x64"] == {"graphs_bytes": 0, "eager_peak_bytes": 0}
-    split = served["split_ms"]  # the request's time, split from its response's bcg timings
-    assert set(split) == {"client_hop", "ingress", "replica_run", "encode"} and split["encode"] > 0
-    assert split["replica_run"] > 0 and sum(split.values()) == pytest.approx(served["median_ms"], abs=0.01)
+    split = served["split_ms"]  # the request's time, split from its response's bcg timings: each part there
+    assert set(split) == {"client_hop", "ingress", "replica_run", "encode"}
+    assert all(v is not None and v > 0 for v in split.values()), split
     # Wan: served requests name their frames, so both halves run the same key
     assert (wan["eager_key"], wan["served_key"]) == ("64x64.f5.cfg", "64x64.f5.cfg")
     assert wan["eager"]["median_ms"] > 0 and wan["served"]["shape_keys"] == ["64x64.f5.cfg"]

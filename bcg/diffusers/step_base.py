@@ -88,13 +88,11 @@ def postprocess_async(processor, image: torch.Tensor, output_type: str) -> Calla
     pinned memory without a wait: the same float32 ``(x * 255).round()`` per element as ``numpy_to_pil``
     (both round half to even), so the same pixels. Anything else: the processor's own call, done here.
     """
-    fast = (output_type == "pil" and _stock_pil_processor(processor) and image.is_floating_point()
-            and image.ndim == 4)
-    if not fast:
-        out = list(processor.postprocess(image, output_type=output_type))
-        return lambda: out
-    # denormalized (clamped to [0, 1]) on the device
-    return _pil_async(processor, processor.postprocess(image, output_type="pt"))
+    if output_type == "pil" and _stock_pil_processor(processor) and image.is_floating_point():
+        # denormalized (clamped to [0, 1]) on the device; `_pil_async` takes it from there
+        return _pil_async(processor, processor.postprocess(image, output_type="pt"))
+    out = list(processor.postprocess(image, output_type=output_type))
+    return lambda: out
 
 
 def _pil_async(processor, image: torch.Tensor) -> Callable[[], list]:
