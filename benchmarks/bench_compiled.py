@@ -21,11 +21,13 @@ Variants (each built fresh per model from the same seed; ``torch._dynamo.reset()
   One runner serves all sizes of a model, as in a replica; ``--runner-compile-dynamic false`` gives its
   compiled code static kernels per size (the default, dynamo's automatic dynamic, recompiles with dynamic
   sizes at the second size and reuses them after).
-Each is timed as the median of --iters CUDA-event-timed calls (after --warmup), bf16, batch 1. Compile
+Each is timed as the median of --iters CUDA-event-timed calls (after --warmup), bf16, batch 1; ``--repeat N``
+builds, compiles and times every variant N times (one sweep after another) and the targets compare the
+medians across repeats, each check stating the larger spread of its two variants, the noise floor. Compile
 time (first call wall time per size) and compile statistics are recorded; outputs are compared with
 eager (max abs error, relative L2 error) and, for compiled_segments, replay with the compiled forward
 run eagerly (bit for bit). The JSON is rewritten after every measurement (a timeout keeps what was
-measured); a PNG bar plot goes next to it. The targets (issue 8) are evaluated at the end.
+measured); a PNG bar plot goes next to it. The targets (issues 8 and 16) are evaluated at the end.
 """
 from __future__ import annotations
 
@@ -322,6 +324,7 @@ def measure(variant, model, name, size, args, state):
         row["segments"] = [e.get("segments") for e in stats.get("entries", [])][-1:]
         row["eager_calls"] = stats["eager_calls_total"] - eager_before  # 0: every timed call replayed
         row["placement"] = placement_stats(model)
+        row.update(_diagnose(fn, None, args))
         return row, out.clone()
 
     # compiled_segments / inductor_one_graph / segments: a capture of `forward` on `stream`
@@ -396,37 +399,50 @@ def _free(state):
     torch.cuda.empty_cache()
 
 
+def medians(rows):
+    """(model, size, variant) -> {"ms": median over repeats, "spread": (max - min) / median, "n": repeats}.
+
+    With ``--repeat`` each variant is built, compiled and timed several times: the spread of one variant
+    across its repeats is the noise a difference between variants must exceed (kernel choices of two
+    compiles, clocks, the moment of the run)."""
+    import statistics
+
+    times = {}
+    for r in rows:
+        if r.get("ms"):
+            times.setdefault((r["model"], r["size"], r["variant"]), []).append(r["ms"])
+    return {key: {"ms": statistics.median(v), "spread": (max(v) - min(v)) / statistics.median(v), "n": len(v)}
+            for key, v in times.items()}
+
+
 def targets(rows):
-    """Evaluate the issue's targets on the measured rows (None where a number is missing)."""
-    ms = {(r["model"], r["size"], r["variant"]): r.get("ms") for r in rows}
+    """Evaluate the issue's targets on the measured rows (a check only where both numbers exist). With
+    repeats, a check compares medians and carries ``spread``: the larger relative spread of its two variants."""
+    stats = medians(rows)
     checks = []
 
-    def add(what, value, ok):
-        checks.append({"check": what, "value": None if value is None else round(value, 4), "met": ok})
+    def add(model, size, num, den, op, bar):
+        a, b = stats.get((model, size, num)), stats.get((model, size, den))
+        if a is None or b is None:
+            return
+        value = a["ms"] / b["ms"]
+        check = {"check": f"{model} {size}: {num} / {den} {op} {bar}", "value": round(value, 4),
+                 "met": value >= bar if op == ">=" else value <= bar}
+        if max(a["n"], b["n"]) > 1:
+            check["spread"] = round(max(a["spread"], b["spread"]), 4)
+        checks.append(check)
 
-    sizes = sorted({r["size"] for r in rows})
     for model in sorted({r["model"] for r in rows}):
-        for size in sizes:
-            cs = ms.get((model, size, "compiled_segments"))
-            ro = ms.get((model, size, "reduce_overhead"))
-            og = ms.get((model, size, "inductor_one_graph"))
-            if cs and ro:
-                speedup = ro / cs
-                if model == "flux-9m" and size in (256, 512):
-                    add(f"{model} {size}: reduce_overhead / compiled_segments >= 1.2", speedup, speedup >= 1.2)
-                elif model == "flux-2.5b":
-                    add(f"{model} {size}: reduce_overhead / compiled_segments >= 1.0", speedup, speedup >= 1.0)
-            if cs and og:
-                ratio = cs / og
-                add(f"{model} {size}: compiled_segments / inductor_one_graph <= 1.05", ratio, ratio <= 1.05)
-            runner, graph = ms.get((model, size, "runner")), ms.get((model, size, "one_graph"))
-            if runner and graph:
-                add(f"{model} {size}: runner / one_graph <= 1.02", runner / graph, runner / graph <= 1.02)
-            rc = ms.get((model, size, "runner_compiled"))
-            if rc and og:
-                add(f"{model} {size}: runner_compiled / inductor_one_graph <= 1.05", rc / og, rc / og <= 1.05)
-            if rc and ro and size in (256, 512):
-                add(f"{model} {size}: reduce_overhead / runner_compiled >= 1.2", ro / rc, ro / rc >= 1.2)
+        for size in sorted({r["size"] for r in rows}):
+            if model == "flux-9m" and size in (256, 512):
+                add(model, size, "reduce_overhead", "compiled_segments", ">=", 1.2)
+            elif model == "flux-2.5b":
+                add(model, size, "reduce_overhead", "compiled_segments", ">=", 1.0)
+            add(model, size, "compiled_segments", "inductor_one_graph", "<=", 1.05)
+            add(model, size, "runner", "one_graph", "<=", 1.02)
+            add(model, size, "runner_compiled", "inductor_one_graph", "<=", 1.05)
+            if size in (256, 512):
+                add(model, size, "reduce_overhead", "runner_compiled", ">=", 1.2)
     return checks
 
 
@@ -447,7 +463,7 @@ def run(args):
         log(f"{name}: {MODELS[name]['cls']} {info[name]['params'] / 1e6:.2f} M params, "
             f"{MODELS[name]['text_tokens']} text tokens")
     if args.dry_run:
-        log(f"plan: {len(models)} models x {len(variants)} variants x {len(sizes)} sizes")
+        log(f"plan: {len(models)} models x {len(variants)} variants x {len(sizes)} sizes x {args.repeat} repeats")
         return None
     if not torch.cuda.is_available():
         raise SystemExit("bench_compiled needs CUDA (no CUDA device here); --dry-run shows the plan")
@@ -462,56 +478,59 @@ def run(args):
         "settings": {"dtype": "bfloat16", "batch": 1, "iters": args.iters, "warmup": args.warmup,
                      "statistic": "median ms, CUDA events around each call, calls back to back",
                      "compiled_segments_dynamic": args.dynamic, "compile_mode": args.compile_mode,
-                     "runner_compile_dynamic": args.runner_compile_dynamic,
+                     "runner_compile_dynamic": args.runner_compile_dynamic, "repeat": args.repeat,
                      "weights": "random, torch.manual_seed(0)"},
         "targets_text": TARGETS,
         "results": [],
         "skipped": [],
     }
     t0 = time.perf_counter()
-    for name in models:
-        references = {}
-        for variant in variants:
-            if time.perf_counter() - t0 > args.budget_s:
-                result["skipped"].append(f"{name}/{variant}: time budget {args.budget_s:.0f} s spent")
-                log(f"skip {name}/{variant}: time budget spent")
-                continue
-            state = {}
-            try:
-                model = build_model(name, "cuda", torch.bfloat16)
-                if variant == "segments":
-                    from bcg.diffusers import install_breaks
+    references = {}  # (model, size) -> eager output
+    for repeat, name, variant in [(i, n, v) for i in range(args.repeat) for n in models for v in variants]:
+        tag = f"{name}/{variant}" + (f" (repeat {repeat + 1} of {args.repeat})" if args.repeat > 1 else "")
+        if time.perf_counter() - t0 > args.budget_s:
+            result["skipped"].append(f"{tag}: time budget {args.budget_s:.0f} s spent")
+            log(f"skip {tag}: time budget spent")
+            continue
+        state = {}
+        try:
+            model = build_model(name, "cuda", torch.bfloat16)
+            if variant == "segments":
+                from bcg.diffusers import install_breaks
 
-                    install_breaks(model, policy="attention")
-            except Exception as exc:  # noqa: BLE001
-                result["skipped"].append(f"{name}/{variant}: build failed: {type(exc).__name__}: {exc}")
-                log(f"{name}/{variant}: build FAILED {exc!r}")
-                continue
-            with torch.no_grad():
-                for size in sizes:
-                    try:
-                        row, out = measure(variant, model, name, size, args, state)
-                    except Exception as exc:  # noqa: BLE001 - keep going, say what failed
-                        row, out = {"model": name, "size": size, "variant": variant,
-                                    "error": f"{type(exc).__name__}: {str(exc)[:500]}"}, None
-                        torch.cuda.synchronize()
-                    if out is not None:
-                        if variant == "eager":
-                            references[size] = out
-                        elif size in references:
-                            row.update(_errors(out, references[size]))
-                    result["results"].append(row)
-                    shown = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()
-                             if k not in ("model", "size", "variant", "compile_stats")}
-                    log(f"{name} {size}x{size} {variant}: {shown}")
-                    write_json(args.out, {**result, "targets": targets(result["results"]),
-                                          "elapsed_s": time.perf_counter() - t0})
-            del model
-            _free(state)
+                install_breaks(model, policy="attention")
+        except Exception as exc:  # noqa: BLE001
+            result["skipped"].append(f"{tag}: build failed: {type(exc).__name__}: {exc}")
+            log(f"{tag}: build FAILED {exc!r}")
+            continue
+        with torch.no_grad():
+            for size in sizes:
+                try:
+                    row, out = measure(variant, model, name, size, args, state)
+                except Exception as exc:  # noqa: BLE001 - keep going, say what failed
+                    row, out = {"model": name, "size": size, "variant": variant,
+                                "error": f"{type(exc).__name__}: {str(exc)[:500]}"}, None
+                    torch.cuda.synchronize()
+                if out is not None:
+                    if variant == "eager":
+                        references[name, size] = out
+                    elif (name, size) in references:
+                        row.update(_errors(out, references[name, size]))
+                if args.repeat > 1:
+                    row["repeat"] = repeat
+                result["results"].append(row)
+                shown = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()
+                         if k not in ("model", "size", "variant", "compile_stats")}
+                log(f"{tag} {size}x{size}: {shown}")
+                write_json(args.out, {**result, "targets": targets(result["results"]),
+                                      "elapsed_s": time.perf_counter() - t0})
+        del model
+        _free(state)
     result["targets"] = targets(result["results"])
     result["elapsed_s"] = time.perf_counter() - t0
     for check in result["targets"]:
-        log(f"target {'MET ' if check['met'] else 'MISS'} {check['check']}: {check['value']}")
+        spread = f" (spread {check['spread']:.1%})" if "spread" in check else ""
+        log(f"target {'MET ' if check['met'] else 'MISS'} {check['check']}: {check['value']}{spread}")
     log(f"done in {result['elapsed_s']:.0f} s")
     return result
 
@@ -523,6 +542,7 @@ def plot(result, png_path):
     if plt is None:
         return False
     rows = [r for r in result["results"] if r.get("ms")]
+    ms = {key: s["ms"] for key, s in medians(rows).items()}
     models = list(dict.fromkeys(r["model"] for r in rows))
     if not models:
         return False
@@ -534,8 +554,7 @@ def plot(result, png_path):
         sizes = sorted({r["size"] for r in rows if r["model"] == model})
         width = 0.8 / max(1, len(variants))
         for i, variant in enumerate(variants):
-            values = [next((r["ms"] for r in rows if (r["model"], r["size"], r["variant"]) == (model, s, variant)),
-                           0.0) for s in sizes]
+            values = [ms.get((model, s, variant), 0.0) for s in sizes]
             xs = [j + (i - (len(variants) - 1) / 2) * width for j in range(len(sizes))]
             bars = ax.bar(xs, values, width, label=variant, color=colors[variant])
             ax.bar_label(bars, fmt="%.3g", fontsize=5, padding=1, rotation=90)
@@ -550,7 +569,7 @@ def plot(result, png_path):
 
 
 def merge(paths, out):
-    """Several runs' JSON -> one: results concatenated (later runs win per model/size/variant)."""
+    """Several runs' JSON -> one: results concatenated (later runs win per model/size/variant/repeat)."""
     from _common import write_result
 
     runs = []
@@ -560,7 +579,7 @@ def merge(paths, out):
     rows = {}
     for run_ in runs:
         for row in run_["results"]:
-            rows[(row["model"], row["size"], row["variant"])] = row
+            rows[(row["model"], row["size"], row["variant"], row.get("repeat"))] = row
     merged = {**runs[0], "command": [r["command"] for r in runs], "merged_from": [os.path.basename(p) for p in paths],
               "models": {k: v for r in runs for k, v in r["models"].items()},
               "results": list(rows.values()), "skipped": [s for r in runs for s in r.get("skipped", [])],
@@ -580,6 +599,9 @@ def main(argv=None):
     parser.add_argument("--variants", default="all", help=f"comma separated: {', '.join(VARIANTS)}, or all")
     parser.add_argument("--iters", type=int, default=50)
     parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="build, compile and time every variant this many times (all variants once, then "
+                             "again): the targets compare medians and state each variant's spread across repeats")
     parser.add_argument("--dynamic", default="false", choices=["false", "true", "auto"],
                         help="compile_for_segments dynamic= (false: static kernels per size, as reduce_overhead)")
     parser.add_argument("--runner-compile-dynamic", default="default", choices=["default", "false", "true", "auto"],

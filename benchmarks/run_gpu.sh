@@ -5,11 +5,10 @@
 #     (e.g. 'python3 benchmarks/bench_pool_plan.py --out $R/bench_pool_plan.json'); its output goes to
 #     $R/step<i>.log, the folder is packed after every step, and a step's own timeout is the caller's.
 #     Use this, not files written straight to $OUT: the device tool returns at most 8 files.
-# pending: the rows no session had device time for yet (one call; timeouts sum to under the device's 600 s):
-# the small models' runner at 512² and 1024² with compiled code of static kernels per size (run O's were
-# dynamo's automatic dynamic there), the served Wan2.1 row again with its split (run P: 0.85x eager;
-# requests run alone now make their PIL frames from 8 bits on the device), and the served handle workload
-# with JPEG answers (run R: PNG encoding was 15 of a served request's 36 ms).
+# pending: the rows no session had device time for yet (one call, under the device's 600 s): the small models'
+# one graph / runner / compiled runner / inductor's one graph / reduce-overhead at today's defaults, every variant
+# built, compiled and timed twice (--repeat 2), so each target states the spread between two runs of one variant
+# (runs O and S differed by up to 10% for the same variant), with host ms per call (--diagnose).
 # Writes logs, junit XML and benchmark JSON/PNG under $OUT (default ./out/gpu).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -43,14 +42,8 @@ if [ "$what" = steps ]; then
   done
 fi
 if [ "$what" = pending ]; then
-  timeout 140 python3 benchmarks/bench_compiled.py --models flux-9m,sd3-small --sizes 512,1024 \
-    --variants runner_compiled,inductor_one_graph --runner-compile-dynamic false --iters 40 --budget-s 120 \
-    --out "$OUT/bench_compiled_small_static.json" 2>&1 | tail -20; pack
-  timeout 60 python3 benchmarks/make_pipeline_dirs.py --out /tmp/pipelines --models wan2.1-1.3b --device cuda 2>&1 | tail -3
-  timeout 240 python3 benchmarks/bench_served.py --pipelines-dir /tmp/pipelines --models wan2.1-1.3b --iters 2 \
-    --budget-s 200 --out "$OUT/bench_served_wan.json" 2>&1 | tail -8; pack
-  timeout 130 python3 benchmarks/bench_batching.py --via handle --size 256x256 --steps 4 --requests 32 \
-    --rate-factors 0.25,1,4,inf --components transformer,text_encoder,text_encoder_2,vae_decoder \
-    --output-format jpeg --out "$OUT/bench_batching_handle_jpeg.json" 2>&1 | tail -8; pack
+  timeout 560 python3 benchmarks/bench_compiled.py --models flux-9m,sd3-small --sizes 256,512,1024 \
+    --variants one_graph,runner,runner_compiled,inductor_one_graph,reduce_overhead --iters 100 --repeat 2 \
+    --diagnose --budget-s 480 --out "$OUT/bench_compiled_small_repeat.json" 2>&1 | tail -40; pack
 fi
 exit $rc

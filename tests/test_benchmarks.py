@@ -110,3 +110,14 @@ def test_encoding_smoke_run_times_every_format_and_the_apng_ways_make_the_same_b
     assert noise["apng_pillow_writer"] == noise["apng_one_thread"] == noise["apng_2_threads"] > 0
     assert all(r["ms"] > 0 for r in result["images"] + result["videos"])
     assert (tmp_path / "enc.png").stat().st_size > 0
+
+
+def test_compiled_targets_with_repeats_compare_medians_and_state_the_spread():
+    rows = [{**_row("sd3-small", 512, "runner", ms), "repeat": i} for i, ms in enumerate((0.97, 0.90, 0.93))]
+    rows += [{**_row("sd3-small", 512, "one_graph", ms), "repeat": i} for i, ms in enumerate((0.91, 0.92, 0.90))]
+    (check,) = bench_compiled.targets(rows)
+    assert check["check"] == "sd3-small 512: runner / one_graph <= 1.02"
+    assert check["value"] == pytest.approx(0.93 / 0.91, abs=1e-4) and check["met"] is False
+    assert check["spread"] == pytest.approx((0.97 - 0.90) / 0.93, abs=1e-4)  # the runner's, the larger one
+    single = bench_compiled.targets([_row("sd3-small", 512, "runner", 0.9), _row("sd3-small", 512, "one_graph", 0.9)])
+    assert single == [{"check": "sd3-small 512: runner / one_graph <= 1.02", "value": 1.0, "met": True}]
