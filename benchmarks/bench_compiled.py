@@ -175,7 +175,8 @@ def gpu_busy_ms(fn, iters=10):
     total_us, kernels, names = 0.0, 0, {}
     for event in prof.events():
         if str(getattr(event, "device_type", "")).endswith("CUDA"):
-            total_us += getattr(event, "device_time", getattr(event, "cuda_time", 0.0))
+            # device_time since torch 2.4 (reading cuda_time warns there); cuda_time before
+            total_us += event.device_time if hasattr(event, "device_time") else event.cuda_time
             kernels += 1
             names[event.name[:60]] = names.get(event.name[:60], 0) + 1
     top = sorted(names.items(), key=lambda kv: -kv[1])[:6]
