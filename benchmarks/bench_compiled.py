@@ -455,6 +455,8 @@ def run(args):
     models = [m.strip() for m in args.models.split(",") if m.strip()]
     sizes = [int(s) for s in args.sizes.split(",")]
     variants = list(VARIANTS) if args.variants == "all" else [v.strip() for v in args.variants.split(",")]
+    if args.repeat < 1:
+        raise SystemExit(f"--repeat must be at least 1, got {args.repeat}")
     for bad in [m for m in models if m not in MODELS] + [v for v in variants if v not in VARIANTS]:
         raise SystemExit(f"unknown model or variant {bad!r}; models: {', '.join(MODELS)}; variants: "
                          f"{', '.join(VARIANTS)} (or all)")

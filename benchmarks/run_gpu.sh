@@ -5,10 +5,10 @@
 #     (e.g. 'python3 benchmarks/bench_pool_plan.py --out $R/bench_pool_plan.json'); its output goes to
 #     $R/step<i>.log, the folder is packed after every step, and a step's own timeout is the caller's.
 #     Use this, not files written straight to $OUT: the device tool returns at most 8 files.
-# pending: the rows no session had device time for yet (one call, under the device's 600 s): the small models'
-# one graph / runner / compiled runner / inductor's one graph / reduce-overhead at today's defaults, every variant
-# built, compiled and timed twice (--repeat 2), so each target states the spread between two runs of one variant
-# (runs O and S differed by up to 10% for the same variant), with host ms per call (--diagnose).
+# pending: the last sweep a session queued (one call, under the device's 600 s), kept to re-run after runner
+# changes: the small models' one graph / runner / compiled runner / inductor's one graph / reduce-overhead at
+# today's defaults, every variant built, compiled and timed twice (--repeat 2) so each target states the spread
+# between two runs of one variant, with host ms and GPU time per call (--diagnose). Run U (d30d7a9) ran it.
 # Writes logs, junit XML and benchmark JSON/PNG under $OUT (default ./out/gpu).
 set -uo pipefail
 cd "$(dirname "$0")/.."

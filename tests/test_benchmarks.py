@@ -51,6 +51,8 @@ def test_merge_keeps_the_later_run_per_measurement_and_reevaluates(tmp_path):
 def test_unknown_model_or_variant_is_refused_with_the_known_names():
     with pytest.raises(SystemExit, match="unknown model or variant 'flux-7b'.*flux-9m"):
         bench_compiled.main(["--models", "flux-7b", "--dry-run"])
+    with pytest.raises(SystemExit, match="--repeat must be at least 1, got 0"):
+        bench_compiled.main(["--repeat", "0", "--dry-run"])
 
 
 def test_pool_memory_plot_is_made_from_measured_rows_only(tmp_path):
