@@ -111,6 +111,18 @@ def write_result(json_path: str, result: dict, plot) -> bool:
     return plot(result, png_path(json_path))
 
 
+def run_or_plot(args, run, plot) -> int:
+    """A benchmark's main after parsing: with ``--plot-only`` the plot of that JSON (`plot_only`); else
+    ``run(args)`` written to ``args.out`` with its plot beside it (`write_result`; a run that returns None,
+    e.g. a dry run, writes nothing). 0, or 1 for a plot that could not be drawn from ``--plot-only``."""
+    if args.plot_only:
+        return plot_only(args.plot_only, plot)
+    result = run(args)
+    if result is not None:
+        write_result(args.out, result, plot)
+    return 0
+
+
 def sync(device) -> None:
     """Wait for `device`'s queued work (CUDA); nothing elsewhere."""
     if torch.device(device).type == "cuda":

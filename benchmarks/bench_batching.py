@@ -71,6 +71,7 @@ from _common import (add_plot_only, machine_info, pick_device, plot_only, pyplot
 from bcg.diffusers import accelerate, pipeline_runners, plan_request  # noqa: E402
 from bcg.diffusers.batching import StepBatcher  # noqa: E402
 from bcg.diffusers.models import load_pipeline  # noqa: E402
+from deployments.schemas import OUTPUT_FORMATS  # noqa: E402
 
 DEFAULT_OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "bench_batching.json")
 PROMPTS = (
@@ -410,7 +411,7 @@ def parse_args(argv=None):
     p.add_argument("--via", default="engine", choices=VIAS,
                    help="engine: one StepBatcher in-process; handle / http: one replica of build_app through the "
                         "app's DeploymentHandle / POST /v1/images/generations")
-    p.add_argument("--output-format", default="png", choices=["png", "jpeg", "webp"],
+    p.add_argument("--output-format", default="png", choices=OUTPUT_FORMATS,
                    help="served requests' output_format (the replica encodes each image so; png is the default)")
     p.add_argument("--out", default=None, help="default: benchmarks/results/bench_batching[_<via>].json")
     p.add_argument("--profile", default=None, metavar="PREFIX",

@@ -593,7 +593,7 @@ def merge(paths, out):
 
 
 def main(argv=None):
-    from _common import add_plot_only, plot_only
+    from _common import add_plot_only, run_or_plot
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=DEFAULT_OUT, help="JSON path (the PNG goes next to it)")
@@ -629,15 +629,7 @@ def main(argv=None):
     args.dynamic = {"false": False, "true": True, "auto": None}[args.dynamic]
     if args.runner_compile_dynamic != "default":
         args.runner_compile_dynamic = {"false": False, "true": True, "auto": None}[args.runner_compile_dynamic]
-    if args.plot_only:
-        return plot_only(args.plot_only, plot)
-    from _common import write_result
-
-    result = run(args)
-    if result is None:
-        return 0
-    write_result(args.out, result, plot)
-    return 0
+    return run_or_plot(args, run, plot)
 
 
 if __name__ == "__main__":

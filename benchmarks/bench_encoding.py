@@ -26,8 +26,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(1, os.path.dirname(HERE))  # the repository root, for `deployments`
 
-from _common import (add_plot_only, machine_info, plot_only, pyplot, save_figure, write_json,  # noqa: E402
-                     write_result)
+from _common import add_plot_only, machine_info, pyplot, run_or_plot, save_figure, write_json  # noqa: E402
 
 DEFAULT_OUT = os.path.join(HERE, "results", "bench_encoding.json")
 
@@ -138,12 +137,7 @@ def parse_args(argv=None):
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
-    if args.plot_only:
-        return plot_only(args.plot_only, plot)
-    result = run(args)
-    write_result(args.out, result, plot)
-    return 0
+    return run_or_plot(parse_args(argv), run, plot)
 
 
 if __name__ == "__main__":

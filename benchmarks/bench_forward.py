@@ -209,17 +209,10 @@ def main(argv=None) -> int:
     parser.add_argument("--sizes", default="256,512,1024", help="square image sizes, comma separated")
     parser.add_argument("--iters", type=int, default=50)
     parser.add_argument("--warmup", type=int, default=10)
-    from _common import add_plot_only, plot_only
+    from _common import add_plot_only, run_or_plot
 
     add_plot_only(parser)
-    args = parser.parse_args(argv)
-    if args.plot_only:
-        return plot_only(args.plot_only, plot)
-    from _common import write_result
-
-    result = run(args)
-    write_result(args.out, result, plot)
-    return 0
+    return run_or_plot(parser.parse_args(argv), run, plot)
 
 
 if __name__ == "__main__":

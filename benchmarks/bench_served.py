@@ -79,6 +79,8 @@ sys.path.insert(0, HERE)
 from _common import (add_plot_only, machine_info, pick_device, plot_only, pyplot, save_figure,  # noqa: E402
                      served_split, start_local_serve, sync, write_json, write_result)
 
+from deployments.schemas import OUTPUT_FORMATS  # noqa: E402
+
 PROMPT = "a photo of a cat sitting on a red chair, studio lighting"
 MODELS = ("flux.1-dev", "wan2.1-1.3b")  # make_pipeline_dirs.PIPELINES' names: the folder names
 DEFAULT_OUT = os.path.join(HERE, "results", "bench_served.json")
@@ -434,7 +436,7 @@ def parse_args(argv=None):
     p.add_argument("--compile", action="store_true", help="served runners compile their segments (inductor)")
     p.add_argument("--runner", type=_runner_arg, default={}, help="more RunnerConfig fields: 'max_entries=8,...'")
     p.add_argument("--components", default="all", help="accelerated components of the served pipeline")
-    p.add_argument("--output-format", default="png", choices=["png", "jpeg", "webp"],
+    p.add_argument("--output-format", default="png", choices=OUTPUT_FORMATS,
                    help="the served requests' output_format (Wan: png or webp); eager returns frames unencoded")
     p.add_argument("--budget-s", type=float, default=None, help="start no new measurement after this many s")
     p.add_argument("--timeout-s", type=float, default=600.0, help="per HTTP request and the app's request timeout")

@@ -14,7 +14,7 @@ keys and warmup plan keys alike. Every error names the field it is about.
 from __future__ import annotations
 
 import dataclasses
-from typing import Annotated, Dict, Iterable, List, Literal, Optional
+from typing import Annotated, Dict, Iterable, List, Literal, Optional, get_args
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
@@ -31,6 +31,7 @@ SizeText = Annotated[str, Field(max_length=32), AfterValidator(_size_text)]
 
 # How a replica encodes a request's images (OpenAI's ``output_format``); a video is an animated PNG or WebP.
 OutputFormat = Literal["png", "jpeg", "webp"]
+OUTPUT_FORMATS = get_args(OutputFormat)
 
 
 class RequestLimits(BaseModel):
