@@ -3,7 +3,9 @@
 Stable on purpose (every benchmark imports it): ``machine_info() -> dict``,
 ``time_cuda(fn, iters=50, warmup=10) -> float`` (median milliseconds), ``write_json(path, obj)``,
 ``sync(device)``, ``pick_device(args, say) -> bool``, ``save_figure(fig, path, dpi=120) -> True`` (the CUDA-or-``--allow-cpu`` rule of the end-to-end
-benchmarks).
+benchmarks), ``time_interleaved(variants, rounds=3, measure=...) -> dict`` and ``ratio(result, a, b)``: figures
+that survive a re-run (variants timed A, B, A, B, ... in one process; a ratio is a median with its min-max
+over rounds).
 """
 from __future__ import annotations
 
@@ -62,6 +64,53 @@ def time_cuda(fn, iters: int = 50, warmup: int = 10) -> float:
         end.record()
     torch.cuda.synchronize()
     return statistics.median(start.elapsed_time(end) for start, end in zip(starts, ends))
+
+
+def time_interleaved(variants: dict, rounds: int = 3, measure=None, on_round=None) -> dict:
+    """Time every variant once per round, in turn (A, B, A, B, ...), for ``rounds`` rounds (>= 3).
+
+    ``variants``: ``{name: fn}``. ``measure(fn) -> float`` gives one round's figure for one variant (default:
+    `time_cuda` with 20 iterations after 3 warm ones, on CUDA; wall-clock ms of one call elsewhere).
+    ``on_round(round_index, partial_result)`` is called after each round (write partial JSON there).
+    Returns ``{name: {"rounds": [...], "median": m, "min": lo, "max": hi}}``: drift on the machine
+    (clocks, a host-bound neighbour) hits every variant alike, so ratios between them survive a re-run
+    where a ratio against another run's figure does not.
+    """
+    if rounds < 3:
+        raise ValueError(f"rounds must be >= 3 for a median with its spread, got {rounds}")
+    if not variants:
+        raise ValueError("variants is empty: give at least one {name: fn}")
+    if measure is None:
+        measure = _default_measure
+    per = {name: [] for name in variants}
+    result: dict = {}
+    for index in range(rounds):
+        for name, fn in variants.items():
+            per[name].append(float(measure(fn)))
+        result = {name: _spread(values) for name, values in per.items()}
+        if on_round is not None:
+            on_round(index, result)
+    return result
+
+
+def ratio(result: dict, numerator: str, denominator: str) -> dict:
+    """Per-round ``result[numerator] / result[denominator]`` (e.g. slower / faster = a speed-up), as a
+    median with min and max: the rounds pair variants timed next to each other."""
+    a, b = result[numerator]["rounds"], result[denominator]["rounds"]
+    return _spread([x / y for x, y in zip(a, b) if y])
+
+
+def _spread(values) -> dict:
+    return {"rounds": [round(v, 4) for v in values], "median": round(statistics.median(values), 4),
+            "min": round(min(values), 4), "max": round(max(values), 4)}
+
+
+def _default_measure(fn) -> float:
+    if torch.cuda.is_available():
+        return time_cuda(fn, iters=20, warmup=3)
+    start = time.perf_counter()
+    fn()
+    return (time.perf_counter() - start) * 1e3
 
 
 def write_json(path, obj) -> None:
