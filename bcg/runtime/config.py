@@ -13,6 +13,9 @@ import re
 import typing
 from typing import Optional
 
+from bcg.runtime.attention import ATTENTION_BACKENDS
+from bcg.runtime.quantize import QUANTIZE_MODES
+
 logger = logging.getLogger(__name__)
 
 __all__ = ["RunnerConfig"]
@@ -67,6 +70,20 @@ class RunnerConfig:
         everywhere: static kernels took 3.7% and 2.8% less GPU time per forward than dynamic ones on
         sd3-small at 512² and 1024², and 6% more on the 9.2 M Flux at 512² (runs 2026-12-03 U and V).
     compile_mode: inductor mode: None/"default" or "max-autotune-no-cudagraphs".
+    compile_regional: compile only the module's repeated blocks (diffusers' ``_repeated_blocks``, else
+        the classes that repeat in a ``ModuleList``), each class once, and run the code around them
+        (embeddings, final norm) uncompiled inside the same graph segments: the compile takes a fraction
+        of a whole-module compile for the same kernels where the time is spent (see
+        ``bcg.runtime.compile``).
+    quantize: None, or "fp8": the module's linear layers become float8 GEMMs (torchao, dynamic per-row
+        activation scales, per-row weight scales; ``bcg.runtime.quantize``) before anything is captured
+        or compiled. Where float8 cannot run the runner says why once and keeps the module's dtype.
+    attention_backend: the attention kernel of diffusers transformers (applied by
+        ``bcg.diffusers.accelerate``; see ``bcg.runtime.attention``): "auto" (default) times the
+        available kernels per attention shape at warmup and keeps the fastest, or one of "sdpa"
+        (PyTorch's own choice), "cudnn", "flash", "efficient", "math", "fa3" (FlashAttention-3, the
+        ``fa3-fwd`` package). A kernel that is missing or refuses a shape falls back to "sdpa" with
+        a one-line reason.
     """
 
     enabled: bool = True
@@ -84,6 +101,9 @@ class RunnerConfig:
     compile: bool = False
     compile_dynamic: Optional[bool] = None
     compile_mode: Optional[str] = None
+    compile_regional: bool = False
+    quantize: Optional[str] = None
+    attention_backend: str = "auto"
 
     def __post_init__(self):
         if self.max_entries < 1:
@@ -105,6 +125,12 @@ class RunnerConfig:
         if self.compile and self.capture_warmup_runs < 1:
             raise ValueError("compile=True needs capture_warmup_runs >= 1: compilation must happen "
                              "before the capture")
+
+        if self.quantize is not None and self.quantize not in QUANTIZE_MODES:
+            raise ValueError(f"quantize must be one of {list(QUANTIZE_MODES)} or None, got {self.quantize!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {list(ATTENTION_BACKENDS)}, "
+                             f"got {self.attention_backend!r}")
 
     @classmethod
     def env_var(cls, field_name):

@@ -142,11 +142,18 @@ class BreakableGraphRunner(ModuleProxy):
         self._whole_forward = None
         # RunnerConfig.compile: inductor kernels (no inductor CUDA graphs) captured as segments. The
         # compiled forward is built once here; compilation itself happens in the warm-up run of a capture.
+        # RunnerConfig.quantize: the module's linear layers in float8 before anything is compiled or
+        # captured (a no-op when the module was quantized already; where fp8 cannot run, a reason).
+        self._quantized = None
+        if self._runner_config.quantize is not None and isinstance(module, torch.nn.Module):
+            from bcg.runtime.quantize import quantize_module
+            self._quantized = quantize_module(module, self._runner_config.quantize, device=self._device)
         self._compiled = None
         if self._runner_config.compile:
             from bcg.runtime.compile import compile_for_segments
             self._compiled = compile_for_segments(module, dynamic=self._runner_config.compile_dynamic,
-                                                  mode=self._runner_config.compile_mode)
+                                                  mode=self._runner_config.compile_mode,
+                                                  regional=self._runner_config.compile_regional)
         self._recorder = (CudaRecorder(self._device, self._runner_config)
                           if self._device.type == "cuda" else None)
         self._off = self._off_reason()
@@ -286,6 +293,7 @@ class BreakableGraphRunner(ModuleProxy):
             "entries": entries,
             "blocked": blocked,
             "compile": self._compiled.stats() if self._compiled is not None else None,
+            "quantize": self._quantized.as_dict() if self._quantized is not None else None,
         }
 
     # -- internals --------------------------------------------------------------------------------
