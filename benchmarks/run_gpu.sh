@@ -19,6 +19,10 @@ OUT=$(mktemp -d); pack() { tar -czf "$DEST/results.tgz" -C "$OUT" .; }; trap pac
 if [ -f .gpuhost/site.tar.xz ] && [ ! -d .gpuhost/site/ray ]; then
   mkdir -p .gpuhost/site && tar -xJf .gpuhost/site.tar.xz -C .gpuhost/site
 fi
+# FlashAttention-3 forward (the fa3-fwd wheel's files, xz-packed: attention_backend fa3 / auto)
+if [ -f .gpuhost/fa3.tar.xz ] && [ ! -d .gpuhost/site/fa3_fwd ]; then
+  tar -xJf .gpuhost/fa3.tar.xz -C .gpuhost/site
+fi
 export PYTHONPATH=$PWD/.gpuhost/site:$PWD PYTHONUNBUFFERED=1 RAY_AUTH_MODE=disabled
 what=${1:-all}; shift || true
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/machine.txt"

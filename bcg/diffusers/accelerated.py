@@ -30,7 +30,8 @@ from bcg.diffusers.placement import placement_stats
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["COMPONENTS", "accelerate", "pipeline_call_scope", "pipeline_runners", "pipeline_stats", "unaccelerate"]
+__all__ = ["COMPONENTS", "accelerate", "pipeline_call_scope", "pipeline_runners", "pipeline_stats",
+           "prepare_transformer", "unaccelerate"]
 
 # --------------------------------------------------------------------------------------------------
 # accelerated pipelines
@@ -81,6 +82,17 @@ def pipeline_stats(pipe) -> dict:
             out[name]["placement"] = placement_stats(runner.module)
             out[name]["attention"] = attention_stats(runner.module)
     return out
+
+
+def prepare_transformer(module, config, policy: Any = "auto"):
+    """What `accelerate` does to a transformer before its runner wraps it: float8 linears
+    (``config.quantize``), the attention kernel per shape (``config.attention_backend``), then breaks per
+    `policy`. Returns `module`."""
+    if config.quantize is not None:  # before the attention kernels are timed on it
+        quantize_module(module, config.quantize)
+    _set_attention(module, config.attention_backend)
+    install_breaks(module, policy)
+    return module
 
 
 def _set_attention(module, backend: str) -> None:
@@ -389,10 +401,7 @@ def accelerate(pipe, config=None, policy: Any = "auto", components: Iterable[str
                 runners[name] = module
                 continue
             if name in _TRANSFORMERS:
-                if config.quantize is not None:  # before the attention kernels are timed on it
-                    quantize_module(module, config.quantize)
-                _set_attention(module, config.attention_backend)
-                install_breaks(module, policy)
+                prepare_transformer(module, config, policy)
             runner = BreakableGraphRunner(module, config=config if name in _TRANSFORMERS else other_config)
             # Bypass DiffusionPipeline.__setattr__: model_index must keep naming the real class.
             object.__setattr__(pipe, name, runner)

@@ -68,6 +68,7 @@ def set_attention_backend(transformer: torch.nn.Module, backend: str = "auto", d
 
     Calling it again replaces the backend. Raises if breaks are already installed (set the backend first).
     """
+    _refuse_under_breaks(transformer, "call set_attention_backend before install_breaks (bcg.diffusers.accelerate does)")
     remove_attention_backend(transformer)
     if device is None:
         first = next(transformer.parameters(), None)
@@ -79,9 +80,6 @@ def set_attention_backend(transformer: torch.nn.Module, backend: str = "auto", d
         if not has_processor(module):
             continue
         processor = module.processor
-        if getattr(type(processor), "__bcg_base__", None) is not None:
-            raise ValueError(f"{name} already has a break installed; call set_attention_backend before "
-                             "install_breaks (bcg.diffusers.accelerate does)")
         if getattr(processor, "_attention_backend", "missing") is not None:
             continue  # a diffusers backend chosen for this processor (or none it would read): keep it
         cls = _dispatching_class(type(processor), classes)
@@ -99,8 +97,15 @@ def set_attention_backend(transformer: torch.nn.Module, backend: str = "auto", d
     return dispatch
 
 
+def _refuse_under_breaks(transformer, fix: str) -> None:
+    for name, module in transformer.named_modules():
+        if has_processor(module) and getattr(type(module.processor), "__bcg_base__", None) is not None:
+            raise ValueError(f"{name or type(transformer).__name__} has a break installed over its processor; {fix}")
+
+
 def remove_attention_backend(transformer: torch.nn.Module) -> None:
-    """Put the original processors back."""
+    """Put the original processors back (remove breaks first: they wrap the routed processors)."""
+    _refuse_under_breaks(transformer, "call remove_breaks first")
     for module in transformer.modules():
         original = module.__dict__.pop(_ORIGINAL_ATTR, None)
         if original is not None:

@@ -5,8 +5,9 @@ Kernels (`ATTENTION_BACKENDS`): ``"sdpa"`` (``F.scaled_dot_product_attention`` w
 the reference and the fallback), ``"cudnn"``, ``"flash"``, ``"efficient"``, ``"math"`` (SDPA restricted to
 one of its backends), ``"fa3"`` (FlashAttention-3 forward from the ``fa3-fwd`` package: Hopper GPUs,
 bf16, head dims up to 256, no mask). ``"auto"`` times the candidates (`AUTO_CANDIDATES` that are
-available here) on the first call of each shape and keeps the fastest for that shape; SDPA already
-picks the fastest of its own backends, so auto weighs it against kernels outside PyTorch.
+available here) on the first call of each shape and keeps the fastest for that shape, SDPA unless
+another kernel is at least 3% faster; SDPA already picks the fastest of its own backends, so auto weighs
+it against kernels outside PyTorch.
 
 When the choice is made: on the first call of a shape outside a CUDA graph capture -- the runner's
 warm-up run before each capture is one. In code that dynamo compiles, the choice is a constant of the
@@ -40,6 +41,7 @@ AUTO_CANDIDATES = ("sdpa", "fa3")
 _SDPA_BACKENDS = {"cudnn": "CUDNN_ATTENTION", "flash": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION",
                   "math": "MATH"}
 _TIMING_ITERS = 5
+_AUTO_MARGIN = 0.03   # "auto" leaves SDPA only for a kernel at least this much faster
 
 
 def backend_unavailable_reason(name: str, device: torch.device | None = None) -> str | None:
@@ -160,6 +162,8 @@ class AttentionDispatch:
         else:
             timed = {n: _time_kernel(n, shape, is_causal, self.device) for n in takers}
             name, source = min(timed, key=timed.get), "timed"
+            if "sdpa" in timed and timed[name] > timed["sdpa"] * (1 - _AUTO_MARGIN):
+                name = "sdpa"  # within the timing's noise of PyTorch's own choice: keep the reference
         record = {"shape": shape.summary(), "backend": name, "source": source,
                   "ms": {n: round(ms, 4) for n, ms in timed.items()}}
         with self._lock:
