@@ -35,6 +35,7 @@ Contract:
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import inspect
@@ -163,7 +164,9 @@ class AutoPlacement:
             if key in self._probed:
                 return self.original(*args, **kwargs)
             start = time.perf_counter()
-            with HostOpProbe(self.module, device) as probe:
+            # compiled code inside the forward (regionally compiled blocks) runs eagerly under the probe:
+            # dynamo would otherwise meet the probe's torch-function modes and skip those frames for good
+            with _eager_stance(), HostOpProbe(self.module, device) as probe:
                 out = self.original(*args, **kwargs)
             probe_ms = (time.perf_counter() - start) * 1e3
             self.probe_ms += probe_ms
@@ -314,6 +317,11 @@ class AutoPlacement:
                             "ops": [str(op) for op in r["ops"]]} for p, r in sorted(self.places.items())],
                 "unplaced": [str(op) for op in self.unplaced],
             }
+
+
+def _eager_stance():
+    set_stance = getattr(torch.compiler, "set_stance", None)
+    return set_stance("force_eager") if set_stance is not None else contextlib.nullcontext()
 
 
 def _covered(findings: Mapping[Place, list[HostOp]], installed: Mapping[Place, Any]) -> dict[Place, list[HostOp]]:

@@ -22,6 +22,7 @@ FlashAttention's); each kernel takes either through views, no copies.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
@@ -66,7 +67,7 @@ def backend_unavailable_reason(name: str, device: torch.device | None = None) ->
 
 
 def _fa3_forward():
-    import fa3_fwd_interface  # registers torch.ops.fa3_fwd (a custom op with a fake kernel: compiles)
+    import fa3_fwd_interface  # registers torch.ops.fa3_fwd._flash_attn_forward (with a fake kernel: compiles)
 
     return fa3_fwd_interface._flash_attn_forward
 
@@ -267,11 +268,22 @@ def _fa3(query, key, value, attn_mask, is_causal, scale, layout):
 
     if scale is None:
         scale = 1.0 / math.sqrt(query.shape[-1])
-    out = _fa3_forward()(bshd(query), bshd(key), bshd(value), softmax_scale=scale, causal=is_causal)[0]
+    # the registered op (torch.ops), not the Python CustomOpDef object: dynamo and inductor take it as one op
+    out = torch.ops.fa3_fwd._flash_attn_forward(bshd(query), bshd(key), bshd(value), softmax_scale=scale,
+                                                causal=is_causal)[0]
     return out if layout == "bshd" else out.transpose(1, 2)
 
 
 _KERNELS = {"sdpa": _sdpa, "fa3": _fa3, **{name: _sdpa_only(name) for name in _SDPA_BACKENDS}}
+
+
+def _no_modes():
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    stack = contextlib.ExitStack()
+    stack.enter_context(torch._C.DisableTorchFunction())
+    stack.enter_context(_disable_current_modes())
+    return stack
 
 
 def _time_kernel(name: str, shape: _Shape, is_causal: bool, device) -> float:
@@ -282,7 +294,9 @@ def _time_kernel(name: str, shape: _Shape, is_causal: bool, device) -> float:
     v = torch.randn_like(k)
     kernel = _KERNELS[name]
     try:
-        with torch.no_grad():
+        # timed as a kernel, not through whatever torch-function or dispatch modes are active (the
+        # first call of a shape may be a break-placement probe, whose modes slow every launch)
+        with torch.no_grad(), _no_modes():
             kernel(q, k, v, None, is_causal, None, "bshd")
             torch.cuda.synchronize(device)
             times = []

@@ -12,8 +12,10 @@ Ada and Hopper), torchao not installed, a layer torchao refuses -- nothing is ch
 `QuantizeReport` says why (``applied=False``, ``reason``) and one warning is logged. A caller serves the
 module in its own dtype then; a request never fails because of it.
 
-Layers whose input or output features are not multiples of 16 (float8 GEMMs need that), and the
-layers a caller names in ``skip`` (fnmatch patterns on qualified names), stay in their dtype.
+Layers whose input or output features are not multiples of 16 (float8 GEMMs need that), layers whose
+weights are not bf16 (the per-row scheme takes bf16 only; e.g. the modules a model keeps in fp32, such as
+Wan's ``_keep_in_fp32_modules``), and the layers a caller names in ``skip`` (fnmatch patterns on qualified
+names), stay in their dtype.
 """
 from __future__ import annotations
 
@@ -95,7 +97,8 @@ def quantize_module(module: torch.nn.Module, mode: str | None, *, skip: Iterable
     for name, sub in module.named_modules():
         if not isinstance(sub, torch.nn.Linear):
             continue
-        if any(fnmatch.fnmatchcase(name, p) for p in patterns) or sub.in_features % 16 or sub.out_features % 16:
+        if (any(fnmatch.fnmatchcase(name, p) for p in patterns) or sub.in_features % 16 or sub.out_features % 16
+                or sub.weight.dtype != torch.bfloat16):  # the per-row scheme takes bf16 weights only
             skipped += 1
             continue
         chosen.add(id(sub))
