@@ -127,6 +127,18 @@ class AttentionDispatch:
         self._choices: dict[_Shape, dict] = {}
         self._fallbacks: dict[str, int] = {}
         self._warned: set = set()
+        # The choice as a constant of a dynamo trace: dynamo calls these while tracing (their arguments are
+        # Python constants: ints, a dtype, bools) and compiles the chosen kernel's call. Closures over
+        # this dispatch, reached through it (a source dynamo can guard), not module functions taking it.
+
+        def choose(dims: tuple, dtype: torch.dtype, masked: bool, is_causal: bool) -> str:
+            return self.choose(_Shape(*dims, dtype=_dtype_name(dtype)), masked, is_causal)
+
+        def choose_dynamic(heads: tuple, dtype: torch.dtype, masked: bool) -> str:
+            return self.choose_for_heads((*heads, _dtype_name(dtype)), masked)
+
+        self._choose = torch._dynamo.assume_constant_result(choose)
+        self._choose_dynamic = torch._dynamo.assume_constant_result(choose_dynamic)
 
     # -- calls ------------------------------------------------------------------------------------
 
@@ -135,9 +147,9 @@ class AttentionDispatch:
         dims = _dims_of(query, key, layout)
         masked = attn_mask is not None
         if dims is None:  # symbolic sizes while dynamo traces: the choice made for this head layout
-            name = _choose_dynamic(self, _head_dims(query, key, layout), query.dtype, masked)
+            name = self._choose_dynamic(_head_dims(query, key, layout), query.dtype, masked)
         else:
-            name = _choose(self, dims, query.dtype, masked, is_causal)
+            name = self._choose(dims, query.dtype, masked, is_causal)
         return _KERNELS[name](query, key, value, attn_mask, is_causal, scale, layout)
 
     # -- choice -----------------------------------------------------------------------------------
@@ -198,20 +210,7 @@ class AttentionDispatch:
             logger.info("attention: %s", reason)
 
 
-# -- the choice as a constant of a dynamo trace ----------------------------------------------------
-
-# Arguments are Python constants (ints, a dtype, bools) and the dispatch object, so dynamo can call these
-# while tracing and keep the answer as a constant of the compiled code.
-
-@torch._dynamo.assume_constant_result
-def _choose(dispatch: AttentionDispatch, dims: tuple, dtype: torch.dtype, masked: bool, is_causal: bool) -> str:
-    return dispatch.choose(_Shape(*dims, dtype=_dtype_name(dtype)), masked, is_causal)
-
-
-@torch._dynamo.assume_constant_result
-def _choose_dynamic(dispatch: AttentionDispatch, heads: tuple, dtype: torch.dtype, masked: bool) -> str:
-    return dispatch.choose_for_heads((*heads, _dtype_name(dtype)), masked)
-
+# -- helpers ---------------------------------------------------------------------------------------
 
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
