@@ -8,7 +8,8 @@ one call records the inductor kernels into its segments while the breaks stay ea
 
 Contract:
 - ``CompiledForward(*args, **kwargs)`` runs the compiled forward (under ``torch.no_grad()`` unless
-  ``inference=False``) and compiles whatever the call needs. Compilation must not happen inside a CUDA
+  ``inference=False``) and compiles whatever the call needs (regional: the first call of a signature runs
+  the forward twice, since code around the regions may run the first one eagerly). Compilation must not happen inside a CUDA
   graph capture (inductor autotunes by running kernels): the first call of each signature must be an
   ordinary call (the runner's warm-up run on the capture stream is one). A call that would compile during
   a capture raises ``RuntimeError`` before running (new signature) or from the backend (recompile).
@@ -257,6 +258,11 @@ class CompiledForward(ModuleProxy):
                 try:
                     with self._context():
                         out = self._compiled(*args, **kwargs)
+                        if first and self._regions:
+                            # With regional compilation the code around the regions is plain Python: the
+                            # first call may run eagerly as a whole (a break-placement probe does), leaving
+                            # the regions uncompiled; a second call compiles them here, not in a capture.
+                            out = self._compiled(*args, **kwargs)
                 except BaseException:
                     if first:  # not compiled after all: the next call is a first call again
                         self._signatures.pop(signature, None)

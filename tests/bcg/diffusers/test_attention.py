@@ -101,3 +101,27 @@ def test_accelerate_routes_the_transformer_only_where_there_is_a_choice():
     finally:
         unaccelerate(pipe)
     assert attention_stats(pipe.transformer) is None
+
+
+def test_regional_compile_under_automatic_placement_compiles_in_the_first_call():
+    """The placement probe runs the first call eagerly (compiled regions included); the compiled forward's
+    first call of a signature still leaves the regions compiled, so a capture after it never compiles."""
+    transformer = load_pipeline("tiny-flux").transformer
+    install_breaks(transformer, "auto")
+    g = torch.Generator().manual_seed(0)
+    inputs = dict(hidden_states=torch.randn(1, 16, transformer.config.in_channels, generator=g),
+                  timestep=torch.tensor([0.5]), guidance=torch.tensor([3.5]),
+                  encoder_hidden_states=torch.randn(1, 32, transformer.config.joint_attention_dim, generator=g),
+                  pooled_projections=torch.randn(1, transformer.config.pooled_projection_dim, generator=g),
+                  img_ids=torch.zeros(16, 3), txt_ids=torch.zeros(32, 3), return_dict=False)
+    try:
+        compiled = compile_for_segments(transformer, backend="aot_eager", regional=True)
+        compiled(**inputs)
+        after_first = compiled.stats()["graphs_compiled"]
+        compiled(**inputs)
+        assert after_first >= 2 and compiled.stats()["graphs_compiled"] == after_first
+        assert transformer._bcg_placement.probes == 1
+    finally:
+        for block in [*transformer.transformer_blocks, *transformer.single_transformer_blocks]:
+            block._compiled_call_impl = None
+        remove_breaks(transformer)
