@@ -184,7 +184,7 @@ def model_section(args, result, out_path, model):
             row[variant] = {"warmup_s": round(time.perf_counter() - start, 2), "compile_s": round(compiled / 1e3, 2),
                             "captures": stats["captures"], "entries": stats["num_entries"],
                             "vs_bf16_eager": error_figures(out, references[size].to(out.device)),
-                            "attention": _attention_of(runner.module)}
+                            "attention": _attention_of(runner.module), "compile": _compile_summary(stats)}
             log(f"{model} {size} {variant}: warm in {row[variant]['warmup_s']} s "
                 f"(compile {row[variant]['compile_s']} s); {row[variant]['vs_bf16_eager']}")
             warm[variant] = runner
@@ -214,6 +214,19 @@ def model_section(args, result, out_path, model):
         log(f"{model} {size}: ms {({n: v['median'] for n, v in row['ms'].items()})}"
             f"{'; fp8 speed-up ' + str(row['fp8_speedup']) if 'fp8_speedup' in row else ''}")
         write_json(out_path, result)
+
+
+def _compile_summary(stats):
+    compiled = stats.get("compile")
+    if not compiled:
+        return None
+    reasons = []
+    for frame in compiled["frames"]:
+        for reason in frame.get("recompile_reasons", []):
+            if reason not in reasons:
+                reasons.append(reason)
+    return {k: compiled[k] for k in ("regional", "graphs_compiled", "frames_compiled", "recompiles", "graph_breaks",
+                                     "backend_ms_total")} | {"recompile_reasons": reasons[:8]}
 
 
 def _attention_of(module):

@@ -41,7 +41,8 @@ ATTENTION_BACKENDS = ("auto", "sdpa", "cudnn", "flash", "efficient", "math", "fa
 AUTO_CANDIDATES = ("sdpa", "fa3")
 _SDPA_BACKENDS = {"cudnn": "CUDNN_ATTENTION", "flash": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION",
                   "math": "MATH"}
-_TIMING_ITERS = 5
+_TIMING_ITERS = 8
+_TIMING_ROUNDS = 3
 _AUTO_MARGIN = 0.03   # "auto" leaves SDPA only for a kernel at least this much faster
 
 
@@ -299,13 +300,14 @@ def _time_kernel(name: str, shape: _Shape, is_causal: bool, device) -> float:
             kernel(q, k, v, None, is_causal, None, "bshd")
             torch.cuda.synchronize(device)
             times = []
-            for _ in range(_TIMING_ITERS):
+            for _ in range(_TIMING_ROUNDS):  # calls back to back: the GPU's time, not the host's launches
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record()
-                kernel(q, k, v, None, is_causal, None, "bshd")
+                for _ in range(_TIMING_ITERS):
+                    kernel(q, k, v, None, is_causal, None, "bshd")
                 end.record()
                 end.synchronize()
-                times.append(start.elapsed_time(end))
+                times.append(start.elapsed_time(end) / _TIMING_ITERS)
     except RuntimeError as exc:  # the kernel refused this shape after all: never chosen
         logger.info("attention %s: %s failed (%s)", shape.summary(), name, str(exc).splitlines()[0][:200])
         return math.inf
