@@ -145,6 +145,7 @@ class ReplicaEngine:
         self.pipe = accelerate(pipe, config=config, components=pipeline_components(pipe, components))
         self.pipe.set_progress_bar_config(disable=True)
         self.runners = pipeline_runners(self.pipe)
+        self._log_kernels(config)
         self.info = {**pipeline_info(self.pipe), "model": model, "device": self.device,
                      "components": sorted(self.runners)}
         self.warmup_steps = warmup_steps
@@ -186,6 +187,33 @@ class ReplicaEngine:
     def served(self) -> Dict[str, int]:
         """Replays and eager calls of all runners while serving requests (warmups not counted)."""
         return dict(self._served)
+
+    def kernel_stats(self) -> dict:
+        """What the transformers run: float8 or not (and why not), the attention kernel chosen per shape."""
+        from bcg.diffusers import attention_stats
+        from bcg.runtime.quantize import quantize_report
+
+        out = {}
+        for name, runner in self.runners.items():
+            if not name.startswith("transformer"):
+                continue
+            report = quantize_report(runner.module)
+            out[name] = {"quantize": report.as_dict() if report is not None else None,
+                         "attention": attention_stats(runner.module)}
+        return out
+
+    def _log_kernels(self, config) -> None:
+        """One line at start: float8 on or why not, and the attention backend asked for."""
+        for name, kernels in self.kernel_stats().items():
+            q = kernels["quantize"]
+            fp8 = ("off" if q is None else f"on ({q['layers']} linear layers, {q['scheme']})" if q["applied"]
+                   else f"OFF, serving {str(config.quantize)!r} as the model's dtype: {q['reason']}")
+            attention = kernels["attention"]
+            kernel = ("sdpa (the only kernel here)" if attention is None else
+                      f"{attention['backend']} over {attention['candidates']}"
+                      + (f"; unavailable: {attention['unavailable']}" if attention["unavailable"] else ""))
+            log = logger.warning if q is not None and not q["applied"] else logger.info
+            log("%s: fp8 %s; attention %s", name, fp8, kernel)
 
     def runner_stats(self) -> dict:
         """The runners' stats after the last pipeline run (a snapshot: never waits for a capture)."""
