@@ -1,4 +1,5 @@
-"""Shared test setup: `gpu` tests skip cleanly without CUDA."""
+"""Shared test setup: `gpu` tests skip cleanly without CUDA; `saved_figures` keeps the figures a test's
+benchmark plots saved."""
 import pytest
 import torch
 
@@ -10,3 +11,18 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def saved_figures(monkeypatch):
+    """Every matplotlib figure saved while the test runs, in order (the figure object, after ``savefig``)."""
+    from matplotlib.figure import Figure
+
+    figures, savefig = [], Figure.savefig
+
+    def keep(fig, *args, **kwargs):
+        figures.append(fig)
+        return savefig(fig, *args, **kwargs)
+
+    monkeypatch.setattr(Figure, "savefig", keep)
+    return figures
