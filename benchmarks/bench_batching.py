@@ -105,7 +105,7 @@ def arrivals(n: int, rate: float, seed: int) -> list[float]:
 
 def transformer_flops_per_row(pipe, args) -> dict:
     """FLOPs of one transformer row (one image, one call), estimated from one prepared request's shapes."""
-    from bcg.diffusers.breaks import unwrap_runner
+    from bcg.runtime.proxy import unwrap_runner
     from bcg.diffusers.families import family_of
 
     module = unwrap_runner(pipe.transformer)

@@ -13,7 +13,7 @@ over all their prompts, padded to a bucket of prompts, then each its own latents
 
 One step is one transformer call (two for Flux's true CFG) over the group's rows, padded up to the next
 of ``batch_buckets`` by repeating a real row, so an accelerated transformer replays one graph per bucket;
-rows above the largest bucket run unpadded. The family hooks (`bcg.diffusers.step_families`) build the
+rows above the largest bucket run unpadded. The family hooks (`bcg.diffusers.steps`) build the
 inputs exactly as the pipeline does, so ``warmup(keys)`` (``<key>.b<bucket>`` per bucket, run by
 `warmup_pipeline` with that many prompts) captures the graphs the batcher replays: the transformer's and
 the VAE decoder's per row bucket, the text encoders' per prompt bucket.
@@ -29,7 +29,7 @@ per request (a failed preparation puts the generators back first), so only the r
 fail. Pipelines without step hooks (anything but Flux and SD3 today) and
 requests with arguments the hooks do not batch run alone through ``pipe(**kwargs)``, one whole request per
 `step()`, taking their turn in the round-robin; their PIL images are made from 8 bits converted on the
-device, answered from the answers thread (`bcg.diffusers.step_base.pipeline_call_async`).
+device, answered from the answers thread (`bcg.diffusers.steps.pipeline_call_async`).
 
 Threads: every pipeline call runs on the thread that calls `step()`: `start()` runs a daemon loop thread
 that does, tests may call `step()` themselves. `submit` / `submit_planned` are thread-safe and return a
@@ -57,8 +57,7 @@ from bcg.diffusers.batch_queue import ALONE, BatcherConfig, QueuedRequest, Reque
 from bcg.diffusers.buckets import ShapeKey, parse_plan
 from bcg.diffusers.families import family_of
 from bcg.diffusers.accelerated import pipeline_call_scope
-from bcg.diffusers.step_base import pipeline_call_async
-from bcg.diffusers.step_families import StepFamily
+from bcg.diffusers.steps import StepFamily, pipeline_call_async
 
 logger = logging.getLogger(__name__)
 

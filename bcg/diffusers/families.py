@@ -141,7 +141,7 @@ class ModelFamily:
 # Exact sizes (no aspect-ratio bins) and prompts as given (caption cleaning needs bs4/ftfy).
 _EXACT = MappingProxyType({"use_resolution_binning": False, "clean_caption": False})
 
-_STEPS = "bcg.diffusers.step_families:"
+_STEPS = "bcg.diffusers.steps:"
 
 GENERIC = ModelFamily("generic", (), video=None)
 

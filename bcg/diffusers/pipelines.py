@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import inspect
 import logging
 import time
 from typing import Any, Iterable
@@ -20,10 +19,11 @@ from typing import Any, Iterable
 import torch
 
 from bcg.diffusers.accelerated import pipeline_runners
-from bcg.diffusers.breaks import unwrap_runner
 from bcg.diffusers.buckets import ShapeKey, buckets_up_to, check_shape, parse_plan, parse_size, request_shape_key
 from bcg.diffusers.buckets import prompt_bucket as _bucket_for
+from bcg.diffusers.call_args import call_defaults, call_parameters
 from bcg.diffusers.families import family_named, family_of
+from bcg.runtime.proxy import unwrap_runner
 
 logger = logging.getLogger(__name__)
 
@@ -33,27 +33,15 @@ __all__ = ["count_prompt_tokens", "generate", "pipeline_info", "plan_request", "
 # pipeline facts
 
 
-def _call_defaults(pipe) -> dict:
-    """Defaults of the pipeline class's ``__call__`` (cached on the class: read once per class, not per request)."""
-    cls = type(pipe)
-    cached = cls.__dict__.get("__bcg_call_defaults__")
-    if cached is None:
-        params = inspect.signature(cls.__call__).parameters
-        cached = {name: p.default for name, p in params.items() if p.default is not inspect.Parameter.empty} | {
-            "__params__": frozenset(params)}
-        setattr(cls, "__bcg_call_defaults__", cached)
-    return cached
-
-
 def pipeline_info(pipe) -> dict:
     """Plain facts the serving layer needs: family, size multiple, defaults, prompt buckets, video or not."""
     family = family_of(pipe)
-    defaults = _call_defaults(pipe)
+    defaults = call_defaults(pipe)
     transformer = unwrap_runner(getattr(pipe, "transformer", None))
     config = getattr(transformer, "config", None)
     patch = getattr(config, "patch_size", 1) or 1
     patch = patch[-1] if isinstance(patch, (tuple, list)) else patch
-    is_video = family.video if family.video is not None else "num_frames" in defaults["__params__"]
+    is_video = family.video if family.video is not None else "num_frames" in call_parameters(pipe)
     if is_video:
         spatial = getattr(pipe, "vae_scale_factor_spatial", 8)
     else:
