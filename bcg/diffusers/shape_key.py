@@ -8,7 +8,7 @@
 ``.key`` is a stable, readable string: ``"1024x1024"`` for the plain case, else suffixes in a fixed order,
 e.g. ``"768x512.f17.b2.cfg.p128"``. Sizes are written **width x height**, as in the OpenAI Images API
 ``size`` field ("1792x1024" is landscape). `ShapeKey.parse` is the inverse and also accepts a bare
-``"WxH"``.
+``"WxH"``. `ShapeKey.group` and `ShapeKey.with_batch` are its batch-free and per-bucket forms.
 """
 from __future__ import annotations
 
@@ -74,6 +74,17 @@ class ShapeKey:
 
     def __str__(self) -> str:
         return self.key
+
+    @property
+    def group(self) -> "ShapeKey":
+        """The key with one image per prompt: requests of one group can share a step batch, whatever
+        their image counts (``ShapeKey.batch_size`` is images per prompt, not the batcher's rows)."""
+        return self if self.batch_size == 1 else dataclasses.replace(self, batch_size=1)
+
+    def with_batch(self, batch_size: int) -> "ShapeKey":
+        """The key of the same request with `batch_size` images per prompt (a batch bucket's key:
+        ``K.with_batch(4)`` is ``K.b4``)."""
+        return dataclasses.replace(self, batch_size=batch_size)
 
     @classmethod
     def parse(cls, text: str) -> "ShapeKey":
