@@ -1,5 +1,4 @@
-"""Shared test setup: `gpu` tests skip cleanly without CUDA; `saved_figures` keeps the figures a test's
-benchmark plots saved."""
+"""Shared test setup: `gpu` tests skip cleanly without CUDA."""
 import pytest
 import torch
 
