@@ -360,13 +360,13 @@ def swap_in_flux_2p5b(pipe, device):
     from diffusers import FluxPipeline
 
     from bench_compiled import build_model
-    from bcg.diffusers.models import _clip_text, _t5_encoder, _vae_kl
+    from bcg.diffusers.builtin_models import clip_text, t5_encoder, vae_kl
 
     dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
     transformer = build_model("flux-2.5b", device, dtype)
     torch.manual_seed(0)
-    text_encoder, text_encoder_2 = _clip_text(768), _t5_encoder(4096)
-    vae = _vae_kl(transformer.config.in_channels // 4, shift_factor=0.1)
+    text_encoder, text_encoder_2 = clip_text(768), t5_encoder(4096)
+    vae = vae_kl(transformer.config.in_channels // 4, shift_factor=0.1)
     out = FluxPipeline(scheduler=pipe.scheduler, vae=vae, text_encoder=text_encoder, tokenizer=pipe.tokenizer,
                        text_encoder_2=text_encoder_2, tokenizer_2=pipe.tokenizer_2, transformer=transformer)
     for module in (text_encoder, text_encoder_2, vae):
