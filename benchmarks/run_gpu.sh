@@ -8,7 +8,7 @@
 # pending: the last sweep a session queued (one call, under the device's 600 s), kept to re-run after runner
 # changes: the small models' one graph / runner / compiled runner / inductor's one graph / reduce-overhead at
 # today's defaults, every variant built, compiled and timed twice (--repeat 2) so each target states the spread
-# between two runs of one variant, with host ms and GPU time per call (--diagnose). Run U (d30d7a9) ran it.
+# between two runs of one variant, with host ms and GPU time per call (--diagnose).
 # Writes logs, junit XML and benchmark JSON/PNG under $OUT (default ./out/gpu).
 set -uo pipefail
 cd "$(dirname "$0")/.."

@@ -20,7 +20,7 @@ import logging
 
 import torch
 
-from bcg.diffusers.breaks import core_of, has_processor, with_globals
+from bcg.diffusers.wrapping import core_of, has_processor, with_globals
 from bcg.runtime.attention import AttentionDispatch
 
 logger = logging.getLogger(__name__)

@@ -68,7 +68,8 @@ class RunnerConfig:
         shape, whose dynamic kernels then serve every later shape), True compiles dynamic shapes from the
         start, False specialises per shape (one compile per signature at warmup). Neither is faster
         everywhere: static kernels took 3.7% and 2.8% less GPU time per forward than dynamic ones on
-        sd3-small at 512² and 1024², and 6% more on the 9.2 M Flux at 512² (runs 2026-12-03 U and V).
+        sd3-small at 512² and 1024², and 6% more on the 9.2 M Flux at 512² (benchmarks/results/
+        bench_compiled_small_repeat.json against bench_compiled_small_static_repeat.json).
     compile_mode: inductor mode: None/"default" or "max-autotune-no-cudagraphs".
     compile_regional: compile only the module's repeated blocks (diffusers' ``_repeated_blocks``, else
         the classes that repeat in a ``ModuleList``), each class once, and run the code around them
@@ -169,13 +170,19 @@ class RunnerConfig:
 
 
 def _parse(raw, annotation):
-    """Parse an environment string by the field's annotated type (bool, int, float, str, Optional)."""
+    """Parse an environment string by the field's annotated type (bool, int, float, str, Optional).
+
+    An optional field is None for "", "none", "null" or "auto". For ``Optional[bool]`` "0" is False
+    (the 1/0 grammar of every bool: ``BCG_COMPILE_DYNAMIC=0`` means static shapes); for other optional
+    fields "0" also means None (``BCG_POOL_BUDGET_BYTES=0``: no budget).
+    """
     text = raw.strip()
     base, optional = annotation, False
     if typing.get_origin(annotation) is typing.Union:
         args = [a for a in typing.get_args(annotation) if a is not type(None)]
         base, optional = args[0], len(args) < len(typing.get_args(annotation))
-    if optional and text.lower() in {"", "none", "null", "0"}:
+    none_words = {"", "none", "null", "auto"} if base is bool else {"", "none", "null", "auto", "0"}
+    if optional and text.lower() in none_words:
         return None
     if base is bool:
         if text.lower() in _TRUE:

@@ -73,6 +73,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from bcg.graphs.capture import BreakOutputMismatchError, eager_on_graph, replay_token_scope
+from bcg.runtime.call_record import active_records, note_capture, note_eager, note_replay
 from bcg.runtime.config import RunnerConfig
 from bcg.runtime.entries import CaptureEntry, EntryCache
 from bcg.runtime.proxy import ModuleProxy
@@ -357,6 +358,7 @@ class BreakableGraphRunner(ModuleProxy):
             entry.last_used = time.time()
             self._entries.touch(signature)
             self._counts["replays"] += 1
+            note_replay(active_records(), self, signature.key)  # and to the callers' records (call_record)
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug("replayed %s", signature.key)
         return out, None
@@ -364,6 +366,7 @@ class BreakableGraphRunner(ModuleProxy):
     def _run_eager(self, reason, token, args, kwargs):
         with self._stats_lock:
             self._eager[reason] += 1
+            note_eager(active_records(), reason)
         lock = self._lock if self._warming else contextlib.nullcontext()
         with lock, replay_token_scope(token):
             return self._forward(capture=False)(*args, **kwargs)
@@ -427,6 +430,7 @@ class BreakableGraphRunner(ModuleProxy):
                 return False
             self._entries.add(entry)
             self._counts["captures"] += 1
+            note_capture(active_records(), self, signature.key)
             logger.info("captured %s (%s): %d segments, %d breaks, %.1f ms, %d pool bytes", signature.key,
                         signature.summary(), entry.segments, entry.breaks, entry.capture_ms, entry.pool_bytes)
             return True
