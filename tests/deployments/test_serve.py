@@ -266,4 +266,4 @@ def test_fp8_that_cannot_run_is_reported_and_requests_are_served(serve_app):
         assert answer.status_code == 200 and answer.json()["data"][0]["b64_json"]
         stats = client.get("/v1/stats").json()
     reports = [r["kernels"]["transformer"]["quantize"] for r in stats["replicas"].values()]
-    assert len(reports) == 2 and all(q["mode"] == "fp8" and not q["applied"] and "CUDA" in q["reason"] for q in reports)
+    assert len(reports) >= 2 and all(q["mode"] == "fp8" and not q["applied"] and "CUDA" in q["reason"] for q in reports)
