@@ -21,7 +21,8 @@ and dynamic-shape decisions). Contract:
 * Loading artifacts only fills torch's caches: a load that does not fit (another torch) compiles
   afresh. Nothing here raises into the caller's warmup except `ArtifactFormatError` from `decode`.
 
-Torch only: no Ray, no diffusers.
+Torch only: no Ray, no diffusers. The key format, file format and stores import no torch either (the
+coordinator holds and stores artifacts without it); torch is imported where its state is read.
 """
 from __future__ import annotations
 
@@ -40,11 +41,13 @@ import time
 import uuid
 from typing import List, Mapping, Optional
 
-import torch
-
 logger = logging.getLogger(__name__)
 
-__all__ = ["ARTIFACT_SUFFIX", "Artifact", "ArtifactFormatError", "ArtifactKey", "ArtifactStore", "CompileArtifacts",
+#: A pipeline may carry, under this attribute, the `CompileArtifacts` a replica shares its compiled code
+#: through instead of torch's mega cache (tests; a custom cache). Its presence turns the sharing on.
+ARTIFACTS_ATTR = "__bcg_compile_artifacts__"
+
+__all__ = ["ARTIFACTS_ATTR", "ARTIFACT_SUFFIX", "Artifact", "ArtifactFormatError", "ArtifactKey", "ArtifactStore", "CompileArtifacts",
            "FORMAT_VERSION", "Lookup", "NOT_COMPILE_FIELDS", "artifact_key", "decode", "encode", "open_store"]
 
 MAGIC = b"BCGCART\n"
@@ -126,6 +129,7 @@ class ArtifactKey:
 
 def environment_fields(device=None) -> dict:
     """torch, triton and Python versions, and the device the code is compiled for."""
+    import torch
     try:
         import triton
         triton_version = triton.__version__
@@ -149,6 +153,7 @@ def environment_fields(device=None) -> dict:
 def module_fingerprint(modules: Mapping[str, object]) -> str:
     """A hash of each module's class and configuration (diffusers' ``config``, else its parameter and
     buffer names, shapes and dtypes), by name."""
+    import torch
     parts = {}
     for name, module in sorted(modules.items()):
         config = getattr(module, "config", None)
@@ -168,6 +173,7 @@ def compile_fields(config) -> dict:
 
 
 def _dtype_of(modules: Mapping[str, object]) -> Optional[str]:
+    import torch
     dtypes = set()
     for module in modules.values():
         if isinstance(module, torch.nn.Module):
@@ -408,11 +414,13 @@ class CompileArtifacts:
     next compile of the same graphs reads them instead of compiling."""
 
     def save(self) -> Optional[bytes]:
+        import torch
         saved = torch.compiler.save_cache_artifacts()
         return None if saved is None else saved[0]
 
     def load(self, payload: bytes) -> dict:
         """Load `payload`; returns ``{"artifacts": count}``, raises ValueError when torch refuses it."""
+        import torch
         t0 = time.perf_counter()
         info = torch.compiler.load_cache_artifacts(payload)
         if info is None:
