@@ -123,6 +123,7 @@ class Replica:
         self._artifacts = ReplicaArtifacts(self.replica_id, coordinator, self.engine, self._in_thread, compile_wait_s)
         self._timing: Dict[str, Dict[str, float]] = {REQUEST_S: {}, COLD_REQUEST_S: {}, WARMUP_S: {}}
         self._cold_start: Optional[dict] = None  # the start-up warmup: its time and where it went
+        self._last_done_at: Optional[float] = None  # when the last request finished here
         self._compiled_at_warm = self.engine.compiled_graphs()
         logger.info("replica %s: %s loaded on %s in %.1f s", self.replica_id, model, self.engine.device,
                     time.perf_counter() - t0)
@@ -325,9 +326,15 @@ class Replica:
             self._ongoing -= 1
         self._counters["warm_requests" if warm else "cold_requests"] += 1
         self.metrics.record_request(key.key, warm, time.perf_counter() - t0)
-        name = REQUEST_S if warm else COLD_REQUEST_S  # what the router weighs a spill by
+        # what the router weighs a spill by: the replica's time per request of the key, counted from when
+        # the replica was last freed (or the request arrived): queueing here is not counted, and requests
+        # finishing together in one batch share its time
+        done = time.perf_counter()
+        service_s = done - max(t0, self._last_done_at or t0)
+        self._last_done_at = done
+        name = REQUEST_S if warm else COLD_REQUEST_S
         self._timing[name] = {**self._timing[name], key.key: moving_average(self._timing[name].get(key.key),
-                                                                             time.perf_counter() - t0)}
+                                                                             service_s)}
         if not warm:
             self._cold_keys[key.key] = self._cold_keys.get(key.key, 0) + 1
         return {"replica": self.replica_id, "warm": warm, "latency_ms": (time.perf_counter() - t0) * 1e3,

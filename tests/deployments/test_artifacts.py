@@ -1,0 +1,101 @@
+"""ArtifactRegistry (the coordinator's side of the compile-artifact hand-off) in the driver, with real Ray's
+object store: leases, waiting for another replica's compile, released and lapsed leases, refused
+offers, the store, and the reasons of a mismatch."""
+import asyncio
+
+import pytest
+import ray
+
+from bcg.runtime.compile_cache import ArtifactKey, encode
+from deployments.artifacts import ArtifactRegistry, store_root
+
+
+def _key(shape="512x512", **fields):
+    return ArtifactKey.make("FluxPipeline", shape, {"torch": "2.11.0", "device_name": "H200", **fields})
+
+
+def _run(coro):
+    return asyncio.new_event_loop().run_until_complete(coro)
+
+
+@pytest.fixture
+def registry(ray_serve, tmp_path):
+    return ArtifactRegistry(str(tmp_path / "store"), lease_s=60)
+
+
+def test_the_first_replica_compiles_and_one_asking_meanwhile_waits_for_its_artifacts(registry):
+    key = _key()
+    blob = encode(key, b"compiled code", {"replica": "a"})
+
+    async def go():
+        first = await registry.fetch(key.as_dict(), "a", wait_s=30)
+        waiting = asyncio.ensure_future(registry.fetch(key.as_dict(), "b", wait_s=30))
+        await asyncio.sleep(0.2)
+        assert not waiting.done()                       # b waits for a's compile
+        offered = await registry.offer(key.as_dict(), blob, "a")
+        answer = await waiting
+        return first, offered, answer, await answer["ref"][0]
+
+    first, offered, answer, fetched = _run(go())
+    assert first == {"status": "miss", "reasons": [], "lease": True}
+    assert offered["kept"] and offered["stored"] == key.path
+    assert answer["status"] == "hit" and answer["origin"] == {"replica": "a"} and fetched == blob
+    assert registry.counts["waits"] >= 1 and registry.counts["hits"] == 1 and registry.stats()["compiling"] == {}
+
+
+def test_a_released_lease_passes_to_the_waiting_replica(registry):
+    key = _key()
+
+    async def go():
+        await registry.fetch(key.as_dict(), "a", wait_s=30)
+        waiting = asyncio.ensure_future(registry.fetch(key.as_dict(), "b", wait_s=30))
+        await asyncio.sleep(0.1)
+        registry.release(key.as_dict(), "a")            # a's warmup failed
+        return await waiting
+
+    assert _run(go()) == {"status": "miss", "reasons": [], "lease": True}
+    assert registry.stats()["compiling"] == {key.digest: "b"}
+
+
+def test_a_lapsed_lease_or_a_wait_that_runs_out_compiles(ray_serve, tmp_path):
+    registry = ArtifactRegistry("off", lease_s=60)
+    key = _key()
+    assert registry.store is None
+    _run(registry.fetch(key.as_dict(), "a"))
+    answer = _run(registry.fetch(key.as_dict(), "b", wait_s=0.1))
+    assert answer["lease"] is False and registry.stats()["compiling"] == {key.digest: "a"}   # not stolen
+    registry.lease_s = 0.0                              # a's lease lapses (a crashed)
+    assert _run(registry.fetch(key.as_dict(), "b", wait_s=5))["lease"] is True
+    assert registry.stats()["compiling"] == {key.digest: "b"}
+
+
+def test_an_offer_that_is_not_whole_or_for_another_key_is_refused(registry):
+    key = _key()
+    _run(registry.fetch(key.as_dict(), "a"))
+    torn = encode(key, b"x" * 100)[:-10]
+    assert _run(registry.offer(key.as_dict(), torn, "a"))["kept"] is False
+    other = encode(_key(torch="2.13.0"), b"x")
+    refused = _run(registry.offer(key.as_dict(), other, "a"))
+    assert refused["kept"] is False and "torch" in refused["reason"]
+    assert registry.counts["refused_offers"] == 2 and registry.stats()["held"] == {}
+    assert registry.stats()["compiling"] == {}         # the lease went with the refusal
+
+
+def test_a_new_registry_finds_stored_artifacts_and_explains_a_mismatch(registry, tmp_path):
+    key = _key()
+    _run(registry.offer(key.as_dict(), encode(key, b"code", {"replica": "a"}), "a"))
+    fresh = ArtifactRegistry(str(tmp_path / "store"))
+    answer = _run(fresh.fetch(key.as_dict(), "z"))
+    assert answer["status"] == "hit" and answer["source"] == "store" and fresh.counts["store_hits"] == 1
+    assert ray.get(answer["ref"][0]) == encode(key, b"code", {"replica": "a"})
+    mismatch = _run(fresh.fetch(_key(**{"runner.quantize": "fp8"}).as_dict(), "z"))
+    assert mismatch["status"] == "mismatch" and mismatch["reasons"][0].startswith("runner.quantize:")
+    in_memory = ArtifactRegistry("off")
+    _run(in_memory.offer(key.as_dict(), encode(key, b"code"), "a"))
+    assert _run(in_memory.fetch(_key(device_name="A10G").as_dict(), "z"))["reasons"][0].startswith("device_name:")
+
+
+def test_compile_cache_arg_to_store_root(tmp_path):
+    assert store_root(None).endswith("bcg-compile-cache")
+    assert store_root("off") is None and store_root("") is None
+    assert store_root("s3://bucket/prefix") == "s3://bucket/prefix"
