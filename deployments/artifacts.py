@@ -85,6 +85,7 @@ class ArtifactRegistry:
         for this replica's artifacts; False when another replica compiles it and `wait_s` ran out)."""
         key = ArtifactKey.from_dict(key_dict)
         deadline = time.monotonic() + max(0.0, wait_s)
+        waited_s = 0.0
         stored_reasons: List[str] = []
         looked_in_store = False
         while True:
@@ -95,7 +96,7 @@ class ArtifactRegistry:
             if held is not None:
                 self.counts["hits"] += 1
                 return {"status": "hit", "ref": [held.ref], "origin": held.origin, "bytes": held.nbytes,
-                        "source": held.source}
+                        "source": held.source, "waited_s": waited_s}
             lease = self._leases.get(key.digest)
             if lease is not None and time.time() - lease.since >= self.lease_s:
                 del self._leases[key.digest]  # lapsed: its holder is gone or stuck
@@ -110,12 +111,14 @@ class ArtifactRegistry:
                     await asyncio.wait_for(lease.done.wait(), deadline - now)
                 except asyncio.TimeoutError:
                     pass
+                waited_s += time.monotonic() - now
                 continue
             if lease is None:
                 self._leases[key.digest] = _Lease(replica_id, time.time(), asyncio.Event())
             reasons = stored_reasons or self._nearest_reasons(key)
             self.counts["mismatches" if reasons else "misses"] += 1
-            return {"status": "mismatch" if reasons else "miss", "reasons": reasons, "lease": not busy}
+            return {"status": "mismatch" if reasons else "miss", "reasons": reasons, "lease": not busy,
+                    "waited_s": waited_s}
 
     async def offer(self, key_dict: dict, blob: bytes, replica_id: str) -> dict:
         """Keep `blob` (one encoded artifact for the key) and persist it; ends the replica's lease."""
@@ -200,7 +203,8 @@ class ReplicaArtifacts:
 
     async def prepare(self, shape_key: str) -> dict:
         """Before warming `shape_key`: load the fleet's artifacts for it if any. Returns what happened
-        (``status``: "off" when nothing here compiles, "hit", "miss" or "mismatch"; ``load_s``)."""
+        (``status``: "off" when nothing here compiles, "hit", "miss" or "mismatch"; ``load_s``: the
+        whole time, ``waited_s`` of it waiting for another replica's compile)."""
         t0 = time.perf_counter()
         key = self.engine.artifact_key(shape_key)
         if key is None or self.coordinator is None:
@@ -211,9 +215,10 @@ class ReplicaArtifacts:
                 self.wait_s + 60)
         except Exception as exc:  # noqa: BLE001 -- no coordinator answer: compile here
             return self._count({"status": "miss", "key": key, "reasons": [f"coordinator: {exc}"]}, t0)
+        waited = {"waited_s": float(answer.get("waited_s", 0.0))}
         if answer["status"] != "hit":
             return self._count({"status": answer["status"], "key": key, "reasons": answer.get("reasons", []),
-                                "lease": bool(answer.get("lease"))}, t0)
+                                "lease": bool(answer.get("lease")), **waited}, t0)
         try:
             blob = await answer["ref"][0]
             loaded = await self._call(self.engine.load_artifacts, blob, key)
@@ -223,7 +228,7 @@ class ReplicaArtifacts:
             return self._count({"status": "mismatch", "key": key, "reasons": [str(exc)]}, t0)
         self.loaded_from[key.shape_key] = str(answer.get("origin", {}).get("replica"))
         return self._count({"status": "hit", "key": key, "origin": answer.get("origin", {}),
-                            "bytes": answer.get("bytes"), "artifacts": loaded.get("artifacts")}, t0)
+                            "bytes": answer.get("bytes"), "artifacts": loaded.get("artifacts"), **waited}, t0)
 
     def _count(self, outcome: dict, t0: float) -> dict:
         status = outcome["status"]

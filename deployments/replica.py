@@ -124,7 +124,8 @@ class Replica:
         self._timing: Dict[str, Dict[str, float]] = {REQUEST_S: {}, COLD_REQUEST_S: {}, WARMUP_S: {}}
         self._cold_start: Optional[dict] = None  # the start-up warmup: its time and where it went
         self._last_done_at: Optional[float] = None  # when the last request finished here
-        self._compiled_at_warm = self.engine.compiled_graphs()
+        # graphs compiled outside warmups (by a request: never expected) = all less those the warmups compiled
+        self._compiled_outside_warmups = self.engine.compiled_graphs()
         logger.info("replica %s: %s loaded on %s in %.1f s", self.replica_id, model, self.engine.device,
                     time.perf_counter() - t0)
         keys: List[str] = []
@@ -141,7 +142,6 @@ class Replica:
         else:
             await self._push_progress()  # the coordinator learns this replica's memory share
         self.warm_ready_at = time.time()
-        self._compiled_at_warm = self.engine.compiled_graphs()
         # from the constructor's start: the pipeline's load, then the warmup (start of warmup to warm)
         self._cold_start = {"seconds": round(self.warm_ready_at - t_start, 3),
                             "load_pipeline_s": round(loaded_at - t_start, 3),
@@ -213,8 +213,12 @@ class Replica:
                 for i, key in enumerate(keys, 1):
                     prepared = await self._artifacts.prepare(key)
                     r = await self._in_thread(self.engine.warmup_key, key)
+                    self._compiled_outside_warmups += r["graphs_compiled"]
+                    t_hand = time.perf_counter()
                     await self._artifacts.publish(prepared, r)
-                    r = {**r, "artifacts": prepared["status"], "load_artifacts_s": prepared["load_s"]}
+                    r = {**r, "artifacts": prepared["status"], "load_artifacts_s": prepared["load_s"],
+                         "wait_for_compile_s": prepared.get("waited_s", 0.0),
+                         "hand_off_s": time.perf_counter() - t_hand}
                     results.append(r)
                     if r["ok"]:
                         self._timing[WARMUP_S] = {**self._timing[WARMUP_S],
@@ -245,7 +249,7 @@ class Replica:
             capture_ms=sum(r["capture_ms"] for r in results),
             pool_bytes=self.engine.pool_bytes(),
         ).model_dump()
-        report["timing"] = _warmup_timing(results)
+        report["timing"] = _warmup_timing(results, time.perf_counter() - t0)
         self._reports = (self._reports + [report])[-20:]
         logger.info("replica %s warmed %s (failed %s) in %.0f ms", self.replica_id, report["captured"],
                     sorted(report["failed"]), report["capture_ms"])
@@ -288,8 +292,8 @@ class Replica:
                 "cuda_memory": cuda_memory(), "warmup_progress": dict(self._progress),
                 "memory": self.engine.memory_report(), "cold_start": self._cold_start,
                 "compile_artifacts": self._artifacts.stats(),
-                # graphs compiled after the start-up warmup (by later warmups, or by a request)
-                "compiled_since_ready": self.engine.compiled_graphs() - self._compiled_at_warm,
+                # graphs compiled while serving requests, not warming: a request that paid a compile
+                "compiled_while_serving": self.engine.compiled_graphs() - self._compiled_outside_warmups,
                 "timing": {name: dict(times) for name, times in self._timing.items()}}
 
     # -- serving -----------------------------------------------------------------------------------
@@ -341,13 +345,17 @@ class Replica:
                 "shape_key": key.key, **out}
 
 
-def _warmup_timing(results: List[dict]) -> dict:
-    """Where one warmup's time went: loading artifacts, compiling (first calls of compiled forwards),
-    and the rest of each key's warmup (warm-up runs and captures), with the artifact outcome per key."""
-    load = sum(r.get("load_artifacts_s", 0.0) for r in results)
-    compile_s = sum(r.get("compile_s", 0.0) for r in results)
-    seconds = sum(r["seconds"] for r in results) + load
-    return {"seconds": round(seconds, 3), "load_artifacts_s": round(load, 3), "compile_s": round(compile_s, 3),
-            "capture_s": round(seconds - load - compile_s, 3), "graphs_compiled": sum(r.get("graphs_compiled", 0)
-                                                                                   for r in results),
-            "artifacts": {r["key"]: r.get("artifacts") for r in results}}
+def _warmup_timing(results: List[dict], seconds: float) -> dict:
+    """Where one warmup's `seconds` (start of warmup to warm) went: waiting for another replica's compile
+    of a key, loading artifacts, compiling (first calls of compiled forwards), the rest of each key's
+    warmup (warm-up runs and captures), handing artifacts over, and the rest (progress reports); with
+    the artifact outcome per key."""
+    def total(name):
+        return sum(r.get(name, 0.0) for r in results)
+    wait, compile_s, hand_off = total("wait_for_compile_s"), total("compile_s"), total("hand_off_s")
+    load = total("load_artifacts_s") - wait
+    capture = total("seconds") - compile_s
+    return {"seconds": round(seconds, 3), "wait_for_compile_s": round(wait, 3), "load_artifacts_s": round(load, 3),
+            "compile_s": round(compile_s, 3), "capture_s": round(capture, 3), "hand_off_s": round(hand_off, 3),
+            "other_s": round(seconds - wait - load - compile_s - capture - hand_off, 3),
+            "graphs_compiled": int(total("graphs_compiled")), "artifacts": {r["key"]: r.get("artifacts") for r in results}}

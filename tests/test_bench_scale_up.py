@@ -12,10 +12,11 @@ sys.path.insert(0, BENCHMARKS)
 import bench_scale_up  # noqa: E402
 
 
-def _stage(seconds, artifacts="hit", compiled=0, failed=0):
+def _stage(seconds, artifacts="hit", compiled=0, failed=0, cold=0):
     return {"warmup": {"seconds": seconds, "load_artifacts_s": 1.0, "compile_s": 0.5, "capture_s": seconds - 1.5,
                        "artifacts": {"512x512": artifacts}},
-            "compiled_since_ready": {"a": compiled, "b": 0}, "load": {"answered": 20, "failed": failed}}
+            "compiled_while_serving": {"a": compiled, "b": 0},
+            "load": {"answered": 20, "failed": failed, "served_cold": cold}}
 
 
 def test_targets_need_a_hit_within_the_bar_and_no_request_paying_a_compile(tmp_path):
@@ -28,6 +29,8 @@ def test_targets_need_a_hit_within_the_bar_and_no_request_paying_a_compile(tmp_p
     checks = {t["check"]: t["met"] for t in bench_scale_up.targets(result, 15.0)}
     assert list(checks.values()) == [False, True, False, False]
     result["stages"]["scale_up"] = _stage(12.0, failed=1)
+    assert [t["met"] for t in bench_scale_up.targets(result, 15.0)][:2] == [True, False]
+    result["stages"]["scale_up"] = _stage(12.0, cold=1)
     assert [t["met"] for t in bench_scale_up.targets(result, 15.0)][:2] == [True, False]
     path = tmp_path / "scale.json"
     path.write_text(json.dumps({"machine": {"gpu": "H200"}, **result}))

@@ -37,9 +37,10 @@ def test_the_first_replica_compiles_and_one_asking_meanwhile_waits_for_its_artif
         return first, offered, answer, await answer["ref"][0]
 
     first, offered, answer, fetched = _run(go())
-    assert first == {"status": "miss", "reasons": [], "lease": True}
+    assert first == {"status": "miss", "reasons": [], "lease": True, "waited_s": 0.0}
     assert offered["kept"] and offered["stored"] == key.path
     assert answer["status"] == "hit" and answer["origin"] == {"replica": "a"} and fetched == blob
+    assert answer["waited_s"] >= 0.2
     assert registry.counts["waits"] >= 1 and registry.counts["hits"] == 1 and registry.stats()["compiling"] == {}
 
 
@@ -53,7 +54,8 @@ def test_a_released_lease_passes_to_the_waiting_replica(registry):
         registry.release(key.as_dict(), "a")            # a's warmup failed
         return await waiting
 
-    assert _run(go()) == {"status": "miss", "reasons": [], "lease": True}
+    answer = _run(go())
+    assert (answer["status"], answer["lease"]) == ("miss", True) and answer["waited_s"] > 0
     assert registry.stats()["compiling"] == {key.digest: "b"}
 
 

@@ -53,7 +53,10 @@ def test_artifacts_travel_from_the_compiling_replica_to_the_others_and_persist(r
         # where the second replica's warmup went: its artifacts were a hit, and the split adds up
         timing = st["replicas"][taker]["cold_start"]["warmup"]
         assert timing["artifacts"] == {KEY: "hit"}
-        assert abs(timing["load_artifacts_s"] + timing["compile_s"] + timing["capture_s"] - timing["seconds"]) < 0.01
+        parts = ("wait_for_compile_s", "load_artifacts_s", "compile_s", "capture_s", "hand_off_s", "other_s")
+        assert abs(sum(timing[p] for p in parts) - timing["seconds"]) < 0.01 and timing["hand_off_s"] == 0
+        assert st["replicas"][maker]["cold_start"]["warmup"]["artifacts"] == {KEY: "miss"}
+        assert st["replicas"][taker]["compiled_while_serving"] == 0
         # persisted whole, made by the compiling replica
         (path,) = (tmp_path / "cache").rglob("*.bcgart")
         assert decode(path.read_bytes()).origin["replica"] == maker
