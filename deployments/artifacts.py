@@ -221,11 +221,16 @@ class ReplicaArtifacts:
                                 "lease": bool(answer.get("lease")), **waited}, t0)
         try:
             blob = await answer["ref"][0]
+        except Exception as exc:  # noqa: BLE001 -- e.g. the coordinator died with them: compile here
+            return self._count({"status": "miss", "key": key, "reasons": [f"artifacts unreachable: {exc}"],
+                                **waited}, t0)
+        try:
             loaded = await self._call(self.engine.load_artifacts, blob, key)
-        except (ArtifactFormatError, ValueError) as exc:
+        except Exception as exc:  # noqa: BLE001 -- not whole, another key, refused by torch, a full disk
             self.counts["load_errors"] += 1
             logger.warning("replica %s: artifacts for %s not loaded, compiling: %s", self.replica_id, shape_key, exc)
-            return self._count({"status": "mismatch", "key": key, "reasons": [str(exc)]}, t0)
+            return self._count({"status": "mismatch", "key": key, "reasons": [f"{type(exc).__name__}: {exc}"],
+                                **waited}, t0)
         self.loaded_from[key.shape_key] = str(answer.get("origin", {}).get("replica"))
         return self._count({"status": "hit", "key": key, "origin": answer.get("origin", {}),
                             "bytes": answer.get("bytes"), "artifacts": loaded.get("artifacts"), **waited}, t0)

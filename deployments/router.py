@@ -15,18 +15,19 @@ Contract (one call of ``choose_replicas`` = one routing attempt, Serve retries w
   image rows (routing stats ``batch_free_rows``) come first: the request joins that batch at its next
   denoising step, where a step of a few more rows costs about what one row does; the other warm
   replicas are the next tier. A warm replica with room in a running batch is never overloaded (no spill) ...
-* ... unless the least loaded cold replica would answer sooner: ``deployments.spill.estimate``
-  weighs the warm queue's expected wait (queue x the key's measured request time) against the cold
-  replica's queue plus the key's measured cold cost (a cold request's time, else the key's warmup
-  cost), from the replicas' routing stats. When it says the cold one is sooner, the request spills
-  to the cold replicas (least loaded first), with the warm ones as the second tier; each request sent
-  cold that way is counted with the wait it avoided (``spill_stats``, in ``on_request_routed``).
-  Before anything is measured the queue lengths alone decide: a spill when the least loaded warm
-  replica's queue is at least ``spill_threshold`` longer than the least loaded cold replica's. Queue
-  lengths come from Serve's queue-length cache (what this router last saw) and else from the
-  replica's routing stats; they count ongoing requests on the replica, which Serve caps at
-  ``max_ongoing_requests``, so a threshold at or above that cap never spills. ``spill_threshold``
-  None turns spilling off (measured or not).
+* ... unless every warm replica is overloaded and the cold one would answer sooner. Overloaded: the
+  least loaded warm replica's queue is at least ``spill_threshold`` longer than the least loaded cold
+  replica's. Sooner: ``deployments.spill.estimate`` weighs the warm queue's expected wait (queue x the
+  key's measured request time) against the cold replica's queue plus the key's measured cold cost (a
+  cold request's time, else the key's warmup cost), from the replicas' routing stats; a spill the
+  queue gap allows but the estimate says would be slower stays warm (counted as
+  ``kept_warm_by_estimate``), and before anything is measured the gap alone decides. A spill sends the
+  request to the cold replicas (least loaded first), with the warm ones as the second tier; each
+  request that reached a cold replica is counted with the wait it was estimated to avoid
+  (``spill_stats``, in ``on_request_routed``). Queue lengths come from Serve's queue-length cache
+  (what this router last saw) and else from the replica's routing stats; they count ongoing requests
+  on the replica, which Serve caps at ``max_ongoing_requests``, so a threshold at or above that cap
+  never spills; ``spill_threshold`` None turns spilling off.
 * a request without a key, or whose key no replica is warm for, gets Serve's own power-of-two
   answer (``PowerOfTwoChoicesRequestRouter.choose_replicas``, with Serve's locality and multiplexing
   preferences, from ``LocalityMixin`` and ``MultiplexMixin``): two random replicas, Serve takes the
@@ -167,13 +168,12 @@ class ShapeAffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
             return Ranking("batch", [joinable, rest] if rest else [joinable])
         if cold and self.spill_threshold is not None:
             cold = self._by_load(cold)
-            estimate = spill.estimate(key, warm[0].routing_stats, self._load(warm[0]), cold[0].routing_stats,
-                                      self._load(cold[0]), [r.routing_stats for r in candidate_replicas])
-            if estimate is not None:
-                return Ranking("spill", [cold, warm], estimate) if estimate.spill else \
-                    Ranking("warm", [warm], estimate)
             if self._load(warm[0]) - self._load(cold[0]) >= self.spill_threshold:
-                return Ranking("spill", [cold, warm])
+                estimate = spill.estimate(key, warm[0].routing_stats, self._load(warm[0]), cold[0].routing_stats,
+                                          self._load(cold[0]), [r.routing_stats for r in candidate_replicas])
+                if estimate is not None and not estimate.spill:
+                    return Ranking("warm", [warm], estimate)
+                return Ranking("spill", [cold, warm], estimate)
         return Ranking("warm", [warm])
 
     async def choose_replicas(

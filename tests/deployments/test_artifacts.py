@@ -1,13 +1,14 @@
 """ArtifactRegistry (the coordinator's side of the compile-artifact hand-off) in the driver, with real Ray's
 object store: leases, waiting for another replica's compile, released and lapsed leases, refused
-offers, the store, and the reasons of a mismatch."""
+offers, the store, and the reasons of a mismatch. ReplicaArtifacts (the replica's side) with a fake
+coordinator and engine: what it loads, what becomes a compile, what it hands over or gives back."""
 import asyncio
 
 import pytest
 import ray
 
 from bcg.runtime.compile_cache import ArtifactKey, encode
-from deployments.artifacts import ArtifactRegistry, store_root
+from deployments.artifacts import ArtifactRegistry, ReplicaArtifacts, store_root
 
 
 def _key(shape="512x512", **fields):
@@ -101,3 +102,90 @@ def test_compile_cache_arg_to_store_root(tmp_path):
     assert store_root(None).endswith("bcg-compile-cache")
     assert store_root("off") is None and store_root("") is None
     assert store_root("s3://bucket/prefix") == "s3://bucket/prefix"
+
+
+# -- the replica's side, with a fake coordinator and engine (the Serve path is test_compile_artifacts.py) --
+
+class _Method:
+    def __init__(self, fn):
+        self.fn, self.calls = fn, []
+
+    def remote(self, *args):
+        self.calls.append(args)
+
+        async def answer():
+            return self.fn(*args)
+        return answer()
+
+
+class _Coordinator:
+    def __init__(self, answer):
+        self.fetch_artifacts = _Method(lambda key, rid, wait_s: answer)
+        self.offer_artifacts = _Method(lambda key, blob, rid: {"kept": True})
+        self.release_artifacts = _Method(lambda key, rid: None)
+
+
+class _Engine:
+    def __init__(self, saved=b"payload", refuse=False):
+        self.saved, self.refuse, self.loaded = saved, refuse, []
+
+    def artifact_key(self, shape_key):
+        return _key(shape_key)
+
+    def load_artifacts(self, blob, key):
+        if self.refuse:
+            raise ValueError("torch could not read the artifacts (another torch version?)")
+        self.loaded.append(blob)
+        return {"artifacts": 1}
+
+    def save_artifacts(self, key, origin):
+        return encode(key, self.saved, origin) if self.saved else None
+
+
+def _replica(answer, **engine):
+    async def call(fn, *args):
+        return fn(*args)
+    coordinator, eng = _Coordinator(answer), _Engine(**engine)
+    return ReplicaArtifacts("r1", coordinator, eng, call, wait_s=5), coordinator, eng
+
+
+def _ready(value=None, error=None):
+    future = asyncio.get_running_loop().create_future()
+    future.set_exception(error) if error else future.set_result(value)
+    return future
+
+
+def test_replica_loads_a_hit_and_hands_over_nothing():
+    async def go():
+        blob = encode(_key(), b"code", {"replica": "r0"})
+        replica, coordinator, engine = _replica({"status": "hit", "ref": [_ready(blob)], "origin": {"replica": "r0"}})
+        prepared = await replica.prepare("512x512")
+        assert await replica.publish(prepared, {"ok": True}) is False
+        return prepared, replica, coordinator, engine
+    prepared, replica, coordinator, engine = _run(go())
+    assert prepared["status"] == "hit" and engine.loaded and replica.stats()["loaded_from"] == {"512x512": "r0"}
+    assert coordinator.offer_artifacts.calls == [] and coordinator.release_artifacts.calls == []
+
+
+def test_artifacts_torch_refuses_or_cannot_reach_become_a_compile_with_the_reason():
+    async def go():
+        refused, _, _ = _replica({"status": "hit", "ref": [_ready(b"x")]}, refuse=True)
+        lost, _, _ = _replica({"status": "hit", "ref": [_ready(error=RuntimeError("owner died"))]})
+        return await refused.prepare("512x512"), refused, await lost.prepare("512x512"), lost
+    refused_outcome, refused, lost_outcome, lost = _run(go())
+    assert refused_outcome["status"] == "mismatch" and "another torch version" in refused_outcome["reasons"][0]
+    assert refused.stats()["load_errors"] == 1 and refused.stats()["mismatches"] == 1
+    assert lost_outcome["status"] == "miss" and "owner died" in lost_outcome["reasons"][0]
+
+
+def test_the_compiling_replica_offers_its_artifacts_or_gives_its_lease_back():
+    async def go(saved, ok=True):
+        replica, coordinator, _ = _replica({"status": "miss", "reasons": [], "lease": True}, saved=saved)
+        prepared = await replica.prepare("512x512")
+        return await replica.publish(prepared, {"ok": ok}), coordinator
+    offered, coordinator = _run(go(b"compiled"))
+    assert offered and len(coordinator.offer_artifacts.calls) == 1 and coordinator.release_artifacts.calls == []
+    offered, coordinator = _run(go(None))           # nothing was compiled
+    assert not offered and coordinator.offer_artifacts.calls == [] and len(coordinator.release_artifacts.calls) == 1
+    offered, coordinator = _run(go(b"compiled", ok=False))   # the warmup failed
+    assert not offered and coordinator.offer_artifacts.calls == [] and len(coordinator.release_artifacts.calls) == 1

@@ -119,7 +119,9 @@ def test_spills_to_cold_only_when_every_warm_replica_is_overloaded():
 def test_spill_weighs_the_warm_queue_against_the_measured_cold_cost_and_counts_the_wait_avoided():
     warm = FakeReplica("w", ("k",), 3, timing={"request_s": {"k": 1.0}})
     cold = FakeReplica("c", ("other",), 0, timing={"request_s": {"other": 0.2}, "cold_request_s": {"k": 0.5}})
-    router = make_router([warm, cold], spill_threshold=99)   # the threshold alone would never spill
+    ranks, _ = choose(make_router([warm, cold], spill_threshold=4), [warm, cold], shape_key="k")
+    assert [uids(r) for r in ranks] == [["w"]]             # a queue gap under the threshold: no spill at all
+    router = make_router([warm, cold], spill_threshold=2)
     ranks, pr = choose(router, [warm, cold], shape_key="k")
     assert [uids(r) for r in ranks] == [["c"], ["w"]]      # warm answers in (3 + 1) x 1.0 s, cold in 0.5 s
     router.on_request_routed(pr, cold.replica_id, None)
@@ -131,9 +133,9 @@ def test_spill_weighs_the_warm_queue_against_the_measured_cold_cost_and_counts_t
 def test_a_measured_warmup_cost_keeps_the_request_on_the_busy_warm_replica():
     warm = FakeReplica("w", ("k",), 3, timing={"request_s": {"k": 1.0}, "warmup_s": {"k": 90.0}})
     cold = FakeReplica("c", ("other",), 0)
-    router = make_router([warm, cold], spill_threshold=1)    # the threshold alone would spill
+    router = make_router([warm, cold], spill_threshold=1)    # the queue gap alone would spill
     ranks, pr = choose(router, [warm, cold], shape_key="k")
-    assert [uids(r) for r in ranks] == [["w"]]
+    assert [uids(r) for r in ranks] == [["w"]]             # (3 + 1) x 1.0 s warm against 90 s cold
     assert router.decisions["warm"] == 1 and router.stats()["spills"]["kept_warm_by_estimate"] == 1
     router.on_request_routed(pr, warm.replica_id, None)
     assert router.stats()["spills"]["spilled_by_estimate"] == 0
