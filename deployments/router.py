@@ -86,6 +86,7 @@ _PENDING_SPILLS = 1024    # spill estimates waiting for on_request_routed
 
 
 class Ranking(NamedTuple):
+    """What `rank` decided; it may return a plain ``(decision, tiers)`` where no spill was weighed."""
     decision: str
     tiers: Optional[List[List[RunningReplica]]]
     estimate: Optional[spill.SpillEstimate] = None   # when measured times weighed warm against cold
@@ -142,30 +143,31 @@ class ShapeAffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
     # -- ranking ---------------------------------------------------------------------------------
     def rank(self, candidate_replicas: List[RunningReplica],
              pending_request: Optional[PendingRequest]) -> Ranking:
-        """``(decision, tiers)`` for one request; tiers None: Serve's power-of-two answer.
+        """``(decision, tiers)`` for one request, a `Ranking` with the estimate where a spill was weighed;
+        tiers None: Serve's power-of-two answer.
 
         Pure: reads the replicas and the queue-length cache, changes nothing."""
         if not candidate_replicas:
-            return Ranking("no_replicas", [])
+            return "no_replicas", []
         kwargs = pending_request.kwargs if pending_request is not None else {}
         target = kwargs.get(self.target_kwarg)
         if target:
-            return Ranking("pinned", [[r for r in candidate_replicas
-                                       if target in (r.replica_id.unique_id, r.replica_id.to_full_id_str())]])
+            return "pinned", [[r for r in candidate_replicas
+                               if target in (r.replica_id.unique_id, r.replica_id.to_full_id_str())]]
         key = kwargs.get(self.shape_key_kwarg)
         if not key:
-            return Ranking("unkeyed", None)
+            return "unkeyed", None
         warm, cold = [], []
         for r in candidate_replicas:
             (warm if key in replica_warm_keys(r) else cold).append(r)
         if not warm:
-            return Ranking("no_warm", None)
+            return "no_warm", None
         warm = self._by_load(warm)
         _, rows = batch_group(key)
         joinable = [r for r in warm if replica_free_rows(r, key) >= rows]
         if joinable:
             rest = [r for r in warm if r not in joinable]
-            return Ranking("batch", [joinable, rest] if rest else [joinable])
+            return "batch", [joinable, rest] if rest else [joinable]
         if cold and self.spill_threshold is not None:
             cold = self._by_load(cold)
             if self._load(warm[0]) - self._load(cold[0]) >= self.spill_threshold:
@@ -185,7 +187,7 @@ class ShapeAffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
             # Mandatory: an empty or all-full answer must sleep before the next attempt.
             pending_request.routing_context.should_backoff = True
         try:
-            decision, tiers, estimate = self.rank(candidate_replicas, pending_request)
+            decision, tiers, estimate = Ranking(*self.rank(candidate_replicas, pending_request))
             self.decisions[decision] += 1
             if decision == "spill":
                 self._pending_spills[pending_request.metadata.internal_request_id] = estimate
@@ -208,7 +210,7 @@ class ShapeAffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
             if request_id not in self._pending_spills:
                 return
             estimate = self._pending_spills.pop(request_id)
-            key = pending_request.kwargs.get(self.shape_key_kwarg)
+            key = str(pending_request.kwargs.get(self.shape_key_kwarg))
             replica = self.curr_replicas.get(replica_id)
             if replica is not None and key in replica_warm_keys(replica):
                 return  # the warm second tier took it after all
