@@ -6,11 +6,11 @@ import sys
 
 import pytest
 
+from tests.bench_smoke import run_smoke
+
 BENCHMARKS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
 sys.path.insert(0, BENCHMARKS)
 import bench_served  # noqa: E402
-
-from tests.bench_smoke import run_smoke  # noqa: E402
 
 
 def _row(model, key, steps, eager_ms, served_ms, speedup):
