@@ -54,8 +54,8 @@ REPO = os.path.dirname(HERE)
 sys.path.insert(0, REPO)
 sys.path.insert(0, HERE)
 
-from _common import (add_plot_only, machine_info, pick_device, pyplot, run_or_plot, save_figure,  # noqa: E402
-                     start_local_serve, write_json)
+from _common import (add_plot_only, machine_info, pick_device, pyplot, run_or_plot, runner_fields,  # noqa: E402
+                     save_figure, start_local_serve, write_json)
 
 PROMPT = "a photo of a cat sitting on a red chair, studio lighting"
 APP = "bench_scale_up"
@@ -70,12 +70,17 @@ def _say(msg: str) -> None:
 
 
 def app_args(args, model_dir: str, compile_cache: str) -> dict:
+    from deployments.app import AppArgs
+
     cuda = args.device == "cuda"
-    return {
+    # RunnerConfig fields the app also takes as args of their own (e.g. quantize) go there
+    runner = dict(args.runner)
+    own = {name: runner.pop(name) for name in list(runner) if name in AppArgs.model_fields and name != "runner"}
+    return {**own,
         "model": model_dir, "num_gpus_per_replica": args.gpus_per_replica if cuda else 0, "num_cpus_per_replica": 0,
         "device": args.device, "cpu_threads": None if cuda else 1, "components": args.components,
         "warmup": [args.size], "placement": "all", "warmup_steps": 2, "default_steps": args.steps,
-        "default_size": args.size, "max_ongoing_requests": 2, "max_batch_size": 1, "runner": args.runner,
+        "default_size": args.size, "max_ongoing_requests": 2, "max_batch_size": 1, "runner": runner,
         "routing_stats_period_s": 0.5, "request_timeout_s": args.timeout_s, "compile_cache": compile_cache,
         "pipeline_hook": args.pipeline_hook, "health_check_period_s": 2, "graceful_shutdown_timeout_s": 2,
         "autoscaling": {"min_replicas": 1, "initial_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 1,
@@ -252,18 +257,13 @@ def plot(result: dict, png: str) -> bool:
     return save_figure(fig, png)
 
 
-def _runner_arg(text: str) -> dict:
-    from deployments.app import AppArgs
-    return AppArgs.model_validate({"runner": text}).runner
-
-
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--pipelines-dir", default=os.path.join(HERE, "pipelines"))
     p.add_argument("--model", default="flux.1-dev")
     p.add_argument("--size", default="512x512")
     p.add_argument("--steps", type=int, default=8, help="denoising steps of the load's requests")
-    p.add_argument("--runner", type=_runner_arg, default={},
+    p.add_argument("--runner", type=runner_fields, default={},
                    help="RunnerConfig fields, e.g. 'compile=true,compile_regional=true' (compile is on with CUDA "
                         "whatever they say; with --allow-cpu only if they say so)")
     p.add_argument("--components", default="transformer", help="accelerated (and compiled) components")
