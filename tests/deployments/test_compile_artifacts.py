@@ -77,6 +77,16 @@ def test_artifacts_travel_from_the_compiling_replica_to_the_others_and_persist(r
         r = client.post("/v1/images/generations", json={"prompt": "a boat", "size": KEY, "seed": 3})
         assert r.status_code == 200, r.text
 
+        # POST /v1/warmup of a new key on both replicas at once: one compiles it, the other waits for its
+        # artifacts and loads them
+        r = client.post("/v1/warmup", json={"keys": [KEY, "64x128"], "placement": "all"})
+        assert r.status_code == 200 and r.json()["uncovered"] == [], r.text
+        st = _stats(client)
+        arts = _artifacts(st)
+        assert sorted(a["offered"] for a in arts.values()) == [0, 1]
+        assert sorted(a["loaded_from"].get("64x128") is not None for a in arts.values()) == [False, True]
+        assert st["compile_artifacts"]["offers"] == 2 and set(st["compile_artifacts"]["held"]) == {KEY, "64x128"}
+
     # a redeployed app (a new coordinator) finds them in the store
     with http_app(ray_serve, APP, PREFIX, _args(store, replicas=1)) as client:
         st = _stats(client)
@@ -91,4 +101,5 @@ def test_artifacts_travel_from_the_compiling_replica_to_the_others_and_persist(r
         (arts,) = _artifacts(st).values()
         assert arts["hits"] == 0 and arts["mismatches"] == 1 and arts["offered"] == 1
         assert [r.split(":")[0] for r in arts["mismatch_reasons"]] == ["runner.compile_mode"]
-    assert len(list((tmp_path / "cache").rglob("*.bcgart"))) == 2   # both kept, each under its own key
+    stored = sorted(p.relative_to(tmp_path / "cache").parent.name for p in (tmp_path / "cache").rglob("*.bcgart"))
+    assert stored == ["64x128", KEY, KEY]   # both settings' artifacts for KEY kept, each under its own key
