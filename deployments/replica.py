@@ -212,6 +212,8 @@ class Replica:
                 await self._push_progress()
                 for i, key in enumerate(keys, 1):
                     prepared = await self._artifacts.prepare(key)
+                    if prepared["status"] != "off":
+                        self.metrics.record_artifacts(ShapeKey.parse(key).key, prepared["status"])
                     r = await self._in_thread(self.engine.warmup_key, key)
                     self._compiled_outside_warmups += r["graphs_compiled"]
                     t_hand = time.perf_counter()
@@ -250,6 +252,7 @@ class Replica:
             pool_bytes=self.engine.pool_bytes(),
         ).model_dump()
         report["timing"] = _warmup_timing(results, time.perf_counter() - t0)
+        self.metrics.record_warmup_parts(report["timing"])
         self._reports = (self._reports + [report])[-20:]
         logger.info("replica %s warmed %s (failed %s) in %.0f ms", self.replica_id, report["captured"],
                     sorted(report["failed"]), report["capture_ms"])
