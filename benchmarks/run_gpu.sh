@@ -8,7 +8,7 @@
 # pending: the last sweep a session queued (one call, under the device's 600 s), kept to re-run after runner
 # changes: the small models' one graph / runner / compiled runner / inductor's one graph / reduce-overhead at
 # today's defaults, every variant built, compiled and timed twice (--repeat 2) so each target states the spread
-# between two runs of one variant, with host ms and GPU time per call (--diagnose). Run U (d30d7a9) ran it.
+# between two runs of one variant, with host ms and GPU time per call (--diagnose).
 # Writes logs, junit XML and benchmark JSON/PNG under $OUT (default ./out/gpu).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -18,6 +18,10 @@ DEST=${OUT:-out/gpu}; mkdir -p "$DEST"
 OUT=$(mktemp -d); pack() { tar -czf "$DEST/results.tgz" -C "$OUT" .; }; trap pack EXIT
 if [ -f .gpuhost/site.tar.xz ] && [ ! -d .gpuhost/site/ray ]; then
   mkdir -p .gpuhost/site && tar -xJf .gpuhost/site.tar.xz -C .gpuhost/site
+fi
+# FlashAttention-3 forward (the fa3-fwd wheel's files, xz-packed: attention_backend fa3 / auto)
+if [ -f .gpuhost/fa3.tar.xz ] && [ ! -d .gpuhost/site/fa3_fwd ]; then
+  tar -xJf .gpuhost/fa3.tar.xz -C .gpuhost/site
 fi
 export PYTHONPATH=$PWD/.gpuhost/site:$PWD PYTHONUNBUFFERED=1 RAY_AUTH_MODE=disabled
 what=${1:-all}; shift || true

@@ -5,13 +5,13 @@ around it; its module docstring states the contract both keep.
 from __future__ import annotations
 
 import concurrent.futures
-import dataclasses
 import logging
 import threading
 import time
 from typing import Dict, List, Optional
 
 from bcg.diffusers.buckets import ShapeKey
+from bcg.runtime.call_record import CallRecord
 from deployments.encoding import encode_images
 from deployments.memory import ReplicaMemory, format_bytes, plan_fits
 from deployments.schemas import ImageGenerationRequest
@@ -43,12 +43,6 @@ def _delta(before: dict, after: dict) -> Dict[str, int]:
 def _graphs(runner_stats: dict) -> Dict[tuple, dict]:
     """(component, signature key) -> the entry's record, for every live graph."""
     return {(name, e["key"]): e for name, st in runner_stats.items() for e in st.get("entries", ())}
-
-
-def _used(before: dict, after: dict) -> frozenset:
-    """The live graphs a run between two snapshots replayed (a capture replays its graph too)."""
-    hits = {g: e.get("hits", 0) for g, e in _graphs(before).items()}
-    return frozenset(g for g, e in _graphs(after).items() if e.get("hits", 0) > hits.get(g, 0))
 
 
 def pipeline_components(pipe, components) -> List[str]:
@@ -157,6 +151,7 @@ class ReplicaEngine:
                                                                          else None)
         self.pipe.set_progress_bar_config(disable=True)
         self.runners = pipeline_runners(self.pipe)
+        self._log_kernels(config)
         self.info = {**pipeline_info(self.pipe), "model": model, "device": self.device,
                      "components": sorted(self.runners)}
         self.warmup_steps = warmup_steps
@@ -164,7 +159,10 @@ class ReplicaEngine:
         # other threads read it without a lock
         self._warmed: Dict[str, frozenset] = {}
         self._bucket_pools: Dict[str, Dict[int, int]] = {}  # key -> batch bucket -> pool bytes captured
-        self._runner_stats, self._served = None, {"replays": 0, "eager_calls": 0}
+        self._warm_set = None  # (the state it was worked out from, the warm set): see warm_set()
+        self._runner_stats = None
+        # every runner call made for a request (its own record gets the same calls; warmups not counted)
+        self._serving = CallRecord()
         self._submit_lock = threading.Lock()
         # the replica's memory share, fixed once here; warmup_key checks each key against it
         self.memory = ReplicaMemory.measure(self.pipe, self.cuda, gpu_memory_fraction, memory_budget_bytes)
@@ -184,20 +182,44 @@ class ReplicaEngine:
         """Run ``fn(*args)`` on the pipeline's loop thread, between two denoising steps."""
         return self.batcher.call_between_steps(lambda: fn(*args))
 
-    def refresh(self, serving: bool = True) -> dict:
+    def refresh(self) -> dict:
         """Read the runners' stats (on the pipeline thread) into the snapshot others read; returns it.
-        What the runners did since the last read counts as serving unless `serving` is False (warmups)."""
+        Not per request: after warmups, and after a request whose record shows a runner's graphs may
+        have changed (a break output mismatch can drop one)."""
         stats = {name: r.stats() for name, r in self.runners.items()}
-        if serving and self._runner_stats is not None:
-            delta = _delta(self._runner_stats, stats)
-            self._served = {"replays": self._served["replays"] + delta["replays"],
-                            "eager_calls": self._served["eager_calls"] + delta["eager"]}
         self._runner_stats, self._live = stats, frozenset(_graphs(stats))
         return stats
 
     def served(self) -> Dict[str, int]:
         """Replays and eager calls of all runners while serving requests (warmups not counted)."""
-        return dict(self._served)
+        return {"replays": self._serving.replays, "eager_calls": self._serving.eager_total}
+
+    def kernel_stats(self) -> dict:
+        """What the transformers run: float8 or not (and why not), the attention kernel chosen per shape."""
+        from bcg.diffusers import attention_stats
+        from bcg.runtime.quantize import quantize_report
+
+        out = {}
+        for name, runner in self.runners.items():
+            if not name.startswith("transformer"):
+                continue
+            report = quantize_report(runner.module)
+            out[name] = {"quantize": report.as_dict() if report is not None else None,
+                         "attention": attention_stats(runner.module)}
+        return out
+
+    def _log_kernels(self, config) -> None:
+        """One line at start: float8 on or why not, and the attention backend asked for."""
+        for name, kernels in self.kernel_stats().items():
+            q = kernels["quantize"]
+            fp8 = ("off" if q is None else f"on ({q['layers']} linear layers, {q['scheme']})" if q["applied"]
+                   else f"OFF, serving {str(config.quantize)!r} as the model's dtype: {q['reason']}")
+            attention = kernels["attention"]
+            kernel = ("sdpa (the only kernel here)" if attention is None else
+                      f"{attention['backend']} over {attention['candidates']}"
+                      + (f"; unavailable: {attention['unavailable']}" if attention["unavailable"] else ""))
+            log = logger.warning if q is not None and not q["applied"] else logger.info
+            log("%s: fp8 %s; attention %s", name, fp8, kernel)
 
     def runner_stats(self) -> dict:
         """The runners' stats after the last pipeline run (a snapshot: never waits for a capture)."""
@@ -222,18 +244,33 @@ class ReplicaEngine:
 
     def _warmup_run(self, key: str):
         """One warmup run of `key` and of every batch bucket the batcher replays for it
-        (`StepBatcher.warmup`): (its report, what it did as `_counts` deltas, the graphs it used)."""
-        before = self._runner_stats  # current: every run on the loop thread refreshes it
-        reports = self.batcher.warmup([key], num_inference_steps=self.warmup_steps)["keys"]
-        after = self.refresh(serving=False)
+        (`StepBatcher.warmup`): (its report, what it did as `_counts` deltas, the live graphs it used,
+        from its own call record). The deltas (evictions, failures, pool bytes: runner-wide facts) come
+        from the runners' stats around it: a warmup runs between steps, nothing else runs meanwhile."""
+        before = self._runner_stats  # current: refreshed after every warmup and every graph change
+        record = CallRecord()
+        reports = self.batcher.warmup([key], num_inference_steps=self.warmup_steps, record=record)["keys"]
+        after = self.refresh()
         report = _merge_reports(ShapeKey.parse(key).key, reports)
         self._bucket_pools = {**self._bucket_pools, report["key"]: _bucket_pool_bytes(reports, after)}
-        return report, _delta(before, after), _used(before, after)
+        names = {id(runner): name for name, runner in self.runners.items()}
+        used = frozenset((names.get(id(runner)), sig) for runner, sig in record.graphs) & self._live
+        return report, _delta(before, after), used
 
     def bucket_pool_bytes(self) -> Dict[str, Dict[int, int]]:
         """Per warm key: batch bucket -> pool bytes of the graphs its warmup captured for that bucket."""
         warm = set(self.warm_keys())
         return {k: dict(v) for k, v in self._bucket_pools.items() if k in warm}
+
+    def warm_set(self) -> frozenset:
+        """The warm keys and their batch-bucket keys (``routing_view.warm_set`` of this replica's routing
+        stats: what its router routes by), worked out again only when the warm keys, the live graphs
+        or the bucket pools changed (each is replaced, never mutated), not per request."""
+        state = (self._warmed, self._live, self._bucket_pools)
+        cached = self._warm_set
+        if cached is None or any(a is not b for a, b in zip(cached[0], state)):
+            cached = self._warm_set = (state, frozenset(self.warm_keys()) | frozenset(self.warm_batch_keys()))
+        return cached[1]
 
     def warm_batch_keys(self) -> List[str]:
         """The shape key of every image count whose batch bucket the warm keys' warmups captured
@@ -241,7 +278,7 @@ class ReplicaEngine:
         bucket (3 to 4) and replays those graphs, alone or in a batch. They are live while their key is
         warm (its warm set holds every bucket's graphs)."""
         bucket_for = self.batcher.config.bucket_for
-        return sorted({dataclasses.replace(ShapeKey.parse(key), batch_size=n).key
+        return sorted({ShapeKey.parse(key).with_batch(n).key
                        for key, buckets in self.bucket_pool_bytes().items()
                        for n in range(1, max(buckets) + 1) if bucket_for(n) in buckets})
 
@@ -329,8 +366,9 @@ class ReplicaEngine:
         return encode(key, payload, origin) if payload else None
 
     def compiled_graphs(self) -> int:
-        """Graphs compiled so far, over all runners (a count that grows while serving means a request
-        paid a compile)."""
+        """Graphs compiled so far, over all runners, as of the last refresh (after every warmup and, with
+        compile on, every request that made an eager call: replays never compile); a count that grows
+        while serving means a request paid a compile."""
         return _compiled(self._runner_stats)["graphs"]
 
     def _drop_graphs(self, graphs) -> None:
@@ -350,8 +388,8 @@ class ReplicaEngine:
 
     def submit(self, request: ImageGenerationRequest, key: ShapeKey, default_steps: int) -> concurrent.futures.Future:
         """Queue one request at its shape key (any thread). The future's result: ``{"images": [PIL
-        images], "replays", "eager_calls"}``, the runners' calls while the request was on the replica
-        (shared with the requests batched beside it; exactly its own when it ran alone)."""
+        images], "replays", "eager_calls"}``, from the request's own call record: the runner calls made
+        for it (a batched call it shared with its neighbours counts for each of them)."""
         answer: concurrent.futures.Future = concurrent.futures.Future()
 
         def plan_and_queue():
@@ -362,11 +400,11 @@ class ReplicaEngine:
                 self.pipe, request.prompt, key=key, n=request.n, size=request.size,
                 steps=request.num_inference_steps or default_steps, guidance=request.guidance_scale,
                 seed=request.seed, info=self.info)
-            before = self._runner_stats
-            queued = self.batcher.submit_planned(key, kwargs)
+            record = CallRecord()
+            queued = self.batcher.submit_planned(key, kwargs, records=(record, self._serving))
             with self._submit_lock:
                 answer.queued = queued  # what `cancel` drops from now on
-            queued.add_done_callback(lambda done: self._answer(done, before, answer))
+            queued.add_done_callback(lambda done: self._answer(done, record, answer))
 
         planning = self.call(plan_and_queue)
         with self._submit_lock:
@@ -382,18 +420,22 @@ class ReplicaEngine:
             queued = answer.queued
         return queued.cancel()
 
-    def _answer(self, done: concurrent.futures.Future, before: dict, answer: concurrent.futures.Future) -> None:
+    def _answer(self, done: concurrent.futures.Future, record: CallRecord,
+                answer: concurrent.futures.Future) -> None:
         if done.cancelled():  # `cancel`, on the caller's thread
             answer.cancel()
             return
-        # a done-callback on the loop thread: the runner stats are read where the runners run
-        delta = _delta(before, self.refresh())  # a runner may drop a graph while serving
+        # a runner may have dropped a graph (the warm set reads the new stats), or, with compile on, an eager
+        # call may have compiled a frame no warmup compiled (`compiled_graphs` reads the new stats)
+        if record.eager.get("break_output_mismatch") or record.captures or (
+                self.compile_artifacts is not None and record.eager_total):
+            self.call(self.refresh)
         if done.exception() is not None:
             _forward_outcome(done, answer)
             return
         try:
-            answer.set_result({"images": list(done.result()), "replays": delta["replays"],
-                               "eager_calls": delta["eager"]})
+            answer.set_result({"images": list(done.result()), "replays": record.replays,
+                               "eager_calls": record.eager_total})
         except concurrent.futures.InvalidStateError:
             pass  # cancelled by its caller meanwhile
 

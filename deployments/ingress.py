@@ -16,8 +16,9 @@ The ingress validates every request (``RequestGuard`` for the API key, body size
 strict pydantic models for types and unknown fields; ``check_request``/``check_warmup`` for the
 deployment's limits and the model's size and frame multiples), so nothing invalid reaches a replica; errors
 are 4xx with the FastAPI error list whose ``loc`` names the field. ``check_request`` computes the
-request's shape key (the one place a served request's key is computed) and the ingress passes it as
-the ``shape_key`` kwarg, which the replica deployment's router reads (the HTTP
+request's shape key (the one place a served request's key is computed and checked) and the ingress
+passes the `ShapeKey` itself as the ``shape_key`` kwarg, which the replica deployment's router reads
+and the replica and its batcher take as it is (they re-check it only in ``assert``s) (the HTTP
 proxy's router only sees opaque bytes, so the routing decision has to happen here, on the model
 deployment's handle). Python callers use ``Ingress.generate`` through a DeploymentHandle with the
 same ``ImageGenerationRequest`` model and get an ``ImageGenerationResponse``.
@@ -44,6 +45,7 @@ from ray import serve
 from ray.exceptions import RayActorError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, ReplicaUnavailableError
 
+from bcg.diffusers.shape_key import ShapeKey
 from deployments.schemas import (
     FieldError,
     ImageData,
@@ -151,7 +153,7 @@ class Ingress:
                 self.limits = RequestLimits(**self._limits)
         return self._info
 
-    async def _call_replica(self, request: ImageGenerationRequest, key: str) -> dict:
+    async def _call_replica(self, request: ImageGenerationRequest, key: ShapeKey) -> dict:
         """One replica answer; re-sent when its replica dies, all within ``request_timeout_s``."""
         deadline = time.monotonic() + self.request_timeout_s
         for attempt in range(self.max_retries + 1):
@@ -180,8 +182,7 @@ class Ingress:
             request = ImageGenerationRequest.model_validate(request)
         info = await self._model_info()
         key = check_request(request, self.limits, self.model, info, self.default_size)
-        request = request.model_copy(update={"size": key.size})
-        out = await self._call_replica(request, key.key)
+        out = await self._call_replica(request, key)
         data = [ImageData(b64_json=base64.b64encode(image).decode("ascii")) for image in out["images"]]
         return ImageGenerationResponse(
             created=int(time.time()), data=data, output_format=request.output_format,

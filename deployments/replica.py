@@ -25,8 +25,8 @@ Contract:
   captured bucket 2; ``K.b3``, padded to 4, once it captured bucket 4): ``routing_view.warm_set``,
   the set the router routes by. Replicas
   count warm and cold requests, and (on GPU meaningful) the runners' replays vs eager calls while
-  serving. A response's own ``replays``/``eager_calls`` are the runners' calls while it was on the
-  replica: exactly its own when it ran alone, shared with its neighbours when batched.
+  serving. A response's own ``replays``/``eager_calls`` come from its call record: the runner calls
+  made for it (a batched call counts for every request in the batch).
 * Pipelines are not thread-safe: one `StepBatcher` loop thread (``bcg.diffusers.batching``) owns the
   pipeline. Requests are planned and queued there and run step-wise: requests of one shape key group
   (size, frames, CFG, prompt bucket; any image count) share a batch up to ``max_batch_size`` image rows,
@@ -290,7 +290,7 @@ class Replica:
         return {**self.replica_info(), **self._counters, **self.engine.served(), "cold_keys": dict(self._cold_keys),
                 "device": self.engine.device, "warm_ready_at": self.warm_ready_at,
                 "first_request_at": self.first_request_at, "warmups": list(self._reports),
-                "runner": self.engine.runner_stats(), "ongoing": self._ongoing,
+                "runner": self.engine.runner_stats(), "kernels": self.engine.kernel_stats(), "ongoing": self._ongoing,
                 "batcher": self.engine.batcher.stats(), "batch_pool_bytes": self.engine.bucket_pool_bytes(),
                 "cuda_memory": cuda_memory(), "warmup_progress": dict(self._progress),
                 "memory": self.engine.memory_report(), "cold_start": self._cold_start,
@@ -300,9 +300,10 @@ class Replica:
                 "timing": {name: dict(times) for name, times in self._timing.items()}}
 
     # -- serving -----------------------------------------------------------------------------------
-    async def generate(self, request, shape_key: str, target_replica: Optional[str] = None) -> dict:
-        """Run one image request at ``shape_key``, the key the ingress computed for it
-        (``check_request``); the router reads ``shape_key`` and ``target_replica``."""
+    async def generate(self, request, shape_key, target_replica: Optional[str] = None) -> dict:
+        """Run one image request at ``shape_key``, the `ShapeKey` the ingress computed and checked for it
+        (``check_request``; a key string is parsed), trusted from here on; the router reads ``shape_key``
+        and ``target_replica``."""
         if isinstance(request, dict):
             request = ImageGenerationRequest.model_validate(request)
         key = ShapeKey.parse(shape_key)
@@ -311,7 +312,7 @@ class Replica:
         if self.first_request_at is None:
             self.first_request_at = time.time()
         try:
-            warm = key.key in warm_set(self._warm_view())  # what the router routed it by
+            warm = key.key in self.engine.warm_set()  # what the router routed it by (routing_view.warm_set)
             answer = self.engine.submit(request, key, self.default_steps)
             out = await self._wait(asyncio.wrap_future(answer), on_cancel=lambda: self.engine.cancel(answer))
             t_encode = time.perf_counter()

@@ -154,17 +154,18 @@ class ShapeAffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         if target:
             return "pinned", [[r for r in candidate_replicas
                                if target in (r.replica_id.unique_id, r.replica_id.to_full_id_str())]]
-        key = kwargs.get(self.shape_key_kwarg)
-        if not key:
+        shape_key = kwargs.get(self.shape_key_kwarg)
+        if not shape_key:
             return "unkeyed", None
+        key = str(shape_key)  # the ingress sends the ShapeKey itself, its string is the key
         warm, cold = [], []
         for r in candidate_replicas:
             (warm if key in replica_warm_keys(r) else cold).append(r)
         if not warm:
             return "no_warm", None
         warm = self._by_load(warm)
-        _, rows = batch_group(key)
-        joinable = [r for r in warm if replica_free_rows(r, key) >= rows]
+        _, rows = batch_group(shape_key)
+        joinable = [r for r in warm if replica_free_rows(r, shape_key) >= rows]
         if joinable:
             rest = [r for r in warm if r not in joinable]
             return "batch", [joinable, rest] if rest else [joinable]

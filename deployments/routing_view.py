@@ -29,11 +29,10 @@ its readers share it. Routers run on Serve's router thread; readers copy what th
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import threading
 import time
 import weakref
-from typing import Dict, Iterable, List, Mapping, Optional
+from typing import Dict, Iterable, List, Mapping, NamedTuple, Optional
 
 # Keys of the dict a replica returns from record_routing_stats() / record_replica_metadata().
 WARM_KEYS = "warm_keys"
@@ -60,34 +59,66 @@ def warm_set(stats: Mapping) -> frozenset:
     return frozenset(stats.get(WARM_KEYS) or ()) | frozenset(stats.get(WARM_BATCH_KEYS) or ())
 
 
+class ReplicaView(NamedTuple):
+    """What a router ranks one replica by, parsed from its routing stats once when they arrive."""
+
+    warm: frozenset             # `warm_set`: the shape keys it serves warm
+    free_rows: Mapping[str, int]  # group key -> image rows free in the batch of that group running there
+
+
+# ReplicaID -> (the routing stats object a view was parsed from, the view). Serve replaces a replica's
+# stats dict when the controller pushes new stats (it never changes one in place), so a view stays
+# valid while its stats object is the replica's; start-up metadata is fixed for a replica's life.
+_views: Dict[object, tuple] = {}
+_MAX_VIEWS = 4096  # replicas come and go: forget them all now and then rather than hold them forever
+
+
+def replica_view(replica) -> ReplicaView:
+    """`ReplicaView` of a replica: its routing stats when polled yet, else its start-up metadata, parsed
+    the first time a router sees them and read from then on (not parsed again per request)."""
+    stats = replica.routing_stats
+    rid = replica.replica_id
+    cached = _views.get(rid)
+    if cached is not None and cached[0] is stats:
+        return cached[1]
+    source = stats if (stats or {}).get(WARM_KEYS) is not None else (replica.replica_metadata or {})
+    view = ReplicaView(warm=warm_set(source), free_rows=_free_rows(source))
+    if len(_views) >= _MAX_VIEWS:
+        _views.clear()
+    _views[rid] = (stats, view)
+    return view
+
+
+def _free_rows(stats: Mapping) -> Dict[str, int]:
+    try:
+        return {str(group): int(rows) for group, rows in (stats.get(BATCH_FREE_ROWS) or {}).items()}
+    except (TypeError, ValueError, AttributeError):
+        return {}
+
+
 def replica_warm_keys(replica) -> frozenset:
     """The shape keys a replica serves warm (`warm_set`): routing stats when polled yet, else start-up
     metadata."""
-    stats = replica.routing_stats or {}
-    if stats.get(WARM_KEYS) is None:
-        stats = replica.replica_metadata or {}
-    return warm_set(stats)
+    return replica_view(replica).warm
 
 
-def batch_group(key: str) -> tuple:
-    """``(group key, image rows)`` of a request's shape key: the batch it can join and the rows it needs
-    (``("512x512", 2)`` for ``"512x512.b2"``); ``(key, 1)`` when `key` does not parse."""
-    from bcg.diffusers.buckets import ShapeKey  # no torch: safe in every process that routes
+def batch_group(key) -> tuple:
+    """``(group key, image rows)`` of a request's shape key (a `ShapeKey`, as the ingress sends it, or
+    its string): the batch it can join and the rows it needs (``("512x512", 2)`` for ``"512x512.b2"``);
+    ``(key, 1)`` when a string does not parse."""
+    from bcg.diffusers.shape_key import ShapeKey  # no torch: safe in every process that routes
     try:
-        parsed = ShapeKey.parse(key)
+        parsed = ShapeKey.parse(key)  # a ShapeKey is returned as it is
     except (TypeError, ValueError):
         return key, 1
-    return dataclasses.replace(parsed, batch_size=1).key, parsed.batch_size
+    return parsed.group.key, parsed.batch_size
 
 
-def replica_free_rows(replica, key: str) -> int:
+def replica_free_rows(replica, key) -> int:
     """Image rows free for a request of shape key `key` in the batch of its group running on `replica`
     (its routing stats); 0 when no such batch runs there."""
     group, _ = batch_group(key)
-    try:
-        return int(((replica.routing_stats or {}).get(BATCH_FREE_ROWS) or {}).get(group, 0))
-    except (TypeError, ValueError, AttributeError):
-        return 0
+    return replica_view(replica).free_rows.get(group, 0)
 
 
 def _replicas(router) -> list:

@@ -9,6 +9,8 @@ import pytest
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 import bench_pool_plan  # noqa: E402
 
+from tests.plots import bars, png_of, stacks  # noqa: E402
+
 MB = 1 << 20
 
 
@@ -29,7 +31,7 @@ def _run(name, added, captured=True, bitwise=True):
             "replays_bitwise_equal": bitwise}
 
 
-def test_the_bar_is_met_only_within_1_3x_with_every_key_captured_and_replayed_exactly(tmp_path):
+def test_the_bar_is_met_only_within_1_3x_with_every_key_captured_and_replayed_exactly(tmp_path, saved_figures):
     keys = {"256x256": {"eager_peak_bytes": 300 * MB}, "1024x1024": {"eager_peak_bytes": 1000 * MB}}
     runs = [_run("runtime/expandable", [("256x256", 400), ("1024x1024", 1100)]),
             _run("largest_first/expandable", [("1024x1024", 1250), ("256x256", 10)]),
@@ -49,7 +51,12 @@ def test_the_bar_is_met_only_within_1_3x_with_every_key_captured_and_replayed_ex
     assert bench_pool_plan.summarize({"keys": {"64x64": {"eager_peak_bytes": None}}, "runs": runs}) == []
     path = tmp_path / "plan.json"
     path.write_text(json.dumps(result))
-    assert bench_pool_plan.main(["--plot-only", str(path)]) == 0 and (tmp_path / "plan.png").stat().st_size > 0
+    assert bench_pool_plan.main(["--plot-only", str(path)]) == 0
+    (fig,) = saved_figures
+    left, right = fig.axes  # eager peak per key (MiB); each measured run's pool, stacked by capture
+    assert bars(left) == [300.0, 1000.0]
+    assert list(stacks(right).values()) == [1500.0, 1260.0, 1200.0, 1200.0]
+    png_of(fig, tmp_path / "plan.png")
 
 
 def test_unknown_order_is_refused_with_the_known_names(capsys):
@@ -59,7 +66,7 @@ def test_unknown_order_is_refused_with_the_known_names(capsys):
 
 
 @pytest.mark.slow
-def test_cpu_smoke_run_captures_nothing_and_answers_every_key_like_eager(tmp_path):
+def test_cpu_smoke_run_captures_nothing_and_answers_every_key_like_eager(tmp_path, saved_figures):
     out = tmp_path / "plan.json"
     code = bench_pool_plan.main(["--allow-cpu", "--model", "flux-9m", "--sizes", "64,128", "--allocators",
                                  "expandable", "--out", str(out)])
@@ -73,4 +80,6 @@ def test_cpu_smoke_run_captures_nothing_and_answers_every_key_like_eager(tmp_pat
         assert [r["key"] for r in run["replays"]] == order + order[::-1]
         assert run["replays_bitwise_equal"] and run["eager_calls"]["no_cuda"] == 6 and run["pool_bytes"] == 0
     assert result["targets"] == []  # no eager peak without CUDA: nothing to check
-    assert (tmp_path / "plan.png").stat().st_size > 0
+    (fig,) = saved_figures  # no eager peak and an empty pool without CUDA: every bar at 0
+    assert set(bars(fig.axes[0])) == {0.0} and len(bars(fig.axes[0])) == 2
+    png_of(fig, tmp_path / "plan.png")

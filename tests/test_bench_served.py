@@ -12,13 +12,15 @@ BENCHMARKS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file
 sys.path.insert(0, BENCHMARKS)
 import bench_served  # noqa: E402
 
+from tests.plots import bars, png_of  # noqa: E402
+
 
 def _row(model, key, steps, eager_ms, served_ms, speedup):
     return {"model": model, "size": key.split(".")[0], "steps": steps, "eager_key": key, "served_key": key,
             "eager": {"median_ms": eager_ms}, "served": {"median_ms": served_ms}, "speedup": speedup}
 
 
-def test_target_is_flux_512_at_28_steps_only(tmp_path):
+def test_target_is_flux_512_at_28_steps_only(tmp_path, saved_figures):
     rows = [_row("flux.1-dev", "512x512", 28, 3000.0, 2000.0, 1.5),
             _row("flux.1-dev", "1024x1024", 28, 9000.0, 8000.0, 1.125),
             _row("flux.1-dev", "512x512", 4, 500.0, 400.0, 1.25)]
@@ -28,7 +30,10 @@ def test_target_is_flux_512_at_28_steps_only(tmp_path):
     assert bench_served.targets(rows)[0]["met"] is False
     path = tmp_path / "served.json"
     path.write_text(json.dumps({"machine": {"gpu": "H200"}, "settings": {"compile": True}, "rows": rows}))
-    assert bench_served.main(["--plot-only", str(path)]) == 0 and (tmp_path / "served.png").stat().st_size > 0
+    assert bench_served.main(["--plot-only", str(path)]) == 0
+    (fig,) = saved_figures  # eager seconds per row, then served seconds per row
+    assert bars(fig.axes[0]) == [3.0, 9.0, 0.5, 2.0, 8.0, 0.4]
+    png_of(fig, tmp_path / "served.png")
 
 
 @pytest.mark.slow
@@ -51,4 +56,5 @@ def test_cpu_smoke_run_serves_a_tiny_flux_directory_over_http_and_records_wan(tm
     assert (wan["eager_key"], wan["served_key"]) == ("64x64.f5.cfg", "64x64.f5.cfg")
     assert wan["eager"]["median_ms"] > 0 and wan["served"]["shape_keys"] == ["64x64.f5.cfg"]
     assert wan["speedup"] is not None and proc.returncode == 0
-    assert result["targets"] == [] and (tmp_path / "bench_served.png").stat().st_size > 0
+    assert result["targets"] == []
+    png_of(None, tmp_path / "bench_served.png")  # drawn in the script's process: its pixels only

@@ -8,6 +8,8 @@ import pytest
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 import bench_compiled  # noqa: E402
 
+from tests.plots import bars, drawn, png_of, stacks  # noqa: E402
+
 
 def _row(model, size, variant, ms):
     return {"model": model, "size": size, "variant": variant, "ms": ms}
@@ -26,7 +28,7 @@ def test_targets_compare_compiled_segments_with_reduce_overhead_and_one_graph():
     assert len(checks) == 3
 
 
-def test_merge_keeps_the_later_run_per_measurement_and_reevaluates(tmp_path):
+def test_merge_keeps_the_later_run_per_measurement_and_reevaluates(tmp_path, saved_figures):
     base = {"benchmark": "bench_compiled", "command": "a", "machine": {"gpu": "H200"}, "settings": {},
             "models": {"flux-9m": {"params": 9172032}}, "skipped": [], "elapsed_s": 10}
     first = {**base, "results": [_row("flux-9m", 256, "compiled_segments", 0.50),
@@ -45,7 +47,9 @@ def test_merge_keeps_the_later_run_per_measurement_and_reevaluates(tmp_path):
     assert merged["command"] == ["a", "b"] and set(merged["models"]) == {"flux-9m", "flux-2.5b"}
     assert merged["targets"][0]["value"] == pytest.approx(1.3333, abs=1e-4) and merged["targets"][0]["met"]
     assert merged["elapsed_s"] == 15
-    assert (tmp_path / "merged.png").exists()
+    (fig,) = saved_figures  # the merged figure: one model, a bar per variant at its later measurement
+    assert sorted(bars(fig.axes[0])) == [0.30, 0.40]
+    png_of(fig, tmp_path / "merged.png")
 
 
 def test_unknown_model_or_variant_is_refused_with_the_known_names():
@@ -55,7 +59,7 @@ def test_unknown_model_or_variant_is_refused_with_the_known_names():
         bench_compiled.main(["--repeat", "0", "--dry-run"])
 
 
-def test_pool_memory_plot_is_made_from_measured_rows_only(tmp_path):
+def test_pool_memory_plot_is_made_from_measured_rows_only(tmp_path, saved_figures):
     import bench_pool_memory
 
     rows = [{"case": "c", "mode": m, "eager_peak_mib": 70.0, "capture_live_peak_mib": 74.0, "pool_mib": p}
@@ -64,13 +68,15 @@ def test_pool_memory_plot_is_made_from_measured_rows_only(tmp_path):
     path.write_text(json.dumps({"machine": {"gpu": "H200"}, "results": rows + [
         {"case": "d", "mode": "plain", "error": "OutOfMemoryError: ..."}]}))
     assert bench_pool_memory.main(["--plot-only", str(path)]) == 0
-    assert (tmp_path / "pool.png").stat().st_size > 0
+    (fig,) = saved_figures  # case c only: eager peak, live peak, each mode's pool; the failed case d not drawn
+    assert bars(fig.axes[0]) == [70.0, 74.0, 142.0, 104.0]
+    png_of(fig, tmp_path / "pool.png")
     path.write_text(json.dumps({"machine": {}, "results": [{"case": "d", "mode": "plain", "error": "x"}]}))
     (tmp_path / "pool.png").unlink()
     assert bench_pool_memory.main(["--plot-only", str(path)]) == 1 and not (tmp_path / "pool.png").exists()
 
 
-def test_pipeline_and_runner_overhead_plots_are_made_from_their_json(tmp_path):
+def test_pipeline_and_runner_overhead_plots_are_made_from_their_json(tmp_path, saved_figures):
     import bench_pipeline
     import bench_runner_overhead
 
@@ -81,24 +87,33 @@ def test_pipeline_and_runner_overhead_plots_are_made_from_their_json(tmp_path):
                              "bcg_all": {"median_ms": 7.8, "phases_ms": {"denoising": 4.5}, "matches_eager": True}}}
     path = tmp_path / "pipeline.json"
     path.write_text(json.dumps(pipeline))
-    assert bench_pipeline.main(["--plot-only", str(path)]) == 0 and (tmp_path / "pipeline.png").exists()
+    assert bench_pipeline.main(["--plot-only", str(path)]) == 0
+    # a stack of phases per variant, as tall as its phases add up
+    assert list(stacks(saved_figures[0].axes[0]).values()) == [pytest.approx(sum(phases.values())), 4.5]
+    png_of(saved_figures[0], tmp_path / "pipeline.png")
     overhead = {"machine": {}, "args": {"inputs": 10}, "bar_us": 30.0,
                 "results_us": {"bare_replay": 7.3, "runner_copy": 36.9}, "samples_us": {"runner_copy": [36.0, 48.0]}}
     path = tmp_path / "overhead.json"
     path.write_text(json.dumps(overhead))
-    assert bench_runner_overhead.main(["--plot-only", str(path)]) == 0 and (tmp_path / "overhead.png").exists()
+    assert bench_runner_overhead.main(["--plot-only", str(path)]) == 0
+    overhead_ax = saved_figures[1].axes[0]  # a bar per variant, a dot per sample
+    assert bars(overhead_ax) == [7.3, 36.9] and drawn(saved_figures[1]) == [2 + 2 + 2]
+    png_of(saved_figures[1], tmp_path / "overhead.png")
     path.write_text(json.dumps({"results_us": {}}))  # nothing measured: nothing to draw
     assert bench_runner_overhead.main(["--plot-only", str(path)]) == 1
 
 
-def test_compiled_plot_draws_every_variant(tmp_path):
+def test_compiled_plot_draws_every_variant(tmp_path, saved_figures):
     rows = [_row("flux-9m", 256, v, 0.5 + i / 10) for i, v in enumerate(bench_compiled.VARIANTS)]
     result = {"results": rows, "models": {"flux-9m": {"params": 9172032}}, "machine": {"gpu": "H200"}}
     png = tmp_path / "all.png"
-    assert bench_compiled.plot(result, str(png)) and png.stat().st_size > 0
+    assert bench_compiled.plot(result, str(png))
+    (fig,) = saved_figures
+    assert bars(fig.axes[0]) == [round(r["ms"], 6) for r in rows]
+    png_of(fig, png)
 
 
-def test_encoding_smoke_run_times_every_format_and_the_apng_ways_make_the_same_bytes(tmp_path):
+def test_encoding_smoke_run_times_every_format_and_the_apng_ways_make_the_same_bytes(tmp_path, saved_figures):
     import bench_encoding
 
     out = tmp_path / "enc.json"
@@ -111,7 +126,12 @@ def test_encoding_smoke_run_times_every_format_and_the_apng_ways_make_the_same_b
     # frames that differ all over: Pillow's writer and ours, on one thread or two, write the same file
     assert noise["apng_pillow_writer"] == noise["apng_one_thread"] == noise["apng_2_threads"] > 0
     assert all(r["ms"] > 0 for r in result["images"] + result["videos"])
-    assert (tmp_path / "enc.png").stat().st_size > 0
+    (fig,) = saved_figures  # left: the noise image per format; right: each video way per video kind
+    left, right = fig.axes
+    assert bars(left) == [round(r["ms"], 6) for f in ("png", "jpeg", "webp") for r in result["images"]
+                          if r["image"] == "noise" and r["output_format"] == f]
+    assert len(bars(right)) == len(result["videos"]) and min(bars(right)) > 0
+    png_of(fig, tmp_path / "enc.png")
 
 
 def test_compiled_targets_with_repeats_compare_medians_and_state_the_spread():

@@ -6,6 +6,8 @@
   operations a graph cannot hold; `auto_placement` / `placement_stats` say where and why;
 - `bcg.diffusers.accelerated`: `accelerate` / `unaccelerate` make a pipeline's transformer (and
   optionally its text encoders and VAE decoder) a `BreakableGraphRunner`;
+- `bcg.diffusers.attention`: `set_attention_backend` routes a transformer's attention cores through the
+  kernel chosen per shape (`bcg.runtime.attention`); `attention_stats` says which;
 - `bcg.diffusers.pipelines`: `pipeline_info`, `plan_request`, `generate`, `warmup_pipeline`;
 - `bcg.diffusers.families`: one record per model family (CFG rule, size multiple, default size, prompt
   bucketing, frames, batching hooks): `ModelFamily`, `FAMILIES`, `family_of`;
@@ -26,6 +28,10 @@ _EXPORTS = {
     "pipeline_runners": "bcg.diffusers.accelerated",
     "pipeline_stats": "bcg.diffusers.accelerated",
     "unaccelerate": "bcg.diffusers.accelerated",
+    "prepare_transformer": "bcg.diffusers.accelerated",
+    "set_attention_backend": "bcg.diffusers.attention",
+    "attention_stats": "bcg.diffusers.attention",
+    "remove_attention_backend": "bcg.diffusers.attention",
     "install_breaks": "bcg.diffusers.breaks",
     "remove_breaks": "bcg.diffusers.breaks",
     "count_prompt_tokens": "bcg.diffusers.pipelines",

@@ -20,14 +20,18 @@ from typing import Any, Iterable
 
 import torch
 
+from bcg.diffusers.attention import attention_stats, remove_attention_backend, set_attention_backend
 from bcg.diffusers.breaks import install_breaks, remove_breaks, unwrap_runner, with_globals
+from bcg.runtime.attention import AttentionDispatch
+from bcg.runtime.quantize import quantize_module
 from bcg.diffusers.tokenizers import fast_tensors
 from bcg.diffusers.tokenizers import restore as restore_tokenizer
 from bcg.diffusers.placement import placement_stats
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["COMPONENTS", "accelerate", "pipeline_call_scope", "pipeline_runners", "pipeline_stats", "unaccelerate"]
+__all__ = ["COMPONENTS", "accelerate", "pipeline_call_scope", "pipeline_runners", "pipeline_stats",
+           "prepare_transformer", "unaccelerate"]
 
 # --------------------------------------------------------------------------------------------------
 # accelerated pipelines
@@ -69,13 +73,37 @@ def pipeline_runners(pipe) -> dict:
 
 def pipeline_stats(pipe) -> dict:
     """``runner.stats()`` of every runner `accelerate` installed, by component name; a transformer's
-    also holds ``"placement"``: `placement_stats` (which places are breaks and why) or None."""
+    also holds ``"placement"``: `placement_stats` (which places are breaks and why) or None, and
+    ``"attention"``: the attention kernel chosen per shape (`attention_stats`), None where only SDPA runs."""
     out = {}
     for name, runner in pipeline_runners(pipe).items():
         out[name] = runner.stats()
         if name in _TRANSFORMERS:
             out[name]["placement"] = placement_stats(runner.module)
+            out[name]["attention"] = attention_stats(runner.module)
     return out
+
+
+def prepare_transformer(module, config, policy: Any = "auto"):
+    """What `accelerate` does to a transformer before its runner wraps it: float8 linears
+    (``config.quantize``), the attention kernel per shape (``config.attention_backend``), then breaks per
+    `policy`. Returns `module`."""
+    if config.quantize is not None:  # before the attention kernels are timed on it
+        quantize_module(module, config.quantize)
+    _set_attention(module, config.attention_backend)
+    install_breaks(module, policy)
+    return module
+
+
+def _set_attention(module, backend: str) -> None:
+    """The attention kernel per shape (`bcg.diffusers.attention`), where there is a choice to make: with
+    PyTorch's SDPA as the only kernel available (and asked for), processors stay as diffusers made them."""
+    if backend in ("auto", "sdpa"):
+        first = next(module.parameters(), None)
+        device = first.device if first is not None else None
+        if AttentionDispatch(backend, device=device).candidates == ["sdpa"]:
+            return
+    set_attention_backend(module, backend)
 
 
 def _parse_to_args(args, kwargs):
@@ -342,8 +370,12 @@ def accelerate(pipe, config=None, policy: Any = "auto", components: Iterable[str
     tensors without per-token Python (`bcg.diffusers.tokenizers`: the same ids), and its progress bar is
     turned off unless `progress_bar` is true: a server has no terminal to draw it on.
     """
+    from bcg.runtime.config import RunnerConfig
     from bcg.runtime.runner import BreakableGraphRunner
 
+    config = config if config is not None else RunnerConfig.from_env()
+    # quantization and the attention kernel are the transformers' alone: text encoders and VAE keep theirs
+    other_config = dataclasses.replace(config, quantize=None) if config.quantize is not None else config
     components = [components] if isinstance(components, str) else list(components)
     unknown = [c for c in components if c not in COMPONENTS]
     if unknown:
@@ -356,7 +388,7 @@ def accelerate(pipe, config=None, policy: Any = "auto", components: Iterable[str
             vae = getattr(pipe, "vae", None)
             if vae is None or not hasattr(vae, "decode"):
                 raise ValueError(f"{type(pipe).__name__} has no VAE with decode(); drop 'vae_decoder' from components")
-            runner = BreakableGraphRunner(_VaeDecode(vae), config=config)
+            runner = BreakableGraphRunner(_VaeDecode(vae), config=other_config)
             object.__setattr__(vae, "decode", _accelerated_decode(runner))
         else:
             module = getattr(pipe, name, None)
@@ -369,8 +401,8 @@ def accelerate(pipe, config=None, policy: Any = "auto", components: Iterable[str
                 runners[name] = module
                 continue
             if name in _TRANSFORMERS:
-                install_breaks(module, policy)
-            runner = BreakableGraphRunner(module, config=config)
+                prepare_transformer(module, config, policy)
+            runner = BreakableGraphRunner(module, config=config if name in _TRANSFORMERS else other_config)
             # Bypass DiffusionPipeline.__setattr__: model_index must keep naming the real class.
             object.__setattr__(pipe, name, runner)
         runners[name] = runner
@@ -395,6 +427,7 @@ def unaccelerate(pipe):
             vae.__dict__.pop("decode", None)
         else:
             remove_breaks(runner.module)
+            remove_attention_backend(runner.module)
             object.__setattr__(pipe, name, runner.module)
         runner.reset()
     base = type(pipe).__dict__.get("__bcg_pipeline_base__")

@@ -74,6 +74,7 @@ class QueuedRequest:
     submitted: float           # time.perf_counter() at submission
     alone: str | None = None   # why it runs whole through pipe(**kwargs), None when step-batched
     state: Any = None
+    records: tuple = ()        # `bcg.runtime.call_record.CallRecord`s the runner calls made for it add to
 
 
 class RequestQueue:

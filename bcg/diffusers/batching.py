@@ -13,7 +13,7 @@ over all their prompts, padded to a bucket of prompts, then each its own latents
 
 One step is one transformer call (two for Flux's true CFG) over the group's rows, padded up to the next
 of ``batch_buckets`` by repeating a real row, so an accelerated transformer replays one graph per bucket;
-rows above the largest bucket run unpadded. The family hooks (`bcg.diffusers.step_families`) build the
+rows above the largest bucket run unpadded. The family hooks (`bcg.diffusers.steps`) build the
 inputs exactly as the pipeline does, so ``warmup(keys)`` (``<key>.b<bucket>`` per bucket, run by
 `warmup_pipeline` with that many prompts) captures the graphs the batcher replays: the transformer's and
 the VAE decoder's per row bucket, the text encoders' per prompt bucket.
@@ -29,7 +29,7 @@ per request (a failed preparation puts the generators back first), so only the r
 fail. Pipelines without step hooks (anything but Flux and SD3 today) and
 requests with arguments the hooks do not batch run alone through ``pipe(**kwargs)``, one whole request per
 `step()`, taking their turn in the round-robin; their PIL images are made from 8 bits converted on the
-device, answered from the answers thread (`bcg.diffusers.step_base.pipeline_call_async`).
+device, answered from the answers thread (`bcg.diffusers.steps.pipeline_call_async`).
 
 Threads: every pipeline call runs on the thread that calls `step()`: `start()` runs a daemon loop thread
 that does, tests may call `step()` themselves. `submit` / `submit_planned` are thread-safe and return a
@@ -57,8 +57,8 @@ from bcg.diffusers.batch_queue import ALONE, BatcherConfig, QueuedRequest, Reque
 from bcg.diffusers.buckets import ShapeKey, parse_plan
 from bcg.diffusers.families import family_of
 from bcg.diffusers.accelerated import pipeline_call_scope
-from bcg.diffusers.step_base import pipeline_call_async
-from bcg.diffusers.step_families import StepFamily
+from bcg.diffusers.steps import StepFamily, pipeline_call_async
+from bcg.runtime.call_record import CallRecord, recording
 
 logger = logging.getLogger(__name__)
 
@@ -119,15 +119,17 @@ class StepBatcher:
             return future
         return self.submit_planned(key, kwargs)
 
-    def submit_planned(self, key: ShapeKey | str, kwargs: dict) -> concurrent.futures.Future:
-        """Queue a planned request: its `ShapeKey` and the keyword arguments of ``pipe(**kwargs)``."""
-        key = ShapeKey.parse(key)
-        group = dataclasses.replace(key, batch_size=1).key
+    def submit_planned(self, key: ShapeKey | str, kwargs: dict, records: tuple = ()) -> concurrent.futures.Future:
+        """Queue a planned request: its `ShapeKey` and the keyword arguments of ``pipe(**kwargs)``. Every
+        runner call made for it (its preparation, the steps it is in, its decode, or its run alone) adds to
+        each of `records` (`bcg.runtime.call_record`), calls shared with its batch neighbours too."""
+        group = ShapeKey.parse(key).group.key  # a ShapeKey is taken as it is: decided where the request entered
         alone = "no step hooks for this pipeline" if self.family is None else self.family.batchable(kwargs)
         prompts = kwargs.get("prompt")
         rows = (len(prompts) if isinstance(prompts, list) else 1) * int(kwargs.get("num_images_per_prompt") or 1)
         request = QueuedRequest(id=next(self._ids), group=group, kwargs=kwargs, rows=rows,
-                                future=concurrent.futures.Future(), submitted=time.perf_counter(), alone=alone)
+                                future=concurrent.futures.Future(), submitted=time.perf_counter(), alone=alone,
+                                records=tuple(records))
         self._queue.put(request)
         self._count("submitted")
         return request.future
@@ -277,12 +279,13 @@ class StepBatcher:
 
         def prepare(batch: list[QueuedRequest]) -> dict:
             counts = [prompts[r.id] for r in batch]
-            if counts[0] is None:
-                states, total, bucket = [self.family.prepare(self.pipe, batch[0].kwargs)], None, None
-            else:
-                total = sum(counts)
-                bucket = self.config.bucket_for(total)
-                states = self.family.prepare_batch(self.pipe, [r.kwargs for r in batch], bucket)
+            with _recording_for(batch):
+                if counts[0] is None:
+                    states, total, bucket = [self.family.prepare(self.pipe, batch[0].kwargs)], None, None
+                else:
+                    total = sum(counts)
+                    bucket = self.config.bucket_for(total)
+                    states = self.family.prepare_batch(self.pipe, [r.kwargs for r in batch], bucket)
             self._count_prepare(len(batch), total, bucket)
             return {r.id: s for r, s in zip(batch, states)}
 
@@ -297,7 +300,8 @@ class StepBatcher:
             states = [r.state for r in batch]
             rows = sum(s.rows for s in states)
             bucket = self.config.bucket_for(rows)
-            preds = self.family.forward(self.pipe, states, bucket)
+            with _recording_for(batch):
+                preds = self.family.forward(self.pipe, states, bucket)
             self._count_step(rows, bucket)
             return {r.id: p for r, p in zip(batch, preds)}
 
@@ -326,8 +330,9 @@ class StepBatcher:
         if self.config.batch_decode and len(requests) > 1:
             rows = sum(r.state.rows for r in requests)
             try:
-                outputs = self.family.finish_batch_async(self.pipe, [r.state for r in requests],
-                                                         self.config.bucket_for(rows))
+                with _recording_for(requests):
+                    outputs = self.family.finish_batch_async(self.pipe, [r.state for r in requests],
+                                                             self.config.bucket_for(rows))
                 self._count("batched_decodes")
                 return [(requests, outputs)]
             except Exception as exc:  # noqa: BLE001
@@ -338,8 +343,9 @@ class StepBatcher:
         for request in requests:
             try:
                 # alone: its rows padded to their bucket too, the VAE graph a warmup of that bucket captured
-                out.append(([request], self.family.finish_batch_async(
-                    self.pipe, [request.state], self.config.bucket_for(request.state.rows))))
+                with _recording_for([request]):
+                    out.append(([request], self.family.finish_batch_async(
+                        self.pipe, [request.state], self.config.bucket_for(request.state.rows))))
             except Exception as exc:  # noqa: BLE001
                 self._fail(request, exc)
         return out
@@ -379,7 +385,8 @@ class StepBatcher:
             self._alone_reasons[request.alone] += 1
         try:
             # PIL output converted to 8 bits on the device, made into images on the answers thread
-            outputs = pipeline_call_async(self.pipe, request.kwargs)
+            with _recording_for([request]):
+                outputs = pipeline_call_async(self.pipe, request.kwargs)
         except Exception as exc:  # noqa: BLE001
             self._fail(request, exc)
             return
@@ -434,7 +441,7 @@ class StepBatcher:
         request of ``n`` images alone pads to it), for `warmup_pipeline`."""
         if self.family is None:  # every request runs alone, at its own image count
             return parse_plan(keys)
-        return parse_plan([dataclasses.replace(key, batch_size=b) for key in parse_plan(keys)
+        return parse_plan([key.with_batch(b) for key in parse_plan(keys)
                            for b in sorted({*self._join_buckets(), self.config.bucket_for(key.batch_size)})])
 
     def _join_buckets(self) -> list[int]:
@@ -444,9 +451,11 @@ class StepBatcher:
         buckets.append(self.config.bucket_for(self.config.max_batch_size))
         return buckets
 
-    def warmup(self, keys: Iterable[ShapeKey | str], num_inference_steps: int = 2) -> dict:
+    def warmup(self, keys: Iterable[ShapeKey | str], num_inference_steps: int = 2,
+               record: CallRecord | None = None) -> dict:
         """Capture what this batcher replays for `keys` (`warmup_plan`: every bucket) with `warmup_pipeline`;
-        on the loop thread when it runs (between two steps), else here. Returns the warmup report.
+        on the loop thread when it runs (between two steps), else here. Returns the warmup report; its
+        runner calls add to `record` when given.
 
         A join bucket b runs as b prompts of one image each (``batched_prompts``), so the text encoders are
         captured at the batch of a joint encode of b prompts as well; a key's own image count (a request of
@@ -457,8 +466,9 @@ class StepBatcher:
         batched = () if self.family is None else self._join_buckets()
 
         def run():
-            return warmup_pipeline(self.pipe, plan, num_inference_steps=num_inference_steps,
-                                   batched_prompts=batched)
+            with recording(*([record] if record is not None else [])):
+                return warmup_pipeline(self.pipe, plan, num_inference_steps=num_inference_steps,
+                                       batched_prompts=batched)
 
         with self._thread_lock:
             thread = self._thread
@@ -513,3 +523,8 @@ class StepBatcher:
                 "running_requests": running,
                 "queued_requests": queued,
             }
+
+
+def _recording_for(requests: list[QueuedRequest]):
+    """The scope in which runner calls made for `requests` add to their records (each record once)."""
+    return recording(*(record for request in requests for record in request.records))

@@ -1,18 +1,10 @@
-"""Shape keys and prompt-length buckets: what a request needs warm, computed before anything runs.
+"""A request's shape key and prompt-length buckets: what a request needs warm, computed before anything runs.
 
 A captured graph is valid for one transformer input signature. For a diffusers pipeline that signature
-follows from a few request properties, which `ShapeKey` holds:
-
-- ``height``, ``width`` (pixels), ``num_frames`` (1 for images), ``batch_size`` (images per prompt);
-- ``cfg``: whether classifier-free guidance runs a negative branch (batched into the same call or as a
-  second call, depending on the pipeline; either way it changes what the transformer sees);
-- ``prompt_bucket``: the text sequence length the prompt is padded to (None: the pipeline's default).
-
-``.key`` is a stable, readable string: ``"1024x1024"`` for the plain case, else suffixes in a fixed order,
-e.g. ``"768x512.f17.b2.cfg.p128"``. Sizes are written **width x height**, as in the OpenAI Images API
-``size`` field ("1792x1024" is landscape). `ShapeKey.parse` is the inverse and also accepts a bare
-``"WxH"``. `request_shape_key` is the key of a request, computed once where the request enters and
-carried with it from there.
+follows from a few request properties, which `ShapeKey` (`bcg.diffusers.shape_key`, re-exported here)
+holds. `request_shape_key` is the key of a request, computed once where the request enters and carried
+with it from there; `check_shape` checks it against a pipeline's multiples; `parse_plan` reads a warmup
+plan.
 
 Prompt buckets: Flux, SD3, PixArt-Sigma, Sana and Wan pad their T5/Gemma text input to
 ``max_sequence_length`` (ids and attention mask alike); Qwen-Image trims its embeddings to the prompt, and
@@ -25,12 +17,11 @@ Validation helpers raise ``ValueError`` whose message names the fix.
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
-import re
 from typing import Iterable, Mapping
 
 from bcg.diffusers.families import family_named
+from bcg.diffusers.shape_key import ShapeKey, parse_size
 
 logger = logging.getLogger(__name__)
 
@@ -38,88 +29,6 @@ __all__ = ["PROMPT_BUCKETS", "ShapeKey", "buckets_up_to", "check_shape", "parse_
            "request_shape_key"]
 
 PROMPT_BUCKETS = (32, 64, 128, 256, 512)
-
-_SIZE_RE = re.compile(r"^\s*(\d+)\s*[xX]\s*(\d+)\s*$")
-_SUFFIX_RE = re.compile(r"^(f(?P<f>\d+)|b(?P<b>\d+)|(?P<cfg>cfg)|p(?P<p>\d+))$")
-
-
-def parse_size(size: str) -> tuple[int, int]:
-    """``"WxH"`` -> ``(width, height)``; both positive integers."""
-    match = _SIZE_RE.match(size) if isinstance(size, str) else None
-    if not match:
-        raise ValueError(f"size must be 'WxH' (width x height in pixels, e.g. '1024x768'), got {size!r}")
-    width, height = int(match.group(1)), int(match.group(2))
-    if width <= 0 or height <= 0:
-        raise ValueError(f"size must be 'WxH' with positive width and height, got {size!r}")
-    return width, height
-
-
-@dataclasses.dataclass(frozen=True)
-class ShapeKey:
-    """The request properties that decide which captured graphs a request replays."""
-
-    height: int
-    width: int
-    num_frames: int = 1
-    batch_size: int = 1
-    cfg: bool = False
-    prompt_bucket: int | None = None
-
-    def __post_init__(self):
-        for name in ("height", "width", "num_frames", "batch_size"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"ShapeKey.{name} must be a positive int, got {value!r}")
-        if not isinstance(self.cfg, bool):
-            raise ValueError(f"ShapeKey.cfg must be a bool, got {self.cfg!r}")
-        bucket = self.prompt_bucket
-        if bucket is not None and (isinstance(bucket, bool) or not isinstance(bucket, int) or bucket <= 0):
-            raise ValueError(f"ShapeKey.prompt_bucket must be a positive int or None, got {bucket!r}")
-
-    @property
-    def size(self) -> str:
-        """``"WxH"``, the OpenAI-style size string."""
-        return f"{self.width}x{self.height}"
-
-    @property
-    def key(self) -> str:
-        parts = [self.size]
-        if self.num_frames != 1:
-            parts.append(f"f{self.num_frames}")
-        if self.batch_size != 1:
-            parts.append(f"b{self.batch_size}")
-        if self.cfg:
-            parts.append("cfg")
-        if self.prompt_bucket is not None:
-            parts.append(f"p{self.prompt_bucket}")
-        return ".".join(parts)
-
-    def __str__(self) -> str:
-        return self.key
-
-    @classmethod
-    def parse(cls, text: str) -> "ShapeKey":
-        """Inverse of `.key`; a bare ``"WxH"`` is a plain key of that size."""
-        if isinstance(text, ShapeKey):
-            return text
-        if not isinstance(text, str) or not text.strip():
-            raise ValueError(f"shape key must be a string like '1024x768' or '768x512.f17.b2.cfg.p128', got {text!r}")
-        size, *suffixes = text.strip().split(".")
-        width, height = parse_size(size)
-        fields = {}
-        for suffix in suffixes:
-            match = _SUFFIX_RE.match(suffix)
-            name = None if not match else next(k for k, v in match.groupdict().items() if v is not None)
-            if name is None or name in fields:
-                raise ValueError(
-                    f"bad shape key {text!r}: after 'WxH' only '.f<frames>', '.b<batch>', '.cfg', '.p<tokens>' "
-                    f"may follow, each at most once (got {suffix!r})"
-                )
-            fields[name] = True if name == "cfg" else int(match.group(name))
-        return cls(
-            height=height, width=width, num_frames=fields.get("f", 1), batch_size=fields.get("b", 1),
-            cfg=fields.get("cfg", False), prompt_bucket=fields.get("p"),
-        )
 
 
 def buckets_up_to(max_tokens: int, buckets: Iterable[int] = PROMPT_BUCKETS) -> tuple[int, ...]:

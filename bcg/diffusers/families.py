@@ -16,7 +16,7 @@ A `ModelFamily` says how a request becomes a call of that family's pipeline:
 The size default and the defaults of the call (steps, guidance, frames) are the pipeline's own and are
 read from it by `bcg.diffusers.pipeline_info`. `family_of(pipe)` finds a pipeline's record by its class
 name; a pipeline of no known family gets `GENERIC`. A new family is one record here plus its built-in
-tiny pipeline in `bcg.diffusers.models` (the name in `builtin`). No torch or diffusers import: the
+tiny pipeline in `bcg.diffusers.builtin_models` (the name in `builtin`). No torch or diffusers import: the
 ingress reads these records.
 """
 from __future__ import annotations
@@ -118,7 +118,7 @@ class ModelFamily:
 
     name: str
     pipeline_classes: tuple[str, ...]
-    builtin: Optional[str] = None                 # the built-in tiny pipeline (bcg.diffusers.models)
+    builtin: Optional[str] = None                 # the built-in tiny pipeline (bcg.diffusers.builtin_models)
     cfg: CfgRule = CfgRule()
     latent_packing: Optional[int] = None          # None: the transformer's patch size
     prompt_tokenizer: str = "tokenizer"           # its padding length is max_sequence_length
@@ -141,7 +141,7 @@ class ModelFamily:
 # Exact sizes (no aspect-ratio bins) and prompts as given (caption cleaning needs bs4/ftfy).
 _EXACT = MappingProxyType({"use_resolution_binning": False, "clean_caption": False})
 
-_STEPS = "bcg.diffusers.step_families:"
+_STEPS = "bcg.diffusers.steps:"
 
 GENERIC = ModelFamily("generic", (), video=None)
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import inspect
 import logging
 import time
 from typing import Any, Iterable
@@ -20,10 +19,11 @@ from typing import Any, Iterable
 import torch
 
 from bcg.diffusers.accelerated import pipeline_runners
-from bcg.diffusers.breaks import unwrap_runner
 from bcg.diffusers.buckets import ShapeKey, buckets_up_to, check_shape, parse_plan, parse_size, request_shape_key
 from bcg.diffusers.buckets import prompt_bucket as _bucket_for
+from bcg.diffusers.call_args import call_defaults, call_parameters
 from bcg.diffusers.families import family_named, family_of
+from bcg.runtime.proxy import unwrap_runner
 
 logger = logging.getLogger(__name__)
 
@@ -33,27 +33,15 @@ __all__ = ["count_prompt_tokens", "generate", "pipeline_info", "plan_request", "
 # pipeline facts
 
 
-def _call_defaults(pipe) -> dict:
-    """Defaults of the pipeline class's ``__call__`` (cached on the class: read once per class, not per request)."""
-    cls = type(pipe)
-    cached = cls.__dict__.get("__bcg_call_defaults__")
-    if cached is None:
-        params = inspect.signature(cls.__call__).parameters
-        cached = {name: p.default for name, p in params.items() if p.default is not inspect.Parameter.empty} | {
-            "__params__": frozenset(params)}
-        setattr(cls, "__bcg_call_defaults__", cached)
-    return cached
-
-
 def pipeline_info(pipe) -> dict:
     """Plain facts the serving layer needs: family, size multiple, defaults, prompt buckets, video or not."""
     family = family_of(pipe)
-    defaults = _call_defaults(pipe)
+    defaults = call_defaults(pipe)
     transformer = unwrap_runner(getattr(pipe, "transformer", None))
     config = getattr(transformer, "config", None)
     patch = getattr(config, "patch_size", 1) or 1
     patch = patch[-1] if isinstance(patch, (tuple, list)) else patch
-    is_video = family.video if family.video is not None else "num_frames" in defaults["__params__"]
+    is_video = family.video if family.video is not None else "num_frames" in call_parameters(pipe)
     if is_video:
         spatial = getattr(pipe, "vae_scale_factor_spatial", 8)
     else:
@@ -157,12 +145,14 @@ def plan_request(
 ) -> tuple[ShapeKey, dict]:
     """Validate a request; return its `ShapeKey` and the keyword arguments for ``pipe(**kwargs)``.
 
-    A request that carries its `key` (computed where it entered, see `request_shape_key`) runs at that
-    key: size, n, frames and prompt bucket come from it, and those the call gives as well must agree
-    with it, as must whether its guidance runs CFG, else ``ValueError``. Without a key, the key is
-    computed here: size is ``"WxH"`` (default: the pipeline's); prompt buckets (on by default) set
-    ``max_sequence_length`` to the smallest bucket holding the prompt, `prompt_bucket` forces one,
-    ``prompt_buckets=False`` keeps the pipeline's default length (key without ``.p``).
+    A request that carries its `key` (computed and checked where it entered: `request_shape_key` and
+    `check_shape`, the serving layer's ``check_request``) runs at that key, trusted: size, n, frames,
+    prompt bucket and CFG come from it and are not derived or checked again; in debug runs (``assert``
+    on, Python's default) the fields the call gives as well, its guidance's CFG and the pipeline's
+    multiples are asserted to agree with it. Without a key, the key is computed and checked here: size
+    is ``"WxH"`` (default: the pipeline's); prompt buckets (on by default) set ``max_sequence_length`` to
+    the smallest bucket holding the prompt, `prompt_bucket` forces one, ``prompt_buckets=False`` keeps
+    the pipeline's default length (key without ``.p``); ``ValueError`` names what is wrong.
 
     guidance is the model's guidance knob, read by the family's `CfgRule`: the CFG scale (CFG runs
     when > 1) for SD3/PixArt/Sana/Wan and Qwen-Image (its ``true_cfg_scale``; the negative prompt
@@ -182,15 +172,13 @@ def plan_request(
             prompt_bucket = _bucket_for(tokens, allowed) if tokens is not None else None
         key = request_shape_key(info, size=size, n=1 if n is None else n, guidance=guidance,
                                 negative_prompt=negative_prompt, num_frames=num_frames, prompt_bucket=prompt_bucket)
+        check_shape(key, info["size_multiple"], frame_multiple=info["frame_multiple"] if info["is_video"] else None)
+        _, guidance_kwargs = family.cfg.call_kwargs(guidance, negative_prompt, info["default_guidance"])
     else:
-        key = ShapeKey.parse(key)
-        _check_agrees(key, size=size, n=n, num_frames=num_frames, prompt_bucket=prompt_bucket)
-    cfg, guidance_kwargs = family.cfg.call_kwargs(guidance, negative_prompt, info["default_guidance"])
-    if cfg != key.cfg:
-        raise ValueError(f"shape key {key.key} {'runs' if key.cfg else 'runs no'} CFG, but on {family.name} "
-                         f"guidance={guidance!r} with negative_prompt={negative_prompt!r} "
-                         f"{'does' if cfg else 'does not'}")
-    check_shape(key, info["size_multiple"], frame_multiple=info["frame_multiple"] if info["is_video"] else None)
+        key = ShapeKey.parse(key)  # a ShapeKey as it is
+        cfg, guidance_kwargs = family.cfg.call_kwargs(guidance, negative_prompt, info["default_guidance"])
+        assert not (wrong := _disagreement(key, info, cfg, size=size, n=n, num_frames=num_frames,
+                                           prompt_bucket=prompt_bucket)), wrong
     kwargs: dict[str, Any] = {"prompt": prompt, "height": key.height, "width": key.width,
                               "output_type": output_type, **guidance_kwargs, **family.fixed_kwargs}
     if key.prompt_bucket is not None:
@@ -213,15 +201,24 @@ def plan_request(
     return key, kwargs
 
 
-def _check_agrees(key: ShapeKey, **given) -> None:
-    """Raise when a request field given beside its shape key contradicts the key."""
+def _disagreement(key: ShapeKey, info: dict, cfg: bool, **given) -> str:
+    """What contradicts a request's shape key (fields given beside it, its guidance's CFG, the
+    pipeline's multiples), or "" when nothing does; for the debug checks of `plan_request`."""
     carried = {"size": key.size, "n": key.batch_size, "num_frames": key.num_frames,
                "prompt_bucket": key.prompt_bucket}
     if given["size"] is not None:
         given["size"] = "{}x{}".format(*parse_size(given["size"]))
     wrong = [f"{name}={value!r}" for name, value in given.items() if value is not None and value != carried[name]]
     if wrong:
-        raise ValueError(f"request fields {', '.join(wrong)} disagree with its shape key {key.key}")
+        return f"request fields {', '.join(wrong)} disagree with its shape key {key.key}"
+    if cfg != key.cfg:
+        return f"shape key {key.key} {'runs' if key.cfg else 'runs no'} CFG, but the request's guidance " \
+               f"{'does' if cfg else 'does not'}"
+    try:
+        check_shape(key, info["size_multiple"], frame_multiple=info["frame_multiple"] if info["is_video"] else None)
+    except ValueError as exc:
+        return f"shape key {key.key}: {exc}"
+    return ""
 
 
 def generate(pipe, prompt: str, **request) -> list:

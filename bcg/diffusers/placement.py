@@ -4,12 +4,12 @@ Contract:
 - Installing puts a forward on the module instance (same signature) and no breaks, except those
   remembered for its class and config (below). The first eager call of each *call structure* (device
   type, number of positional arguments, names of the keyword arguments that are not None) is a probe:
-  it runs under a `bcg.runtime.hostops.HostOpProbe` and returns the ordinary eager result; each `Place` where
+  it runs under a `bcg.diffusers.hostops.HostOpProbe` and returns the ordinary eager result; each `Place` where
   it saw a host operation a graph cannot hold (host syncs, host-to-device copies, host work: see
-  `bcg.runtime.hostops`) becomes a break at once: a submodule's forward (its attention processor, where it has
+  `bcg.diffusers.hostops`) becomes a break at once: a submodule's forward (its attention processor, where it has
   one), a method, or a global function called from a method -- the latter made a break by running,
   during captures only, the method's own code over a copy of its module globals in which that name is
-  an `eager_on_graph` version (`bcg.diffusers.breaks.with_globals`: nothing global is patched). With a `BreakableGraphRunner`, the probe is the eager
+  an `eager_on_graph` version (`bcg.diffusers.wrapping.with_globals`: nothing global is patched). With a `BreakableGraphRunner`, the probe is the eager
   warm-up call that precedes every capture, so the capture already has the breaks.
 - Found places are remembered per (model class, config, device type) on the class itself, so another
   instance of the same configuration starts with them and probes nothing it already probed.
@@ -35,6 +35,7 @@ Contract:
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import inspect
@@ -49,11 +50,11 @@ from typing import Any, Iterable, Mapping
 import torch
 
 from bcg.graphs.capture import eager_on_graph, is_capturing
-from bcg.diffusers.breaks import (
-    PLACEMENT_ATTR, has_processor, unwrap_runner, with_globals, wrap_forward, wrap_method, wrap_method_for_capture,
-    wrap_processor,
+from bcg.diffusers.hostops import HostOp, HostOpProbe, Place, device_of
+from bcg.diffusers.wrapping import (
+    PLACEMENT_ATTR, has_processor, with_globals, wrap_forward, wrap_method, wrap_method_for_capture, wrap_processor,
 )
-from bcg.runtime.hostops import HostOp, HostOpProbe, Place, _device_of
+from bcg.runtime.proxy import unwrap_runner
 from bcg.runtime.runner import CAPTURE_FAILED_ATTR
 
 logger = logging.getLogger(__name__)
@@ -152,7 +153,7 @@ class AutoPlacement:
         if is_capturing():
             return (self._capture_forward or self.original)(*args, **kwargs)
         if self.probing:
-            device = _device_of(self.module)
+            device = device_of(self.module)
             key = (device.type, len(args), tuple(sorted(k for k, v in kwargs.items() if v is not None)))
             if key not in self._probed and not self._adopt(key):
                 return self._probe(key, device, args, kwargs)
@@ -163,7 +164,9 @@ class AutoPlacement:
             if key in self._probed:
                 return self.original(*args, **kwargs)
             start = time.perf_counter()
-            with HostOpProbe(self.module, device) as probe:
+            # compiled code inside the forward (regionally compiled blocks) runs eagerly under the probe:
+            # dynamo would otherwise meet the probe's torch-function modes and skip those frames for good
+            with _eager_stance(), HostOpProbe(self.module, device) as probe:
                 out = self.original(*args, **kwargs)
             probe_ms = (time.perf_counter() - start) * 1e3
             self.probe_ms += probe_ms
@@ -281,7 +284,7 @@ class AutoPlacement:
         failure = _capture_illegal(exc)
         if failure is None:
             return None
-        device = _device_of(self.module)
+        device = device_of(self.module)
         with self._lock:
             # the probe's own attribution, applied to the frames the error unwound through
             place, where = HostOpProbe(self.module, device).place_of(_innermost_frame(failure), None)
@@ -296,7 +299,7 @@ class AutoPlacement:
 
     def adopt_remembered(self) -> None:
         """Install what is remembered for the module's current device type (at install time)."""
-        self._adopt((_device_of(self.module).type, None))
+        self._adopt((device_of(self.module).type, None))
 
     # -- reports ----------------------------------------------------------------------------------
 
@@ -314,6 +317,11 @@ class AutoPlacement:
                             "ops": [str(op) for op in r["ops"]]} for p, r in sorted(self.places.items())],
                 "unplaced": [str(op) for op in self.unplaced],
             }
+
+
+def _eager_stance():
+    set_stance = getattr(torch.compiler, "set_stance", None)
+    return set_stance("force_eager") if set_stance is not None else contextlib.nullcontext()
 
 
 def _covered(findings: Mapping[Place, list[HostOp]], installed: Mapping[Place, Any]) -> dict[Place, list[HostOp]]:

@@ -7,7 +7,6 @@
 - `bcg.runtime.compile_cache`: compiled artifacts keyed by what makes them valid, their file format and stores;
 - `bcg.runtime.config`: `RunnerConfig` and its ``BCG_*`` environment variables;
 - `bcg.runtime.compile`: compiled segments (`RunnerConfig(compile=True)`);
-- `bcg.runtime.hostops`: the probe that finds host operations a graph cannot hold.
 
 Builds on `bcg.graphs`; knows nothing of diffusers.
 """

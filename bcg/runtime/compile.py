@@ -8,7 +8,8 @@ one call records the inductor kernels into its segments while the breaks stay ea
 
 Contract:
 - ``CompiledForward(*args, **kwargs)`` runs the compiled forward (under ``torch.no_grad()`` unless
-  ``inference=False``) and compiles whatever the call needs. Compilation must not happen inside a CUDA
+  ``inference=False``) and compiles whatever the call needs (regional: the first call of a signature runs
+  the forward twice, since code around the regions may run the first one eagerly). Compilation must not happen inside a CUDA
   graph capture (inductor autotunes by running kernels): the first call of each signature must be an
   ordinary call (the runner's warm-up run on the capture stream is one). A call that would compile during
   a capture raises ``RuntimeError`` before running (new signature) or from the backend (recompile).
@@ -46,7 +47,7 @@ from bcg.runtime.signature import call_arguments, signature_of
 logger = logging.getLogger(__name__)
 
 __all__ = ["COMPILED_BREAKS_ATTR", "CompileEvent", "CompiledForward", "DEFAULT_INDUCTOR_OPTIONS",
-           "compile_for_segments"]
+           "compile_for_segments", "repeated_blocks"]
 
 #: Inductor without its own CUDA graphs: the breakable capture records the kernels instead.
 DEFAULT_INDUCTOR_OPTIONS = {"triton.cudagraphs": False}
@@ -200,7 +201,8 @@ class CompiledForward(ModuleProxy):
     """
 
     def __init__(self, module, *, backend="inductor", mode=None, options=None, dynamic=None,
-                 mark_dynamic: Mapping[str, Any] | None = None, inference=True, recompile_limit=None):
+                 mark_dynamic: Mapping[str, Any] | None = None, inference=True, recompile_limit=None,
+                 regional=False):
         self._module = module
         self._backend_name = backend if isinstance(backend, str) else getattr(backend, "__name__", repr(backend))
         self._mode = mode
@@ -210,7 +212,19 @@ class CompiledForward(ModuleProxy):
         self._inference = inference
         self._recompile_limit = recompile_limit
         self._backend = _CountingBackend(_make_backend(backend, mode, options, dynamic), self)
-        self._compiled = torch.compile(module, backend=self._backend, dynamic=dynamic, fullgraph=False)
+        self._regions = repeated_blocks(module) if regional else []
+        if regional and not self._regions:
+            logger.info("%s has no repeated blocks to compile one by one; compiling the whole module",
+                        type(module).__name__)
+        if self._regions:
+            # Regional compilation: each repeated block compiled in place (nn.Module.compile), one compile
+            # per block class serving every instance (dynamo treats parameters as inputs); the code around
+            # the blocks runs uncompiled, and the breakable capture records both alike.
+            for block in self._regions:
+                block.compile(backend=self._backend, dynamic=dynamic, fullgraph=False)
+            self._compiled = module
+        else:
+            self._compiled = torch.compile(module, backend=self._backend, dynamic=dynamic, fullgraph=False)
         self._lock = threading.RLock()
         self._signatures: dict = {}             # Signature -> _SignatureRecord
         self._current: _SignatureRecord | None = None
@@ -244,6 +258,11 @@ class CompiledForward(ModuleProxy):
                 try:
                     with self._context():
                         out = self._compiled(*args, **kwargs)
+                        if first and self._regions:
+                            # With regional compilation the code around the regions is plain Python: the
+                            # first call may run eagerly as a whole (a break-placement probe does), leaving
+                            # the regions uncompiled; a second call compiles them here, not in a capture.
+                            out = self._compiled(*args, **kwargs)
                 except BaseException:
                     if first:  # not compiled after all: the next call is a first call again
                         self._signatures.pop(signature, None)
@@ -287,6 +306,7 @@ class CompiledForward(ModuleProxy):
         after_first = sum(r["recompiles"] for r in signatures[1:])
         return {
             "backend": self._backend_name,
+            "regional": sorted({type(b).__name__ for b in self._regions}) or None,
             "mode": self._mode,
             "options": self._options,
             "dynamic": self._dynamic,
@@ -376,6 +396,25 @@ class CompiledForward(ModuleProxy):
                      f", recompile: {reasons[-1]}" if reasons else "")
 
 
+def repeated_blocks(module) -> list:
+    """The instances of `module`'s repeated block classes: the class names diffusers lists in
+    ``_repeated_blocks``, else the classes of which a ``ModuleList`` holds two or more (outermost first)."""
+    if not isinstance(module, torch.nn.Module):
+        return []
+    names = set(getattr(module, "_repeated_blocks", None) or ())
+    if not names:
+        for sub in module.modules():
+            if isinstance(sub, torch.nn.ModuleList):
+                counts: dict = {}
+                for child in sub:
+                    counts[type(child).__name__] = counts.get(type(child).__name__, 0) + 1
+                names.update(n for n, c in counts.items() if c >= 2)
+    blocks = [sub for sub in module.modules() if sub is not module and type(sub).__name__ in names]
+    # a block nested in another block is compiled as part of it
+    nested = {id(child) for block in blocks for child in block.modules() if child is not block}
+    return [b for b in blocks if id(b) not in nested]
+
+
 def _dims(name, dims) -> tuple:
     if isinstance(dims, int):
         return (dims,)
@@ -390,7 +429,7 @@ def _dims(name, dims) -> tuple:
 
 def compile_for_segments(module, *, backend="inductor", mode=None, options=None, dynamic=None,
                          mark_dynamic: Mapping[str, Any] | None = None, breaks="installed", inference=True,
-                         recompile_limit=None) -> CompiledForward:
+                         recompile_limit=None, regional=False) -> CompiledForward:
     """Compile `module` for capture as breakable CUDA graph segments; returns a `CompiledForward`.
 
     backend: "inductor" (default; compiled without its own CUDA graphs), "aot_eager", "eager" or a
@@ -404,6 +443,9 @@ def compile_for_segments(module, *, backend="inductor", mode=None, options=None,
         that instead; None leaves the module as it is (its own ``eager_on_graph`` calls still break).
     inference: run calls under ``torch.no_grad()`` (a grad-mode change would recompile every frame).
     recompile_limit: dynamo's per-frame recompile limit during calls (None: torch's default).
+    regional: compile only the module's repeated blocks (`repeated_blocks`), each class once, in place;
+        the rest of the forward runs uncompiled (captured all the same). Falls back to the whole module
+        when it has none.
     """
     if breaks == "installed":
         breaks = module.__dict__.get(COMPILED_BREAKS_ATTR) if isinstance(module, torch.nn.Module) else None
@@ -412,4 +454,5 @@ def compile_for_segments(module, *, backend="inductor", mode=None, options=None,
     if breaks is not None:
         breaks(module)
     return CompiledForward(module, backend=backend, mode=mode, options=options, dynamic=dynamic,
-                           mark_dynamic=mark_dynamic, inference=inference, recompile_limit=recompile_limit)
+                           mark_dynamic=mark_dynamic, inference=inference, recompile_limit=recompile_limit,
+                           regional=regional)

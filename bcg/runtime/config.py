@@ -13,6 +13,9 @@ import re
 import typing
 from typing import Optional
 
+from bcg.runtime.attention import ATTENTION_BACKENDS
+from bcg.runtime.quantize import QUANTIZE_MODES
+
 logger = logging.getLogger(__name__)
 
 __all__ = ["RunnerConfig"]
@@ -65,8 +68,23 @@ class RunnerConfig:
         shape, whose dynamic kernels then serve every later shape), True compiles dynamic shapes from the
         start, False specialises per shape (one compile per signature at warmup). Neither is faster
         everywhere: static kernels took 3.7% and 2.8% less GPU time per forward than dynamic ones on
-        sd3-small at 512² and 1024², and 6% more on the 9.2 M Flux at 512² (runs 2026-12-03 U and V).
+        sd3-small at 512² and 1024², and 6% more on the 9.2 M Flux at 512² (benchmarks/results/
+        bench_compiled_small_repeat.json against bench_compiled_small_static_repeat.json).
     compile_mode: inductor mode: None/"default" or "max-autotune-no-cudagraphs".
+    compile_regional: compile only the module's repeated blocks (diffusers' ``_repeated_blocks``, else
+        the classes that repeat in a ``ModuleList``), each class once, and run the code around them
+        (embeddings, final norm) uncompiled inside the same graph segments: the compile takes a fraction
+        of a whole-module compile for the same kernels where the time is spent (see
+        ``bcg.runtime.compile``).
+    quantize: None, or "fp8": the module's linear layers become float8 GEMMs (torchao, dynamic per-row
+        activation scales, per-row weight scales; ``bcg.runtime.quantize``) before anything is captured
+        or compiled. Where float8 cannot run the runner says why once and keeps the module's dtype.
+    attention_backend: the attention kernel of diffusers transformers (applied by
+        ``bcg.diffusers.accelerate``; see ``bcg.runtime.attention``): "auto" (default) times the
+        available kernels per attention shape at warmup and keeps the fastest, or one of "sdpa"
+        (PyTorch's own choice), "cudnn", "flash", "efficient", "math", "fa3" (FlashAttention-3, the
+        ``fa3-fwd`` package). A kernel that is missing or refuses a shape falls back to "sdpa" with
+        a one-line reason.
     """
 
     enabled: bool = True
@@ -84,6 +102,9 @@ class RunnerConfig:
     compile: bool = False
     compile_dynamic: Optional[bool] = None
     compile_mode: Optional[str] = None
+    compile_regional: bool = False
+    quantize: Optional[str] = None
+    attention_backend: str = "auto"
 
     def __post_init__(self):
         if self.max_entries < 1:
@@ -105,6 +126,12 @@ class RunnerConfig:
         if self.compile and self.capture_warmup_runs < 1:
             raise ValueError("compile=True needs capture_warmup_runs >= 1: compilation must happen "
                              "before the capture")
+
+        if self.quantize is not None and self.quantize not in QUANTIZE_MODES:
+            raise ValueError(f"quantize must be one of {list(QUANTIZE_MODES)} or None, got {self.quantize!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {list(ATTENTION_BACKENDS)}, "
+                             f"got {self.attention_backend!r}")
 
     @classmethod
     def env_var(cls, field_name):
@@ -143,13 +170,19 @@ class RunnerConfig:
 
 
 def _parse(raw, annotation):
-    """Parse an environment string by the field's annotated type (bool, int, float, str, Optional)."""
+    """Parse an environment string by the field's annotated type (bool, int, float, str, Optional).
+
+    An optional field is None for "", "none", "null" or "auto". For ``Optional[bool]`` "0" is False
+    (the 1/0 grammar of every bool: ``BCG_COMPILE_DYNAMIC=0`` means static shapes); for other optional
+    fields "0" also means None (``BCG_POOL_BUDGET_BYTES=0``: no budget).
+    """
     text = raw.strip()
     base, optional = annotation, False
     if typing.get_origin(annotation) is typing.Union:
         args = [a for a in typing.get_args(annotation) if a is not type(None)]
         base, optional = args[0], len(args) < len(typing.get_args(annotation))
-    if optional and text.lower() in {"", "none", "null", "0"}:
+    none_words = {"", "none", "null", "auto"} if base is bool else {"", "none", "null", "auto", "0"}
+    if optional and text.lower() in none_words:
         return None
     if base is bool:
         if text.lower() in _TRUE:

@@ -1,7 +1,7 @@
 """`ModuleProxy`: what lets a wrapper stand in for the module it wraps (a runner for
 ``pipe.transformer``, a compiled forward for the model): unknown attributes come from the module."""
 
-__all__ = ["ModuleProxy"]
+__all__ = ["ModuleProxy", "unwrap_runner"]
 
 
 class ModuleProxy:
@@ -16,3 +16,8 @@ class ModuleProxy:
         if module is None:
             raise AttributeError(name)
         return getattr(module, name)
+
+
+def unwrap_runner(module):
+    """The module a `BreakableGraphRunner` wraps (anything else is returned as it is)."""
+    return getattr(module, "module", module) if hasattr(module, "warm_signatures") else module

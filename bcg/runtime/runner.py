@@ -73,6 +73,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from bcg.graphs.capture import BreakOutputMismatchError, eager_on_graph, replay_token_scope
+from bcg.runtime.call_record import active_records, note_capture, note_eager, note_replay
 from bcg.runtime.config import RunnerConfig
 from bcg.runtime.entries import CaptureEntry, EntryCache
 from bcg.runtime.proxy import ModuleProxy
@@ -142,11 +143,18 @@ class BreakableGraphRunner(ModuleProxy):
         self._whole_forward = None
         # RunnerConfig.compile: inductor kernels (no inductor CUDA graphs) captured as segments. The
         # compiled forward is built once here; compilation itself happens in the warm-up run of a capture.
+        # RunnerConfig.quantize: the module's linear layers in float8 before anything is compiled or
+        # captured (a no-op when the module was quantized already; where fp8 cannot run, a reason).
+        self._quantized = None
+        if self._runner_config.quantize is not None and isinstance(module, torch.nn.Module):
+            from bcg.runtime.quantize import quantize_module
+            self._quantized = quantize_module(module, self._runner_config.quantize, device=self._device)
         self._compiled = None
         if self._runner_config.compile:
             from bcg.runtime.compile import compile_for_segments
             self._compiled = compile_for_segments(module, dynamic=self._runner_config.compile_dynamic,
-                                                  mode=self._runner_config.compile_mode)
+                                                  mode=self._runner_config.compile_mode,
+                                                  regional=self._runner_config.compile_regional)
         self._recorder = (CudaRecorder(self._device, self._runner_config)
                           if self._device.type == "cuda" else None)
         self._off = self._off_reason()
@@ -286,6 +294,7 @@ class BreakableGraphRunner(ModuleProxy):
             "entries": entries,
             "blocked": blocked,
             "compile": self._compiled.stats() if self._compiled is not None else None,
+            "quantize": self._quantized.as_dict() if self._quantized is not None else None,
         }
 
     # -- internals --------------------------------------------------------------------------------
@@ -349,6 +358,7 @@ class BreakableGraphRunner(ModuleProxy):
             entry.last_used = time.time()
             self._entries.touch(signature)
             self._counts["replays"] += 1
+            note_replay(active_records(), self, signature.key)  # and to the callers' records (call_record)
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug("replayed %s", signature.key)
         return out, None
@@ -356,6 +366,7 @@ class BreakableGraphRunner(ModuleProxy):
     def _run_eager(self, reason, token, args, kwargs):
         with self._stats_lock:
             self._eager[reason] += 1
+            note_eager(active_records(), reason)
         lock = self._lock if self._warming else contextlib.nullcontext()
         with lock, replay_token_scope(token):
             return self._forward(capture=False)(*args, **kwargs)
@@ -419,6 +430,7 @@ class BreakableGraphRunner(ModuleProxy):
                 return False
             self._entries.add(entry)
             self._counts["captures"] += 1
+            note_capture(active_records(), self, signature.key)
             logger.info("captured %s (%s): %d segments, %d breaks, %.1f ms, %d pool bytes", signature.key,
                         signature.summary(), entry.segments, entry.breaks, entry.capture_ms, entry.pool_bytes)
             return True

@@ -49,7 +49,7 @@ def ray_serve():
 @pytest.fixture(scope="session")
 def serve_app(ray_serve):
     """(http base url, app name): the app from build_app on two CPU replicas, sharded warmup of
-    PLAN_KEYS with replication 1."""
+    PLAN_KEYS with replication 1, asking for fp8 (which CPU replicas decline, serving float32)."""
     from ray import serve
 
     from deployments.app import build_app
@@ -59,6 +59,7 @@ def serve_app(ray_serve):
         "device": "cpu", "warmup": ",".join(PLAN_KEYS), "placement": "sharded", "replication": 1,
         "warmup_steps": 1, "default_steps": 1, "cpu_threads": 1, "routing_stats_period_s": 0.2,
         "max_ongoing_requests": 4,
+        "quantize": "fp8",   # CPU replicas cannot: they say why and serve in their dtype
     })
     # external_scaler_enabled lets a test add a replica without redeploying (which would replace all).
     serve.run(app, name=APP, route_prefix="/", external_scaler_enabled=True)

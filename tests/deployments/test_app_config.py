@@ -55,6 +55,9 @@ def test_batching_settings_default_to_no_wait_and_a_batch_the_replica_can_fill()
     ({"batch_buckets": "1,0"}, "batch_buckets"),
     ({"max_wait_ms": -1}, "max_wait_ms"),
     ({"join_policy": "sometimes"}, "join_policy"),
+    ({"quantize": "int8"}, "quantize"),
+    ({"attention_backend": "fastest"}, "attention_backend must be one of"),
+    ({"quantize": "fp8", "runner": {"quantize": None}}, "quantize is set twice"),
     ({"autoscaling": {"max_replicas": 2, "target_ongoing_requests": 8}},
      r"target_ongoing_requests \(8\) must be <= max_ongoing_requests \(4\)"),
 ])
@@ -188,3 +191,9 @@ def test_cluster_and_serve_config_listen_on_localhost():
     assert serve_cfg["http_options"]["host"] == "127.0.0.1"
     args = serve_cfg["applications"][0]["args"]
     assert args["api_key_env"] == "BCG_API_KEY" and "BCG_API_KEY" not in str(serve_cfg["applications"][0]["runtime_env"])
+
+
+def test_kernel_args_reach_the_replicas_runner_config():
+    args = parse_args({"quantize": "fp8", "attention_backend": "fa3", "runner": {"max_entries": 8}})
+    assert args.runner_config() == {"max_entries": 8, "quantize": "fp8", "attention_backend": "fa3"}
+    assert parse_args({}).runner_config() == {"quantize": None, "attention_backend": "auto"}

@@ -74,13 +74,13 @@ def test_components_can_be_chosen_and_unknown_ones_are_errors():
         ReplicaEngine("tiny-flux", device="cpu", cpu_threads=1, components=["text_encoder_3"])
 
 
-def test_a_request_runs_at_the_key_it_carries_and_a_contradicting_key_is_an_error():
+def test_a_request_runs_at_the_key_it_carries_and_debug_runs_assert_a_contradicting_key():
     engine = ReplicaEngine("tiny-flux", device="cpu", cpu_threads=1, components=["transformer"])
     request = ImageGenerationRequest(prompt="a cat", size=WIDE, n=1, num_inference_steps=1, seed=1)
     assert len(engine.generate(request, ShapeKey.parse(WIDE), default_steps=1)["images"]) == 1
-    with pytest.raises(ValueError, match="disagree with its shape key"):
+    with pytest.raises(AssertionError, match="disagree with its shape key"):
         engine.generate(request, ShapeKey.parse(TALL), default_steps=1)
-    with pytest.raises(ValueError, match="CFG"):  # Flux runs CFG only with a negative prompt
+    with pytest.raises(AssertionError, match="CFG"):  # Flux runs CFG only with a negative prompt
         engine.generate(request, ShapeKey.parse(WIDE + ".cfg"), default_steps=1)
 
 
@@ -101,4 +101,28 @@ def test_a_queued_request_can_be_dropped_a_running_one_finishes_and_serving_call
         time.sleep(0.01)  # the loop skips the dropped request when its turn comes
     assert engine.batcher.stats()["cancelled"] == 1 and engine.batcher.stats()["leaves"] == 1
     assert engine.served() == {"replays": 0, "eager_calls": 8}   # no CUDA: every step eager, warmups apart
+    engine.close()
+
+
+def test_requests_read_their_own_call_records_and_no_runner_stats():
+    engine = _engine("all", max_entries=4)
+    assert engine.warmup_key(WIDE)["ok"] and engine.warm_keys() == [WIDE]
+    stats_calls = []
+    for name, runner in engine.runners.items():
+        stats = runner.stats
+        runner.stats = lambda stats=stats, name=name: stats_calls.append(name) or stats()
+    served_before = engine.served()
+    warm = engine.warm_set()  # what a replica counts a request warm by: worked out once, not per request
+    assert warm == {WIDE, *engine.warm_batch_keys()} and engine.warm_set() is warm
+    outs = [_generate(engine, WIDE) for _ in range(3)] + [_generate(engine, SMALL)]
+    assert stats_calls == []  # not one runner stats() read for four requests
+    # each request's own calls: warm, 2 text encoders, 1 step and 1 decode replayed; SMALL is cold
+    assert [(o["replays"], o["eager_calls"]) for o in outs] == [(4, 0)] * 3 + [(2, 2)]
+    served = engine.served()
+    assert (served["replays"] - served_before["replays"], served["eager_calls"]) == (14, 2)
+    assert engine.warm_set() is warm
+    # the stats endpoint's totals still come from stats(), and they agree
+    totals = engine.refresh()
+    assert sum(st["replays"] for st in totals.values()) >= 14 and stats_calls != []
+    assert engine.warmup_key(SMALL)["ok"] and SMALL in engine.warm_set() and engine.warm_set() is not warm
     engine.close()

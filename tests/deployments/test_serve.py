@@ -255,3 +255,15 @@ def test_replica_added_by_scaling_up_is_warm_before_its_first_request(serve_app)
         assert r["warm"]
         by_replica[r["replica"]] += 1
     assert len(by_replica) == 2
+
+
+def test_fp8_that_cannot_run_is_reported_and_requests_are_served(serve_app):
+    base, _ = serve_app
+    import httpx
+
+    with httpx.Client(base_url=base, timeout=60) as client:
+        answer = client.post("/v1/images/generations", json={"prompt": "a cat", "size": "64x64"})
+        assert answer.status_code == 200 and answer.json()["data"][0]["b64_json"]
+        stats = client.get("/v1/stats").json()
+    reports = [r["kernels"]["transformer"]["quantize"] for r in stats["replicas"].values()]
+    assert len(reports) == 2 and all(q["mode"] == "fp8" and not q["applied"] and "CUDA" in q["reason"] for q in reports)

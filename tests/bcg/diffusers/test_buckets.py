@@ -46,6 +46,15 @@ def test_invalid_fields_are_rejected(field, value):
         ShapeKey(**kwargs)
 
 
+def test_group_and_per_bucket_forms_keep_everything_but_the_image_count():
+    key = ShapeKey.parse("768x512.f17.b2.cfg.p128")
+    group = key.group
+    assert group.key == "768x512.f17.cfg.p128" and group.group is group
+    assert key.with_batch(4).key == "768x512.f17.b4.cfg.p128" and key.with_batch(2) == key
+    plain = ShapeKey.parse("64x64")
+    assert plain.group is plain  # already one image per prompt: the same object
+
+
 def test_prompt_bucket_picks_smallest_that_fits():
     assert prompt_bucket(1) == 32
     assert prompt_bucket(32) == 32

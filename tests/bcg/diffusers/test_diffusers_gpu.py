@@ -24,7 +24,7 @@ ATTENTION_BREAKS = {"tiny-flux": 6, "tiny-sd3": 2, "tiny-pixart": 4, "tiny-sana"
 ATTENTION_CAPTURES = [name for name in FAMILIES if name in ATTENTION_BREAKS]
 SEPARATE_CFG_CALLS = {"tiny-flux", "tiny-wan", "tiny-qwen-image"}
 STEPS = 2
-CONFIG = RunnerConfig(max_entries=32)
+CONFIG = RunnerConfig(max_entries=32, attention_backend="sdpa")  # compared with diffusers own kernels
 
 
 def _requests(name):

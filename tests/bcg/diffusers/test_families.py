@@ -40,18 +40,23 @@ def test_the_request_a_cfg_rule_makes_for_a_key_runs_cfg_as_the_key_says(family,
         assert kwargs[family.cfg.scale_arg] > 1
 
 
-def test_a_request_carrying_its_key_runs_at_it_and_contradictions_are_errors():
+def test_a_request_carrying_its_key_runs_at_it_and_debug_runs_assert_what_contradicts_it():
     pipe = load_pipeline("tiny-sd3")
     key, kwargs = plan_request(pipe, "a cat", key="128x64.b2.cfg.p64", size="128x64", n=2, steps=1)
     assert key.key == "128x64.b2.cfg.p64"
     assert (kwargs["width"], kwargs["height"], kwargs["num_images_per_prompt"]) == (128, 64, 2)
     assert kwargs["max_sequence_length"] == 64 and kwargs["guidance_scale"] > 1
-    with pytest.raises(ValueError, match=r"n=1 disagree"):
+    # the key is trusted (checked where it was built); with asserts on, what contradicts it is named
+    with pytest.raises(AssertionError, match=r"n=1 disagree"):
         plan_request(pipe, "a cat", key="128x64.b2.cfg", n=1)
-    with pytest.raises(ValueError, match=r"size='64x64' disagree"):
+    with pytest.raises(AssertionError, match=r"size='64x64' disagree"):
         plan_request(pipe, "a cat", key="128x64.cfg", size="64x64")
-    with pytest.raises(ValueError, match="runs no CFG"):
+    with pytest.raises(AssertionError, match="runs no CFG"):
         plan_request(pipe, "a cat", key="128x64")            # the default scale 7 runs CFG
+    with pytest.raises(AssertionError, match="multiples of 16"):
+        plan_request(pipe, "a cat", key="100x64.cfg")
+    with pytest.raises(ValueError, match="multiples of 16"):  # a key computed here is checked here
+        plan_request(pipe, "a cat", size="100x64")
 
 
 def test_batching_hooks_are_found_through_the_family_record():

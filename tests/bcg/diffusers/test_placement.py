@@ -15,9 +15,9 @@ import torch
 from torch import nn
 
 from bcg.diffusers import accelerate, auto_placement, install_breaks, placement_stats, remove_breaks
-from bcg.diffusers.breaks import PLACEMENT_ATTR
+from bcg.diffusers.wrapping import PLACEMENT_ATTR
 from bcg.diffusers.placement import forget
-from bcg.runtime.hostops import HostOpProbe, Place, classify
+from bcg.diffusers.hostops import HostOpProbe, Place, classify
 from bcg.diffusers.models import BUILTIN_MODELS, load_pipeline
 from bcg.runtime.runner import BreakableGraphRunner
 from bcg.runtime.config import RunnerConfig

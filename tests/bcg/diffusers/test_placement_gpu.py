@@ -23,7 +23,7 @@ from tests.bcg.diffusers.test_placement import (
 
 pytestmark = pytest.mark.gpu
 
-CONFIG = RunnerConfig(max_entries=32)
+CONFIG = RunnerConfig(max_entries=32, attention_backend="sdpa")  # compared with diffusers own kernels
 # every planted op on CUDA: the syncs, the host data made device tensors, and the CPU round trip
 ALL_PLACES = {**SYNC_PLACES, **H2D_PLACES, "blocks.5": "aten._to_copy.default"}
 # RoundTrip: to the host, host work, back; HostToDevice: torch.as_tensor, Tensor.new_tensor, torch.tensor

@@ -1,10 +1,10 @@
-"""`bcg.diffusers.step_base.postprocess_async`: the step batcher's decode output is the pipeline's, pixel for pixel."""
+"""`bcg.diffusers.steps.postprocess_async`: the step batcher's decode output is the pipeline's, pixel for pixel."""
 import numpy as np
 import pytest
 import torch
 from diffusers.image_processor import VaeImageProcessor
 
-from bcg.diffusers.step_base import postprocess_async
+from bcg.diffusers.steps import postprocess_async
 
 
 def postprocess(processor, image, output_type):

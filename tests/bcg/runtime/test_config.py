@@ -32,6 +32,12 @@ def test_byte_budget_accepts_units_and_none(raw, expected):
     assert RunnerConfig.from_env({"BCG_POOL_BUDGET_BYTES": raw}).pool_budget_bytes == expected
 
 
+@pytest.mark.parametrize("raw, expected", [("0", False), ("false", False), ("1", True), ("on", True),
+                                           ("auto", None), ("none", None), ("", None)])
+def test_compile_dynamic_reads_1_0_as_bool_and_auto_as_none(raw, expected):
+    assert RunnerConfig.from_env({"BCG_COMPILE_DYNAMIC": raw}).compile_dynamic is expected
+
+
 @pytest.mark.parametrize("name, raw", [("BCG_MAX_ENTRIES", "many"), ("BCG_MAX_ENTRIES", "0"),
                                        ("BCG_ENABLED", "maybe"), ("BCG_POOL_BUDGET_BYTES", "-5"),
                                        ("BCG_POOL_BUDGET_BYTES", "2 parsecs"), ("BCG_MAX_SEGMENTS", "1.5"),

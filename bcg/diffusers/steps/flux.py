@@ -1,4 +1,4 @@
-"""`FluxPipeline.__call__` cut at its step boundary: `FluxStepFamily` (contract in `bcg.diffusers.step_families`).
+"""`FluxPipeline.__call__` cut at its step boundary: `FluxStepFamily` (contract in `bcg.diffusers.steps`).
 
 Guidance is an embedding per row; true CFG (``true_cfg_scale`` > 1 with a negative prompt) is a second
 transformer call on the negative rows, and a second ``encode_prompt`` call over the negative prompts.
@@ -10,7 +10,8 @@ import contextlib
 import numpy as np
 import torch
 
-from bcg.diffusers.step_base import RequestState, StepFamily, _cat_rows, _guided, _layout, _prompt_columns
+from bcg.diffusers.steps.base import StepFamily, guided, prompt_columns
+from bcg.diffusers.steps.state import RequestState, cat_rows, layout_of
 
 __all__ = ["FluxStepFamily"]
 
@@ -18,7 +19,7 @@ _PIPELINE_MODULE = "diffusers.pipelines.flux.pipeline_flux"
 
 
 class FluxStepFamily(StepFamily):
-    """`FluxPipeline.__call__` cut at its step boundary (see `bcg.diffusers.step_families`)."""
+    """`FluxPipeline.__call__` cut at its step boundary (see `bcg.diffusers.steps`)."""
 
     name = "flux"
     batch_args = frozenset({
@@ -48,7 +49,7 @@ class FluxStepFamily(StepFamily):
         if self._cfg(a):
             fields |= {"negative_prompt": a["negative_prompt"],
                        "negative_prompt_2": a.get("negative_prompt_2") or a["negative_prompt"]}
-        return _prompt_columns(fields)
+        return prompt_columns(fields)
 
     def _encode(self, pipe, a, prompts, per_prompt, device):
         def encode(prompt, prompt_2):
@@ -96,16 +97,16 @@ class FluxStepFamily(StepFamily):
             neg_inputs=neg, shared={"txt_ids": text_ids, "img_ids": image_ids},
             guidance_scale=float(a["true_cfg_scale"]), height=a["height"], width=a["width"],
             output_type=a.get("output_type") or "pil",
-            layout=("flux", neg is not None, _layout(latents, embeds, pooled, guidance), tuple(text_ids.shape),
+            layout=("flux", neg is not None, layout_of(latents, embeds, pooled, guidance), tuple(text_ids.shape),
                     tuple(image_ids.shape)))
 
     # the loop ----------------------------------------------------------------------------------------
 
     def forward(self, pipe, states, bucket):
         first = states[0]
-        latents = _cat_rows([s.latents for s in states], bucket)
+        latents = cat_rows([s.latents for s in states], bucket)
         # as the pipeline: t broadcast to the rows in the latents' dtype, then scaled (each row its own t)
-        timestep = _cat_rows([s.timestep.expand(s.rows).to(s.latents.dtype) for s in states], bucket)
+        timestep = cat_rows([s.timestep.expand(s.rows).to(s.latents.dtype) for s in states], bucket)
         transformer = pipe.transformer
 
         def call(branch, inputs):
@@ -113,15 +114,15 @@ class FluxStepFamily(StepFamily):
             with _cache_context(transformer, branch):
                 return transformer(
                     hidden_states=latents, timestep=timestep / 1000,
-                    guidance=None if guidance is None else _cat_rows([i["guidance"] for i in inputs], bucket),
-                    pooled_projections=_cat_rows([i["pooled_projections"] for i in inputs], bucket),
-                    encoder_hidden_states=_cat_rows([i["encoder_hidden_states"] for i in inputs], bucket),
+                    guidance=None if guidance is None else cat_rows([i["guidance"] for i in inputs], bucket),
+                    pooled_projections=cat_rows([i["pooled_projections"] for i in inputs], bucket),
+                    encoder_hidden_states=cat_rows([i["encoder_hidden_states"] for i in inputs], bucket),
                     txt_ids=first.shared["txt_ids"], img_ids=first.shared["img_ids"],
                     joint_attention_kwargs={}, return_dict=False)[0]
 
         cond = call("cond", [s.row_inputs for s in states])
         uncond = call("uncond", [s.neg_inputs for s in states]) if first.neg_inputs is not None else None
-        return _guided(states, cond, uncond)
+        return guided(states, cond, uncond)
 
     def decode_latents(self, pipe, latents, state):
         latents = pipe._unpack_latents(latents, state.height, state.width, pipe.vae_scale_factor)
@@ -135,7 +136,7 @@ class FluxStepFamily(StepFamily):
         from diffusers.utils.torch_utils import get_module_execution_device
 
         from bcg.diffusers.accelerated import _first_tensor_device
-        from bcg.diffusers.breaks import unwrap_runner
+        from bcg.runtime.proxy import unwrap_runner
 
         vae = pipe.vae
         # its first tensor's device, found without a walk (``vae.device`` walks every submodule for group

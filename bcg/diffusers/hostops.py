@@ -42,7 +42,7 @@ import torch.utils._pytree as pytree
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["HostOp", "HostOpProbe", "Place"]
+__all__ = ["HostOp", "HostOpProbe", "Place", "device_of"]
 
 HOST = torch.device("cpu")
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
@@ -118,7 +118,7 @@ class HostOp:
         return f"{self.kind} {self.op} at {self.where}"
 
 
-def _device_of(module) -> torch.device:
+def device_of(module) -> torch.device:
     for tensor in module.parameters():
         return tensor.device
     for tensor in module.buffers():
@@ -158,7 +158,7 @@ class HostOpProbe:
 
     def __init__(self, module: torch.nn.Module, device=None):
         self.module = module
-        self.device = _device_of(module) if device is None else torch.device(device)
+        self.device = device_of(module) if device is None else torch.device(device)
         self.findings: dict[Place, list[HostOp]] = {}
         self.unplaced: list[HostOp] = []
         self._names = {id(m): name for name, m in module.named_modules()}

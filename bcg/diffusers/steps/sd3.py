@@ -1,5 +1,5 @@
 """`StableDiffusion3Pipeline.__call__` cut at its step boundary: `SD3StepFamily` (contract in
-`bcg.diffusers.step_families`).
+`bcg.diffusers.steps`).
 
 CFG rows are ``[negatives; positives]`` in one transformer call, each half padded to the bucket; one
 ``encode_prompt`` call encodes the prompts (three encoders) and, with CFG, the negatives.
@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from bcg.diffusers.step_base import RequestState, StepFamily, _cat_rows, _guided, _layout, _prompt_columns
+from bcg.diffusers.steps.base import StepFamily, guided, prompt_columns
+from bcg.diffusers.steps.state import RequestState, cat_rows, layout_of
 
 __all__ = ["SD3StepFamily"]
 
@@ -16,7 +17,7 @@ _PIPELINE_MODULE = "diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffu
 
 
 class SD3StepFamily(StepFamily):
-    """`StableDiffusion3Pipeline.__call__` cut at its step boundary (see `bcg.diffusers.step_families`)."""
+    """`StableDiffusion3Pipeline.__call__` cut at its step boundary (see `bcg.diffusers.steps`)."""
 
     name = "sd3"
     batch_args = frozenset({
@@ -54,7 +55,7 @@ class SD3StepFamily(StepFamily):
             neg = a.get("negative_prompt") or ""
             fields |= {"negative_prompt": neg, "negative_prompt_2": a.get("negative_prompt_2") or neg,
                        "negative_prompt_3": a.get("negative_prompt_3") or neg}
-        return _prompt_columns(fields, broadcast_negatives=True)
+        return prompt_columns(fields, broadcast_negatives=True)
 
     def _encode(self, pipe, a, prompts, per_prompt, device):
         cfg = self._cfg(a)
@@ -96,17 +97,17 @@ class SD3StepFamily(StepFamily):
             row_inputs={"encoder_hidden_states": embeds, "pooled_projections": pooled}, neg_inputs=neg, shared={},
             guidance_scale=float(a["guidance_scale"]), height=a["height"], width=a["width"],
             output_type=a.get("output_type") or "pil",
-            layout=("sd3", neg is not None, _layout(latents, embeds, pooled)))
+            layout=("sd3", neg is not None, layout_of(latents, embeds, pooled)))
 
     # the loop ----------------------------------------------------------------------------------------
 
     def forward(self, pipe, states, bucket):
         cfg = states[0].neg_inputs is not None
-        latents = _cat_rows([s.latents for s in states], bucket)
-        timestep = _cat_rows([s.timestep.expand(s.rows) for s in states], bucket)
+        latents = cat_rows([s.latents for s in states], bucket)
+        timestep = cat_rows([s.timestep.expand(s.rows) for s in states], bucket)
 
         def rows_of(inputs, name):
-            return _cat_rows([i[name] for i in inputs], bucket)
+            return cat_rows([i[name] for i in inputs], bucket)
 
         pos = [s.row_inputs for s in states]
         embeds, pooled = rows_of(pos, "encoder_hidden_states"), rows_of(pos, "pooled_projections")
@@ -119,7 +120,7 @@ class SD3StepFamily(StepFamily):
         out = pipe.transformer(hidden_states=latents, timestep=timestep, encoder_hidden_states=embeds,
                                pooled_projections=pooled, joint_attention_kwargs=None, return_dict=False)[0]
         uncond, text = out.chunk(2) if cfg else (None, out)
-        return _guided(states, text, uncond)
+        return guided(states, text, uncond)
 
     def decode_latents(self, pipe, latents, state):
         latents = (latents / pipe.vae.config.scaling_factor) + pipe.vae.config.shift_factor

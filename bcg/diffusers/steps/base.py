@@ -1,5 +1,5 @@
-"""The base of the step families (`bcg.diffusers.step_families` states their contract): `RequestState`,
-`StepFamily` and the row helpers every family shares.
+"""The base of the step families (`bcg.diffusers.steps` states their contract): `StepFamily` and the
+prompt helpers every family shares.
 
 `StepFamily.prepare_batch` prepares the requests that join at one step boundary: every request's input
 checks, latents (from its own generator) and scheduler are its own, as in the pipeline, while their
@@ -10,183 +10,21 @@ hold prompts (`prompt_fields`), the settings two requests must share to share an
 from __future__ import annotations
 
 import copy
-import dataclasses
-import inspect
 import sys
-from typing import Any, Callable
+from typing import Callable
 
 import numpy as np
 import torch
 
-__all__ = ["RequestState", "StepFamily", "pad_rows", "pipeline_call_async", "postprocess_async"]
+from bcg.diffusers.call_args import call_defaults
+from bcg.diffusers.steps.postprocess import postprocess_async
+from bcg.diffusers.steps.scheduler import scheduler_step, shallow_copyable
+from bcg.diffusers.steps.state import RequestState, cat_rows
+
+__all__ = ["StepFamily", "guided", "prompt_columns"]
 
 
-@dataclasses.dataclass
-class RequestState:
-    """One request's denoising state; the batcher owns it and only `StepFamily` methods read its tensors.
-
-    ``rows`` images (``num_images_per_prompt`` times the prompts) at step ``step_index`` of ``timesteps``
-    on ``scheduler`` (this request's own). ``row_inputs`` are batch-dim tensors concatenated across
-    requests (``neg_inputs`` the negative branch's), ``shared`` tensors are the same for every request of a
-    layout (Flux's position ids) and taken from the first request. ``layout`` is what two requests must
-    share to be batched: every shape but the batch dimension, dtypes, CFG on/off.
-    """
-
-    rows: int
-    latents: torch.Tensor
-    scheduler: Any
-    timesteps: torch.Tensor
-    row_inputs: dict
-    neg_inputs: dict | None
-    shared: dict
-    guidance_scale: float
-    height: int
-    width: int
-    output_type: str
-    layout: tuple
-    step_index: int = 0
-
-    @property
-    def num_steps(self) -> int:
-        return len(self.timesteps)
-
-    @property
-    def done(self) -> bool:
-        return self.step_index >= len(self.timesteps)
-
-    @property
-    def timestep(self) -> torch.Tensor:
-        return self.timesteps[self.step_index]
-
-
-def pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
-    """`x` with its last row repeated up to `rows` rows (a real row: finite values, any layer is safe)."""
-    missing = rows - x.shape[0]
-    if missing <= 0:
-        return x
-    return torch.cat([x, x[-1:].expand(missing, *x.shape[1:])])
-
-
-def _stock_pil_processor(processor) -> bool:
-    """Whether `processor` makes PIL images as diffusers' own `VaeImageProcessor` does (denormalizing, so
-    its ``"pt"`` output lies in [0, 1]): its class overrides none of the methods that path runs."""
-    from diffusers.image_processor import VaeImageProcessor
-
-    cls = type(processor)
-    return (isinstance(processor, VaeImageProcessor) and getattr(processor.config, "do_normalize", False)
-            and all(inspect.getattr_static(cls, name) is VaeImageProcessor.__dict__[name]
-                    for name in ("postprocess", "pt_to_numpy", "numpy_to_pil")))
-
-
-def postprocess_async(processor, image: torch.Tensor, output_type: str) -> Callable[[], list]:
-    """``processor.postprocess(image, output_type=output_type)`` as a list, the same values, in two halves:
-    this call queues the device's part; the function it returns waits for the copy to the host and makes
-    the images (any thread), so a caller can go on queueing work.
-
-    For PIL images from diffusers' own `VaeImageProcessor` (denormalizing, so values lie in [0, 1]) the
-    conversion to 8 bits runs on the image's device and a quarter of the bytes crosses to the host, into
-    pinned memory without a wait: the same float32 ``(x * 255).round()`` per element as ``numpy_to_pil``
-    (both round half to even), so the same pixels. Anything else: the processor's own call, done here.
-    """
-    if output_type == "pil" and _stock_pil_processor(processor) and image.is_floating_point():
-        # denormalized (clamped to [0, 1]) on the device; `_pil_async` takes it from there
-        return _pil_async(processor, processor.postprocess(image, output_type="pt"))
-    out = list(processor.postprocess(image, output_type=output_type))
-    return lambda: out
-
-
-def _pil_async(processor, image: torch.Tensor) -> Callable[[], list]:
-    """The PIL images of denormalized images (``N x C x H x W`` in [0, 1], what a stock `VaeImageProcessor`'s
-    ``postprocess(..., output_type="pt")`` returns), as its ``numpy_to_pil(pt_to_numpy(image))`` makes them,
-    in the two halves of `postprocess_async` (8 bits on the device; a tensor of another shape: on the host)."""
-    if not (image.is_floating_point() and image.ndim == 4):
-        out = list(processor.numpy_to_pil(processor.pt_to_numpy(image)))
-        return lambda: out
-    pixels = (image.permute(0, 2, 3, 1).float() * 255).round().to(torch.uint8)
-    copied = None
-    if pixels.is_cuda:
-        host = torch.empty(pixels.shape, dtype=torch.uint8, pin_memory=True)
-        host.copy_(pixels, non_blocking=True)
-        copied = torch.cuda.Event()
-        copied.record()
-    else:
-        host = pixels
-
-    def images() -> list:
-        from PIL import Image
-
-        if copied is not None:
-            copied.synchronize()
-        arrays = host.numpy()
-        if arrays.shape[-1] == 1:
-            return [Image.fromarray(a.squeeze(), mode="L") for a in arrays]
-        return [Image.fromarray(a) for a in arrays]
-
-    return images
-
-
-def _device_pil(pipe, kwargs: dict) -> str | None:
-    """``"video"`` or ``"image"`` where ``pipe(**kwargs)`` may run with ``output_type="pt"`` and its PIL
-    images be made from that by `_pil_async` (`pipeline_call_async`), None where it must run as asked.
-
-    That holds for a pipeline of a known family (`bcg.diffusers.families`: their ``__call__`` uses the
-    output type only in the processor's ``postprocess`` / ``postprocess_video``) asked for PIL images, whose
-    processor (``video_processor`` for video, else ``image_processor``) is a stock one."""
-    from bcg.diffusers.families import GENERIC, family_of
-
-    family = family_of(pipe)
-    output_type = kwargs.get("output_type", _call_defaults(pipe).get("output_type"))
-    if family is GENERIC or output_type != "pil" or kwargs.get("return_dict") is False:
-        return None
-    if family.video:
-        from diffusers.video_processor import VideoProcessor
-
-        processor = getattr(pipe, "video_processor", None)
-        stock = (isinstance(processor, VideoProcessor) and inspect.getattr_static(type(processor), "postprocess_video")
-                 is VideoProcessor.__dict__["postprocess_video"])
-        return "video" if stock and _stock_pil_processor(processor) else None
-    return "image" if _stock_pil_processor(getattr(pipe, "image_processor", None)) else None
-
-
-def pipeline_call_async(pipe, kwargs: dict) -> Callable[[], list]:
-    """``pipe(**kwargs)``'s outputs as a list (images; for video one list of frames per video), the same
-    values, in the two halves of `postprocess_async`: this call runs the pipeline; the function it returns
-    waits for the copy to the host and makes the images (any thread).
-
-    Where `_device_pil` allows, the pipeline runs with ``output_type="pt"`` (denormalized on the device, as
-    its PIL path does first) and the conversion to 8 bits runs on the device: for a video of 33 frames
-    at 832x480 the host would otherwise turn 40 M bf16 values into float32, then scale, round and cast
-    them in NumPy, on the thread that runs the pipeline. Anything else: ``pipe(**kwargs)`` as it is.
-    """
-    kind = _device_pil(pipe, kwargs)
-    if kind is None:
-        out = pipe(**kwargs)
-        images = list(out.frames) if hasattr(out, "frames") else list(out.images)
-        return lambda: images
-    out = pipe(**{**kwargs, "output_type": "pt"})
-    if kind == "image":
-        processor = pipe.image_processor
-        return _pil_async(processor, out.images)
-    processor, video = pipe.video_processor, out.frames  # videos x frames x C x H x W
-    if not (isinstance(video, torch.Tensor) and video.ndim == 5):
-        out = [list(processor.numpy_to_pil(processor.pt_to_numpy(v))) for v in video]
-        return lambda: out
-    frames = video.shape[1]
-    flat = _pil_async(processor, video.flatten(0, 1))
-
-    def videos() -> list:
-        images = flat()
-        return [images[i:i + frames] for i in range(0, len(images), frames)]
-
-    return videos
-
-
-def _cat_rows(parts: list[torch.Tensor], rows: int) -> torch.Tensor:
-    # one request and no padding: its own tensor, as the pipeline would pass it (no copy)
-    return pad_rows(parts[0] if len(parts) == 1 else torch.cat(parts), rows)
-
-
-def _guided(states, cond: torch.Tensor, uncond: torch.Tensor | None) -> list[torch.Tensor]:
+def guided(states, cond: torch.Tensor, uncond: torch.Tensor | None) -> list[torch.Tensor]:
     """Each state's rows of the batched prediction, with CFG at its own scale (the pipelines' formula)."""
     noise, offset = [], 0
     for s in states:
@@ -199,10 +37,6 @@ def _guided(states, cond: torch.Tensor, uncond: torch.Tensor | None) -> list[tor
     return noise
 
 
-def _layout(*tensors) -> tuple:
-    return tuple(None if t is None else (tuple(t.shape[1:]), t.dtype) for t in tensors)
-
-
 def _hashable(value):
     """A cache key part for a scheduler argument (sigmas come as numpy arrays or lists)."""
     if value is None or isinstance(value, (bool, int, float, str)):
@@ -210,62 +44,7 @@ def _hashable(value):
     return tuple(float(x) for x in np.asarray(value, dtype=np.float64).ravel())
 
 
-def _shallow_copyable(scheduler) -> bool:
-    """FlowMatchEulerDiscreteScheduler: `set_timesteps` and `step` only rebind its attributes (see
-    `StepFamily._scheduler`)."""
-    from diffusers import FlowMatchEulerDiscreteScheduler
-
-    return type(scheduler) is FlowMatchEulerDiscreteScheduler
-
-
-def _fused_step_key(state: RequestState, noise: torch.Tensor) -> tuple | None:
-    """What states must share for `_fused_step`, None where the step must be the scheduler's own: a
-    FlowMatchEulerDiscreteScheduler (exactly) at a known step index, deterministic, its latents and
-    prediction of one shape and dtype per row."""
-    scheduler = state.scheduler
-    if not _shallow_copyable(scheduler) or scheduler.config.get("stochastic_sampling", False):
-        return None
-    index = _next_index(scheduler)
-    if index is None or index + 1 >= len(scheduler.sigmas) or state.latents.shape != noise.shape:
-        return None
-    return ("flow", id(scheduler.sigmas), index, state.latents.dtype, noise.dtype, tuple(noise.shape[1:]),
-            noise.device)
-
-
-def _next_index(scheduler) -> int | None:
-    """The sigma index the scheduler's next step uses: its step index, before the first step its begin
-    index (None: the scheduler would find it from the timestep)."""
-    return scheduler.step_index if scheduler.step_index is not None else scheduler.begin_index
-
-
-def _fused_step(states: list[RequestState], noise: list[torch.Tensor]) -> None:
-    """``FlowMatchEulerDiscreteScheduler.step`` (deterministic, no per-token timesteps) of states that share
-    a `_fused_step_key`, on their rows at once; see `StepFamily.scheduler_step`."""
-    first = states[0].scheduler
-    index = _next_index(first)
-    dt = first.sigmas[index + 1] - first.sigmas[index]  # the scheduler's own 0-dim tensor, as it makes it
-    sample = torch.cat([s.latents for s in states]).to(torch.float32)
-    prev = (sample + dt * torch.cat(noise)).to(noise[0].dtype)
-    offset = 0
-    for state in states:
-        state.latents = prev[offset:offset + state.latents.shape[0]]
-        offset += state.latents.shape[0]
-        state.scheduler._step_index = index + 1  # as the scheduler's step leaves it
-        state.step_index += 1
-
-
-def _call_defaults(pipe) -> dict:
-    # read once per class: the signature of __call__ is the pipeline's defaults
-    cls = type(pipe)
-    cached = cls.__dict__.get("__bcg_step_defaults__")
-    if cached is None:
-        params = inspect.signature(cls.__call__).parameters
-        cached = {name: p.default for name, p in params.items() if p.default is not inspect.Parameter.empty}
-        setattr(cls, "__bcg_step_defaults__", cached)
-    return cached
-
-
-def _prompt_columns(fields: dict, broadcast_negatives: bool = False) -> dict[str, list] | None:
+def prompt_columns(fields: dict, broadcast_negatives: bool = False) -> dict[str, list] | None:
     """Prompt fields as lists of one length (the prompts'), None when they are not: a list of another
     length, or a string beside several prompts (a negative string is repeated where the pipeline does)."""
     prompt = fields["prompt"]
@@ -384,7 +163,7 @@ class StepFamily:
         raise NotImplementedError
 
     def _columns(self, a: dict) -> dict[str, list] | None:
-        """The request's prompt fields as lists of its prompt count (`_prompt_columns`), None when they
+        """The request's prompt fields as lists of its prompt count (`prompt_columns`), None when they
         are not (then it is prepared alone, its fields as given)."""
         raise NotImplementedError
 
@@ -430,7 +209,7 @@ class StepFamily:
             out = [list(s.latents) for s in states]
             return lambda: out
         rows = sum(s.rows for s in states)
-        image = self.decode_latents(pipe, _cat_rows([s.latents for s in states], bucket), states[0])
+        image = self.decode_latents(pipe, cat_rows([s.latents for s in states], bucket), states[0])
         images = postprocess_async(pipe.image_processor, image[:rows] if bucket > rows else image, output_type)
         counts = [s.rows for s in states]
 
@@ -451,44 +230,16 @@ class StepFamily:
                 raise error
 
     def scheduler_step(self, states: list[RequestState], noise: list[torch.Tensor]) -> list[BaseException | None]:
-        """Each state's scheduler step with its noise prediction (latents and step index advanced); per
-        state None, or the exception its own step raised (its state then as before).
+        """Each state's scheduler step with its noise prediction; see `bcg.diffusers.steps.scheduler`."""
+        return scheduler_step(states, noise)
 
-        Where states are at the same point of one prepared flow-matching schedule (`_fused_step_key`: the
-        same sigmas tensor, step index and dtypes), their steps run as one: the scheduler's own
-        expression, ``(sample.float() + dt * noise).to(noise.dtype)`` with the same 0-dim ``dt`` tensor,
-        on their rows concatenated. Elementwise, so each row's result is the one its own step makes, bit
-        for bit, with a few kernel launches a step instead of a few per request. A fused step that
-        raises is retried per state.
-        """
-        errors: list[BaseException | None] = [None] * len(states)
-        groups: dict = {}
-        for i, (state, pred) in enumerate(zip(states, noise)):
-            key = _fused_step_key(state, pred)
-            groups.setdefault(("alone", i) if key is None else key, []).append(i)
-        for members in groups.values():
-            if len(members) > 1:
-                try:
-                    _fused_step([states[i] for i in members], [noise[i] for i in members])
-                    continue
-                except Exception:  # noqa: BLE001 -- each alone below says whose it is
-                    pass
-            for i in members:
-                state = states[i]
-                try:
-                    state.latents = state.scheduler.step(noise[i], state.timestep, state.latents,
-                                                         return_dict=False)[0]
-                    state.step_index += 1
-                except Exception as exc:  # noqa: BLE001
-                    errors[i] = exc
-        return errors
 
     # shared helpers --------------------------------------------------------------------------------
 
     @staticmethod
     def _args(pipe, kwargs: dict) -> dict:
         """The request's call arguments over the pipeline's defaults, its height and width resolved."""
-        a = _call_defaults(pipe) | kwargs
+        a = call_defaults(pipe) | kwargs
         a["height"] = a.get("height") or pipe.default_sample_size * pipe.vae_scale_factor
         a["width"] = a.get("width") or pipe.default_sample_size * pipe.vae_scale_factor
         return a
@@ -511,7 +262,7 @@ class StepFamily:
         lists updated in place (multistep schedulers).
         """
         template = self._template(pipe)
-        return copy.copy(template) if _shallow_copyable(template) else copy.deepcopy(template)
+        return copy.copy(template) if shallow_copyable(template) else copy.deepcopy(template)
 
     def _template(self, pipe):
         """The pristine scheduler `_scheduler` copies: a ``from_config`` of the pipeline's, made again when
@@ -532,7 +283,7 @@ class StepFamily:
         waits for the device's queue). Any other class: a fresh `_scheduler` and its own ``retrieve``.
         """
         source = self._template(pipe)  # a new pipeline scheduler: a new template, a new cache
-        if not _shallow_copyable(source):
+        if not shallow_copyable(source):
             scheduler = self._scheduler(pipe)
             timesteps, _ = retrieve(scheduler, steps, device, **kwargs)
             return scheduler, timesteps

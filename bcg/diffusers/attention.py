@@ -1,0 +1,119 @@
+"""The attention kernel of a diffusers transformer: `set_attention_backend(transformer, "auto")`.
+
+Every attention processor that calls diffusers' ``dispatch_attention_fn(..., backend=self._attention_backend)``
+(Flux, Wan, Qwen-Image, ...) is replaced by an instance of a small subclass of its own class, holding a
+copy of the original's state with ``_attention_backend`` set to one `bcg.runtime.attention.AttentionDispatch`
+per transformer, whose ``__call__`` is the processor's own code rebuilt over a copy of its module globals
+(`with_globals`) in which ``dispatch_attention_fn`` is this module's: it runs the kernel the dispatch chose
+for the call's shape. Nothing global is patched; the projections, norms and RoPE around the core are
+untouched. A processor that has a diffusers backend of its own (set by diffusers' ``set_attention_backend``)
+keeps it, and calls with context parallelism or dropout go to diffusers' dispatcher. Processors that
+call ``F.scaled_dot_product_attention`` themselves (SD3, PixArt) or no attention core (Sana's linear
+attention) are left as they are: SDPA picks among its own kernels there.
+
+Set it before `install_breaks` (``accelerate`` does): a break at the attention core then wraps the chosen
+kernel. `attention_stats(transformer)` reports the choices per shape; `remove_attention_backend` undoes it.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from bcg.diffusers.wrapping import core_of, has_processor, with_globals
+from bcg.runtime.attention import AttentionDispatch
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["attention_stats", "dispatch_attention_fn", "remove_attention_backend", "set_attention_backend"]
+
+_DISPATCH_ATTR = "_bcg_attention"
+_ORIGINAL_ATTR = "_bcg_attention_original_processor"
+
+
+def dispatch_attention_fn(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                          enable_gqa=False, attention_kwargs=None, *, backend=None, parallel_config=None):
+    """diffusers' ``dispatch_attention_fn`` (bshd), with calls whose ``backend`` is an `AttentionDispatch`
+    run by it. A module-level function without a closure: dynamo inlines it into compiled processors and
+    guards on it through its module, so it must not carry state of its own (the dispatch is an argument)."""
+    from diffusers.models.attention_dispatch import dispatch_attention_fn as diffusers_dispatch
+
+    if isinstance(backend, AttentionDispatch):
+        if parallel_config is None and not dropout_p and not attention_kwargs:
+            return backend(query, key, value, attn_mask=attn_mask, is_causal=is_causal, scale=scale, layout="bshd")
+        backend = None
+    return diffusers_dispatch(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                              scale=scale, enable_gqa=enable_gqa, attention_kwargs=attention_kwargs,
+                              backend=backend, parallel_config=parallel_config)
+
+
+def _dispatching_class(base: type, classes: dict) -> type | None:
+    """A subclass of processor class `base` that calls `dispatch_attention_fn` above (None: it calls no
+    ``dispatch_attention_fn`` with its ``_attention_backend``)."""
+    if base in classes:
+        return classes[base]
+    core = core_of(base.__call__)
+    cls = None
+    if core is not None and core[1] == "dispatch_attention_fn":
+        call = with_globals(base.__call__, {"dispatch_attention_fn": dispatch_attention_fn})
+        if call is not None:
+            cls = type(base.__name__, (base,), {"__call__": call, "__module__": base.__module__,
+                                                 "__doc__": base.__doc__, "__bcg_attention_base__": base})
+    classes[base] = cls
+    return cls
+
+
+def set_attention_backend(transformer: torch.nn.Module, backend: str = "auto", device=None) -> AttentionDispatch:
+    """Route `transformer`'s attention cores through an `AttentionDispatch` for `backend`; returns it.
+
+    Calling it again replaces the backend. Raises if breaks are already installed (set the backend first).
+    """
+    _refuse_under_breaks(transformer, "call set_attention_backend before install_breaks (bcg.diffusers.accelerate does)")
+    remove_attention_backend(transformer)
+    if device is None:
+        first = next(transformer.parameters(), None)
+        device = first.device if first is not None else None
+    dispatch = AttentionDispatch(backend, device=device)
+    classes: dict = {}
+    routed = 0
+    for name, module in transformer.named_modules():
+        if not has_processor(module):
+            continue
+        processor = module.processor
+        if getattr(processor, "_attention_backend", "missing") is not None:
+            continue  # a diffusers backend chosen for this processor (or none it would read): keep it
+        cls = _dispatching_class(type(processor), classes)
+        if cls is None:
+            continue
+        wrapper = object.__new__(cls)
+        wrapper.__dict__ = dict(processor.__dict__, _attention_backend=dispatch)
+        object.__setattr__(module, _ORIGINAL_ATTR, processor)
+        module.processor = wrapper
+        routed += 1
+    object.__setattr__(transformer, _DISPATCH_ATTR, dispatch)
+    logger.info("%s: attention backend %s on %d attention layers (candidates %s%s)", type(transformer).__name__,
+                backend, routed, dispatch.candidates,
+                f"; unavailable: {dispatch.unavailable}" if dispatch.unavailable else "")
+    return dispatch
+
+
+def _refuse_under_breaks(transformer, fix: str) -> None:
+    for name, module in transformer.named_modules():
+        if has_processor(module) and getattr(type(module.processor), "__bcg_base__", None) is not None:
+            raise ValueError(f"{name or type(transformer).__name__} has a break installed over its processor; {fix}")
+
+
+def remove_attention_backend(transformer: torch.nn.Module) -> None:
+    """Put the original processors back (remove breaks first: they wrap the routed processors)."""
+    _refuse_under_breaks(transformer, "call remove_breaks first")
+    for module in transformer.modules():
+        original = module.__dict__.pop(_ORIGINAL_ATTR, None)
+        if original is not None:
+            module.processor = original
+    transformer.__dict__.pop(_DISPATCH_ATTR, None)
+
+
+def attention_stats(transformer) -> dict | None:
+    """`AttentionDispatch.stats()` of the backend set on `transformer` (None when none is set)."""
+    dispatch = getattr(transformer, "__dict__", {}).get(_DISPATCH_ATTR)
+    return dispatch.stats() if dispatch is not None else None

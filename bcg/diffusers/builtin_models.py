@@ -1,0 +1,266 @@
+"""Small built-in diffusers pipelines with seeded random weights, built offline (`load_pipeline` in
+`bcg.diffusers.models` loads them by name).
+
+`BUILTIN_MODELS` maps a name to a builder that returns a complete diffusers pipeline: transformer, VAE,
+scheduler, text encoder(s) and tokenizer(s). Nothing is downloaded: tokenizers come from
+`bcg.diffusers.builtin_tokenizers`; models are constructed from tiny configs under a fixed
+seed (parameters that the model initialises to zero get small random values so every layer matters).
+The pipelines produce real (if meaningless) images: 128x128 in 2 steps takes well under a second on a CPU.
+
+- `tiny-flux` (default): FluxPipeline (CLIP + T5, guidance-embedded Flux transformer, AutoencoderKL).
+- `tiny-sd3`: StableDiffusion3Pipeline (two CLIPs with projection + T5, MMDiT).
+- `tiny-pixart`: PixArtSigmaPipeline (T5, PixArt transformer, AutoencoderKL, DPM-Solver).
+- `tiny-sana`: SanaPipeline (Gemma2, Sana linear-attention transformer, DC-AE).
+- `tiny-wan`: WanPipeline, text-to-video (UMT5, Wan transformer, Wan causal 3D VAE).
+- `tiny-qwen-image`: QwenImagePipeline (Qwen2.5-VL, Qwen-Image MMDiT, Qwen-Image causal 3D VAE).
+
+Each built-in is the `builtin` of one record in `bcg.diffusers.families` (what the serving layer knows
+of its family); a new family is that record plus its builder here.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Callable
+
+import torch
+
+from bcg.diffusers.builtin_tokenizers import build_tokenizer
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["BUILTIN_MODELS", "DEFAULT_MODEL", "clip_text", "t5_encoder", "vae_kl"]
+
+DEFAULT_MODEL = "tiny-flux"
+_SEED = 20240607
+
+
+def _randomize_zero_params(*modules: torch.nn.Module, std: float = 0.02) -> None:
+    """Give zero-initialised parameters (output projections, gates) small random values.
+
+    Real checkpoints have no all-zero layers; with them a random model's transformer output would be
+    constant and an eager-vs-graph comparison would prove little.
+    """
+    for module in modules:
+        for param in module.parameters():
+            if param.numel() > 1 and not param.detach().any():
+                with torch.no_grad():
+                    param.normal_(0.0, std)
+
+
+def _seeded(build: Callable):
+    def builder():
+        start = time.perf_counter()
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(_SEED)
+            pipe = build()
+        pipe.set_progress_bar_config(disable=True)
+        logger.info("built %s in %.2f s", build.__name__, time.perf_counter() - start)
+        return pipe
+
+    builder.__name__ = build.__name__
+    builder.__doc__ = build.__doc__
+    return builder
+
+
+def clip_text(hidden: int = 32, projection: bool = False, vocab_size: int = 512):
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
+
+    config = CLIPTextConfig(
+        vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
+        num_attention_heads=2, max_position_embeddings=77, projection_dim=hidden,
+        bos_token_id=2, eos_token_id=1, pad_token_id=0,
+    )
+    return (CLIPTextModelWithProjection if projection else CLIPTextModel)(config).eval()
+
+
+def t5_encoder(d_model: int = 32, vocab_size: int = 512, umt5: bool = False):
+    if umt5:
+        from transformers import UMT5Config as Config, UMT5EncoderModel as Model
+    else:
+        from transformers import T5Config as Config, T5EncoderModel as Model
+    config = Config(
+        vocab_size=vocab_size, d_model=d_model, d_kv=8, d_ff=2 * d_model, num_layers=2, num_heads=4,
+        relative_attention_num_buckets=8, relative_attention_max_distance=32, pad_token_id=0,
+        eos_token_id=1, decoder_start_token_id=0,
+    )
+    return Model(config).eval()
+
+
+def vae_kl(latent_channels: int, shift_factor: float | None = None):
+    from diffusers import AutoencoderKL
+
+    # Four levels: the usual 8x spatial compression, so sizes behave like the real models' (multiples of 16).
+    return AutoencoderKL(
+        in_channels=3, out_channels=3, latent_channels=latent_channels,
+        down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
+        block_out_channels=(8, 8, 16, 16), layers_per_block=1, norm_num_groups=4,
+        scaling_factor=0.5, shift_factor=shift_factor, sample_size=128,
+    ).eval()
+
+
+@_seeded
+def build_tiny_flux():
+    """FluxPipeline: CLIP-L-like + T5-like text encoders, 2 double + 4 single Flux blocks, guidance embed."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+
+    transformer = FluxTransformer2DModel(
+        patch_size=1, in_channels=16, out_channels=None, num_layers=2, num_single_layers=4,
+        attention_head_dim=32, num_attention_heads=4, joint_attention_dim=64, pooled_projection_dim=32,
+        guidance_embeds=True, axes_dims_rope=(8, 12, 12),
+    )
+    text_encoder, text_encoder_2 = clip_text(32), t5_encoder(64)
+    vae = vae_kl(4, shift_factor=0.1)
+    _randomize_zero_params(transformer, vae)
+    scheduler = FlowMatchEulerDiscreteScheduler(
+        shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
+        base_image_seq_len=256, max_image_seq_len=4096,
+    )
+    return FluxPipeline(
+        scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=build_tokenizer("clip", 77),
+        text_encoder_2=text_encoder_2, tokenizer_2=build_tokenizer("t5", 512), transformer=transformer.eval(),
+    )
+
+
+@_seeded
+def build_tiny_sd3():
+    """StableDiffusion3Pipeline: two CLIPs with projection + T5, 2 MMDiT blocks, patch 2."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
+
+    transformer = SD3Transformer2DModel(
+        sample_size=32, patch_size=2, in_channels=4, num_layers=2, attention_head_dim=16,
+        num_attention_heads=4, joint_attention_dim=64, caption_projection_dim=64, pooled_projection_dim=64,
+        out_channels=4, pos_embed_max_size=64,
+    )
+    vae = vae_kl(4, shift_factor=0.1)
+    _randomize_zero_params(transformer, vae)
+    return StableDiffusion3Pipeline(
+        transformer=transformer.eval(), scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0), vae=vae,
+        text_encoder=clip_text(32, projection=True), tokenizer=build_tokenizer("clip", 77),
+        text_encoder_2=clip_text(32, projection=True), tokenizer_2=build_tokenizer("clip", 77),
+        text_encoder_3=t5_encoder(64), tokenizer_3=build_tokenizer("t5", 512),
+    )
+
+
+@_seeded
+def build_tiny_pixart():
+    """PixArtSigmaPipeline: T5, 2 PixArt blocks with cross-attention, learned sigma, DPM-Solver++."""
+    from diffusers import DPMSolverMultistepScheduler, PixArtSigmaPipeline, PixArtTransformer2DModel
+
+    transformer = PixArtTransformer2DModel(
+        sample_size=32, num_layers=2, patch_size=2, attention_head_dim=16, num_attention_heads=4,
+        in_channels=4, out_channels=8, cross_attention_dim=64, caption_channels=64,
+        norm_type="ada_norm_single", use_additional_conditions=False, interpolation_scale=1,
+    )
+    vae = vae_kl(4)
+    _randomize_zero_params(transformer, vae)
+    return PixArtSigmaPipeline(
+        tokenizer=build_tokenizer("t5", 300), text_encoder=t5_encoder(64), vae=vae,
+        transformer=transformer.eval(), scheduler=DPMSolverMultistepScheduler(),
+    )
+
+
+@_seeded
+def build_tiny_sana():
+    """SanaPipeline: Gemma2 text encoder, 2 Sana blocks (linear self-attention), DC-AE with 32x compression."""
+    from diffusers import AutoencoderDC, DPMSolverMultistepScheduler, SanaPipeline, SanaTransformer2DModel
+    from transformers import Gemma2Config, Gemma2Model
+
+    text_encoder = Gemma2Model(Gemma2Config(
+        vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=16, max_position_embeddings=1024, pad_token_id=0, eos_token_id=1,
+        bos_token_id=2, sliding_window=256,
+    )).eval()
+    transformer = SanaTransformer2DModel(
+        in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=16, num_layers=2,
+        num_cross_attention_heads=2, cross_attention_head_dim=16, cross_attention_dim=32, caption_channels=32,
+        mlp_ratio=2.5, sample_size=16, patch_size=1,  # 16: the smallest size with a resolution-binning table (512²)
+    )
+    vae = AutoencoderDC(
+        in_channels=3, latent_channels=4, attention_head_dim=4,
+        encoder_block_types=("ResBlock",) * 4 + ("EfficientViTBlock",) * 2,
+        decoder_block_types=("ResBlock",) * 4 + ("EfficientViTBlock",) * 2,
+        encoder_block_out_channels=(8, 8, 8, 16, 16, 16), decoder_block_out_channels=(8, 8, 8, 16, 16, 16),
+        encoder_layers_per_block=(1,) * 6, decoder_layers_per_block=(1,) * 6,
+        encoder_qkv_multiscales=((),) * 4 + ((5,),) * 2, decoder_qkv_multiscales=((),) * 4 + ((5,),) * 2,
+        upsample_block_type="interpolate", downsample_block_type="Conv", decoder_norm_types="rms_norm",
+        decoder_act_fns="silu", scaling_factor=0.41407,
+    ).eval()
+    _randomize_zero_params(transformer, vae)
+    scheduler = DPMSolverMultistepScheduler(
+        prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0,
+    )
+    return SanaPipeline(
+        tokenizer=build_tokenizer("gemma", 1024), text_encoder=text_encoder, vae=vae,
+        transformer=transformer.eval(), scheduler=scheduler,
+    )
+
+
+@_seeded
+def build_tiny_wan():
+    """WanPipeline (text to video): UMT5, 2 Wan blocks, Wan causal 3D VAE (8x spatial, 4x temporal)."""
+    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel
+
+    transformer = WanTransformer3DModel(
+        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=16, in_channels=16, out_channels=16,
+        text_dim=64, freq_dim=32, ffn_dim=64, num_layers=2, cross_attn_norm=True,
+        qk_norm="rms_norm_across_heads", rope_max_seq_len=64,
+    )
+    vae = AutoencoderKLWan(
+        base_dim=8, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True],
+    ).eval()
+    _randomize_zero_params(transformer, vae)
+    scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0)
+    return WanPipeline(
+        tokenizer=build_tokenizer("t5", 512), text_encoder=t5_encoder(64, umt5=True), vae=vae,
+        transformer=transformer.eval(), scheduler=scheduler,
+    )
+
+
+@_seeded
+def build_tiny_qwen_image():
+    """QwenImagePipeline: tiny Qwen2.5-VL (its last hidden state is the text input), 2 Qwen-Image blocks,
+    Qwen-Image causal 3D VAE (8x spatial), flow-matching Euler with dynamic shifting."""
+    from diffusers import (
+        AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImagePipeline, QwenImageTransformer2DModel,
+    )
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    tokenizer = build_tokenizer("qwen", 1024 + 34)  # the pipeline's tokenizer_max_length + its template prefix
+    # Token ids live in this tokenizer's vocabulary; the vision tower (never called for text) is minimal.
+    text_encoder = Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(
+        text_config=dict(
+            vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=2048,
+            bos_token_id=2, eos_token_id=1, pad_token_id=0,
+            rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 1e6},
+        ),
+        vision_config=dict(depth=1, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=32,
+                           fullatt_block_indexes=[0]),
+    )).eval()
+    transformer = QwenImageTransformer2DModel(
+        patch_size=2, in_channels=16, out_channels=4, num_layers=2, attention_head_dim=16, num_attention_heads=2,
+        joint_attention_dim=32, axes_dims_rope=(4, 6, 6),
+    )
+    vae = AutoencoderKLQwenImage(
+        base_dim=8, z_dim=4, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True],
+        latents_mean=[0.0] * 4, latents_std=[1.0] * 4,
+    ).eval()
+    _randomize_zero_params(transformer, vae)
+    scheduler = FlowMatchEulerDiscreteScheduler(
+        shift=1.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=0.9, base_image_seq_len=256,
+        max_image_seq_len=8192, time_shift_type="exponential",  # no shift_terminal: NaN sigmas at 1 step
+    )
+    return QwenImagePipeline(
+        scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, transformer=transformer.eval(),
+    )
+
+
+BUILTIN_MODELS: dict[str, Callable] = {
+    "tiny-flux": build_tiny_flux,
+    "tiny-sd3": build_tiny_sd3,
+    "tiny-pixart": build_tiny_pixart,
+    "tiny-sana": build_tiny_sana,
+    "tiny-wan": build_tiny_wan,
+    "tiny-qwen-image": build_tiny_qwen_image,
+}

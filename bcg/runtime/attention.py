@@ -1,0 +1,314 @@
+"""The attention kernel per shape: `AttentionDispatch` runs ``softmax(q k^T * scale) v`` with the kernel
+chosen for the call's shape, inside captured and compiled segments alike.
+
+Kernels (`ATTENTION_BACKENDS`): ``"sdpa"`` (``F.scaled_dot_product_attention`` with PyTorch's own choice;
+the reference and the fallback), ``"cudnn"``, ``"flash"``, ``"efficient"``, ``"math"`` (SDPA restricted to
+one of its backends), ``"fa3"`` (FlashAttention-3 forward from the ``fa3-fwd`` package: Hopper GPUs,
+bf16, head dims up to 256, no mask). ``"auto"`` times the candidates (`AUTO_CANDIDATES` that are
+available here) on the first call of each shape and keeps the fastest for that shape, SDPA unless
+another kernel is at least 3% faster; SDPA already picks the fastest of its own backends, so auto weighs
+it against kernels outside PyTorch.
+
+When the choice is made: on the first call of a shape outside a CUDA graph capture -- the runner's
+warm-up run before each capture is one. In code that dynamo compiles, the choice is a constant of the
+trace (`torch._dynamo.assume_constant_result`): it is made (timed) while tracing, outside any capture, and
+the compiled code calls the chosen kernel directly. A shape first seen inside a capture, or a dynamic
+shape under compile, uses the choice already made for its head layout, else ``"sdpa"``, and says so in
+`stats()`. A kernel that is missing or refuses a shape (a mask, a dtype, a head dim) is never an error:
+the call runs ``"sdpa"`` and the reason is logged once and counted.
+
+Layouts: ``"bhsd"`` (batch, heads, sequence, head dim: SDPA's) or ``"bshd"`` (diffusers' dispatcher and
+FlashAttention's); each kernel takes either through views, no copies.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import math
+import threading
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["ATTENTION_BACKENDS", "AUTO_CANDIDATES", "AttentionDispatch", "backend_unavailable_reason"]
+
+ATTENTION_BACKENDS = ("auto", "sdpa", "cudnn", "flash", "efficient", "math", "fa3")
+#: What ``"auto"`` weighs, where available: PyTorch's own choice against kernels it does not have.
+AUTO_CANDIDATES = ("sdpa", "fa3")
+_SDPA_BACKENDS = {"cudnn": "CUDNN_ATTENTION", "flash": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION",
+                  "math": "MATH"}
+_TIMING_ITERS = 8
+_TIMING_ROUNDS = 3
+_AUTO_MARGIN = 0.03   # "auto" leaves SDPA only for a kernel at least this much faster
+
+
+def backend_unavailable_reason(name: str, device: torch.device | None = None) -> str | None:
+    """Why kernel `name` cannot run on `device` at all (None: it may; a shape can still refuse it)."""
+    if name not in ATTENTION_BACKENDS or name == "auto":
+        return f"unknown attention backend {name!r}; choose from {list(ATTENTION_BACKENDS)}"
+    if name in ("sdpa", "math"):
+        return None
+    on_cuda = device is not None and device.type == "cuda" and torch.cuda.is_available()
+    if not on_cuda:
+        return f"{name} needs a CUDA device"
+    if name == "fa3":
+        capability = torch.cuda.get_device_capability(device)
+        if capability[0] != 9:
+            return f"fa3 needs a Hopper GPU (compute capability 9.x), {torch.cuda.get_device_name(device)} is " \
+                   f"{capability[0]}.{capability[1]}"
+        try:
+            _fa3_forward()
+        except ImportError as exc:
+            return f"fa3 needs the fa3-fwd package (pip install 'bcg-serve[fa3]'): {exc}"
+    return None
+
+
+def _fa3_forward():
+    import fa3_fwd_interface  # registers torch.ops.fa3_fwd._flash_attn_forward (with a fake kernel: compiles)
+
+    return fa3_fwd_interface._flash_attn_forward
+
+
+@dataclasses.dataclass(frozen=True)
+class _Shape:
+    batch: int
+    heads: int
+    kv_heads: int
+    q_len: int
+    kv_len: int
+    head_dim: int
+    dtype: str
+
+    def summary(self) -> str:
+        heads = f"{self.heads}" if self.heads == self.kv_heads else f"{self.heads}/{self.kv_heads}"
+        return f"{self.batch}x{heads}x{self.q_len}x{self.kv_len}x{self.head_dim} {self.dtype}"
+
+
+def _refusal(name: str, shape: _Shape, masked: bool) -> str | None:
+    """Why kernel `name` refuses this call (None: it takes it)."""
+    if name == "fa3":
+        if masked:
+            return "fa3 takes no attention mask"
+        if shape.dtype != "bfloat16":
+            return f"fa3-fwd is built for bf16, got {shape.dtype}"
+        if shape.head_dim > 256 or shape.head_dim % 8:
+            return f"fa3 needs a head dim <= 256 and a multiple of 8, got {shape.head_dim}"
+        if shape.heads % shape.kv_heads:
+            return f"fa3 needs query heads a multiple of key heads, got {shape.heads}/{shape.kv_heads}"
+    return None
+
+
+class AttentionDispatch:
+    """Attention with the kernel chosen per shape; one per model (see the module docstring)."""
+
+    def __init__(self, backend: str = "auto", device: torch.device | str | None = None,
+                 candidates: tuple = AUTO_CANDIDATES):
+        if backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {list(ATTENTION_BACKENDS)}, got {backend!r}")
+        self.backend = backend
+        self.device = torch.device(device) if device is not None else None
+        self.unavailable: dict[str, str] = {}
+        wanted = candidates if backend == "auto" else (backend,)
+        self.candidates = []
+        for name in wanted:
+            reason = backend_unavailable_reason(name, self.device)
+            if reason is None:
+                self.candidates.append(name)
+            else:
+                self.unavailable[name] = reason
+        if backend != "auto" and backend in self.unavailable:
+            logger.warning("attention backend %s: %s; using sdpa", backend, self.unavailable[backend])
+        if not self.candidates:
+            self.candidates = ["sdpa"]
+        self._lock = threading.Lock()
+        self._choices: dict[_Shape, dict] = {}
+        self._fallbacks: dict[str, int] = {}
+        self._warned: set = set()
+        # The choice as a constant of a dynamo trace: dynamo calls these while tracing (their arguments are
+        # Python constants: ints, a dtype, bools) and compiles the chosen kernel's call. Closures over
+        # this dispatch, reached through it (a source dynamo can guard), not module functions taking it.
+
+        def choose(dims: tuple, dtype: torch.dtype, masked: bool, is_causal: bool) -> str:
+            return self.choose(_Shape(*dims, dtype=_dtype_name(dtype)), masked, is_causal)
+
+        def choose_dynamic(heads: tuple, dtype: torch.dtype, masked: bool) -> str:
+            return self.choose_for_heads((*heads, _dtype_name(dtype)), masked)
+
+        self._choose = torch._dynamo.assume_constant_result(choose)
+        self._choose_dynamic = torch._dynamo.assume_constant_result(choose_dynamic)
+
+    # -- calls ------------------------------------------------------------------------------------
+
+    def __call__(self, query, key, value, attn_mask=None, is_causal=False, scale=None, layout="bhsd"):
+        """Attention of (q, k, v) in `layout`; the output has the same layout."""
+        dims = _dims_of(query, key, layout)
+        masked = attn_mask is not None
+        if dims is None:  # symbolic sizes while dynamo traces: the choice made for this head layout
+            name = self._choose_dynamic(_head_dims(query, key, layout), query.dtype, masked)
+        else:
+            name = self._choose(dims, query.dtype, masked, is_causal)
+        return _KERNELS[name](query, key, value, attn_mask, is_causal, scale, layout)
+
+    # -- choice -----------------------------------------------------------------------------------
+
+    def choose(self, shape: _Shape, masked: bool, is_causal: bool) -> str:
+        """The kernel for this shape: chosen once (timed for ``"auto"``), then remembered."""
+        with self._lock:
+            known = self._choices.get(shape)
+        if known is not None and not masked:
+            return known["backend"]
+        takers = [n for n in self.candidates if _refusal(n, shape, masked) is None]
+        if not takers:
+            refused = {n: _refusal(n, shape, masked) for n in self.candidates}
+            self._fallback(f"{', '.join(refused)} refused {shape.summary()}: {'; '.join(refused.values())}")
+            return "sdpa"
+        if masked:
+            return takers[0]
+        if len(takers) == 1 or _capturing():
+            name, timed, source = takers[0], {}, ("only candidate" if len(takers) == 1 else "first candidate")
+            if len(takers) > 1:  # inside a capture nothing may run outside the graph: choose later
+                self._fallback(f"first call of {shape.summary()} inside a capture: {name} untimed")
+                return name
+        else:
+            timed = {n: _time_kernel(n, shape, is_causal, self.device) for n in takers}
+            name, source = min(timed, key=timed.get), "timed"
+            if "sdpa" in timed and timed[name] > timed["sdpa"] * (1 - _AUTO_MARGIN):
+                name = "sdpa"  # within the timing's noise of PyTorch's own choice: keep the reference
+        record = {"shape": shape.summary(), "backend": name, "source": source,
+                  "ms": {n: round(ms, 4) for n, ms in timed.items()}}
+        with self._lock:
+            self._choices.setdefault(shape, record)
+        logger.info("attention %s: %s (%s%s)", shape.summary(), name, source,
+                    "; " + ", ".join(f"{n} {ms:.3f} ms" for n, ms in timed.items()) if timed else "")
+        return name
+
+    def choose_for_heads(self, heads: tuple, masked: bool) -> str:
+        """The kernel for a shape with symbolic sizes: the one chosen most often for these heads."""
+        with self._lock:
+            picked = [r["backend"] for s, r in self._choices.items()
+                      if (s.heads, s.kv_heads, s.head_dim, s.dtype) == heads]
+        if masked or not picked:
+            return "sdpa" if masked or "sdpa" in self.candidates or not self.candidates else self.candidates[0]
+        return max(set(picked), key=picked.count)
+
+    def stats(self) -> dict:
+        with self._lock:
+            choices = [dict(r) for r in self._choices.values()]
+            fallbacks = dict(self._fallbacks)
+        return {"backend": self.backend, "candidates": list(self.candidates), "unavailable": dict(self.unavailable),
+                "choices": choices, "fallbacks": fallbacks}
+
+    def _fallback(self, reason: str) -> None:
+        with self._lock:
+            self._fallbacks[reason] = self._fallbacks.get(reason, 0) + 1
+            first = reason not in self._warned
+            self._warned.add(reason)
+        if first:
+            logger.info("attention: %s", reason)
+
+
+# -- helpers ---------------------------------------------------------------------------------------
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def _dims_of(query, key, layout) -> tuple | None:
+    """(batch, heads, kv heads, q len, kv len, head dim), or None when a size is symbolic (dynamo)."""
+    seq, heads = (2, 1) if layout == "bhsd" else (1, 2)
+    dims = (query.shape[0], query.shape[heads], key.shape[heads], query.shape[seq], key.shape[seq],
+            query.shape[-1])
+    return dims if all(isinstance(d, int) for d in dims) else None
+
+
+def _head_dims(query, key, layout) -> tuple:
+    heads = 1 if layout == "bhsd" else 2
+    return (int(query.shape[heads]), int(key.shape[heads]), int(query.shape[-1]))
+
+
+# -- kernels ---------------------------------------------------------------------------------------
+
+def _bhsd(x, layout):
+    return x if layout == "bhsd" else x.transpose(1, 2)
+
+
+def _back(out, layout):
+    return out if layout == "bhsd" else out.transpose(1, 2)
+
+
+def _sdpa(query, key, value, attn_mask, is_causal, scale, layout):
+    gqa = {"enable_gqa": True} if query.shape[1 if layout == "bhsd" else 2] != key.shape[1 if layout == "bhsd" else 2] else {}
+    out = F.scaled_dot_product_attention(_bhsd(query, layout), _bhsd(key, layout), _bhsd(value, layout),
+                                         attn_mask=attn_mask, is_causal=is_causal, scale=scale, **gqa)
+    return _back(out, layout)
+
+
+def _sdpa_only(name) -> Callable:
+    def kernel(query, key, value, attn_mask, is_causal, scale, layout):
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        with sdpa_kernel(getattr(SDPBackend, _SDPA_BACKENDS[name])):
+            return _sdpa(query, key, value, attn_mask, is_causal, scale, layout)
+
+    kernel.__name__ = f"_sdpa_{name}"
+    return kernel
+
+
+def _fa3(query, key, value, attn_mask, is_causal, scale, layout):
+    def bshd(x):
+        return x if layout == "bshd" else x.transpose(1, 2)
+
+    if scale is None:
+        scale = 1.0 / math.sqrt(query.shape[-1])
+    # the registered op (torch.ops), not the Python CustomOpDef object: dynamo and inductor take it as one op
+    out = torch.ops.fa3_fwd._flash_attn_forward(bshd(query), bshd(key), bshd(value), softmax_scale=scale,
+                                                causal=is_causal)[0]
+    return out if layout == "bshd" else out.transpose(1, 2)
+
+
+_KERNELS = {"sdpa": _sdpa, "fa3": _fa3, **{name: _sdpa_only(name) for name in _SDPA_BACKENDS}}
+
+
+def _no_modes():
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    stack = contextlib.ExitStack()
+    stack.enter_context(torch._C.DisableTorchFunction())
+    stack.enter_context(_disable_current_modes())
+    return stack
+
+
+def _time_kernel(name: str, shape: _Shape, is_causal: bool, device) -> float:
+    """Median ms of kernel `name` on random inputs of `shape` (bshd), CUDA events on the current stream."""
+    dtype = getattr(torch, shape.dtype)
+    q = torch.randn(shape.batch, shape.q_len, shape.heads, shape.head_dim, device=device, dtype=dtype)
+    k = torch.randn(shape.batch, shape.kv_len, shape.kv_heads, shape.head_dim, device=device, dtype=dtype)
+    v = torch.randn_like(k)
+    kernel = _KERNELS[name]
+    try:
+        # timed as a kernel, not through whatever torch-function or dispatch modes are active (the
+        # first call of a shape may be a break-placement probe, whose modes slow every launch)
+        with torch.no_grad(), _no_modes():
+            kernel(q, k, v, None, is_causal, None, "bshd")
+            torch.cuda.synchronize(device)
+            times = []
+            for _ in range(_TIMING_ROUNDS):  # calls back to back: the GPU's time, not the host's launches
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                for _ in range(_TIMING_ITERS):
+                    kernel(q, k, v, None, is_causal, None, "bshd")
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end) / _TIMING_ITERS)
+    except RuntimeError as exc:  # the kernel refused this shape after all: never chosen
+        logger.info("attention %s: %s failed (%s)", shape.summary(), name, str(exc).splitlines()[0][:200])
+        return math.inf
+    return sorted(times)[len(times) // 2]

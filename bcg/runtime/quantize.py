@@ -1,0 +1,147 @@
+"""Weight and activation quantization of a module's linear layers, before it is captured or compiled.
+
+`quantize_module(module, "fp8")` swaps the weights of the module's ``nn.Linear`` layers for torchao's
+float8 tensors (``Float8DynamicActivationFloat8WeightConfig`` with per-row scales: each weight row and
+each activation row gets its own scale, the activation's computed on the fly in every call), so every
+linear runs as a float8 GEMM (``torch._scaled_mm``) with bf16 output. Everything else (norms, attention,
+embeddings) stays as it was. The quantized module is an ordinary module: a breakable CUDA graph
+captures its kernels and inductor compiles and fuses its quantization, like any other code.
+
+Where float8 cannot run -- no CUDA device, compute capability below 8.9 (float8 tensor cores arrived with
+Ada and Hopper), torchao not installed, a layer torchao refuses -- nothing is changed: the returned
+`QuantizeReport` says why (``applied=False``, ``reason``) and one warning is logged. A caller serves the
+module in its own dtype then; a request never fails because of it.
+
+Layers whose input or output features are not multiples of 16 (float8 GEMMs need that), layers whose
+weights are not bf16 (the per-row scheme takes bf16 only; e.g. the modules a model keeps in fp32, such as
+Wan's ``_keep_in_fp32_modules``), and the layers a caller names in ``skip`` (fnmatch patterns on qualified
+names), stay in their dtype.
+"""
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import logging
+from typing import Iterable
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["QUANTIZE_MODES", "QuantizeReport", "fp8_unavailable_reason", "quantize_module", "quantize_report"]
+
+#: What `RunnerConfig.quantize` accepts (None: no quantization).
+QUANTIZE_MODES = ("fp8",)
+_FP8_MIN_CAPABILITY = (8, 9)
+_REPORT_ATTR = "_bcg_quantize"
+
+
+@dataclasses.dataclass
+class QuantizeReport:
+    """What `quantize_module` did: the mode asked for, whether it applied, why not, which layers."""
+
+    mode: str | None
+    applied: bool = False
+    reason: str | None = None
+    layers: int = 0            # linear layers quantized
+    skipped: int = 0           # linear layers left in their dtype (shape or `skip`)
+    weight_bytes_before: int = 0
+    weight_bytes_after: int = 0
+    scheme: str | None = None
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def fp8_unavailable_reason(device: torch.device | str | None = None) -> str | None:
+    """Why float8 cannot run on `device` (None: it can): no CUDA, capability below 8.9, no torchao."""
+    device = torch.device(device) if device is not None else None
+    if device is not None and device.type != "cuda":
+        return f"fp8 needs a CUDA device, the module is on {device}"
+    if not torch.cuda.is_available():
+        return "fp8 needs a CUDA device and none is available"
+    index = device.index if device is not None and device.index is not None else torch.cuda.current_device()
+    capability = torch.cuda.get_device_capability(index)
+    if capability < _FP8_MIN_CAPABILITY:
+        return (f"fp8 needs compute capability >= 8.9 (Ada, Hopper or newer); "
+                f"{torch.cuda.get_device_name(index)} has {capability[0]}.{capability[1]}")
+    try:
+        _torchao_fp8()
+    except ImportError as exc:
+        return f"fp8 needs torchao (pip install 'bcg-serve[fp8]'): {exc}"
+    return None
+
+
+def quantize_module(module: torch.nn.Module, mode: str | None, *, skip: Iterable[str] = (),
+                    device=None) -> QuantizeReport:
+    """Quantize `module`'s linear layers in place (see the module docstring); returns the report, which
+    is also kept on the module (``quantize_report(module)``). Quantizing twice is a no-op."""
+    if mode is None:
+        return QuantizeReport(mode=None)
+    if mode not in QUANTIZE_MODES:
+        raise ValueError(f"quantize must be one of {list(QUANTIZE_MODES)} or None, got {mode!r}")
+    done = module.__dict__.get(_REPORT_ATTR)
+    if done is not None:
+        return done
+    if device is None:
+        first = next(module.parameters(), None)
+        device = first.device if first is not None else None
+    report = QuantizeReport(mode=mode)
+    reason = fp8_unavailable_reason(device)
+    if reason is not None:
+        report.reason = reason
+        logger.warning("%s stays in its dtype: %s", type(module).__name__, reason)
+        return _keep(module, report)
+    patterns = list(skip)
+    chosen, skipped = set(), 0
+    for name, sub in module.named_modules():
+        if not isinstance(sub, torch.nn.Linear):
+            continue
+        if (any(fnmatch.fnmatchcase(name, p) for p in patterns) or sub.in_features % 16 or sub.out_features % 16
+                or sub.weight.dtype != torch.bfloat16):  # the per-row scheme takes bf16 weights only
+            skipped += 1
+            continue
+        chosen.add(id(sub))
+        report.weight_bytes_before += sub.weight.numel() * sub.weight.element_size()
+    quantize_, config, scheme = _torchao_fp8()
+    try:
+        quantize_(module, config, filter_fn=lambda sub, fqn: id(sub) in chosen)
+    except Exception as exc:  # noqa: BLE001 -- a layer torchao refuses: serve unquantized, say why
+        report.reason = f"torchao could not quantize {type(module).__name__}: {type(exc).__name__}: {exc}"
+        logger.warning("%s stays in its dtype: %s", type(module).__name__, report.reason)
+        return _keep(module, report)
+    report.applied, report.layers, report.skipped, report.scheme = True, len(chosen), skipped, scheme
+    report.weight_bytes_after = sum(_nbytes(sub.weight) for sub in module.modules()
+                                    if isinstance(sub, torch.nn.Linear) and id(sub) in chosen)
+    logger.info("%s: %d linear layers in float8 (%s), %d left in their dtype; weights %.2f -> %.2f GB",
+                type(module).__name__, report.layers, scheme, skipped, report.weight_bytes_before / 1e9,
+                report.weight_bytes_after / 1e9)
+    return _keep(module, report)
+
+
+def quantize_report(module) -> QuantizeReport | None:
+    """The report of the `quantize_module` call that changed (or declined to change) `module`, if any."""
+    return getattr(module, "__dict__", {}).get(_REPORT_ATTR)
+
+
+def _keep(module, report):
+    object.__setattr__(module, _REPORT_ATTR, report)
+    return report
+
+
+def _nbytes(tensor) -> int:
+    """Bytes of a weight, float8 subclass tensors included (their data and scales)."""
+    inner = getattr(tensor, "__tensor_flatten__", None)
+    if inner is not None:
+        names, _ = inner()
+        return sum(_nbytes(getattr(tensor, n)) for n in names)
+    return tensor.numel() * tensor.element_size()
+
+
+def _torchao_fp8():
+    """(quantize_, config, scheme name) of torchao's float8 dynamic-activation, float8-weight scheme."""
+    from torchao.quantization import quantize_  # ImportError names what is missing
+
+    from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow
+
+    return quantize_, Float8DynamicActivationFloat8WeightConfig(granularity=PerRow()), "float8 e4m3, per-row scales"

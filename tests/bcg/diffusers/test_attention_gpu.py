@@ -1,0 +1,59 @@
+"""GPU: the attention kernel per shape inside captured graphs (FlashAttention-3 where installed)."""
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from bcg.diffusers import accelerate, pipeline_stats, plan_request, warmup_pipeline
+from bcg.diffusers.models import load_pipeline
+from bcg.runtime.attention import AttentionDispatch, backend_unavailable_reason
+from bcg.runtime.config import RunnerConfig
+
+pytestmark = pytest.mark.gpu
+
+
+def _qkv(b=1, h=24, s=4608, d=128):
+    g = torch.Generator(device="cuda").manual_seed(0)
+    return [torch.randn(b, s, h, d, generator=g, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
+
+
+def test_fa3_matches_sdpa_within_bf16_error():
+    reason = backend_unavailable_reason("fa3", torch.device("cuda"))
+    if reason is not None:
+        pytest.skip(reason)
+    q, k, v = _qkv()
+    out = AttentionDispatch("fa3", device="cuda")(q, k, v, layout="bshd")
+    expected = F.scaled_dot_product_attention(*(x.transpose(1, 2) for x in (q, k, v))).transpose(1, 2)
+    assert out.shape == q.shape
+    assert (out.float() - expected.float()).abs().max() < 2e-2
+
+
+def test_auto_times_the_candidates_once_per_shape():
+    dispatch = AttentionDispatch("auto", device="cuda")
+    q, k, v = _qkv()
+    dispatch(q, k, v, layout="bshd")
+    dispatch(q, k, v, layout="bshd")
+    (choice,) = dispatch.stats()["choices"]
+    assert choice["source"] in ("timed", "only candidate")
+    assert set(choice["ms"]) == set(dispatch.candidates) or choice["source"] == "only candidate"
+    assert choice["backend"] in dispatch.candidates
+
+
+@pytest.mark.parametrize("backend", ["auto", "fa3", "cudnn"])
+def test_pipeline_replays_with_the_chosen_kernel_as_its_eager_runs(backend):
+    if backend == "fa3" and backend_unavailable_reason("fa3", torch.device("cuda")):
+        pytest.skip(backend_unavailable_reason("fa3", torch.device("cuda")))
+    pipe = accelerate(load_pipeline("tiny-flux", device="cuda", dtype=torch.bfloat16),
+                      config=RunnerConfig(attention_backend=backend))
+    def request():  # a fresh generator each time
+        return plan_request(pipe, "a cat", size="128x128", steps=2, seed=5, output_type="np")
+
+    key, kwargs = request()
+    with torch.no_grad():
+        eager = np.asarray(pipe(**kwargs).images)        # not warm: the runner runs eagerly
+        warmup_pipeline(pipe, [key], num_inference_steps=2)
+        replayed = np.asarray(pipe(**request()[1]).images)
+    stats = pipeline_stats(pipe)["transformer"]
+    assert stats["replays"] >= 2
+    assert np.array_equal(replayed, eager)
+    assert stats["attention"]["choices"] and stats["attention"]["backend"] == backend

@@ -1,0 +1,76 @@
+"""The attention kernel per shape on CPU: fallbacks with reasons, layouts, choices as trace constants."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from bcg.runtime.attention import AttentionDispatch, _refusal, _Shape, backend_unavailable_reason
+
+
+def _qkv(layout="bhsd", b=2, h=4, s=24, d=16, kv_heads=None):
+    g = torch.Generator().manual_seed(0)
+    kv_heads = kv_heads or h
+    shape = (lambda n, heads: (b, heads, n, d)) if layout == "bhsd" else (lambda n, heads: (b, n, heads, d))
+    return (torch.randn(*shape(s, h), generator=g), torch.randn(*shape(s, kv_heads), generator=g),
+            torch.randn(*shape(s, kv_heads), generator=g))
+
+
+def test_sdpa_equals_torch_in_both_layouts():
+    dispatch = AttentionDispatch("sdpa", device="cpu")
+    q, k, v = _qkv("bhsd")
+    assert torch.equal(dispatch(q, k, v), F.scaled_dot_product_attention(q, k, v))
+    qs, ks, vs = (x.transpose(1, 2).contiguous() for x in (q, k, v))
+    out = dispatch(qs, ks, vs, layout="bshd")
+    assert out.shape == qs.shape
+    assert torch.equal(out.transpose(1, 2), F.scaled_dot_product_attention(q, k, v))
+
+
+def test_fa3_without_cuda_falls_back_to_sdpa_with_a_reason():
+    dispatch = AttentionDispatch("fa3", device="cpu")
+    assert dispatch.candidates == ["sdpa"] and "CUDA" in dispatch.unavailable["fa3"]
+    q, k, v = _qkv()
+    assert torch.equal(dispatch(q, k, v), F.scaled_dot_product_attention(q, k, v))
+    assert "CUDA" in backend_unavailable_reason("fa3", torch.device("cpu"))
+    assert "unknown attention backend" in backend_unavailable_reason("fastest")
+
+
+def test_unknown_backend_is_an_error_naming_the_choices():
+    with pytest.raises(ValueError, match="attention_backend must be one of"):
+        AttentionDispatch("fastest")
+
+
+def test_a_mask_and_grouped_heads_go_through_sdpa():
+    dispatch = AttentionDispatch("math", device="cpu")
+    q, k, v = _qkv(h=4, kv_heads=2)
+    mask = torch.rand(2, 1, 24, 24) > 0.3
+    expected = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    assert torch.allclose(dispatch(q, k, v, attn_mask=mask), expected, atol=1e-5)
+
+
+def test_choices_are_recorded_per_shape():
+    dispatch = AttentionDispatch("math", device="cpu")
+    dispatch(*_qkv(s=24))
+    dispatch(*_qkv(s=24))
+    dispatch(*_qkv(s=40))
+    choices = dispatch.stats()["choices"]
+    assert [c["shape"] for c in choices] == ["2x4x24x24x16 float32", "2x4x40x40x16 float32"]
+    assert {c["backend"] for c in choices} == {"math"}
+
+
+def test_fa3_refuses_what_it_cannot_run():
+    shape = _Shape(1, 24, 24, 4608, 4608, 128, "bfloat16")
+    assert _refusal("fa3", shape, masked=False) is None
+    assert "mask" in _refusal("fa3", shape, masked=True)
+    assert "bf16" in _refusal("fa3", _Shape(1, 24, 24, 64, 64, 128, "float16"), masked=False)
+    assert "head dim" in _refusal("fa3", _Shape(1, 24, 24, 64, 64, 320, "bfloat16"), masked=False)
+
+
+def test_compiled_code_takes_the_choice_as_a_constant_without_graph_breaks():
+    dispatch = AttentionDispatch("math", device="cpu")
+    q, k, v = _qkv()
+
+    def attend(q, k, v):
+        return dispatch(q * 2, k, v) + 1
+
+    compiled = torch.compile(attend, backend="aot_eager", fullgraph=True)  # a graph break would raise
+    assert torch.allclose(compiled(q, k, v), attend(q, k, v), atol=1e-6)
+    assert dispatch.stats()["choices"][0]["backend"] == "math"
