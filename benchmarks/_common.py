@@ -2,7 +2,7 @@
 
 Stable on purpose (every benchmark imports it): ``machine_info() -> dict``,
 ``time_cuda(fn, iters=50, warmup=10) -> float`` (median milliseconds), ``write_json(path, obj)``,
-``sync(device)``, ``pick_device(args, say) -> bool``, ``save_figure(fig, path, dpi=120) -> True`` (the CUDA-or-``--allow-cpu`` rule of the end-to-end
+``sync(device)``, ``pick_device(args, say) -> bool``, ``runner_fields(text) -> dict`` (``--runner k=v,...``), ``save_figure(fig, path, dpi=120) -> True`` (the CUDA-or-``--allow-cpu`` rule of the end-to-end
 benchmarks), ``time_interleaved(variants, rounds=3, measure=...) -> dict`` and ``ratio(result, a, b)``: figures
 that survive a re-run (variants timed A, B, A, B, ... in one process; a ratio is a median with its min-max
 over rounds).
@@ -170,6 +170,26 @@ def run_or_plot(args, run, plot) -> int:
     if result is not None:
         write_result(args.out, result, plot)
     return 0
+
+
+def runner_fields(text: str) -> dict:
+    """``"max_entries=8,raw_launch=true,compile_mode=none"`` -> RunnerConfig fields by name (values: true/false,
+    none, integers, floats, else strings); ``build_app`` checks them."""
+    out = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        name, _, value = part.partition("=")
+        value = value.strip()
+        low = value.lower()
+        if low in ("true", "false", "none"):
+            out[name.strip()] = None if low == "none" else low == "true"
+            continue
+        for cast in (int, float, str):
+            try:
+                out[name.strip()] = cast(value)
+                break
+            except ValueError:
+                pass
+    return out
 
 
 def sync(device) -> None:

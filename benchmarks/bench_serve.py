@@ -7,7 +7,8 @@ then ``--requests`` mixed requests over those keys through the app's ingress han
 ``--concurrency`` in flight. The same run is repeated with ``router=power_of_two`` (Serve's
 PowerOfTwoChoicesRequestRouter, which ignores warm state). Reported per router: warm-hit rate,
 client latency p50/p99/mean, throughput, per-replica and per-key counts, runner replays vs eager
-calls, and the coordinator's warmup report (captured keys, capture ms, pool bytes, segments).
+calls, the coordinator's warmup report (captured keys, capture ms, pool bytes, segments), and the
+ingress's router stats (decisions; spills with the wait each was estimated to avoid).
 
     python3 benchmarks/bench_serve.py --out benchmarks/results/bench_serve.json
     python3 benchmarks/bench_serve.py --replicas 4 --gpus-per-replica 1 --placement all --requests 400
@@ -117,6 +118,9 @@ def _run_router(router: str, a, keys, gpus: float) -> dict:
         results = list(pool.map(one, work))
     wall_s = time.perf_counter() - t
     stats = coordinator.stats.remote().result(timeout_s=120)
+    # the routers that routed the workload live in the ingress: their decisions, and per request sent to a
+    # cold replica the wait it was estimated to avoid
+    router_stats = ingress.ingress_stats.remote().result(timeout_s=120).get("router")
     serve.delete(app_name)
 
     lat = [r["client_ms"] for r in results]
@@ -138,7 +142,7 @@ def _run_router(router: str, a, keys, gpus: float) -> dict:
         "per_replica": {rid: {k: st.get(k) for k in ("warm_requests", "cold_requests", "replays", "eager_calls",
                                                      "warm_keys", "pool_bytes")}
                         for rid, st in stats["replicas"].items()},
-        "warmup": warmup,
+        "warmup": warmup, "router_stats": router_stats,
     }
     _say(f"[{router}] warm-hit {summary['warm_hit_rate']:.1%}, p50 {summary['p50_ms']:.1f} ms, "
          f"p99 {summary['p99_ms']:.1f} ms, {summary['throughput_rps']:.1f} req/s, "

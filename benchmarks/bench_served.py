@@ -76,8 +76,8 @@ REPO = os.path.dirname(HERE)
 sys.path.insert(0, REPO)
 sys.path.insert(0, HERE)
 
-from _common import (add_plot_only, machine_info, pick_device, plot_only, pyplot, save_figure,  # noqa: E402
-                     served_split, start_local_serve, sync, write_json, write_result)
+from _common import (add_plot_only, machine_info, pick_device, plot_only, pyplot, runner_fields,  # noqa: E402
+                     save_figure, served_split, start_local_serve, sync, write_json, write_result)
 
 from deployments.schemas import OUTPUT_FORMATS  # noqa: E402
 
@@ -402,25 +402,6 @@ def plot(result: dict, png: str) -> bool:
     return save_figure(fig, png)
 
 
-def _runner_arg(text: str) -> dict:
-    """``"max_entries=8,raw_launch=true"`` -> RunnerConfig fields (build_app checks them)."""
-    out = {}
-    for part in filter(None, (p.strip() for p in text.split(","))):
-        name, _, value = part.partition("=")
-        value = value.strip()
-        low = value.lower()
-        if low in ("true", "false", "none"):
-            out[name.strip()] = None if low == "none" else low == "true"
-            continue
-        for cast in (int, float, str):
-            try:
-                out[name.strip()] = cast(value)
-                break
-            except ValueError:
-                pass
-    return out
-
-
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--pipelines-dir", default=os.path.join(HERE, "pipelines"),
@@ -434,7 +415,7 @@ def parse_args(argv=None):
     p.add_argument("--iters", type=int, default=3, help="timed calls / requests per row")
     p.add_argument("--warmup-iters", type=int, default=1, help="untimed calls / requests before them")
     p.add_argument("--compile", action="store_true", help="served runners compile their segments (inductor)")
-    p.add_argument("--runner", type=_runner_arg, default={}, help="more RunnerConfig fields: 'max_entries=8,...'")
+    p.add_argument("--runner", type=runner_fields, default={}, help="more RunnerConfig fields: 'max_entries=8,...'")
     p.add_argument("--components", default="all", help="accelerated components of the served pipeline")
     p.add_argument("--output-format", default="png", choices=OUTPUT_FORMATS,
                    help="the served requests' output_format (Wan: png or webp); eager returns frames unencoded")

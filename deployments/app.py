@@ -121,6 +121,11 @@ class AppArgs(BaseModel):
     health_check_period_s: Optional[float] = Field(None, gt=0)
     memory_budget_bytes: Optional[int] = Field(None, ge=1)     # a replica's memory share (None: GPU share)
     served_model_name: Optional[str] = Field(None, min_length=1, max_length=256)  # None: `model`
+    # where compiled artifacts persist (runner compile=true): a directory or a URI (s3://bucket/prefix,
+    # the `cache` extra); None: <temp dir>/bcg-compile-cache on the coordinator's node; "off": kept in
+    # the coordinator's memory only (still handed between replicas)
+    compile_cache: Optional[str] = None
+    compile_wait_s: float = Field(900.0, ge=0)                 # a replica waits this long for another's compile
 
     @field_validator("warmup", mode="before")
     @classmethod
@@ -343,13 +348,14 @@ def build_app(args: Optional[dict] = None):
     else:
         replica_options["num_replicas"] = a.num_replicas
     plan = {"keys": a.warmup, "placement": a.placement, "replication": a.replication} if a.warmup else None
-    coordinator = Coordinator.bind(plan=plan, expected_replicas=a.expected_replicas())
+    coordinator = Coordinator.bind(plan=plan, expected_replicas=a.expected_replicas(),
+                                   compile_cache=a.compile_cache, compile_lease_s=a.compile_wait_s)
     replica = Replica.options(**replica_options).bind(
         model=a.model, coordinator=coordinator, device=a.device, dtype=a.dtype, runner_config=a.runner_config(),
         warmup_steps=a.warmup_steps, default_steps=a.default_steps, cpu_threads=a.cpu_threads,
         gpu_memory_fraction=gpu_fraction, pipeline_hook=a.pipeline_hook, components=a.components,
         batching=a.batching(),
-        memory_budget_bytes=a.memory_budget_bytes,
+        memory_budget_bytes=a.memory_budget_bytes, compile_wait_s=a.compile_wait_s,
     )
     limits = a.limits().model_dump()
     limits["size_multiple"] = a.size_multiple

@@ -34,6 +34,10 @@ Contract:
   to, or a replica holds more than its share already): ``PlanDoesNotFit`` names the key and the
   bytes, and the ingress answers 422; the previous plan stays. Whether several keys fit together is
   checked by each replica as it warms them, one after the other.
+* Compile artifacts: with compile on, a replica asks here before it compiles a key
+  (``fetch_artifacts``) and hands over what it compiled (``offer_artifacts``); the coordinator owns
+  them in Ray's object store and, with ``compile_cache``, persists them
+  (``deployments.artifacts.ArtifactRegistry``). ``stats()["compile_artifacts"]`` shows what it holds.
 * The assignment functions are pure (``assign_shards``, ``share_for_new_replica``, ``plan_misfit``)
   and tested alone.
 """
@@ -50,6 +54,7 @@ from ray import serve
 
 from bcg.diffusers.buckets import ShapeKey
 from deployments import routing_view
+from deployments.artifacts import ArtifactRegistry
 from deployments.memory import plan_fits
 from deployments.schemas import FieldError, WarmupRequest
 from deployments.serve_internals import fresh_request_call
@@ -149,7 +154,8 @@ class Coordinator:
 
     def __init__(self, plan: Optional[dict] = None, expected_replicas: int = 1,
                  replica_deployment: str = "Replica", capture_timeout_s: float = 900.0,
-                 pending_ttl_s: float = 1800.0):
+                 pending_ttl_s: float = 1800.0, compile_cache: Optional[str] = None,
+                 compile_lease_s: float = 900.0):
         self.plan = WarmupRequest.model_validate(plan) if plan else None
         self.expected_replicas = max(1, int(expected_replicas))
         self.replica_deployment = replica_deployment
@@ -162,6 +168,8 @@ class Coordinator:
         self._warming: Optional[dict] = None        # the warmup in progress: plan keys, started at
         self._progress: Dict[str, dict] = {}        # replica id -> its last warmup progress push
         self._key_bytes: Dict[str, dict] = {}       # key -> what a replica measured it needs
+        # compile artifacts of the plan's keys, handed from the replica that compiled to the others
+        self._artifacts = ArtifactRegistry(compile_cache, lease_s=compile_lease_s)
         self._warmup_lock = asyncio.Lock()
         self._assign_lock = asyncio.Lock()
         self._app = serve.get_replica_context().app_name
@@ -300,6 +308,19 @@ class Coordinator:
                 del self._progress[rid]
         return {rid: {k: v for k, v in p.items() if k != "memory"} for rid, p in sorted(self._progress.items())}
 
+    async def fetch_artifacts(self, key: dict, replica_id: str, wait_s: float = 0.0) -> dict:
+        """A replica about to compile: the artifacts for `key` (an ObjectRef in a list), or why not
+        (see ``deployments.artifacts``)."""
+        return await self._artifacts.fetch(key, replica_id, wait_s)
+
+    async def offer_artifacts(self, key: dict, blob: bytes, replica_id: str) -> dict:
+        """A replica compiled `key`: keep its artifacts for the others (and the compile cache)."""
+        return await self._artifacts.offer(key, blob, replica_id)
+
+    def release_artifacts(self, key: dict, replica_id: str) -> None:
+        """A replica told to compile `key` has nothing to hand over (its warmup failed)."""
+        self._artifacts.release(key, replica_id)
+
     async def stats(self) -> dict:
         """Current per-replica stats (one broadcast) plus the plan, per-replica warmup progress, the
         warmup in progress if any and the last warmup report. Takes no lock: answered while a warmup
@@ -308,7 +329,7 @@ class Coordinator:
         keys = merge_reports(self.plan, live, {})
         return {"plan": keys["plan"], "replicas": live, "keys": keys["keys"], "uncovered": keys["uncovered"],
                 "warmup_progress": self._progress_view(live), "warmup_in_progress": self._warming,
-                "last_warmup": self._last_report}
+                "last_warmup": self._last_report, "compile_artifacts": self._artifacts.stats()}
 
 
 async def broadcast(handle, method: str, *args, timeout_s: float = 30.0) -> list:

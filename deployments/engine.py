@@ -27,6 +27,13 @@ def _counts(runner_stats: dict) -> Dict[str, int]:
     return {out: sum(int(st.get(name, 0)) for st in runner_stats.values()) for out, name in fields.items()}
 
 
+def _compiled(runner_stats: dict) -> Dict[str, float]:
+    """Compile milliseconds (first calls of compiled forwards) and graphs compiled, over all runners."""
+    compiled = [st.get("compile") or {} for st in runner_stats.values()]
+    return {"compile_ms": sum(float(c.get("compile_ms_total", 0) or 0) for c in compiled),
+            "graphs": sum(int(c.get("graphs_compiled", 0) or 0) for c in compiled)}
+
+
 def _delta(before: dict, after: dict) -> Dict[str, int]:
     """What happened between two runner-stats snapshots, as `_counts` totals."""
     a, b = _counts(after), _counts(before)
@@ -133,10 +140,15 @@ class ReplicaEngine:
             torch.cuda.set_per_process_memory_fraction(float(gpu_memory_fraction))
         self.model = model
         config = RunnerConfig(**runner_config) if isinstance(runner_config, dict) else runner_config
+        self.config = config if config is not None else RunnerConfig.from_env()
         pipe = load_pipeline(model, device=self.device, dtype=getattr(torch, dtype) if dtype else None)
         if pipeline_hook:
             resolve_hook(pipeline_hook)(pipe)  # from the app config (e.g. fault injection in tests)
-        self.pipe = accelerate(pipe, config=config, components=pipeline_components(pipe, components))
+        self.pipe = accelerate(pipe, config=self.config, components=pipeline_components(pipe, components))
+        # what this replica's compiled code is shared through (None: nothing here compiles)
+        from bcg.runtime.compile_cache import ARTIFACTS_ATTR, CompileArtifacts
+        self.compile_artifacts = getattr(pipe, ARTIFACTS_ATTR, None) or (CompileArtifacts() if self.config.compile
+                                                                         else None)
         self.pipe.set_progress_bar_config(disable=True)
         self.runners = pipeline_runners(self.pipe)
         self._log_kernels(config)
@@ -325,8 +337,39 @@ class ReplicaEngine:
             logger.warning("warmup of %s: %s%s", report["key"], misfit, stranded)
         segments = sum(e.get("segments", 0) for g, e in _graphs(self._runner_stats).items() if g in new)
         seconds = time.perf_counter() - t0
+        now, then = _compiled(self._runner_stats), _compiled(before)
         return {"key": report["key"], "ok": ok, "reason": reason, "capture_ms": seconds * 1e3, "seconds": seconds,
+                "compile_s": (now["compile_ms"] - then["compile_ms"]) / 1e3, "graphs_compiled": now["graphs"] - then["graphs"],
                 "captures": done["captures"], "segments": segments, "memory": memory}
+
+    # -- compile artifacts (deployments.artifacts hands them between replicas) ----------------------
+    def artifact_key(self, key: str):
+        """The `ArtifactKey` of the compile artifacts warming shape key `key` makes; None when nothing
+        compiles here."""
+        from bcg.runtime.compile_cache import artifact_key
+        if self.compile_artifacts is None:
+            return None
+        modules = {name: runner.module for name, runner in self.runners.items()}
+        return artifact_key(modules, self.config, name=type(self.pipe).__name__, shape_key=ShapeKey.parse(key).key,
+                            device=self.device)
+
+    def load_artifacts(self, blob: bytes, key) -> dict:
+        """Load encoded artifacts made for `key` (raises ArtifactFormatError when they are not)."""
+        from bcg.runtime.compile_cache import decode
+        artifact = decode(blob, expected=key)
+        return self.compile_artifacts.load(artifact.payload)
+
+    def save_artifacts(self, key, origin: dict) -> Optional[bytes]:
+        """This process's compiled code, encoded for `key` (None when nothing was compiled)."""
+        from bcg.runtime.compile_cache import encode
+        payload = self.compile_artifacts.save()
+        return encode(key, payload, origin) if payload else None
+
+    def compiled_graphs(self) -> int:
+        """Graphs compiled so far, over all runners, as of the last refresh (after every warmup and, with
+        compile on, every request that made an eager call: replays never compile); a count that grows
+        while serving means a request paid a compile."""
+        return _compiled(self._runner_stats)["graphs"]
 
     def _drop_graphs(self, graphs) -> None:
         """Drop these (component, signature key) graphs from their runners (a key that does not fit)."""
@@ -382,8 +425,11 @@ class ReplicaEngine:
         if done.cancelled():  # `cancel`, on the caller's thread
             answer.cancel()
             return
-        if record.eager.get("break_output_mismatch") or record.captures:
-            self.call(self.refresh)  # a runner may have dropped a graph: the warm set reads the new stats
+        # a runner may have dropped a graph (the warm set reads the new stats), or, with compile on, an eager
+        # call may have compiled a frame no warmup compiled (`compiled_graphs` reads the new stats)
+        if record.eager.get("break_output_mismatch") or record.captures or (
+                self.compile_artifacts is not None and record.eager_total):
+            self.call(self.refresh)
         if done.exception() is not None:
             _forward_outcome(done, answer)
             return

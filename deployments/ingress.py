@@ -226,9 +226,11 @@ class Ingress:
         return ok
 
     def ingress_stats(self) -> dict:
-        """This ingress replica's failure counters (retries, lost, timeouts, rejected) and what its
-        replica handle still holds (``handle``: queued, in flight)."""
-        return {**self._counters, "handle": handle_queue(self.replica)}
+        """This ingress replica's failure counters (retries, lost, timeouts, rejected), what its
+        replica handle still holds (``handle``: queued, in flight) and its routers' decisions and spills."""
+        from deployments import routing_view
+        return {**self._counters, "handle": handle_queue(self.replica),
+                "router": routing_view.router_stats(self.replica.app_name)}
 
     # -- HTTP --------------------------------------------------------------------------------------
     @api.post("/v1/images/generations", response_model=ImageGenerationResponse,

@@ -8,8 +8,9 @@ Contract:
   ``ray_bcg_requests_total{key=..., warm=..., deployment=..., replica=..., application=...}``.
 * Events the replica sees go in directly: `record_request` (warm/cold per shape key, latency),
   `record_encode` (a request's image encoding, seconds, by ``output_format``), `record_warmup` (per key,
-  ok or not, seconds), `record_batch` (one batched step's rows, for a batcher that reports no stats of
-  its own).
+  ok or not, seconds), `record_artifacts` (per key, the compile artifacts' outcome before it compiled),
+  `record_warmup_parts` (where one warmup's seconds went), `record_batch` (one batched step's rows, for
+  a batcher that reports no stats of its own).
 * Everything the runners count goes in through `update(stats)`, which takes the replica's ``stats()``
   dict (runner stats under ``"runner"``) or a pipeline's ``{component: runner.stats()}``
   (``bcg.diffusers.pipeline_stats``). Monotone counters become Counter increments by their delta from
@@ -45,6 +46,9 @@ LATENCY_S_BOUNDARIES = (0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64, 128)
 WARMUP_S_BOUNDARIES = (0.1, 0.5, 1, 2, 5, 10, 20, 40, 80, 160, 320)
 # encoding: a 256x256 JPEG takes well under a millisecond, a 1024x1024 PNG of noise ~0.1 s, a video seconds
 ENCODE_S_BOUNDARIES = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8)
+
+# the parts of a warmup's seconds (deployments.replica's warmup timing: ``<part>_s``)
+WARMUP_PARTS = ("wait_for_compile", "load_artifacts", "compile", "capture", "hand_off", "other")
 
 # runner.stats() counters -> (metric name, description). All per component.
 RUNNER_COUNTERS = {
@@ -147,6 +151,12 @@ class ReplicaMetrics:
                                   tag_keys=("key", "ok"))
         self._warmup_s = m.Histogram("bcg_warmup_seconds", description="Seconds one shape key's warmup took.",
                                      boundaries=list(WARMUP_S_BOUNDARIES), tag_keys=("key", "ok"))
+        self._artifacts = m.Counter("bcg_compile_artifacts", description=(
+            "Compile artifacts a warmup looked for before compiling a key, by outcome: hit (loaded), miss, "
+            "mismatch (made under other settings)."), tag_keys=("key", "outcome"))
+        self._warmup_parts = m.Histogram("bcg_warmup_part_seconds", description=(
+            "Where a warmup's seconds went (start of warmup to warm), by part."),
+            boundaries=list(WARMUP_S_BOUNDARIES), tag_keys=("part",))
         self._batch = m.Histogram("bcg_batch_size", description="Requests per batched denoising step.",
                                   boundaries=list(BATCH_SIZE_BOUNDARIES))
         self._counters = {
@@ -197,6 +207,14 @@ class ReplicaMetrics:
         tags = {"key": key, "ok": "true" if ok else "false"}
         self._warmups.inc(1, tags=tags)
         self._warmup_s.observe(max(float(seconds), 0.0), tags=tags)
+
+    def record_artifacts(self, key: str, outcome: str) -> None:
+        self._artifacts.inc(1, tags={"key": key, "outcome": outcome})
+
+    def record_warmup_parts(self, timing: Mapping) -> None:
+        """One warmup's split (``<part>_s`` of the replica's warmup timing, `WARMUP_PARTS`)."""
+        for part in WARMUP_PARTS:
+            self._warmup_parts.observe(max(float(timing.get(f"{part}_s") or 0.0), 0.0), tags={"part": part})
 
     def record_batch(self, size: int) -> None:
         self._batch.observe(int(size))

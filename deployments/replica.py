@@ -58,12 +58,14 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 
 from bcg.diffusers.buckets import ShapeKey
+from deployments.artifacts import ReplicaArtifacts
 from deployments.encoding import encode_images, encoding_threads
 from deployments.engine import ReplicaEngine, _release_cached_memory, cuda_memory
 from deployments.metrics import ReplicaMetrics
 from deployments.router import (BATCH_FREE_ROWS, POOL_BYTES, QUEUE_LEN, WARM_BATCH_KEYS, WARM_KEYS,
                                 ShapeAffinityRouter, warm_set)
 from deployments.schemas import ImageGenerationRequest, ReplicaReport
+from deployments.spill import COLD_REQUEST_S, REQUEST_S, WARMUP_S, moving_average
 
 logger = logging.getLogger(__name__)
 
@@ -86,7 +88,8 @@ class Replica:
                  warmup_steps: int = 2, default_steps: int = 4, cpu_threads: Optional[int] = None,
                  gpu_memory_fraction: Optional[float] = None, assign_timeout_s: float = 900.0,
                  pipeline_hook: Optional[str] = None, components="all",
-                 memory_budget_bytes: Optional[int] = None, batching: Optional[dict] = None):
+                 memory_budget_bytes: Optional[int] = None, batching: Optional[dict] = None,
+                 compile_wait_s: float = 900.0):
         ctx = serve.get_replica_context()
         self.replica_id = ctx.replica_id.unique_id
         self.rank = getattr(getattr(ctx, "rank", None), "rank", None)
@@ -108,13 +111,21 @@ class Replica:
         self.metrics = ReplicaMetrics()
         self._coordinator = coordinator  # warmup progress goes there (see _push_progress)
         self._progress: Dict = {"replica": self.replica_id, "i": 0, "n": 0, "done": True, "failed": {}}
-        t0 = time.perf_counter()
+        t0, t_start = time.perf_counter(), time.time()
         self.engine = await self._in_thread(functools.partial(ReplicaEngine, memory_budget_bytes=memory_budget_bytes,
                                                               batching=batching),
                                             model, device, dtype, runner_config,
                                             warmup_steps, cpu_threads, gpu_memory_fraction, pipeline_hook,
                                             components)
+        loaded_at = time.time()
         self.info = dict(self.engine.info)
+        # compile artifacts: fetched from the coordinator before a key compiles, handed to it after
+        self._artifacts = ReplicaArtifacts(self.replica_id, coordinator, self.engine, self._in_thread, compile_wait_s)
+        self._timing: Dict[str, Dict[str, float]] = {REQUEST_S: {}, COLD_REQUEST_S: {}, WARMUP_S: {}}
+        self._cold_start: Optional[dict] = None  # the start-up warmup: its time and where it went
+        self._last_done_at: Optional[float] = None  # when the last request finished here
+        # graphs compiled outside warmups (by a request: never expected) = all less those the warmups compiled
+        self._compiled_outside_warmups = self.engine.compiled_graphs()
         logger.info("replica %s: %s loaded on %s in %.1f s", self.replica_id, model, self.engine.device,
                     time.perf_counter() - t0)
         keys: List[str] = []
@@ -131,6 +142,10 @@ class Replica:
         else:
             await self._push_progress()  # the coordinator learns this replica's memory share
         self.warm_ready_at = time.time()
+        # from the constructor's start: the pipeline's load, then the warmup (start of warmup to warm)
+        self._cold_start = {"seconds": round(self.warm_ready_at - t_start, 3),
+                            "load_pipeline_s": round(loaded_at - t_start, 3),
+                            "warmup": self._reports[-1]["timing"] if keys else None}
         logger.info("replica %s ready, warm for %s", self.replica_id, self.engine.warm_keys())
 
     async def _in_thread(self, fn, *args):
@@ -167,7 +182,7 @@ class Replica:
         free = {group: load["free_rows"] for group, load in self.engine.batcher.load().items()
                 if load["running_rows"]}
         return {**self._warm_view(), QUEUE_LEN: self._ongoing, POOL_BYTES: self.engine.pool_bytes(),
-                BATCH_FREE_ROWS: free}
+                BATCH_FREE_ROWS: free, **{name: dict(times) for name, times in self._timing.items()}}
 
     def record_replica_metadata(self) -> dict:
         return self._routing_view()
@@ -196,8 +211,20 @@ class Replica:
                                   "started_at": time.time(), "elapsed_s": 0.0, "remaining_s": None, "failed": {}}
                 await self._push_progress()
                 for i, key in enumerate(keys, 1):
+                    prepared = await self._artifacts.prepare(key)
+                    if prepared["status"] != "off":
+                        self.metrics.record_artifacts(ShapeKey.parse(key).key, prepared["status"])
                     r = await self._in_thread(self.engine.warmup_key, key)
+                    self._compiled_outside_warmups += r["graphs_compiled"]
+                    t_hand = time.perf_counter()
+                    await self._artifacts.publish(prepared, r)
+                    r = {**r, "artifacts": prepared["status"], "load_artifacts_s": prepared["load_s"],
+                         "wait_for_compile_s": prepared.get("waited_s", 0.0),
+                         "hand_off_s": time.perf_counter() - t_hand}
                     results.append(r)
+                    if r["ok"]:
+                        self._timing[WARMUP_S] = {**self._timing[WARMUP_S],
+                                                  r["key"]: prepared["load_s"] + r["seconds"]}
                     elapsed = time.perf_counter() - t0
                     remaining = elapsed / i * (n - i)
                     self.metrics.record_warmup(r["key"], r["ok"], r["seconds"])
@@ -224,6 +251,8 @@ class Replica:
             capture_ms=sum(r["capture_ms"] for r in results),
             pool_bytes=self.engine.pool_bytes(),
         ).model_dump()
+        report["timing"] = _warmup_timing(results, time.perf_counter() - t0)
+        self.metrics.record_warmup_parts(report["timing"])
         self._reports = (self._reports + [report])[-20:]
         logger.info("replica %s warmed %s (failed %s) in %.0f ms", self.replica_id, report["captured"],
                     sorted(report["failed"]), report["capture_ms"])
@@ -264,7 +293,11 @@ class Replica:
                 "runner": self.engine.runner_stats(), "kernels": self.engine.kernel_stats(), "ongoing": self._ongoing,
                 "batcher": self.engine.batcher.stats(), "batch_pool_bytes": self.engine.bucket_pool_bytes(),
                 "cuda_memory": cuda_memory(), "warmup_progress": dict(self._progress),
-                "memory": self.engine.memory_report()}
+                "memory": self.engine.memory_report(), "cold_start": self._cold_start,
+                "compile_artifacts": self._artifacts.stats(),
+                # graphs compiled while serving requests, not warming: a request that paid a compile
+                "compiled_while_serving": self.engine.compiled_graphs() - self._compiled_outside_warmups,
+                "timing": {name: dict(times) for name, times in self._timing.items()}}
 
     # -- serving -----------------------------------------------------------------------------------
     async def generate(self, request, shape_key, target_replica: Optional[str] = None) -> dict:
@@ -301,7 +334,32 @@ class Replica:
             self._ongoing -= 1
         self._counters["warm_requests" if warm else "cold_requests"] += 1
         self.metrics.record_request(key.key, warm, time.perf_counter() - t0)
+        # what the router weighs a spill by: the replica's time per request of the key, counted from when
+        # the replica was last freed (or the request arrived): queueing here is not counted, and requests
+        # finishing together in one batch share its time
+        done = time.perf_counter()
+        service_s = done - max(t0, self._last_done_at or t0)
+        self._last_done_at = done
+        name = REQUEST_S if warm else COLD_REQUEST_S
+        self._timing[name] = {**self._timing[name], key.key: moving_average(self._timing[name].get(key.key),
+                                                                             service_s)}
         if not warm:
             self._cold_keys[key.key] = self._cold_keys.get(key.key, 0) + 1
         return {"replica": self.replica_id, "warm": warm, "latency_ms": (time.perf_counter() - t0) * 1e3,
                 "shape_key": key.key, **out}
+
+
+def _warmup_timing(results: List[dict], seconds: float) -> dict:
+    """Where one warmup's `seconds` (start of warmup to warm) went: waiting for another replica's compile
+    of a key, loading artifacts, compiling (first calls of compiled forwards), the rest of each key's
+    warmup (warm-up runs and captures), handing artifacts over, and the rest (progress reports); with
+    the artifact outcome per key."""
+    def total(name):
+        return sum(r.get(name, 0.0) for r in results)
+    wait, compile_s, hand_off = total("wait_for_compile_s"), total("compile_s"), total("hand_off_s")
+    load = total("load_artifacts_s") - wait
+    capture = total("seconds") - compile_s
+    return {"seconds": round(seconds, 3), "wait_for_compile_s": round(wait, 3), "load_artifacts_s": round(load, 3),
+            "compile_s": round(compile_s, 3), "capture_s": round(capture, 3), "hand_off_s": round(hand_off, 3),
+            "other_s": round(seconds - wait - load - compile_s - capture - hand_off, 3),
+            "graphs_compiled": int(total("graphs_compiled")), "artifacts": {r["key"]: r.get("artifacts") for r in results}}

@@ -15,12 +15,19 @@ Contract (one call of ``choose_replicas`` = one routing attempt, Serve retries w
   image rows (routing stats ``batch_free_rows``) come first: the request joins that batch at its next
   denoising step, where a step of a few more rows costs about what one row does; the other warm
   replicas are the next tier. A warm replica with room in a running batch is never overloaded (no spill) ...
-* ... unless every warm replica is overloaded: when the least loaded warm replica has a queue at
-  least ``spill_threshold`` longer than the least loaded cold replica, the request spills to the
-  cold replicas (least loaded first), with the warm ones as the second tier. Queue lengths come from
-  Serve's queue-length cache (what this router last saw) and else from the replica's routing stats;
-  they count ongoing requests on the replica, which Serve caps at ``max_ongoing_requests``, so a
-  threshold at or above that cap never spills.
+* ... unless every warm replica is overloaded and the cold one would answer sooner. Overloaded: the
+  least loaded warm replica's queue is at least ``spill_threshold`` longer than the least loaded cold
+  replica's. Sooner: ``deployments.spill.estimate`` weighs the warm queue's expected wait (queue x the
+  key's measured request time) against the cold replica's queue plus the key's measured cold cost (a
+  cold request's time, else the key's warmup cost), from the replicas' routing stats; a spill the
+  queue gap allows but the estimate says would be slower stays warm (counted as
+  ``kept_warm_by_estimate``), and before anything is measured the gap alone decides. A spill sends the
+  request to the cold replicas (least loaded first), with the warm ones as the second tier; each
+  request that reached a cold replica is counted with the wait it was estimated to avoid
+  (``spill_stats``, in ``on_request_routed``). Queue lengths come from Serve's queue-length cache
+  (what this router last saw) and else from the replica's routing stats; they count ongoing requests
+  on the replica, which Serve caps at ``max_ongoing_requests``, so a threshold at or above that cap
+  never spills; ``spill_threshold`` None turns spilling off.
 * a request without a key, or whose key no replica is warm for, gets Serve's own power-of-two
   answer (``PowerOfTwoChoicesRequestRouter.choose_replicas``, with Serve's locality and multiplexing
   preferences, from ``LocalityMixin`` and ``MultiplexMixin``): two random replicas, Serve takes the
@@ -36,21 +43,23 @@ offers all replicas.
 Every router registers itself with ``deployments.routing_view`` (see there), so the coordinator and
 the ingress in the same process can read the warm state the routers decide on.
 
-``on_request_routed`` is deliberately not used to mark a replica warm optimistically: the runner
-never captures outside warmup, so serving a key cold does not make a replica warm for it.
+``on_request_routed`` only counts spills that reached a cold replica; it deliberately does not mark a
+replica warm optimistically: the runner never captures outside warmup, so serving a key cold does not
+make a replica warm for it.
 
 Knobs travel through ``request_router_kwargs`` (JSON): ``shape_key_kwarg``, ``target_kwarg``,
 ``spill_threshold`` (``None`` = never spill).
 """
 from __future__ import annotations
 
+import collections
 import logging
 import random
-from typing import Dict, Iterable, List, Optional, Tuple
+from typing import Dict, Iterable, List, NamedTuple, Optional
 
 from ray.serve.request_router import LocalityMixin, MultiplexMixin, PendingRequest, RequestRouter, RunningReplica
 
-from deployments import routing_view
+from deployments import routing_view, spill
 from deployments.routing_view import (BATCH_FREE_ROWS, WARM_BATCH_KEYS, WARM_KEYS, batch_group, replica_free_rows,
                                       replica_warm_keys, warm_set)
 # Serve's default router, whose choose_replicas is the fallback here (Serve's experimental
@@ -72,7 +81,15 @@ __all__ = ["BATCH_FREE_ROWS", "POOL_BYTES", "QUEUE_LEN", "WARM_BATCH_KEYS", "WAR
 
 # Decisions of one ranking; a ranking whose tiers are None asks Serve's power-of-two router.
 DECISIONS = ("pinned", "batch", "warm", "spill", "no_warm", "unkeyed", "no_replicas")
-Ranking = Tuple[str, Optional[List[List[RunningReplica]]]]
+_RECENT_SPILLS = 64       # spilled requests kept with their estimates in spill_stats
+_PENDING_SPILLS = 1024    # spill estimates waiting for on_request_routed
+
+
+class Ranking(NamedTuple):
+    """What `rank` decided; it may return a plain ``(decision, tiers)`` where no spill was weighed."""
+    decision: str
+    tiers: Optional[List[List[RunningReplica]]]
+    estimate: Optional[spill.SpillEstimate] = None   # when measured times weighed warm against cold
 
 
 class ShapeAffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
@@ -102,6 +119,10 @@ class ShapeAffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         self.spill_threshold = None if spill_threshold is None else int(spill_threshold)
         # Router-local decision counters (this caller's view; replicas count what they served).
         self.decisions: Dict[str, int] = dict.fromkeys(DECISIONS, 0)
+        # requests sent to a cold replica, and routing attempts kept warm, by what decided it
+        self.spill_stats = {"spilled_by_estimate": 0, "spilled_by_threshold": 0, "kept_warm_by_estimate": 0,
+                            "wait_avoided_s": 0.0, "recent": collections.deque(maxlen=_RECENT_SPILLS)}
+        self._pending_spills: "collections.OrderedDict" = collections.OrderedDict()
         routing_view.register(self)
 
     # -- load ------------------------------------------------------------------------------------
@@ -122,7 +143,8 @@ class ShapeAffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
     # -- ranking ---------------------------------------------------------------------------------
     def rank(self, candidate_replicas: List[RunningReplica],
              pending_request: Optional[PendingRequest]) -> Ranking:
-        """``(decision, tiers)`` for one request; tiers None: Serve's power-of-two answer.
+        """``(decision, tiers)`` for one request, a `Ranking` with the estimate where a spill was weighed;
+        tiers None: Serve's power-of-two answer.
 
         Pure: reads the replicas and the queue-length cache, changes nothing."""
         if not candidate_replicas:
@@ -150,8 +172,12 @@ class ShapeAffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         if cold and self.spill_threshold is not None:
             cold = self._by_load(cold)
             if self._load(warm[0]) - self._load(cold[0]) >= self.spill_threshold:
-                return "spill", [cold, warm]
-        return "warm", [warm]
+                estimate = spill.estimate(key, warm[0].routing_stats, self._load(warm[0]), cold[0].routing_stats,
+                                          self._load(cold[0]), [r.routing_stats for r in candidate_replicas])
+                if estimate is not None and not estimate.spill:
+                    return Ranking("warm", [warm], estimate)
+                return Ranking("spill", [cold, warm], estimate)
+        return Ranking("warm", [warm])
 
     async def choose_replicas(
         self,
@@ -162,8 +188,14 @@ class ShapeAffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
             # Mandatory: an empty or all-full answer must sleep before the next attempt.
             pending_request.routing_context.should_backoff = True
         try:
-            decision, tiers = self.rank(candidate_replicas, pending_request)
+            decision, tiers, estimate = Ranking(*self.rank(candidate_replicas, pending_request))
             self.decisions[decision] += 1
+            if decision == "spill":
+                self._pending_spills[pending_request.metadata.internal_request_id] = estimate
+                while len(self._pending_spills) > _PENDING_SPILLS:
+                    self._pending_spills.popitem(last=False)
+            elif estimate is not None:
+                self.spill_stats["kept_warm_by_estimate"] += 1
             if tiers is None:
                 tiers = await PowerOfTwoChoicesRequestRouter.choose_replicas(
                     self, candidate_replicas=candidate_replicas, pending_request=pending_request)
@@ -171,3 +203,31 @@ class ShapeAffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         except Exception:  # never let Serve's routing task die
             logger.exception("ShapeAffinityRouter failed to rank replicas; offering all of them")
             return [list(candidate_replicas)]
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id, result) -> None:
+        """Count a spilled request that went to a replica cold for its key, with the wait it avoided."""
+        try:
+            request_id = pending_request.metadata.internal_request_id
+            if request_id not in self._pending_spills:
+                return
+            estimate = self._pending_spills.pop(request_id)
+            key = str(pending_request.kwargs.get(self.shape_key_kwarg))
+            replica = self.curr_replicas.get(replica_id)
+            if replica is not None and key in replica_warm_keys(replica):
+                return  # the warm second tier took it after all
+            if estimate is None:
+                self.spill_stats["spilled_by_threshold"] += 1
+                self.spill_stats["recent"].append({"shape_key": key, "by": "threshold"})
+                return
+            self.spill_stats["spilled_by_estimate"] += 1
+            self.spill_stats["wait_avoided_s"] += estimate.avoided_s
+            self.spill_stats["recent"].append({"shape_key": key, "by": "estimate", **estimate.as_dict()})
+        except Exception:  # noqa: BLE001 -- counting never disturbs routing
+            logger.exception("ShapeAffinityRouter could not count a routed request")
+
+    def stats(self) -> dict:
+        """This router's decisions (per routing attempt) and spills (per request sent cold)."""
+        spills = dict(self.spill_stats)
+        spills["recent"] = list(spills["recent"])
+        spills["wait_avoided_s"] = round(spills["wait_avoided_s"], 4)
+        return {"decisions": dict(self.decisions), "spills": spills}

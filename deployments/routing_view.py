@@ -12,6 +12,9 @@ same process read what its routers will decide on:
 * ``wait_until_warm(app, expected)``: returns once every router of this process sees each key warm
   on the replicas ``expected`` names for it (the warmup report's ``keys``), or False after a timeout.
 
+``router_stats(app)`` sums the routers' decisions and spills (the ingress reports them in
+``GET /v1/stats``).
+
 It also reads the routing stats a router ranks by: ``replica_warm_keys`` (``warm_set``: the keys a
 replica warmed and the batch-bucket keys their warmups captured, ``WARM_BATCH_KEYS``, so a request of
 2 images, ``K.b2``, is warm where a warmup of K captured bucket 2) and ``replica_free_rows`` (room in a
@@ -145,6 +148,22 @@ def view(app_name: str, deployment: Optional[str] = None) -> Optional[Dict[str, 
         return None
     common = set(views[0]).intersection(*views[1:])
     return {rid: frozenset.intersection(*(v[rid] for v in views)) for rid in common}
+
+
+def router_stats(app_name: str) -> dict:
+    """The decisions and spills of this process's routers for `app_name`, summed (``recent`` spills
+    concatenated): the ``router`` part of an ingress replica's stats."""
+    with _lock:
+        routers = [r for r in _routers if r.app_name == app_name]
+    decisions: Dict[str, int] = {}
+    spills: dict = {"recent": []}
+    for router in routers:
+        stats = router.stats()
+        for name, count in stats["decisions"].items():
+            decisions[name] = decisions.get(name, 0) + count
+        for name, value in stats["spills"].items():
+            spills[name] = spills[name] + value if name in spills else value
+    return {"routers": len(routers), "decisions": decisions, "spills": spills}
 
 
 def lagging(app_name: str, expected: Mapping[str, Iterable[str]],

@@ -2,10 +2,11 @@
 rows, writes its JSON and PNG; the issue's target is read from the rows; the plot is made from a JSON."""
 import json
 import os
-import subprocess
 import sys
 
 import pytest
+
+from tests.bench_smoke import run_smoke
 
 BENCHMARKS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
 sys.path.insert(0, BENCHMARKS)
@@ -37,13 +38,7 @@ def test_target_is_flux_512_at_28_steps_only(tmp_path, saved_figures):
 
 @pytest.mark.slow
 def test_cpu_smoke_run_serves_a_tiny_flux_directory_over_http_and_records_wan(tmp_path):
-    # a subprocess: the script starts and stops its own Ray, which a test session may already run
-    out = tmp_path / "bench_served.json"
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "CUDA_VISIBLE_DEVICES": ""}
-    proc = subprocess.run([sys.executable, os.path.join(BENCHMARKS, "bench_served.py"), "--allow-cpu",
-                           "--out", str(out)], env=env, capture_output=True, text=True, timeout=600)
-    assert out.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
-    result = json.loads(out.read_text())
+    result, proc = run_smoke("bench_served.py", tmp_path / "bench_served.json")
     flux, wan = result["rows"]
     assert (flux["model"], flux["eager_key"], flux["served_key"], flux["steps"]) == ("flux.1-dev", "64x64", "64x64", 2)
     served = flux["served"]

@@ -219,7 +219,9 @@ def app_client(ray_serve):
 
     args = {"model": "tiny-flux", "num_replicas": 1, "num_cpus_per_replica": 0, "num_gpus_per_replica": 0,
             "device": "cpu", "warmup": "64x64", "warmup_steps": 1, "default_steps": 1, "cpu_threads": 1,
-            "routing_stats_period_s": 0.5}
+            "routing_stats_period_s": 0.5, "compile_cache": "off",
+            # compile artifacts shared without a compile: the warmup looks for them (a miss) and counts it
+            "pipeline_hook": "tests.deployments.fake_artifacts:fake_compile_artifacts"}
     with http_app(ray_serve, "metrics-app", "/metrics-app", args) as client:
         yield client, "metrics-app"
 
@@ -233,7 +235,8 @@ def test_the_app_counts_a_served_request_and_its_warm_key_on_the_prometheus_endp
     assert r.json()["bcg"]["warm"] is True
     rid = r.json()["bcg"]["replica"]
     port = _metrics_port()
-    expected = {"warm": 1, "cold": None, "latency": 1, "encoded": 1, "warmed": 1, "key_warm": 1, "errors": None}
+    expected = {"warm": 1, "cold": None, "latency": 1, "encoded": 1, "warmed": 1, "key_warm": 1, "errors": None,
+                "artifacts_missed": 1, "artifacts_hit": None, "capture_part": 1}
     deadline, got = time.monotonic() + 40, {}
     while time.monotonic() < deadline:
         samples = _scrape(port, app)
@@ -245,6 +248,9 @@ def test_the_app_counts_a_served_request_and_its_warm_key_on_the_prometheus_endp
             "warmed": _value(samples, "ray_bcg_warmup_keys_total", key="64x64", ok="true"),
             "key_warm": _value(samples, "ray_bcg_key_warm", key="64x64"),
             "errors": _value(samples, "ray_bcg_request_errors_total"),
+            "artifacts_missed": _value(samples, "ray_bcg_compile_artifacts_total", key="64x64", outcome="miss"),
+            "artifacts_hit": _value(samples, "ray_bcg_compile_artifacts_total", outcome="hit"),
+            "capture_part": _value(samples, "ray_bcg_warmup_part_seconds_count", part="capture"),
         }
         if got == expected:
             break

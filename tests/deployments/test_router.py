@@ -34,6 +34,7 @@ class FakeReplica:
     app: str = "bcg"
     free_rows: dict = field(default_factory=dict)   # group key -> rows free in its running batch
     batch_keys: tuple = ()                          # the batch-bucket keys its warmups captured
+    timing: dict = field(default_factory=dict)      # measured seconds: request_s, cold_request_s, warmup_s
 
     @property
     def replica_id(self):
@@ -44,7 +45,7 @@ class FakeReplica:
         if self.warm is None:
             return {}
         return {"warm_keys": list(self.warm), "warm_batch_keys": list(self.batch_keys), "queue_len": self.queue_len,
-                "batch_free_rows": dict(self.free_rows)}
+                "batch_free_rows": dict(self.free_rows), **self.timing}
 
     @property
     def replica_metadata(self):
@@ -113,6 +114,42 @@ def test_spills_to_cold_only_when_every_warm_replica_is_overloaded():
     busy = [FakeReplica("w", ("k",), 99), cold]
     ranks, _ = choose(make_router(busy, spill_threshold=None), busy, shape_key="k")
     assert [uids(r) for r in ranks] == [["w"]]             # None: never spill
+
+
+def test_spill_weighs_the_warm_queue_against_the_measured_cold_cost_and_counts_the_wait_avoided():
+    warm = FakeReplica("w", ("k",), 3, timing={"request_s": {"k": 1.0}})
+    cold = FakeReplica("c", ("other",), 0, timing={"request_s": {"other": 0.2}, "cold_request_s": {"k": 0.5}})
+    ranks, _ = choose(make_router([warm, cold], spill_threshold=4), [warm, cold], shape_key="k")
+    assert [uids(r) for r in ranks] == [["w"]]             # a queue gap under the threshold: no spill at all
+    router = make_router([warm, cold], spill_threshold=2)
+    ranks, pr = choose(router, [warm, cold], shape_key="k")
+    assert [uids(r) for r in ranks] == [["c"], ["w"]]      # warm answers in (3 + 1) x 1.0 s, cold in 0.5 s
+    router.on_request_routed(pr, cold.replica_id, None)
+    spills = router.stats()["spills"]
+    assert spills["spilled_by_estimate"] == 1 and spills["wait_avoided_s"] == 3.5
+    assert spills["recent"][0]["shape_key"] == "k" and spills["recent"][0]["cold_cost_from"] == "cold_request"
+
+
+def test_a_measured_warmup_cost_keeps_the_request_on_the_busy_warm_replica():
+    warm = FakeReplica("w", ("k",), 3, timing={"request_s": {"k": 1.0}, "warmup_s": {"k": 90.0}})
+    cold = FakeReplica("c", ("other",), 0)
+    router = make_router([warm, cold], spill_threshold=1)    # the queue gap alone would spill
+    ranks, pr = choose(router, [warm, cold], shape_key="k")
+    assert [uids(r) for r in ranks] == [["w"]]             # (3 + 1) x 1.0 s warm against 90 s cold
+    assert router.decisions["warm"] == 1 and router.stats()["spills"]["kept_warm_by_estimate"] == 1
+    router.on_request_routed(pr, warm.replica_id, None)
+    assert router.stats()["spills"]["spilled_by_estimate"] == 0
+
+
+def test_a_spill_taken_by_the_warm_second_tier_is_not_counted_cold():
+    warm = FakeReplica("w", ("k",), 3, timing={"request_s": {"k": 1.0}})
+    cold = FakeReplica("c", ("other",), 0, timing={"cold_request_s": {"k": 0.5}})
+    router = make_router([warm, cold], spill_threshold=1)
+    _, pr = choose(router, [warm, cold], shape_key="k")
+    router.on_request_routed(pr, warm.replica_id, None)     # the cold tier was full: the warm one took it
+    spills = router.stats()["spills"]
+    assert spills["spilled_by_estimate"] == 0 and spills["recent"] == []
+    assert router.decisions["spill"] == 1
 
 
 def test_warm_replica_with_room_in_a_running_batch_of_the_key_ranks_first():
