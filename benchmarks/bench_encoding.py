@@ -5,8 +5,9 @@
 
 Images: ``noise`` (uniform random bytes: what the random-weight pipelines of the benchmarks decode, which
 barely compress) and ``smooth`` (a gradient with mild noise, closer to a decoded photograph), at 256x256,
-512x512 and 1024x1024. For each, `deployments.encoding.encode_image` as png, jpeg and webp (Pillow's
-default quality): median ms of --iters calls and the bytes. Videos: 33 frames of 832x480 (a Wan2.1 request
+512x512 and 1024x1024. For each, `deployments.encoding.encode_image` as png (at its
+``PNG_COMPRESS_LEVEL``), jpeg and webp (Pillow's default quality), and ``png_pillow_default`` (Pillow's own
+default zlib level, what answers used before): median ms of --iters calls and the bytes. Videos: 33 frames of 832x480 (a Wan2.1 request
 at its served size), as one APNG: Pillow's own APNG writer (frames one after another, what a replica did
 before `deployments.encoding`), `encode_image` with the frames on one thread, and with the frames on a
 pool of --threads threads (as a replica encodes them); and as one animated WebP. The JSON records the
@@ -61,6 +62,12 @@ def pillow_apng(frames) -> bytes:
     return buf.getvalue()
 
 
+def _pillow_png(image) -> bytes:
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    return buf.getvalue()
+
+
 def run(args) -> dict:
     from deployments.encoding import encode_image
 
@@ -75,6 +82,11 @@ def run(args) -> dict:
                 result["images"].append({"image": kind, "size": f"{side}x{side}", "output_format": output_format,
                                          "ms": ms, "bytes": size})
                 _say(f"{kind} {side}x{side} {output_format}: {ms:.2f} ms, {size} bytes")
+            # the PNG answers' zlib level against Pillow's default, same pixels
+            ms, size = median_ms(lambda: _pillow_png(image), args.iters)
+            result["images"].append({"image": kind, "size": f"{side}x{side}", "output_format": "png_pillow_default",
+                                     "ms": ms, "bytes": size})
+            _say(f"{kind} {side}x{side} png at Pillow's default level: {ms:.2f} ms, {size} bytes")
     width, height = 832, 480
     for kind in ("noise", "smooth"):
         frames = [make_image(kind, width, height, seed=i) for i in range(args.frames)]

@@ -121,10 +121,10 @@ def test_encoding_smoke_run_times_every_format_and_the_apng_ways_make_the_same_b
                                 "--threads", "2", "--out", str(out)]) == 0
     result = json.loads(out.read_text())
     assert {(r["image"], r["output_format"]) for r in result["images"]} == {
-        (kind, fmt) for kind in ("noise", "smooth") for fmt in ("png", "jpeg", "webp")}
+        (kind, fmt) for kind in ("noise", "smooth") for fmt in ("png", "jpeg", "webp", "png_pillow_default")}
     noise = {r["way"]: r["bytes"] for r in result["videos"] if r["video"] == "noise"}
-    # frames that differ all over: Pillow's writer and ours, on one thread or two, write the same file
-    assert noise["apng_pillow_writer"] == noise["apng_one_thread"] == noise["apng_2_threads"] > 0
+    # ours, on one thread or two, write the same file; Pillow's writer compresses at its own level
+    assert noise["apng_one_thread"] == noise["apng_2_threads"] > 0 and noise["apng_pillow_writer"] > 0
     assert all(r["ms"] > 0 for r in result["images"] + result["videos"])
     (fig,) = saved_figures  # left: the noise image per format; right: each video way per video kind
     left, right = fig.axes
