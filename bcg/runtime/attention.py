@@ -90,6 +90,8 @@ class _Shape:
 
 def _refusal(name: str, shape: _Shape, masked: bool) -> str | None:
     """Why kernel `name` refuses this call (None: it takes it)."""
+    if name in ("cudnn", "flash") and masked:
+        return f"{name} takes no attention mask here"
     if name == "fa3":
         if masked:
             return "fa3 takes no attention mask"
@@ -168,16 +170,20 @@ class AttentionDispatch:
             return "sdpa"
         if masked:
             return takers[0]
-        if len(takers) == 1 or _capturing():
-            name, timed, source = takers[0], {}, ("only candidate" if len(takers) == 1 else "first candidate")
-            if len(takers) > 1:  # inside a capture nothing may run outside the graph: choose later
-                self._fallback(f"first call of {shape.summary()} inside a capture: {name} untimed")
-                return name
-        else:
+        if _capturing():  # nothing may run outside the graph now: choose at the next ordinary call
+            self._fallback(f"first call of {shape.summary()} inside a capture: {takers[0]} untimed")
+            return takers[0]
+        on_cuda = self.device is not None and self.device.type == "cuda"
+        if len(takers) == 1 and (takers[0] == "sdpa" or not on_cuda):
+            name, timed, source = takers[0], {}, "only candidate"
+        else:  # timed, which also tries each kernel once on this shape
             timed = {n: _time_kernel(n, shape, is_causal, self.device) for n in takers}
-            name, source = min(timed, key=timed.get), "timed"
+            name, source = min(timed, key=timed.get), "timed" if len(takers) > 1 else "only candidate"
             if "sdpa" in timed and timed[name] > timed["sdpa"] * (1 - _AUTO_MARGIN):
                 name = "sdpa"  # within the timing's noise of PyTorch's own choice: keep the reference
+            if timed[name] == math.inf:
+                self._fallback(f"{name} failed on {shape.summary()}: sdpa")
+                name, source = "sdpa", "fallback"
         record = {"shape": shape.summary(), "backend": name, "source": source,
                   "ms": {n: round(ms, 4) for n, ms in timed.items()}}
         with self._lock:

@@ -62,6 +62,7 @@ def test_fa3_refuses_what_it_cannot_run():
     assert "mask" in _refusal("fa3", shape, masked=True)
     assert "bf16" in _refusal("fa3", _Shape(1, 24, 24, 64, 64, 128, "float16"), masked=False)
     assert "head dim" in _refusal("fa3", _Shape(1, 24, 24, 64, 64, 320, "bfloat16"), masked=False)
+    assert "mask" in _refusal("cudnn", shape, masked=True) and _refusal("efficient", shape, masked=True) is None
 
 
 def test_compiled_code_takes_the_choice_as_a_constant_without_graph_breaks():
