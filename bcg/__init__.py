@@ -26,7 +26,7 @@ _EXPORTS = {
     "RunnerConfig": "bcg.runtime.config",
     "BreakableGraphRunner": "bcg.runtime.runner",
     # diffusers integration and built-in models
-    "ShapeKey": "bcg.diffusers.buckets",
+    "ShapeKey": "bcg.diffusers.shape_key",
     "install_breaks": "bcg.diffusers",
     "accelerate": "bcg.diffusers",
     "load_pipeline": "bcg.diffusers.models",

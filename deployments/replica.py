@@ -63,7 +63,7 @@ from deployments.encoding import encode_images, encoding_threads
 from deployments.engine import ReplicaEngine, _release_cached_memory, cuda_memory
 from deployments.metrics import ReplicaMetrics
 from deployments.router import (BATCH_FREE_ROWS, POOL_BYTES, QUEUE_LEN, WARM_BATCH_KEYS, WARM_KEYS,
-                                ShapeAffinityRouter, warm_set)
+                                ShapeAffinityRouter)
 from deployments.schemas import ImageGenerationRequest, ReplicaReport
 from deployments.spill import COLD_REQUEST_S, REQUEST_S, WARMUP_S, moving_average
 

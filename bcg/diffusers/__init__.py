@@ -45,7 +45,7 @@ _EXPORTS = {
     "ModelFamily": "bcg.diffusers.families",
     "FAMILIES": "bcg.diffusers.families",
     "family_of": "bcg.diffusers.families",
-    "ShapeKey": "bcg.diffusers.buckets",
+    "ShapeKey": "bcg.diffusers.shape_key",
     "request_shape_key": "bcg.diffusers.buckets",
     "StepBatcher": "bcg.diffusers.batching",
     "BatcherConfig": "bcg.diffusers.batch_queue",
