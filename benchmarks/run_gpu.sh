@@ -19,7 +19,9 @@ OUT=$(mktemp -d); pack() { tar -czf "$DEST/results.tgz" -C "$OUT" .; }; trap pac
 if [ -f .gpuhost/site.tar.xz ] && [ ! -d .gpuhost/site/ray ]; then
   mkdir -p .gpuhost/site && tar -xJf .gpuhost/site.tar.xz -C .gpuhost/site
 fi
-# FlashAttention-3 forward (the fa3-fwd wheel's files, xz-packed: attention_backend fa3 / auto)
+# FlashAttention-3 forward (the fa3-fwd wheel's files, xz-packed: attention_backend fa3 / auto). Made here with
+#   pip download --no-deps -d /tmp/w fa3-fwd==0.0.3 && (cd /tmp/w && unzip -q fa3_fwd-*.whl &&
+#   tar -cf - fa3_fwd fa3_fwd_config.py fa3_fwd_interface.py | xz -9 > $REPO/.gpuhost/fa3.tar.xz)   # 9.3 MB
 if [ -f .gpuhost/fa3.tar.xz ] && [ ! -d .gpuhost/site/fa3_fwd ]; then
   tar -xJf .gpuhost/fa3.tar.xz -C .gpuhost/site
 fi
