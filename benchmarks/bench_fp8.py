@@ -23,7 +23,8 @@ Three sections, each optional, the JSON rewritten after every measurement (a tim
   ``runner.warmup()`` (the compile and capture seconds are reported), then timed A, B, A, B, ... for
   ``--rounds`` rounds (`_common.time_interleaved`; ``--iters`` calls a round, CUDA events): each
   variant's median with min-max, and ``fp8_speedup`` = bf16 / fp8 per round (median, min, max). Each
-  output is compared with the bf16 eager reference too.
+  output is compared with the bf16 eager reference too. ``--profile-warmup`` adds, per variant, the 25
+  functions with the most cumulative time in its warmup call (where a compile's first call spends it).
 
 A PNG next to the JSON: per model and size, ms per forward of each variant (bars: median, whiskers:
 min-max), the speed-up on top.
@@ -31,9 +32,12 @@ min-max), the speed-up on top.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
+import cProfile
 import gc
 import os
+import pstats
 import sys
 import time
 
@@ -170,8 +174,9 @@ def model_section(args, result, out_path, model):
         for variant, runner in runners.items():
             start = time.perf_counter()
             compiled_before = (runner.stats().get("compile") or {}).get("compile_ms_total", 0.0)
+            profiler = cProfile.Profile() if args.profile_warmup else None
             try:
-                with torch.no_grad(), runner.warmup():
+                with torch.no_grad(), runner.warmup(), _profiling(profiler):
                     out = _first(runner(**inputs, return_dict=False))
                 sync(args.device)
             except Exception as exc:  # noqa: BLE001 -- a variant that fails is a row, not the end of the run
@@ -185,6 +190,8 @@ def model_section(args, result, out_path, model):
                             "captures": stats["captures"], "entries": stats["num_entries"],
                             "vs_bf16_eager": error_figures(out, references[size].to(out.device)),
                             "attention": _attention_of(runner.module), "compile": _compile_summary(stats)}
+            if profiler is not None:
+                row[variant]["warmup_profile"] = _top_functions(profiler, 25)
             log(f"{model} {size} {variant}: warm in {row[variant]['warmup_s']} s "
                 f"(compile {row[variant]['compile_s']} s); {row[variant]['vs_bf16_eager']}")
             warm[variant] = runner
@@ -214,6 +221,26 @@ def model_section(args, result, out_path, model):
         log(f"{model} {size}: ms {({n: v['median'] for n, v in row['ms'].items()})}"
             f"{'; fp8 speed-up ' + str(row['fp8_speedup']) if 'fp8_speedup' in row else ''}")
         write_json(out_path, result)
+
+
+@contextlib.contextmanager
+def _profiling(profiler):
+    if profiler is None:
+        yield
+        return
+    profiler.enable()
+    try:
+        yield
+    finally:
+        profiler.disable()
+
+
+def _top_functions(profiler, count: int) -> list:
+    """The `count` functions with the most cumulative seconds of a profiled warmup (where its time went)."""
+    stats = pstats.Stats(profiler)
+    rows = sorted(stats.stats.items(), key=lambda kv: kv[1][3], reverse=True)[:count]
+    return [{"function": f"{os.path.basename(file)}:{line}({name})", "calls": calls, "cumulative_s": round(cum, 3),
+             "own_s": round(own, 3)} for (file, line, name), (_, calls, own, cum, _callers) in rows]
 
 
 def _compile_summary(stats):
@@ -318,6 +345,8 @@ def main(argv=None):
     p.add_argument("--errors-only", action="store_true")
     p.add_argument("--attention-only", action="store_true", help="only the attention kernels table")
     p.add_argument("--attention-table", action="store_true", help="the attention kernels table first")
+    p.add_argument("--profile-warmup", action="store_true",
+                   help="cProfile each variant's warmup call; its top functions by cumulative time go in the row")
     p.add_argument("--budget-s", type=float, default=None)
     p.add_argument("--device", default=None)
     p.add_argument("--allow-cpu", action="store_true", help="smoke run without CUDA (fp8 reports why it is off)")

@@ -161,3 +161,22 @@ def test_time_interleaved_runs_variants_in_turn_and_gives_ratio_spread():
     assert speedup["rounds"] == [2.0, 3.0, 2.0] and speedup["median"] == 2.0 and speedup["max"] == 3.0
     with pytest.raises(ValueError, match="rounds must be >= 3"):
         _common.time_interleaved({"a": lambda: None}, rounds=2)
+
+
+def test_fp8_smoke_run_reports_why_fp8_is_off_and_times_both_variants_interleaved(tmp_path):
+    import bench_fp8
+
+    out = tmp_path / "fp8.json"
+    assert bench_fp8.main(["--allow-cpu", "--num-layers", "1", "--models", "flux.1-dev", "--sizes", "32",
+                           "--iters", "1", "--profile-warmup", "--out", str(out)]) == 0
+    (row,) = json.loads(out.read_text())["timing"]
+    assert row["quantize"]["applied"] is False and "CUDA" in row["quantize"]["reason"]
+    assert row["rounds_done"] == 3 and set(row["ms"]) == {"bf16", "fp8"}
+    assert len(row["ms"]["bf16"]["rounds"]) == 3 and row["fp8_speedup"]["min"] <= row["fp8_speedup"]["median"]
+    assert row["bf16"]["vs_bf16_eager"]["cosine"] > 0.9999       # fp8 off on CPU: the same module's output
+    assert row["bf16"]["warmup_profile"] and row["bf16"]["warmup_profile"][0]["cumulative_s"] > 0
+    errors = tmp_path / "errors.json"
+    assert bench_fp8.main(["--allow-cpu", "--errors-only", "--num-layers", "1", "--models", "flux.1-dev",
+                           "--sizes", "32", "--out", str(errors)]) == 0
+    (error_row,) = json.loads(errors.read_text())["errors"]
+    assert "fp8_eager_vs_bf16" not in error_row and error_row["quantize"]["mode"] == "fp8"
