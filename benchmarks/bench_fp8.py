@@ -45,8 +45,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(1, os.path.dirname(HERE))
 
-from _common import (add_plot_only, machine_info, pyplot, ratio, run_or_plot, save_figure, sync,  # noqa: E402
-                     time_interleaved, write_json)
+from _common import (add_plot_only, machine_info, pyplot, ratio, run_or_plot, runner_fields,  # noqa: E402
+                     save_figure, sync, time_cuda, time_interleaved, write_json)
 
 DEFAULT_OUT = os.path.join(HERE, "results", "bench_fp8.json")
 # (batch, heads, q len, kv len, head dim): FLUX.1-dev at 512² / 1024² (image + 512 text tokens), Wan2.1-1.3B
@@ -71,7 +71,7 @@ def error_figures(out, reference) -> dict:
 def attention_section(args, result, out_path):
     import torch
 
-    from bcg.runtime.attention import ATTENTION_BACKENDS, _KERNELS, backend_unavailable_reason
+    from bcg.runtime.attention import ATTENTION_BACKENDS, KERNELS, backend_unavailable_reason
 
     device = torch.device(args.device)
     rows = result.setdefault("attention", [])
@@ -79,7 +79,7 @@ def attention_section(args, result, out_path):
         g = torch.Generator(device=device).manual_seed(0)
         q, k, v = (torch.randn(b, n, h, d, generator=g, device=device, dtype=torch.bfloat16)
                    for n in (sq, sk, sk))
-        reference = _KERNELS["math"](q.float(), k.float(), v.float(), None, False, None, "bshd") \
+        reference = KERNELS["math"](q.float(), k.float(), v.float(), None, False, None, "bshd") \
             if sq * sk * b * h <= 2**32 else None
         row = {"shape": name, "dims": [b, h, sq, sk, d], "kernels": {}}
         for kernel in [n for n in ATTENTION_BACKENDS if n not in ("auto", "math")]:
@@ -87,10 +87,9 @@ def attention_section(args, result, out_path):
             if reason is not None:
                 row["kernels"][kernel] = {"skipped": reason}
                 continue
-            fn = _KERNELS[kernel]
+            fn = KERNELS[kernel]
             try:
                 out = fn(q, k, v, None, False, None, "bshd")
-                from _common import time_cuda
                 ms = time_cuda(lambda: fn(q, k, v, None, False, None, "bshd"), iters=args.iters, warmup=3)
             except RuntimeError as exc:
                 row["kernels"][kernel] = {"error": str(exc).splitlines()[0][:200]}
@@ -209,8 +208,6 @@ def model_section(args, result, out_path, model):
                 row["fp8_speedup"] = ratio(timed, "bf16", "fp8")
             write_json(out_path, result)
 
-        from _common import time_cuda
-
         eager_before = {n: r.stats()["eager_calls_total"] for n, r in warm.items()}
         measure = (lambda fn: time_cuda(fn, iters=args.iters, warmup=3)) if torch.cuda.is_available() else None
         with torch.no_grad():
@@ -319,14 +316,7 @@ def plot(result, png):
     return save_figure(fig, png)
 
 
-def _runner_arg(text):
-    out = {"compile": True, "compile_regional": True, "compile_dynamic": False}
-    for item in filter(None, (text or "").split(",")):
-        key, _, value = item.partition("=")
-        low = value.strip().lower()
-        out[key.strip()] = (True if low in ("1", "true") else False if low in ("0", "false") else None
-                            if low == "none" else int(value) if value.strip().isdigit() else value.strip())
-    return out
+_RUNNER_DEFAULTS = {"compile": True, "compile_regional": True, "compile_dynamic": False}
 
 
 def main(argv=None):
@@ -335,8 +325,9 @@ def main(argv=None):
     p.add_argument("--sizes", type=lambda s: [int(x) for x in s.split(",")], default=[1024, 512])
     p.add_argument("--frames", type=int, default=9, help="video frames (Wan)")
     p.add_argument("--variants", type=lambda s: s.split(","), default=["bf16", "fp8"])
-    p.add_argument("--runner", type=_runner_arg, default=_runner_arg(""),
-                   help="RunnerConfig fields over compile=1,compile_regional=1,compile_dynamic=0")
+    p.add_argument("--runner", type=lambda text: {**_RUNNER_DEFAULTS, **runner_fields(text)},
+                   default=dict(_RUNNER_DEFAULTS),
+                   help="RunnerConfig fields over compile=true,compile_regional=true,compile_dynamic=false")
     p.add_argument("--attention", default="auto", help="attention_backend of both variants")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--iters", type=int, default=20)

@@ -22,7 +22,7 @@ import torch
 
 from bcg.diffusers.attention import attention_stats, remove_attention_backend, set_attention_backend
 from bcg.diffusers.breaks import install_breaks, remove_breaks, unwrap_runner, with_globals
-from bcg.runtime.attention import AttentionDispatch
+from bcg.runtime.attention import AUTO_CANDIDATES, backend_unavailable_reason
 from bcg.runtime.quantize import quantize_module
 from bcg.diffusers.tokenizers import fast_tensors
 from bcg.diffusers.tokenizers import restore as restore_tokenizer
@@ -101,7 +101,8 @@ def _set_attention(module, backend: str) -> None:
     if backend in ("auto", "sdpa"):
         first = next(module.parameters(), None)
         device = first.device if first is not None else None
-        if AttentionDispatch(backend, device=device).candidates == ["sdpa"]:
+        others = [n for n in AUTO_CANDIDATES if n != "sdpa"] if backend == "auto" else []
+        if all(backend_unavailable_reason(n, device) is not None for n in others):
             return
     set_attention_backend(module, backend)
 

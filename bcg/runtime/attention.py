@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ATTENTION_BACKENDS", "AUTO_CANDIDATES", "AttentionDispatch", "backend_unavailable_reason"]
+__all__ = ["ATTENTION_BACKENDS", "AUTO_CANDIDATES", "AttentionDispatch", "KERNELS", "backend_unavailable_reason"]
 
 ATTENTION_BACKENDS = ("auto", "sdpa", "cudnn", "flash", "efficient", "math", "fa3")
 #: What ``"auto"`` weighs, where available: PyTorch's own choice against kernels it does not have.
@@ -61,16 +61,14 @@ def backend_unavailable_reason(name: str, device: torch.device | None = None) ->
             return f"fa3 needs a Hopper GPU (compute capability 9.x), {torch.cuda.get_device_name(device)} is " \
                    f"{capability[0]}.{capability[1]}"
         try:
-            _fa3_forward()
+            _register_fa3()
         except ImportError as exc:
             return f"fa3 needs the fa3-fwd package (pip install 'bcg-serve[fa3]'): {exc}"
     return None
 
 
-def _fa3_forward():
-    import fa3_fwd_interface  # registers torch.ops.fa3_fwd._flash_attn_forward (with a fake kernel: compiles)
-
-    return fa3_fwd_interface._flash_attn_forward
+def _register_fa3() -> None:
+    import fa3_fwd_interface  # noqa: F401 -- registers torch.ops.fa3_fwd._flash_attn_forward (with a fake kernel)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,7 +151,7 @@ class AttentionDispatch:
             name = self._choose_dynamic(_head_dims(query, key, layout), query.dtype, masked)
         else:
             name = self._choose(dims, query.dtype, masked, is_causal)
-        return _KERNELS[name](query, key, value, attn_mask, is_causal, scale, layout)
+        return KERNELS[name](query, key, value, attn_mask, is_causal, scale, layout)
 
     # -- choice -----------------------------------------------------------------------------------
 
@@ -194,12 +192,14 @@ class AttentionDispatch:
 
     def choose_for_heads(self, heads: tuple, masked: bool) -> str:
         """The kernel for a shape with symbolic sizes: the one chosen most often for these heads."""
+        if masked:
+            return "sdpa"
         with self._lock:
             picked = [r["backend"] for s, r in self._choices.items()
                       if (s.heads, s.kv_heads, s.head_dim, s.dtype) == heads]
-        if masked or not picked:
-            return "sdpa" if masked or "sdpa" in self.candidates or not self.candidates else self.candidates[0]
-        return max(set(picked), key=picked.count)
+        if picked:
+            return max(set(picked), key=picked.count)
+        return "sdpa" if "sdpa" in self.candidates else self.candidates[0]
 
     def stats(self) -> dict:
         with self._lock:
@@ -280,7 +280,9 @@ def _fa3(query, key, value, attn_mask, is_causal, scale, layout):
     return out if layout == "bshd" else out.transpose(1, 2)
 
 
-_KERNELS = {"sdpa": _sdpa, "fa3": _fa3, **{name: _sdpa_only(name) for name in _SDPA_BACKENDS}}
+#: Each kernel by name: ``kernel(query, key, value, attn_mask, is_causal, scale, layout) -> out`` (no choice,
+#: no fallback: what `AttentionDispatch` calls once it has chosen).
+KERNELS = {"sdpa": _sdpa, "fa3": _fa3, **{name: _sdpa_only(name) for name in _SDPA_BACKENDS}}
 
 
 def _no_modes():
@@ -298,7 +300,7 @@ def _time_kernel(name: str, shape: _Shape, is_causal: bool, device) -> float:
     q = torch.randn(shape.batch, shape.q_len, shape.heads, shape.head_dim, device=device, dtype=dtype)
     k = torch.randn(shape.batch, shape.kv_len, shape.kv_heads, shape.head_dim, device=device, dtype=dtype)
     v = torch.randn_like(k)
-    kernel = _KERNELS[name]
+    kernel = KERNELS[name]
     try:
         # timed as a kernel, not through whatever torch-function or dispatch modes are active (the
         # first call of a shape may be a break-placement probe, whose modes slow every launch)
