@@ -35,6 +35,7 @@ import argparse
 import contextlib
 import copy
 import cProfile
+import faulthandler
 import gc
 import os
 import pstats
@@ -338,12 +339,16 @@ def main(argv=None):
     p.add_argument("--attention-table", action="store_true", help="the attention kernels table first")
     p.add_argument("--profile-warmup", action="store_true",
                    help="cProfile each variant's warmup call; its top functions by cumulative time go in the row")
+    p.add_argument("--dump-stacks-s", type=float, default=None,
+                   help="every this many seconds, every thread's stack to stderr (what a long call waits on)")
     p.add_argument("--budget-s", type=float, default=None)
     p.add_argument("--device", default=None)
     p.add_argument("--allow-cpu", action="store_true", help="smoke run without CUDA (fp8 reports why it is off)")
     p.add_argument("--out", default=DEFAULT_OUT)
     add_plot_only(p)
     args = p.parse_args(argv)
+    if args.dump_stacks_s:
+        faulthandler.dump_traceback_later(args.dump_stacks_s, repeat=True, file=sys.stderr)
     if not args.plot_only:
         import torch
 
