@@ -47,6 +47,19 @@ def test_fp8_replay_equals_fp8_eager_and_is_close_to_bf16():
     assert _cosine(eager, reference) > 0.99
 
 
+def test_fp8_leaves_inductor_settings_alone():
+    """torchao's default turns on coordinate-descent tuning for every later compile in the process (about 180 s
+    more on a FLUX.1-dev regional compile's first call); quantizing must not change inductor's settings."""
+    _needs_fp8()
+    import torch._inductor.config as inductor_config
+
+    before = {name: getattr(inductor_config, name) for name in
+              ("coordinate_descent_tuning", "coordinate_descent_check_all_directions", "force_fuse_int_mm_with_mul")}
+    model = _model()
+    assert quantize_module(model, "fp8").applied
+    assert {name: getattr(inductor_config, name) for name in before} == before
+
+
 def test_fp8_compiled_regional_segments_are_close_to_fp8_eager():
     _needs_fp8()
 
