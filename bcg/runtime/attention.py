@@ -9,12 +9,12 @@ available here) on the first call of each shape and keeps the fastest for that s
 another kernel is at least 3% faster; SDPA already picks the fastest of its own backends, so auto weighs
 it against kernels outside PyTorch.
 
-When the choice is made: on the first call of a shape outside a CUDA graph capture -- the runner's
-warm-up run before each capture is one. In code that dynamo compiles, the choice is a constant of the
-trace (`torch._dynamo.assume_constant_result`): it is made (timed) while tracing, outside any capture, and
-the compiled code calls the chosen kernel directly. A shape first seen inside a capture, or a dynamic
-shape under compile, uses the choice already made for its head layout, else ``"sdpa"``, and says so in
-`stats()`. A kernel that is missing or refuses a shape (a mask, a dtype, a head dim) is never an error:
+When the choice is made: on the first call of each shape outside a CUDA graph capture -- the runner's
+warm-up run before each capture is one. In code that dynamo compiles, the dispatch is one custom op
+(``torch.ops.bcg.attention``): no graph break, nothing traced inside it, static or symbolic sizes alike
+(one compiled graph serves every shape under automatic dynamic shapes), and the op chooses when it first
+runs on real tensors. A shape first seen inside a capture runs the first kernel that takes it, untimed, and
+says so in `stats()`. A kernel that is missing or refuses a shape (a mask, a dtype, a head dim) is never an error:
 the call runs ``"sdpa"`` and the reason is logged once and counted.
 
 Layouts: ``"bhsd"`` (batch, heads, sequence, head dim: SDPA's) or ``"bshd"`` (diffusers' dispatcher and
@@ -26,8 +26,10 @@ import contextlib
 import dataclasses
 import logging
 import math
+import itertools
 import threading
-from typing import Callable
+import weakref
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -44,6 +46,8 @@ _SDPA_BACKENDS = {"cudnn": "CUDNN_ATTENTION", "flash": "FLASH_ATTENTION", "effic
 _TIMING_ITERS = 8
 _TIMING_ROUNDS = 3
 _AUTO_MARGIN = 0.03   # "auto" leaves SDPA only for a kernel at least this much faster
+_IDS = itertools.count()
+_DISPATCHES: "weakref.WeakValueDictionary[int, AttentionDispatch]" = weakref.WeakValueDictionary()
 
 
 def backend_unavailable_reason(name: str, device: torch.device | None = None) -> str | None:
@@ -128,29 +132,20 @@ class AttentionDispatch:
         self._choices: dict[_Shape, dict] = {}
         self._fallbacks: dict[str, int] = {}
         self._warned: set = set()
-        # The choice as a constant of a dynamo trace: dynamo calls these while tracing (their arguments are
-        # Python constants: ints, a dtype, bools) and compiles the chosen kernel's call. Closures over
-        # this dispatch, reached through it (a source dynamo can guard), not module functions taking it.
-
-        def choose(dims: tuple, dtype: torch.dtype, masked: bool, is_causal: bool) -> str:
-            return self.choose(_Shape(*dims, dtype=_dtype_name(dtype)), masked, is_causal)
-
-        def choose_dynamic(heads: tuple, dtype: torch.dtype, masked: bool) -> str:
-            return self.choose_for_heads((*heads, _dtype_name(dtype)), masked)
-
-        self._choose = torch._dynamo.assume_constant_result(choose)
-        self._choose_dynamic = torch._dynamo.assume_constant_result(choose_dynamic)
+        self.id = next(_IDS)
+        _DISPATCHES[self.id] = self  # the compiled op finds its dispatch by id (weakly held)
 
     # -- calls ------------------------------------------------------------------------------------
 
     def __call__(self, query, key, value, attn_mask=None, is_causal=False, scale=None, layout="bhsd"):
         """Attention of (q, k, v) in `layout`; the output has the same layout."""
-        dims = _dims_of(query, key, layout)
-        masked = attn_mask is not None
-        if dims is None:  # symbolic sizes while dynamo traces: the choice made for this head layout
-            name = self._choose_dynamic(_head_dims(query, key, layout), query.dtype, masked)
-        else:
-            name = self._choose(dims, query.dtype, masked, is_causal)
+        if torch.compiler.is_compiling():  # one opaque op in the graph: the choice is made when it runs
+            return torch.ops.bcg.attention(query, key, value, attn_mask, is_causal, scale, layout, self.id)
+        return self.run(query, key, value, attn_mask, is_causal, scale, layout)
+
+    def run(self, query, key, value, attn_mask=None, is_causal=False, scale=None, layout="bhsd"):
+        """The call on concrete tensors: choose the kernel for this shape (first time: timed), run it."""
+        name = self.choose(_shape_of(query, key, layout), attn_mask is not None, is_causal)
         return KERNELS[name](query, key, value, attn_mask, is_causal, scale, layout)
 
     # -- choice -----------------------------------------------------------------------------------
@@ -190,17 +185,6 @@ class AttentionDispatch:
                     "; " + ", ".join(f"{n} {ms:.3f} ms" for n, ms in timed.items()) if timed else "")
         return name
 
-    def choose_for_heads(self, heads: tuple, masked: bool) -> str:
-        """The kernel for a shape with symbolic sizes: the one chosen most often for these heads."""
-        if masked:
-            return "sdpa"
-        with self._lock:
-            picked = [r["backend"] for s, r in self._choices.items()
-                      if (s.heads, s.kv_heads, s.head_dim, s.dtype) == heads]
-        if picked:
-            return max(set(picked), key=picked.count)
-        return "sdpa" if "sdpa" in self.candidates else self.candidates[0]
-
     def stats(self) -> dict:
         with self._lock:
             choices = [dict(r) for r in self._choices.values()]
@@ -227,17 +211,10 @@ def _capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
-def _dims_of(query, key, layout) -> tuple | None:
-    """(batch, heads, kv heads, q len, kv len, head dim), or None when a size is symbolic (dynamo)."""
+def _shape_of(query, key, layout) -> _Shape:
     seq, heads = (2, 1) if layout == "bhsd" else (1, 2)
-    dims = (query.shape[0], query.shape[heads], key.shape[heads], query.shape[seq], key.shape[seq],
-            query.shape[-1])
-    return dims if all(isinstance(d, int) for d in dims) else None
-
-
-def _head_dims(query, key, layout) -> tuple:
-    heads = 1 if layout == "bhsd" else 2
-    return (int(query.shape[heads]), int(key.shape[heads]), int(query.shape[-1]))
+    return _Shape(query.shape[0], query.shape[heads], key.shape[heads], query.shape[seq], key.shape[seq],
+                  query.shape[-1], _dtype_name(query.dtype))
 
 
 # -- kernels ---------------------------------------------------------------------------------------
@@ -320,3 +297,22 @@ def _time_kernel(name: str, shape: _Shape, is_causal: bool, device) -> float:
         logger.info("attention %s: %s failed (%s)", shape.summary(), name, str(exc).splitlines()[0][:200])
         return math.inf
     return sorted(times)[len(times) // 2]
+
+
+# -- the op compiled code calls --------------------------------------------------------------------
+#
+# In code dynamo compiles, a dispatch is this one custom op: opaque to dynamo and inductor (no graph break,
+# nothing traced inside), its sizes symbolic or not, so one compiled graph serves every shape (automatic
+# dynamic shapes) and each shape still gets its own kernel, chosen when the op first runs on real tensors
+# (the runner's warm-up call, outside any capture). Its output is contiguous in the call's layout, as the
+# fake kernel says.
+
+@torch.library.custom_op("bcg::attention", mutates_args=())
+def _attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Optional[torch.Tensor],
+                  is_causal: bool, scale: Optional[float], layout: str, dispatch: int) -> torch.Tensor:
+    return _DISPATCHES[dispatch].run(query, key, value, attn_mask, is_causal, scale, layout).contiguous()
+
+
+@_attention_op.register_fake
+def _(query, key, value, attn_mask, is_causal, scale, layout, dispatch):
+    return query.new_empty((*query.shape[:-1], value.shape[-1]))

@@ -60,24 +60,31 @@ def test_another_kernel_is_used_and_composes_with_attention_breaks(flux):
         remove_attention_backend(flux.transformer)
 
 
-def test_regional_compile_through_the_dispatch_matches_eager(flux):
+@pytest.mark.parametrize("regional", [True, False])
+def test_compile_through_the_dispatch_matches_eager_for_every_shape(flux, regional):
+    """A second shape under automatic dynamic shapes (sizes turn symbolic) compiles through the dispatch too
+    (served FLUX.1-dev's second key once failed to warm there), and each shape gets its own choice."""
     transformer = flux.transformer
     set_attention_backend(transformer, "sdpa")
     try:
-        g = torch.Generator().manual_seed(0)
-        inputs = dict(hidden_states=torch.randn(1, 16, transformer.config.in_channels, generator=g), timestep=torch.tensor([0.5]),
-                      encoder_hidden_states=torch.randn(1, 32, transformer.config.joint_attention_dim, generator=g),
-                      pooled_projections=torch.randn(1, transformer.config.pooled_projection_dim, generator=g),
-                      img_ids=torch.zeros(16, 3), txt_ids=torch.zeros(32, 3), guidance=torch.tensor([3.5]),
-                      return_dict=False)
-        with torch.no_grad():
-            expected = transformer(**inputs)[0]
-        compiled = compile_for_segments(transformer, backend="aot_eager", regional=True)
-        out = compiled(**inputs)[0]
+        compiled = compile_for_segments(transformer, backend="aot_eager", regional=regional)
+        for tokens in (16, 36):
+            g = torch.Generator().manual_seed(tokens)
+            inputs = dict(hidden_states=torch.randn(1, tokens, transformer.config.in_channels, generator=g),
+                          timestep=torch.tensor([0.5]),
+                          encoder_hidden_states=torch.randn(1, 32, transformer.config.joint_attention_dim, generator=g),
+                          pooled_projections=torch.randn(1, transformer.config.pooled_projection_dim, generator=g),
+                          img_ids=torch.zeros(tokens, 3), txt_ids=torch.zeros(32, 3), guidance=torch.tensor([3.5]),
+                          return_dict=False)
+            with torch.no_grad():
+                expected = transformer(**inputs)[0]
+                out = compiled(**inputs)[0]
+            assert torch.allclose(out, expected, atol=1e-5), tokens
         stats = compiled.stats()
-        assert stats["regional"] == ["FluxSingleTransformerBlock", "FluxTransformerBlock"]
+        if regional:
+            assert stats["regional"] == ["FluxSingleTransformerBlock", "FluxTransformerBlock"]
         assert stats["graph_breaks"] == 0 and stats["graphs_compiled"] >= 2
-        assert torch.allclose(out, expected, atol=1e-5)
+        assert {c["shape"].split("x")[2] for c in attention_stats(transformer)["choices"]} == {"48", "68"}
     finally:
         for block in [*transformer.transformer_blocks, *transformer.single_transformer_blocks]:
             block._compiled_call_impl = None

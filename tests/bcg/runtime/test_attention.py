@@ -65,7 +65,7 @@ def test_fa3_refuses_what_it_cannot_run():
     assert "mask" in _refusal("cudnn", shape, masked=True) and _refusal("efficient", shape, masked=True) is None
 
 
-def test_compiled_code_takes_the_choice_as_a_constant_without_graph_breaks():
+def test_compiled_code_calls_the_dispatch_as_one_op_without_graph_breaks():
     dispatch = AttentionDispatch("math", device="cpu")
     q, k, v = _qkv()
 
@@ -75,3 +75,18 @@ def test_compiled_code_takes_the_choice_as_a_constant_without_graph_breaks():
     compiled = torch.compile(attend, backend="aot_eager", fullgraph=True)  # a graph break would raise
     assert torch.allclose(compiled(q, k, v), attend(q, k, v), atol=1e-6)
     assert dispatch.stats()["choices"][0]["backend"] == "math"
+
+
+def test_a_second_shape_under_automatic_dynamic_compiles_and_chooses_per_shape():
+    """dynamo marks sizes dynamic when a second shape arrives (compile_dynamic=None): the dispatch is one op
+    in the graph, so symbolic sizes trace, and each shape gets its own choice when the op runs."""
+    dispatch = AttentionDispatch("math", device="cpu")
+
+    def attend(q, k, v):
+        return dispatch(q * 2, k, v) + 1
+
+    compiled = torch.compile(attend, backend="aot_eager", fullgraph=True, dynamic=None)
+    for tokens in (16, 24, 40):
+        q, k, v = (torch.randn(1, 2, tokens, 8) for _ in range(3))
+        assert torch.allclose(compiled(q, k, v), attend(q, k, v), atol=1e-6)
+    assert [c["shape"].split("x")[3] for c in dispatch.stats()["choices"]] == ["16", "24", "40"]
