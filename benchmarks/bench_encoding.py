@@ -6,7 +6,8 @@
 Images: ``noise`` (uniform random bytes: what the random-weight pipelines of the benchmarks decode, which
 barely compress) and ``smooth`` (a gradient with mild noise, closer to a decoded photograph), at 256x256,
 512x512 and 1024x1024. For each, `deployments.encoding.encode_image` as png (at its
-``PNG_COMPRESS_LEVEL``), jpeg and webp (Pillow's default quality), and ``png_pillow_default`` (Pillow's own
+``PNG_COMPRESS_LEVEL``), ``png_threads`` (what a replica does: a large image's PNG compressed in bands on
+``--threads`` threads), jpeg and webp (Pillow's default quality), and ``png_pillow_default`` (Pillow's own
 default zlib level, what answers used before): median ms of --iters calls and the bytes. Videos: 33 frames of 832x480 (a Wan2.1 request
 at its served size), as one APNG: Pillow's own APNG writer (frames one after another, what a replica did
 before `deployments.encoding`), `encode_image` with the frames on one thread, and with the frames on a
@@ -87,6 +88,12 @@ def run(args) -> dict:
             result["images"].append({"image": kind, "size": f"{side}x{side}", "output_format": "png_pillow_default",
                                      "ms": ms, "bytes": size})
             _say(f"{kind} {side}x{side} png at Pillow's default level: {ms:.2f} ms, {size} bytes")
+            # what a replica does: a large image's PNG compressed in bands on its frame threads
+            with ThreadPoolExecutor(args.threads) as pool:
+                ms, size = median_ms(lambda: encode_image(image, "png", map_fn=pool.map), args.iters)
+            result["images"].append({"image": kind, "size": f"{side}x{side}", "output_format": "png_threads",
+                                     "threads": args.threads, "ms": ms, "bytes": size})
+            _say(f"{kind} {side}x{side} png on {args.threads} threads: {ms:.2f} ms, {size} bytes")
     width, height = 832, 480
     for kind in ("noise", "smooth"):
         frames = [make_image(kind, width, height, seed=i) for i in range(args.frames)]
@@ -111,9 +118,12 @@ def plot(result: dict, png: str) -> bool:
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
     rows = [r for r in result["images"] if r["image"] == "noise"]
     sizes = list(dict.fromkeys(r["size"] for r in rows))
-    for i, fmt in enumerate(("png", "jpeg", "webp")):
+    formats = [f for f in ("png", "png_threads", "jpeg", "webp") if any(r["output_format"] == f for r in rows)]
+    width = 0.8 / len(formats)
+    for i, fmt in enumerate(formats):
         values = [next(r["ms"] for r in rows if r["size"] == s and r["output_format"] == fmt) for s in sizes]
-        bars = left.bar([j + (i - 1) * 0.27 for j in range(len(sizes))], values, 0.27, label=fmt)
+        bars = left.bar([j + (i - (len(formats) - 1) / 2) * width for j in range(len(sizes))], values, width,
+                        label=fmt)
         left.bar_label(bars, fmt="%.3g", fontsize=6)
     left.set_xticks(range(len(sizes)), sizes)
     left.set_ylabel("encode, median ms")

@@ -1,6 +1,9 @@
 """A request's outputs as the bytes of its ``output_format`` (png, jpeg or webp), on the replica's threads.
 
-An image is one Pillow ``save``. A video (a list of PIL frames) is one animated file: an APNG or an animated
+An image is one Pillow ``save``; a large 8-bit one, where the caller gives a ``map`` over a thread pool, is
+one PNG whose compression is split into bands side by side (`_png_bands`; 1024x1024 on 2 threads of a 2-CPU
+machine: noise 43.0 against 110.5 ms for Pillow's writer, a smooth image 29.4 against 112.4 ms, 0.02% more
+bytes; bench_encoding_png_threads.json). The same pixels, a standard PNG. A video (a list of PIL frames) is one animated file: an APNG or an animated
 WebP; JPEG holds no video (``check_request`` refuses it before the pipeline runs). An APNG is made from one
 PNG per frame, which `encode_images` encodes side by side where its caller gives it a ``map`` over a thread
 pool (zlib lets go of the GIL): Pillow's own APNG writer encodes the frames one after another, 1.8 s for 33
@@ -42,10 +45,56 @@ def encoding_threads() -> int:
 PNG_COMPRESS_LEVEL = 1
 
 
-def _png(image) -> bytes:
+#: A single image of at least this many pixels is compressed in `PNG_BANDS` bands side by side (`_png_bands`).
+PNG_BANDS_MIN_PIXELS = 512 * 512
+PNG_BANDS = 8
+_COLOR_TYPES = {"L": 0, "RGB": 2, "LA": 4, "RGBA": 6}   # PNG colour types of 8-bit modes
+
+
+def _png(image, map_fn: Optional[Map] = None) -> bytes:
+    """PNG bytes of `image` at `PNG_COMPRESS_LEVEL`: Pillow's writer, or, for a large 8-bit image when a
+    `map_fn` over threads is given, `_png_bands`."""
+    if map_fn is not None and image.mode in _COLOR_TYPES and image.width * image.height >= PNG_BANDS_MIN_PIXELS:
+        return _png_bands(image, map_fn)
     buf = io.BytesIO()
     image.save(buf, format="PNG", compress_level=PNG_COMPRESS_LEVEL)
     return buf.getvalue()
+
+
+def _png_frame(frame) -> bytes:
+    """A video frame's PNG (frames are encoded side by side already): one band, "Up"-filtered."""
+    return _png_bands(frame, map, bands=1)
+
+
+def _png_bands(image, map_fn: Map, bands: int = PNG_BANDS) -> bytes:
+    """One PNG, its compression split over threads: every row "Up"-filtered (its difference from the row
+    above; the PNG spec's filter type 2), the rows cut into `bands` bands, each band deflated on its own
+    (`map_fn`; zlib lets go of the GIL) and ended on a byte boundary (a full flush, the last one finished),
+    the bands joined into one zlib stream under one Adler-32 of all rows -- what pigz does for gzip. Any PNG
+    decoder reads it: one IDAT chunk of one zlib stream."""
+    import numpy as np
+
+    pixels = np.asarray(image, dtype=np.uint8)
+    height = pixels.shape[0]
+    rows = pixels.reshape(height, -1)
+    filtered = np.empty((height, rows.shape[1] + 1), dtype=np.uint8)
+    filtered[:, 0] = 2                                   # filter type Up
+    filtered[0, 1:] = rows[0]                            # the first row's "above" is zeros
+    np.subtract(rows[1:], rows[:-1], out=filtered[1:, 1:])   # uint8: modulo 256, as the spec says
+    cuts = [height * i // bands for i in range(bands + 1)]
+    parts = [(filtered[a:b].tobytes(), i == bands - 1) for i, (a, b) in enumerate(zip(cuts, cuts[1:])) if b > a]
+
+    def deflate(part):
+        data, last = part
+        stream = zlib.compressobj(PNG_COMPRESS_LEVEL, zlib.DEFLATED, -15)   # raw deflate: no header, no check
+        return stream.compress(data) + stream.flush(zlib.Z_FINISH if last else zlib.Z_FULL_FLUSH)
+
+    adler = 1
+    for data, _ in parts:
+        adler = zlib.adler32(data, adler)
+    idat = b"\x78\x01" + b"".join(map_fn(deflate, parts)) + struct.pack(">I", adler)
+    header = struct.pack(">IIBBBBB", image.width, height, 8, _COLOR_TYPES[image.mode], 0, 0, 0)
+    return _PNG_SIGNATURE + _chunk(b"IHDR", header) + _chunk(b"IDAT", idat) + _chunk(b"IEND", b"")
 
 
 def _chunks(png: bytes) -> List[tuple]:
@@ -122,7 +171,7 @@ def encode_image(image, output_format: OutputFormat = "png", quality: Optional[i
         if output_format == "jpeg":
             raise ValueError("jpeg cannot hold a video; use png or webp")
         if output_format == "png" and all(frame.mode in _SHARED_LEAD_MODES for frame in image):
-            return apng_from_pngs(list(map_fn(_png, image)), fps)
+            return apng_from_pngs(list(map_fn(_png_frame, image)), fps)
         if fps is not None:
             options["duration"] = round(1000 / fps)
         buf = io.BytesIO()
@@ -130,7 +179,7 @@ def encode_image(image, output_format: OutputFormat = "png", quality: Optional[i
                       **options)
         return buf.getvalue()
     if output_format == "png":
-        return _png(image)
+        return _png(image, map_fn if map_fn is not map else None)
     buf = io.BytesIO()
     image.save(buf, format=_PIL_FORMATS[output_format], **options)
     return buf.getvalue()

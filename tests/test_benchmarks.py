@@ -121,14 +121,15 @@ def test_encoding_smoke_run_times_every_format_and_the_apng_ways_make_the_same_b
                                 "--threads", "2", "--out", str(out)]) == 0
     result = json.loads(out.read_text())
     assert {(r["image"], r["output_format"]) for r in result["images"]} == {
-        (kind, fmt) for kind in ("noise", "smooth") for fmt in ("png", "jpeg", "webp", "png_pillow_default")}
+        (kind, fmt) for kind in ("noise", "smooth")
+        for fmt in ("png", "png_threads", "jpeg", "webp", "png_pillow_default")}
     noise = {r["way"]: r["bytes"] for r in result["videos"] if r["video"] == "noise"}
     # ours, on one thread or two, write the same file; Pillow's writer compresses at its own level
     assert noise["apng_one_thread"] == noise["apng_2_threads"] > 0 and noise["apng_pillow_writer"] > 0
     assert all(r["ms"] > 0 for r in result["images"] + result["videos"])
     (fig,) = saved_figures  # left: the noise image per format; right: each video way per video kind
     left, right = fig.axes
-    assert bars(left) == [round(r["ms"], 6) for f in ("png", "jpeg", "webp") for r in result["images"]
+    assert bars(left) == [round(r["ms"], 6) for f in ("png", "png_threads", "jpeg", "webp") for r in result["images"]
                           if r["image"] == "noise" and r["output_format"] == f]
     assert len(bars(right)) == len(result["videos"]) and min(bars(right)) > 0
     png_of(fig, tmp_path / "enc.png")

@@ -44,6 +44,35 @@ def test_png_answers_hold_pillows_pixels_at_the_fast_zlib_level():
         assert np.array_equal(np.asarray(decoded.convert(frame.mode)), np.asarray(frame))
 
 
+@pytest.mark.parametrize("mode", ["RGB", "RGBA", "L", "LA"])
+def test_a_large_png_is_compressed_in_bands_on_threads_and_decodes_to_its_pixels(mode):
+    import zlib
+    from concurrent.futures import ThreadPoolExecutor
+
+    from deployments.encoding import PNG_BANDS_MIN_PIXELS, _chunks
+
+    side = int(PNG_BANDS_MIN_PIXELS ** 0.5)
+    image = _image(1, size=(side + 3, side)).convert(mode)            # rows that do not split evenly
+    with ThreadPoolExecutor(4) as pool:
+        banded = encode_image(image, "png", map_fn=pool.map)
+    chunks = _chunks(banded)
+    assert [kind for kind, _ in chunks] == [b"IHDR", b"IDAT", b"IEND"]
+    idat = chunks[1][1]
+    rows = zlib.decompress(idat)                                        # one zlib stream; checks its Adler-32
+    channels = len(mode)
+    assert len(rows) == side * (1 + (side + 3) * channels) and rows[0] == 2   # every row "Up"-filtered
+    decoded = _open(banded)
+    assert (decoded.mode, decoded.size) == (mode, image.size)
+    assert np.array_equal(np.asarray(decoded), np.asarray(image))
+    assert encode_image(image, "png") != banded and _open(encode_image(image, "png")).size == image.size
+    small = _image(2)                                                   # below the size: Pillow's writer
+    with ThreadPoolExecutor(2) as pool:
+        assert encode_image(small, "png", map_fn=pool.map) == encode_image(small, "png")
+    palette = image.convert("RGB").convert("P")                         # a palette image: Pillow's writer
+    with ThreadPoolExecutor(2) as pool:
+        assert np.array_equal(np.asarray(_open(encode_image(palette, "png", map_fn=pool.map))), np.asarray(palette))
+
+
 @pytest.mark.parametrize("output_format, pil_format", [("jpeg", "JPEG"), ("webp", "WEBP")])
 def test_jpeg_and_webp_decode_at_their_size_and_quality_trades_bytes(output_format, pil_format):
     image = _image(1)
