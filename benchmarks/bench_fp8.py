@@ -16,7 +16,8 @@ Three sections, each optional, the JSON rewritten after every measurement (a tim
   bf16 eager output as reference, then the same module quantized (`bcg.runtime.quantize`, float8 per-row)
   on the same inputs: cosine, relative L2, max abs. Random weights: these are numerical-error figures,
   not a quality judgement (``--model-dir`` runs the same check on a real checkpoint's transformer).
-- ``timing`` (per model and size): variants ``bf16`` and ``fp8`` (``--variants``), each a
+- ``timing`` (per model and size): variants ``bf16`` and ``fp8`` (``--variants``; ``fp8+fa3_fp8`` names an
+  attention kernel for one variant, e.g. float8 attention beside float8 GEMMs), each a
   `BreakableGraphRunner` over its own copy of the model, prepared as a served replica prepares it
   (`bcg.diffusers.prepare_transformer`: fp8, the attention kernel per shape (``--attention``), automatic
   breaks) with ``--runner`` settings (default: compiled segments, regional, static kernels), captured in
@@ -163,11 +164,19 @@ def model_section(args, result, out_path, model):
         write_json(out_path, result)
     if args.errors_only:
         return
-    modules, runners = {"bf16": module, "fp8": quantized}, {}
+    built, owned = {"bf16": module, "fp8": quantized}, {}
+    for variant in args.variants:  # the first variant of each weights kind takes the built module, later ones
+        weights = variant.partition("+")[0]  # a copy of the bf16 model made before anything is prepared
+        owned[variant] = built.pop(weights) if weights in built else copy.deepcopy(module)
+        if weights == "fp8" and owned[variant] is not quantized:
+            quantize_module(owned[variant], "fp8")
+    runners = {}
     for variant in args.variants:
-        config = RunnerConfig(**{**args.runner, "quantize": "fp8" if variant == "fp8" else None,
-                                 "attention_backend": args.attention})
-        runners[variant] = BreakableGraphRunner(prepare_transformer(modules[variant], config), config=config)
+        weights, _, attention = variant.partition("+")
+        own = owned.pop(variant)
+        config = RunnerConfig(**{**args.runner, "quantize": "fp8" if weights == "fp8" else None,
+                                 "attention_backend": attention or args.attention})
+        runners[variant] = BreakableGraphRunner(prepare_transformer(own, config), config=config)
     for size in args.sizes:
         row, inputs = rows[size], _inputs(args, model, size)
         warm = {}
@@ -207,6 +216,8 @@ def model_section(args, result, out_path, model):
             row["ms"] = timed
             if "bf16" in timed and "fp8" in timed:
                 row["fp8_speedup"] = ratio(timed, "bf16", "fp8")
+            first = next(iter(timed))  # every later variant against the first, per round
+            row["speedup_vs_" + first] = {n: ratio(timed, first, n) for n in timed if n != first}
             write_json(out_path, result)
 
         eager_before = {n: r.stats()["eager_calls_total"] for n, r in warm.items()}
@@ -258,7 +269,7 @@ def _attention_of(module):
     from bcg.diffusers import attention_stats
 
     stats = attention_stats(module)
-    return None if stats is None else {"candidates": stats["candidates"], "choices": stats["choices"],
+    return None if stats is None else {"backend": stats["backend"], "candidates": stats["candidates"], "choices": stats["choices"],
                                        "unavailable": stats["unavailable"], "fallbacks": stats["fallbacks"]}
 
 

@@ -177,6 +177,13 @@ def test_fp8_smoke_run_reports_why_fp8_is_off_and_times_both_variants_interleave
     assert row["fp8_speedup"]["rounds"] == pytest.approx([a / b for a, b in pairs], rel=1e-3)  # per round, A over B
     assert row["bf16"]["vs_bf16_eager"]["cosine"] > 0.9999       # fp8 off on CPU: the same module's output
     assert row["bf16"]["warmup_profile"] and row["bf16"]["warmup_profile"][0]["cumulative_s"] > 0
+    kernels = tmp_path / "kernels.json"  # a variant naming its attention kernel: a copy of its own
+    assert bench_fp8.main(["--allow-cpu", "--num-layers", "1", "--models", "flux.1-dev", "--sizes", "32",
+                           "--iters", "1", "--variants", "fp8,fp8+fa3_fp8", "--out", str(kernels)]) == 0
+    (kernel_row,) = json.loads(kernels.read_text())["timing"]
+    assert set(kernel_row["speedup_vs_fp8"]) == {"fp8+fa3_fp8"}
+    assert kernel_row["fp8+fa3_fp8"]["attention"]["backend"] == "fa3_fp8"
+    assert "CUDA" in kernel_row["fp8+fa3_fp8"]["attention"]["unavailable"]["fa3_fp8"]
     errors = tmp_path / "errors.json"
     assert bench_fp8.main(["--allow-cpu", "--errors-only", "--num-layers", "1", "--models", "flux.1-dev",
                            "--sizes", "32", "--out", str(errors)]) == 0

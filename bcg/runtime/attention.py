@@ -4,7 +4,9 @@ chosen for the call's shape, inside captured and compiled segments alike.
 Kernels (`ATTENTION_BACKENDS`): ``"sdpa"`` (``F.scaled_dot_product_attention`` with PyTorch's own choice;
 the reference and the fallback), ``"cudnn"``, ``"flash"``, ``"efficient"``, ``"math"`` (SDPA restricted to
 one of its backends), ``"fa3"`` (FlashAttention-3 forward from the ``fa3-fwd`` package: Hopper GPUs,
-bf16, head dims up to 256, no mask). ``"auto"`` times the candidates (`AUTO_CANDIDATES` that are
+bf16, head dims up to 256, no mask), ``"fa3_fp8"`` (the same kernel on float8 e4m3 query, key and value, cast
+without scaling and clamped to e4m3's range: faster on long sequences, its own switch because it changes the
+numbers -- `benchmarks/bench_fp8.py` measures it against fp32 attention). ``"auto"`` times the candidates (`AUTO_CANDIDATES` that are
 available here) on the first call of each shape and keeps the fastest for that shape, SDPA unless
 another kernel is at least 3% faster; SDPA already picks the fastest of its own backends, so auto weighs
 it against kernels outside PyTorch.
@@ -38,13 +40,16 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["ATTENTION_BACKENDS", "AUTO_CANDIDATES", "AttentionDispatch", "KERNELS", "backend_unavailable_reason"]
 
-ATTENTION_BACKENDS = ("auto", "sdpa", "cudnn", "flash", "efficient", "math", "fa3")
-#: What ``"auto"`` weighs, where available: PyTorch's own choice against kernels it does not have.
+ATTENTION_BACKENDS = ("auto", "sdpa", "cudnn", "flash", "efficient", "math", "fa3", "fa3_fp8")
+#: What ``"auto"`` weighs, where available: PyTorch's own choice against kernels it does not have (exact ones:
+#: ``"fa3_fp8"`` is only ever chosen by name).
 AUTO_CANDIDATES = ("sdpa", "fa3")
 _SDPA_BACKENDS = {"cudnn": "CUDNN_ATTENTION", "flash": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION",
                   "math": "MATH"}
 _TIMING_ITERS = 8
 _TIMING_ROUNDS = 3
+_FP8 = torch.float8_e4m3fn
+_FP8_MAX = 448.0      # e4m3's largest finite value: a cast past it is NaN, so inputs are clamped first
 _AUTO_MARGIN = 0.03   # "auto" leaves SDPA only for a kernel at least this much faster
 _IDS = itertools.count()
 _DISPATCHES: "weakref.WeakValueDictionary[int, AttentionDispatch]" = weakref.WeakValueDictionary()
@@ -59,15 +64,15 @@ def backend_unavailable_reason(name: str, device: torch.device | None = None) ->
     on_cuda = device is not None and device.type == "cuda" and torch.cuda.is_available()
     if not on_cuda:
         return f"{name} needs a CUDA device"
-    if name == "fa3":
+    if name in ("fa3", "fa3_fp8"):
         capability = torch.cuda.get_device_capability(device)
         if capability[0] != 9:
-            return f"fa3 needs a Hopper GPU (compute capability 9.x), {torch.cuda.get_device_name(device)} is " \
+            return f"{name} needs a Hopper GPU (compute capability 9.x), {torch.cuda.get_device_name(device)} is " \
                    f"{capability[0]}.{capability[1]}"
         try:
             _register_fa3()
         except ImportError as exc:
-            return f"fa3 needs the fa3-fwd package (pip install 'bcg-serve[fa3]'): {exc}"
+            return f"{name} needs the fa3-fwd package (pip install 'bcg-serve[fa3]'): {exc}"
     return None
 
 
@@ -94,15 +99,15 @@ def _refusal(name: str, shape: _Shape, masked: bool) -> str | None:
     """Why kernel `name` refuses this call (None: it takes it)."""
     if name in ("cudnn", "flash") and masked:
         return f"{name} takes no attention mask here"
-    if name == "fa3":
+    if name in ("fa3", "fa3_fp8"):
         if masked:
-            return "fa3 takes no attention mask"
-        if shape.dtype != "bfloat16":
+            return f"{name} takes no attention mask"
+        if shape.dtype != "bfloat16" and not (name == "fa3_fp8" and shape.dtype == _dtype_name(_FP8)):
             return f"fa3-fwd is built for bf16, got {shape.dtype}"
         if shape.head_dim > 256 or shape.head_dim % 8:
-            return f"fa3 needs a head dim <= 256 and a multiple of 8, got {shape.head_dim}"
+            return f"{name} needs a head dim <= 256 and a multiple of 8, got {shape.head_dim}"
         if shape.heads % shape.kv_heads:
-            return f"fa3 needs query heads a multiple of key heads, got {shape.heads}/{shape.kv_heads}"
+            return f"{name} needs query heads a multiple of key heads, got {shape.heads}/{shape.kv_heads}"
     return None
 
 
@@ -140,6 +145,8 @@ class AttentionDispatch:
     def __call__(self, query, key, value, attn_mask=None, is_causal=False, scale=None, layout="bhsd"):
         """Attention of (q, k, v) in `layout`; the output has the same layout."""
         if torch.compiler.is_compiling():  # one opaque op in the graph: the choice is made when it runs
+            if self._casts_to_fp8(query, key, attn_mask, layout):  # traced: inductor fuses the cast upstream
+                query, key, value = _to_fp8(query), _to_fp8(key), _to_fp8(value)
             return torch.ops.bcg.attention(query, key, value, attn_mask, is_causal, scale, layout, self.id)
         return self.run(query, key, value, attn_mask, is_causal, scale, layout)
 
@@ -147,6 +154,15 @@ class AttentionDispatch:
         """The call on concrete tensors: choose the kernel for this shape (first time: timed), run it."""
         name = self.choose(_shape_of(query, key, layout), attn_mask is not None, is_causal)
         return KERNELS[name](query, key, value, attn_mask, is_causal, scale, layout)
+
+    def _casts_to_fp8(self, query, key, attn_mask, layout) -> bool:
+        """Whether compiled code hands this call to the op in float8: only when ``"fa3_fp8"`` will take it
+        (decided from what tracing knows: the dtype, the mask, the head dims)."""
+        if "fa3_fp8" not in self.candidates or query.dtype != torch.bfloat16:
+            return False
+        heads = 1 if layout == "bhsd" else 2
+        shape = _Shape(1, int(query.shape[heads]), int(key.shape[heads]), 1, 1, int(query.shape[-1]), "bfloat16")
+        return _refusal("fa3_fp8", shape, attn_mask is not None) is None
 
     # -- choice -----------------------------------------------------------------------------------
 
@@ -228,6 +244,8 @@ def _back(out, layout):
 
 
 def _sdpa(query, key, value, attn_mask, is_causal, scale, layout):
+    if query.dtype == _FP8:  # handed over in float8 for fa3_fp8, which refused after all
+        query, key, value = (x.to(torch.bfloat16) for x in (query, key, value))
     gqa = {"enable_gqa": True} if query.shape[1 if layout == "bhsd" else 2] != key.shape[1 if layout == "bhsd" else 2] else {}
     out = F.scaled_dot_product_attention(_bhsd(query, layout), _bhsd(key, layout), _bhsd(value, layout),
                                          attn_mask=attn_mask, is_causal=is_causal, scale=scale, **gqa)
@@ -257,9 +275,17 @@ def _fa3(query, key, value, attn_mask, is_causal, scale, layout):
     return out if layout == "bshd" else out.transpose(1, 2)
 
 
+def _to_fp8(x):
+    return x if x.dtype == _FP8 else x.clamp(-_FP8_MAX, _FP8_MAX).to(_FP8)
+
+
+def _fa3_fp8(query, key, value, attn_mask, is_causal, scale, layout):
+    return _fa3(_to_fp8(query), _to_fp8(key), _to_fp8(value), attn_mask, is_causal, scale, layout)
+
+
 #: Each kernel by name: ``kernel(query, key, value, attn_mask, is_causal, scale, layout) -> out`` (no choice,
 #: no fallback: what `AttentionDispatch` calls once it has chosen).
-KERNELS = {"sdpa": _sdpa, "fa3": _fa3, **{name: _sdpa_only(name) for name in _SDPA_BACKENDS}}
+KERNELS = {"sdpa": _sdpa, "fa3": _fa3, "fa3_fp8": _fa3_fp8, **{name: _sdpa_only(name) for name in _SDPA_BACKENDS}}
 
 
 def _no_modes():
@@ -273,7 +299,7 @@ def _no_modes():
 
 def _time_kernel(name: str, shape: _Shape, is_causal: bool, device) -> float:
     """Median ms of kernel `name` on random inputs of `shape` (bshd), CUDA events on the current stream."""
-    dtype = getattr(torch, shape.dtype)
+    dtype = torch.bfloat16 if shape.dtype == _dtype_name(_FP8) else getattr(torch, shape.dtype)
     q = torch.randn(shape.batch, shape.q_len, shape.heads, shape.head_dim, device=device, dtype=dtype)
     k = torch.randn(shape.batch, shape.kv_len, shape.kv_heads, shape.head_dim, device=device, dtype=dtype)
     v = torch.randn_like(k)
@@ -315,4 +341,5 @@ def _attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, a
 
 @_attention_op.register_fake
 def _(query, key, value, attn_mask, is_causal, scale, layout, dispatch):
-    return query.new_empty((*query.shape[:-1], value.shape[-1]))
+    dtype = torch.bfloat16 if query.dtype == _FP8 else query.dtype  # fa3's float8 output is bf16
+    return query.new_empty((*query.shape[:-1], value.shape[-1]), dtype=dtype)

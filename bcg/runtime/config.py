@@ -83,7 +83,8 @@ class RunnerConfig:
         ``bcg.diffusers.accelerate``; see ``bcg.runtime.attention``): "auto" (default) times the
         available kernels per attention shape at warmup and keeps the fastest, or one of "sdpa"
         (PyTorch's own choice), "cudnn", "flash", "efficient", "math", "fa3" (FlashAttention-3, the
-        ``fa3-fwd`` package). A kernel that is missing or refuses a shape falls back to "sdpa" with
+        ``fa3-fwd`` package), "fa3_fp8" (FA3 on float8 inputs: faster, less exact; never chosen by
+        "auto"). A kernel that is missing or refuses a shape falls back to "sdpa" with
         a one-line reason.
     """
 

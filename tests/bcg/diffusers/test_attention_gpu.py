@@ -28,6 +28,22 @@ def test_fa3_matches_sdpa_within_bf16_error():
     assert (out.float() - expected.float()).abs().max() < 2e-2
 
 
+def test_fa3_fp8_is_close_to_fp32_attention_and_compiles_with_the_cast_outside_the_op():
+    reason = backend_unavailable_reason("fa3_fp8", torch.device("cuda"))
+    if reason is not None:
+        pytest.skip(reason)
+    q, k, v = _qkv()
+    dispatch = AttentionDispatch("fa3_fp8", device="cuda")
+    out = dispatch(q, k, v, layout="bshd")
+    expected = F.scaled_dot_product_attention(*(x.float().transpose(1, 2) for x in (q, k, v))).transpose(1, 2)
+    assert out.dtype == torch.bfloat16 and out.shape == q.shape
+    cosine = F.cosine_similarity(out.float().flatten(), expected.flatten(), dim=0)
+    assert cosine > 0.99, cosine  # e4m3 inputs: ~3 significant bits each, error averaged by the softmax
+    compiled = torch.compile(lambda q, k, v: dispatch(q * 1.0, k, v, layout="bshd"), fullgraph=True)
+    assert torch.allclose(compiled(q, k, v).float(), out.float(), atol=2e-2)
+    assert {c["backend"] for c in dispatch.stats()["choices"]} == {"fa3_fp8"}
+
+
 def test_auto_times_the_candidates_once_per_shape():
     dispatch = AttentionDispatch("auto", device="cuda")
     q, k, v = _qkv()

@@ -65,6 +65,32 @@ def test_fa3_refuses_what_it_cannot_run():
     assert "mask" in _refusal("cudnn", shape, masked=True) and _refusal("efficient", shape, masked=True) is None
 
 
+def test_fa3_fp8_is_named_only_and_takes_bf16_or_float8():
+    from bcg.runtime.attention import AUTO_CANDIDATES, KERNELS
+
+    assert "fa3_fp8" not in AUTO_CANDIDATES  # it changes the numbers: never chosen by "auto"
+    bf16, fp8 = (_Shape(1, 24, 24, 4608, 4608, 128, dtype) for dtype in ("bfloat16", "float8_e4m3fn"))
+    assert _refusal("fa3_fp8", bf16, masked=False) is None and _refusal("fa3_fp8", fp8, masked=False) is None
+    assert "bf16" in _refusal("fa3", fp8, masked=False)
+    assert "fa3_fp8 takes no attention mask" == _refusal("fa3_fp8", bf16, masked=True)
+    dispatch = AttentionDispatch("fa3_fp8", device="cpu")
+    assert dispatch.candidates == ["sdpa"] and "CUDA" in dispatch.unavailable["fa3_fp8"]
+    q, k, v = (x.to(torch.float8_e4m3fn) for x in _qkv())  # handed over in float8, then refused: sdpa in bf16
+    expected = F.scaled_dot_product_attention(*(x.to(torch.bfloat16) for x in (q, k, v)))
+    assert torch.equal(KERNELS["sdpa"](q, k, v, None, False, None, "bhsd"), expected)
+
+
+def test_compiled_code_casts_to_float8_only_when_fa3_fp8_will_take_the_call():
+    dispatch = AttentionDispatch("math", device="cpu")
+    q = torch.zeros(1, 24, 64, 128, dtype=torch.bfloat16)
+    assert not dispatch._casts_to_fp8(q, q, None, "bhsd")  # not a candidate here
+    dispatch.candidates = ["fa3_fp8"]  # as on a Hopper GPU with fa3-fwd
+    assert dispatch._casts_to_fp8(q, q, None, "bhsd")
+    assert not dispatch._casts_to_fp8(q, q, torch.ones(64, 64, dtype=torch.bool), "bhsd")
+    assert not dispatch._casts_to_fp8(q.float(), q.float(), None, "bhsd")
+    assert not dispatch._casts_to_fp8(torch.zeros(1, 24, 64, 320, dtype=torch.bfloat16), q, None, "bhsd")
+
+
 def test_compiled_code_calls_the_dispatch_as_one_op_without_graph_breaks():
     dispatch = AttentionDispatch("math", device="cpu")
     q, k, v = _qkv()
