@@ -29,16 +29,16 @@ cache and the hand-off would not be what made them fast. Serve's autoscaling met
 second (``RAY_SERVE_*_AUTOSCALING_METRIC_PUSH_INTERVAL_S=1``, set before Ray starts).
 
 On the GPU host (FLUX.1-dev at 512x512; each replica loads the directory in ~17 s; the transformer's full
-compile took ~90 s cold and 11 s from its artifacts in a fresh process; the served regional compile's
-first call took ~180-200 s, most of it outside inductor's backend, so run the full compile first), after
-``make_pipeline_dirs.py --models flux.1-dev`` (~50 s)::
+compile took ~90 s cold and 11 s from its artifacts in a fresh process, a regional compile ~20 s cold),
+after ``make_pipeline_dirs.py --models flux.1-dev`` (~50 s)::
 
     bash benchmarks/run_gpu.sh steps \\
       'timeout 110 python3 benchmarks/make_pipeline_dirs.py --out /tmp/pipelines --models flux.1-dev --device cuda' \\
-      'timeout 450 python3 benchmarks/bench_scale_up.py --pipelines-dir /tmp/pipelines --runner compile=true --out $R/bench_scale_up.json'
+      'timeout 450 python3 benchmarks/bench_scale_up.py --pipelines-dir /tmp/pipelines \\
+         --runner compile=true,compile_regional=true --out $R/bench_scale_up_regional.json'
 
-then ``--runner compile=true,compile_regional=true`` (and ``,quantize=fp8``) with ``--out
-$R/bench_scale_up_regional.json``.
+and with ``,quantize=fp8`` (``--out $R/bench_scale_up_fp8.json``); ``--runner compile=true`` for the
+whole-module compile.
 
 ``--allow-cpu``: a tiny FLUX.1-dev directory in a temporary folder, 64x64, 2 steps, CPU replicas, runner
 compile off and fake artifacts (``tests.deployments.fake_artifacts``: inductor on two CPU cores takes a
