@@ -157,12 +157,12 @@ class AttentionDispatch:
 
     def _casts_to_fp8(self, query, key, attn_mask, layout) -> bool:
         """Whether compiled code hands this call to the op in float8: only when ``"fa3_fp8"`` will take it
-        (decided from what tracing knows: the dtype, the mask, the head dims)."""
-        if "fa3_fp8" not in self.candidates or query.dtype != torch.bfloat16:
+        (`_refusal`'s conditions, from what tracing knows, in plain checks dynamo traces without a break)."""
+        if "fa3_fp8" not in self.candidates or query.dtype != torch.bfloat16 or attn_mask is not None:
             return False
         heads = 1 if layout == "bhsd" else 2
-        shape = _Shape(1, int(query.shape[heads]), int(key.shape[heads]), 1, 1, int(query.shape[-1]), "bfloat16")
-        return _refusal("fa3_fp8", shape, attn_mask is not None) is None
+        head_dim = query.shape[-1]
+        return head_dim <= 256 and head_dim % 8 == 0 and query.shape[heads] % key.shape[heads] == 0
 
     # -- choice -----------------------------------------------------------------------------------
 

@@ -91,6 +91,28 @@ def test_compiled_code_casts_to_float8_only_when_fa3_fp8_will_take_the_call():
     assert not dispatch._casts_to_fp8(torch.zeros(1, 24, 64, 320, dtype=torch.bfloat16), q, None, "bhsd")
 
 
+def test_compiled_code_hands_fa3_fp8_float8_inputs_without_a_graph_break(monkeypatch):
+    from bcg.runtime import attention
+
+    seen = []
+
+    def fake_fa3_fp8(query, key, value, attn_mask, is_causal, scale, layout):  # fa3-fwd needs a Hopper GPU
+        seen.append(query.dtype)
+        return attention._sdpa(query, key, value, attn_mask, is_causal, scale, layout)
+
+    monkeypatch.setitem(attention.KERNELS, "fa3_fp8", fake_fa3_fp8)
+    dispatch = AttentionDispatch("math", device="cpu")
+    dispatch.candidates = ["fa3_fp8"]
+    q, k, v = (x.to(torch.bfloat16) for x in _qkv(layout="bshd", d=32))
+    compiled = torch.compile(lambda q, k, v: dispatch(q * 2, k, v, layout="bshd"), backend="aot_eager",
+                             fullgraph=True)
+    out = compiled(q, k, v)
+    assert seen == [torch.float8_e4m3fn] and out.dtype == torch.bfloat16
+    expected = F.scaled_dot_product_attention(*(x.to(torch.float8_e4m3fn).to(torch.bfloat16).transpose(1, 2)
+                                                for x in (q * 2, k, v))).transpose(1, 2)
+    assert torch.allclose(out.float(), expected.float(), atol=1e-2)
+
+
 def test_compiled_code_calls_the_dispatch_as_one_op_without_graph_breaks():
     dispatch = AttentionDispatch("math", device="cpu")
     q, k, v = _qkv()
