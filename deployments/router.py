@@ -72,10 +72,11 @@ logger = logging.getLogger(__name__)
 # (besides WARM_KEYS, WARM_BATCH_KEYS and BATCH_FREE_ROWS).
 QUEUE_LEN = "queue_len"
 POOL_BYTES = "pool_bytes"
+LORA_ADAPTERS = "lora_adapters"  # the LoRA adapters the replica holds (deployments.lora)
 
 DEFAULT_SPILL_THRESHOLD = 3
 
-__all__ = ["BATCH_FREE_ROWS", "POOL_BYTES", "QUEUE_LEN", "WARM_BATCH_KEYS", "WARM_KEYS", "ShapeAffinityRouter",
+__all__ = ["BATCH_FREE_ROWS", "LORA_ADAPTERS", "POOL_BYTES", "QUEUE_LEN", "WARM_BATCH_KEYS", "WARM_KEYS", "ShapeAffinityRouter",
            "replica_warm_keys", "warm_set"]
 
 
