@@ -95,7 +95,8 @@ class AdapterRegistry:
     async def unload(self, name: str, broadcast: Broadcast) -> dict:
         async with self._lock:
             if name not in self.adapters:
-                raise UnknownAdapterError(f"no LoRA adapter {name!r} is loaded (loaded: {sorted(self.adapters) or 'none'})")
+                raise UnknownAdapterError(f"no LoRA adapter {name!r} is loaded "
+                                          f"(loaded: {sorted(self.adapters) or 'none'})")
             answers = await broadcast("unload_lora_adapter", name, True)
             errors = [a for a in answers if isinstance(a, BaseException)]
             path = self.adapters.pop(name)

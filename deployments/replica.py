@@ -184,7 +184,8 @@ class Replica:
         free = {group: load["free_rows"] for group, load in self.engine.batcher.load().items()
                 if load["running_rows"]}
         return {**self._warm_view(), QUEUE_LEN: self._ongoing, POOL_BYTES: self.engine.pool_bytes(),
-                BATCH_FREE_ROWS: free, LORA_ADAPTERS: self.engine.lora_adapters(), **{name: dict(times) for name, times in self._timing.items()}}
+                BATCH_FREE_ROWS: free, LORA_ADAPTERS: self.engine.lora_adapters(),
+                **{name: dict(times) for name, times in self._timing.items()}}
 
     def record_replica_metadata(self) -> dict:
         return self._routing_view()

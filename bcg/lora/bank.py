@@ -141,8 +141,8 @@ class LoraBank:
         self._check(name, weights)
         free = sorted(set(range(1, self.max_loras + 1)) - {h.slot for h in self._held.values()})
         if not free:
-            raise AdapterConflictError(f"all max_loras={self.max_loras} slots hold adapters ({', '.join(self.adapters())}); "
-                                       "unload one or raise max_loras")
+            raise AdapterConflictError(f"all max_loras={self.max_loras} slots hold adapters "
+                                       f"({', '.join(self.adapters())}); unload one or raise max_loras")
         slot = free[0]
         with torch.no_grad():
             for module, layer in self.layers.items():

@@ -29,8 +29,10 @@ def adapters(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("lora_serve")
     pipe = load_pipeline("tiny-flux")
-    return {"a": str(make_adapter(pipe, root / "a", rank=4, alpha=8, seed=1, std=0.3)),
-            "b": str(make_adapter(pipe, root / "b", rank=2, seed=2, std=0.5, targets=("to_q", "to_v", "proj_mlp"))),
+    transformer, cls = pipe.transformer, type(pipe)
+    return {"a": str(make_adapter(transformer, cls, root / "a", rank=4, alpha=8, seed=1, std=0.3)),
+            "b": str(make_adapter(transformer, cls, root / "b", rank=2, seed=2, std=0.5,
+                                  targets=("to_q", "to_v", "proj_mlp"))),
             "junk": str(_junk(root / "junk.safetensors"))}
 
 

@@ -28,10 +28,15 @@ REQUEST = {"size": "64x64", "steps": 2, "guidance": 3.0, "output_type": "np"}
 def adapters(tmp_path_factory):
     """Two adapter directories: ``a`` (rank 4, alpha 8) and ``b`` (rank 2, alpha = rank, other layers)."""
     root = tmp_path_factory.mktemp("lora")
-    pipe = load_pipeline("tiny-flux")
-    a = make_adapter(pipe, root / "a", rank=4, alpha=8, seed=1, std=0.3)
-    b = make_adapter(pipe, root / "b", rank=2, seed=2, std=0.5, targets=("to_q", "to_v", "ff.net.2", "proj_mlp"))
+    a = _make(root / "a", rank=4, alpha=8, seed=1, std=0.3)
+    b = _make(root / "b", rank=2, seed=2, std=0.5, targets=("to_q", "to_v", "ff.net.2", "proj_mlp"))
     return {"a": str(a), "b": str(b)}
+
+
+def _make(directory, **kw):
+    """An adapter for tiny-flux's transformer (peft, saved with FluxPipeline.save_lora_weights)."""
+    pipe = load_pipeline("tiny-flux")
+    return make_adapter(pipe.transformer, type(pipe), directory, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -46,11 +51,12 @@ def _plan(pipe, prompt, seed, **kw):
     return plan_request(pipe, prompt, seed=seed, **{**REQUEST, **kw})
 
 
-def _serve(batcher, requests):
-    """Submit every ``(prompt, seed, lora)`` at once (they join one step), drive the batcher; the images."""
+def _serve(batcher, requests, **request):
+    """Submit every ``(prompt, seed, lora)`` at once (they join one step), drive the batcher; the images.
+    `request`: planning fields over `REQUEST`."""
     futures = []
     for prompt, seed, lora in requests:
-        key, kwargs = _plan(batcher.pipe, prompt, seed)
+        key, kwargs = _plan(batcher.pipe, prompt, seed, **request)
         futures.append(batcher.submit_planned(key, kwargs, lora=lora))
     for _ in range(100):
         if all(f.done() for f in futures):
@@ -162,10 +168,10 @@ def test_bad_adapter_file_names_what_is_wrong_and_loses_nothing(served, adapters
         read_adapter(pipe, str(tmp_path / "junk.safetensors"))
     with pytest.raises(AdapterFileError, match="no such file"):
         read_adapter(pipe, str(tmp_path / "missing"))
-    wide = make_adapter(load_pipeline("tiny-flux"), tmp_path / "wide", rank=16, seed=3)
+    wide = _make(tmp_path / "wide", rank=16, seed=3)
     with pytest.raises(AdapterFileError, match="max_lora_rank=8"):
         bank.load("wide", read_adapter(pipe, str(wide)))
-    other = make_adapter(load_pipeline("tiny-flux"), tmp_path / "other", rank=2, seed=4, targets=("norm.linear",))
+    other = _make(tmp_path / "other", rank=2, seed=4, targets=("norm.linear",))
     with pytest.raises(AdapterFileError, match="lora_target_modules"):
         bank.load("other", read_adapter(pipe, str(other)))
     with pytest.raises(AdapterConflictError, match="loaded already"):
