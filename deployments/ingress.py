@@ -88,6 +88,7 @@ ERROR_RESPONSES = {
     400: {"description": "body not UTF-8, unreadable, or an unsupported option (response_format 'url')"},
     401: {"description": "API key missing or wrong (header WWW-Authenticate: Bearer)"},
     404: {"description": "`model` is neither the model this deployment serves nor one of its LoRA adapters"},
+    409: {"description": "a LoRA adapter of that name is loaded already, or every adapter slot is taken"},
     413: {"description": "body larger than max_body_bytes"},
     500: {"description": "the pipeline raised while generating; the replica keeps serving"},
     503: {"description": "queue full, or the replica died max_retries+1 times; retry after Retry-After"},
@@ -323,7 +324,7 @@ class Ingress:
             ModelCard(id=name, created=self.created, root=path, parent=self.model)
             for name, path in sorted(adapters.items())])
 
-    @api.post("/v1/load_lora_adapter", responses={k: ERROR_RESPONSES[k] for k in (401, 413)})
+    @api.post("/v1/load_lora_adapter", responses={k: ERROR_RESPONSES[k] for k in (401, 409, 413)})
     async def http_load_lora_adapter(self, body: LoadLoraAdapterRequest):
         """Load a LoRA adapter on every replica (an admin path): 200, or 422 (a file that cannot be served),
         409 (the name is taken, or no slot is free)."""
