@@ -41,9 +41,14 @@ Contract:
   so they never wait for a capture in progress (a runner holds its lock while capturing).
 * ``record_routing_stats()`` publishes ``warm_keys``, ``warm_batch_keys`` (the keys of the batch
   buckets their warmups captured), ``queue_len`` (requests on this replica, queued or running),
-  ``pool_bytes`` and ``batch_free_rows`` (per group running a batch now, the image rows it has room
-  for); the router reads them. Serve's ``max_ongoing_requests`` caps how many requests reach
-  the batcher, so it must be at least ``max_batch_size`` (``build_app`` checks).
+  ``pool_bytes``, ``batch_free_rows`` (per group running a batch now, the image rows it has room
+  for) and ``lora_adapters`` (the LoRA adapters it holds); the router reads them. Serve's
+  ``max_ongoing_requests`` caps how many requests reach the batcher, so it must be at least
+  ``max_batch_size`` (``build_app`` checks).
+* LoRA adapters (``deployments.lora``): the replica loads the coordinator's adapters before its warmup
+  and again once warm (those loaded or unloaded while it started); the coordinator loads and unloads
+  them at run time through ``load_lora_adapter`` / ``unload_lora_adapter`` (read on a worker thread,
+  copied into a slot between two steps: no capture).
 """
 from __future__ import annotations
 
@@ -143,6 +148,8 @@ class Replica:
             await self._warmup(keys)
         else:
             await self._push_progress()  # the coordinator learns this replica's memory share
+        if lora and coordinator is not None:  # adapters loaded or unloaded while this replica started
+            await self._sync_adapters(await coordinator.lora_adapters.remote())
         self.warm_ready_at = time.time()
         # from the constructor's start: the pipeline's load, then the warmup (start of warmup to warm)
         self._cold_start = {"seconds": round(self.warm_ready_at - t_start, 3),
@@ -287,6 +294,17 @@ class Replica:
             self._executor, self.engine.read_lora_adapter, path))
         out = await self._in_thread(self.engine.load_lora_adapter, name, weights)
         return {"replica": self.replica_id, **out}
+
+    async def _sync_adapters(self, adapters: Dict[str, str]) -> None:
+        """Hold exactly `adapters` (name -> path, the coordinator's); a failure is logged, not raised."""
+        held = set(self.engine.lora_adapters())
+        for name in sorted(held - set(adapters)):
+            await self.unload_lora_adapter(name, missing_ok=True)
+        for name in sorted(set(adapters) - held):
+            try:
+                await self.load_lora_adapter(name, adapters[name])
+            except Exception as exc:  # noqa: BLE001 -- requests for it go to replicas that hold it
+                logger.warning("replica %s: LoRA adapter %s not loaded: %s", self.replica_id, name, exc)
 
     async def unload_lora_adapter(self, name: str, missing_ok: bool = False) -> dict:
         from bcg.lora import UnknownAdapterError
