@@ -21,7 +21,10 @@ and 4; requests run ``--steps`` (28) steps. Measured:
   as the fourth when fewer than 4 adapters) against 4 with one adapter, in turn, ``--rounds`` rounds:
   images per second of each and the ratio mixed / single (>= 0.85), the batcher's rows per step;
 - ``rows``: each row of a mixed batch against the same request served alone, max abs difference in 8-bit
-  pixel values (bf16 rounding of batched kernels; a row that used another row's adapter is far off).
+  pixel values (bf16 rounding of batched kernels; a row that used another row's adapter is far off);
+- ``no_lora_layers`` (unless ``--no-baseline``): the base request on an engine without LoRA layers (the
+  model loaded again once the first engine is freed), against the base request above: what the layers
+  cost a request that uses no adapter (two runs one after the other, not interleaved).
 
 The JSON (machine, command, settings, each phase as it finishes, the targets) is rewritten after every
 phase, so a timeout keeps what was measured. Needs CUDA unless ``--allow-cpu``: a smoke run on the
@@ -50,8 +53,9 @@ def log(msg):
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-def make_adapters(model: str, out_dir: str, count: int, rank: int, std: float) -> dict:
-    """``count`` adapters for `model`'s transformer (a meta-device copy of its config: no weights read)."""
+def make_adapters(model: str, out_dir: str, count: int, rank: int, std: float, dtype=None) -> dict:
+    """``count`` adapters for `model`'s transformer (a meta-device copy of its config: no weights read),
+    saved in `dtype`."""
     import diffusers
     import torch
 
@@ -68,7 +72,7 @@ def make_adapters(model: str, out_dir: str, count: int, rank: int, std: float) -
         pipe = load_pipeline(model)
         pipeline_class, transformer = type(pipe), pipe.transformer
     return {f"a{i}": str(make_adapter(transformer, pipeline_class, os.path.join(out_dir, f"a{i}"), rank=rank,
-                                      seed=i + 1, std=std)) for i in range(count)}
+                                      seed=i + 1, std=std, dtype=dtype)) for i in range(count)}
 
 
 def _totals(engine) -> dict:
@@ -91,7 +95,8 @@ def run(args) -> dict:
     save = lambda: write_json(args.out, result)  # noqa: E731
     adapter_dir = tempfile.mkdtemp(prefix="bench_lora_")
     t0 = time.perf_counter()
-    adapters = make_adapters(args.model, adapter_dir, args.adapters, args.rank, args.std)
+    adapters = make_adapters(args.model, adapter_dir, args.adapters, args.rank, args.std,
+                             None if args.model == "tiny-flux" else torch.bfloat16)
     result["make_adapters_s"] = round(time.perf_counter() - t0, 3)
     runner = {**runner_fields(args.runner), **({"compile": True} if args.compile else {})}
     t0 = time.perf_counter()
@@ -176,7 +181,35 @@ def run(args) -> dict:
     result["targets"] = targets(result)
     engine.close()
     save()
+    if args.baseline:
+        config = engine.config
+        del engine, together  # the model's memory goes before the second engine loads it
+        result["no_lora_layers"] = baseline(args, request, key, wall_ms, config, result)
+        save()
     return result
+
+
+def baseline(args, request, key, wall_ms, runner, result) -> dict:
+    """What the LoRA layers cost a base request: the same request on an engine without them (loaded after
+    the LoRA engine is freed: not interleaved, so the ratio carries the drift between the two runs)."""
+    import gc
+
+    import torch
+
+    from deployments.engine import ReplicaEngine
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    plain = ReplicaEngine(args.model, runner_config=runner, warmup_steps=2,
+                          batching={"max_batch_size": 4, "batch_buckets": [1, 2, 4]})
+    plain.call(plain.warmup_key, key.key).result()
+    rounds = [wall_ms(lambda: plain.submit(request(), key, args.steps).result()) for _ in range(args.rounds)]
+    plain.close()
+    ms = ratio({"ms": {"rounds": rounds}, "one": {"rounds": [1.0] * len(rounds)}}, "ms", "one")
+    lora_base = result["interleaved"]["ms"]["base"]["median"]
+    log(f"base request without LoRA layers: {ms['median']} ms; with them {lora_base} ms")
+    return {"base_ms": ms, "lora_layers_base_over_plain_base": round(lora_base / ms["median"], 4)}
 
 
 def targets(result: dict) -> list:
@@ -215,6 +248,8 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--compile", action="store_true", help="runner compile=True (compiled segments)")
     p.add_argument("--runner", default="", help="RunnerConfig fields, k=v,...")
+    p.add_argument("--no-baseline", dest="baseline", action="store_false",
+                   help="skip the base request on an engine without LoRA layers (loads the model again)")
     p.add_argument("--allow-cpu", action="store_true", help="smoke run without CUDA (tiny-flux)")
     args = p.parse_args(argv)
     import torch

@@ -32,6 +32,8 @@ def test_smoke_run_switches_adapters_and_batches_four_adapters_in_one_step(tmp_p
     assert rows["adapter_vs_base_8bit"] > 10 * rows["tolerance_8bit"]  # the adapters change the image
     assert all(r["max_abs_diff_8bit"] <= rows["tolerance_8bit"] for r in rows["per_row"])
     assert [c["met"] for c in result["targets"]][0] is True and len(result["targets"]) == 4
+    plain = result["no_lora_layers"]  # the same base request on an engine without LoRA layers
+    assert len(plain["base_ms"]["rounds"]) == 3 and plain["lora_layers_base_over_plain_base"] > 0
 
 
 def test_targets_flag_a_switch_that_captured_and_a_slow_mixed_batch():

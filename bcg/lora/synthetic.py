@@ -21,8 +21,9 @@ ATTENTION_AND_MLP = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_pr
 
 
 def make_adapter(transformer, pipeline_class, directory, rank: int = 4, alpha: float | None = None,
-                 targets: Sequence[str] = ATTENTION_AND_MLP, seed: int = 0, std: float = 0.05) -> Path:
+                 targets: Sequence[str] = ATTENTION_AND_MLP, seed: int = 0, std: float = 0.05, dtype=None) -> Path:
     """Write a LoRA adapter for `transformer` (of a `pipeline_class` pipeline) to `directory`; returns it.
+    Its weights are saved in `dtype` (None: float32; bfloat16 halves a large model's files).
 
     The transformer is left as it was (its peft layers are taken out again with ``unload_lora``): call
     it before `bcg.lora.LoraBank.install`, on a transformer without other peft adapters."""
@@ -39,12 +40,12 @@ def make_adapter(transformer, pipeline_class, directory, rank: int = 4, alpha: f
     transformer.add_adapter(config, adapter_name=name)
     try:
         state = get_peft_model_state_dict(transformer, adapter_name=name)
-        shapes = {k: (tuple(v.shape), v.dtype) for k, v in state.items()}
+        shapes = {k: tuple(v.shape) for k, v in state.items()}
     finally:
         transformer.unload_lora()
     generator = torch.Generator().manual_seed(seed)
-    state = {k: (torch.randn(shape, generator=generator, dtype=torch.float32) * std).to(
-        dtype if dtype.is_floating_point else torch.float32) for k, (shape, dtype) in sorted(shapes.items())}
+    state = {k: (torch.randn(shape, generator=generator, dtype=torch.float32) * std).to(dtype or torch.float32)
+             for k, shape in sorted(shapes.items())}
     directory = Path(directory)
     pipeline_class.save_lora_weights(directory, transformer_lora_layers=state,
                                      transformer_lora_adapter_metadata=config.to_dict())
