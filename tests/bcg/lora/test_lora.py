@@ -12,7 +12,7 @@ from bcg.diffusers.batching import StepBatcher  # noqa: E402
 from bcg.diffusers.models import load_pipeline  # noqa: E402
 from bcg.diffusers.pipelines import plan_request  # noqa: E402
 from bcg.lora import (AdapterConflictError, AdapterFileError, UnknownAdapterError, install_lora,  # noqa: E402
-                      lora_bank, read_adapter)
+                      lora_bank, read_adapter, target_names)
 from bcg.lora.synthetic import make_adapter  # noqa: E402
 
 # The issue's bound: an adapter request within 3/255 per pixel of diffusers' pipeline with the adapter
@@ -205,3 +205,42 @@ def test_unknown_adapter_fails_its_request_alone_and_unload_frees_the_slot(serve
     assert all(not layer.lora_A[3].any() for layer in bank.layers.values())  # its slot is zeros again
     with pytest.raises(UnknownAdapterError):
         bank.unload("c")
+
+
+def test_compiled_segments_serve_every_adapter_without_recompiling():
+    # the runner's compile path (compile_for_segments, attention breaks) on a Flux transformer with LoRA
+    # layers: switching adapters hits the frames the first call compiled, and matches the module eagerly
+    from bcg.diffusers import install_breaks
+    from bcg.lora import AdapterWeights, LoraBank
+    from bcg.runtime.compile import compile_for_segments
+    from tests.bcg.runtime.test_compile import _flux_inputs, _tiny_flux
+
+    torch._dynamo.reset()
+    module = _tiny_flux()
+    names = target_names(module, ("to_q", "to_v", "ff.net.2", "proj_mlp"))
+    bank = LoraBank.install(module, names, max_loras=2, max_rank=2, max_rows=4)
+    g = torch.Generator().manual_seed(0)
+    for name in ("x", "y"):
+        bank.load(name, AdapterWeights({m: (torch.randn(2, layer.in_features, generator=g) * 0.3,
+                                            torch.randn(layer.out_features, 2, generator=g) * 0.3)
+                                        for m, layer in bank.layers.items()}))
+    inputs = _flux_inputs(36)
+    choices = [None, ("x", 1.0), ("y", 0.5), None]
+    with torch.no_grad():
+        expected = []
+        for choice in choices:
+            bank.set_rows([choice])
+            expected.append(module(**inputs).sample)
+        install_breaks(module, "attention")
+        compiled = compile_for_segments(module, backend="eager")
+        first = None
+        for choice, want in zip(choices, expected):
+            bank.set_rows([choice])
+            torch.testing.assert_close(compiled(**inputs).sample, want, rtol=0, atol=0)
+            first = first or compiled.stats()
+    stats = compiled.stats()
+    # (the first call compiles Flux's frames, recompiling two of them for its block shapes)
+    assert (stats["graphs_compiled"], stats["recompiles"]) == (first["graphs_compiled"], first["recompiles"])
+    assert stats["calls"] == len(choices) and stats["graphs_compiled"] > 0
+    assert not torch.equal(expected[0], expected[1])
+    torch._dynamo.reset()
