@@ -45,10 +45,14 @@ def _state_dict(pipe_cls, path: str) -> tuple[dict, dict, dict]:
 def read_adapter(pipe, path: str) -> AdapterWeights:
     """The transformer's LoRA weights in the adapter at `path` (see the module docstring)."""
     import torch
+    try:
+        from peft import LoraConfig
+        from peft.utils.other import get_pattern_key
+    except ImportError:
+        raise ImportError("LoRA adapters need peft (diffusers reads adapters through it): "
+                          "pip install 'bcg-serve[lora]' (or pip install peft)") from None
     from diffusers.utils import convert_unet_state_dict_to_peft
     from diffusers.utils.peft_utils import get_peft_kwargs
-    from peft import LoraConfig
-    from peft.utils.other import get_pattern_key
 
     pipe_cls = pipe if isinstance(pipe, type) else type(pipe)
     state, alphas, metadata = _state_dict(pipe_cls, path)
