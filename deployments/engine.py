@@ -144,7 +144,7 @@ class ReplicaEngine:
         pipe = load_pipeline(model, device=self.device, dtype=getattr(torch, dtype) if dtype else None)
         if pipeline_hook:
             resolve_hook(pipeline_hook)(pipe)  # from the app config (e.g. fault injection in tests)
-        # LoRA slots before anything captures or compiles the transformer (``lora``: `LoraSettings` fields);
+        # LoRA slots before anything captures or compiles the transformer (``lora``: see `_install_lora`);
         # they count in the replica's weights, so in its memory share
         self.lora = _install_lora(pipe, lora) if lora else None
         self.pipe = accelerate(pipe, config=self.config, components=pipeline_components(pipe, components))
