@@ -244,3 +244,25 @@ def test_compiled_segments_serve_every_adapter_without_recompiling():
     assert stats["calls"] == len(choices) and stats["graphs_compiled"] > 0
     assert not torch.equal(expected[0], expected[1])
     torch._dynamo.reset()
+
+
+def test_sd3_cfg_rows_follow_their_request_and_match_diffusers(tmp_path):
+    # SD3 runs CFG as one call of [negatives; positives]: each half's rows take their request's adapter
+    sd3 = load_pipeline("tiny-sd3")
+    path = str(make_adapter(sd3.transformer, type(sd3), tmp_path / "s", rank=2, seed=5, std=0.3,
+                            targets=("to_q", "to_v", "ff.net.2")))
+    install_lora(sd3, {"s": path}, max_loras=1, max_rank=2)
+    batcher = StepBatcher(sd3, max_batch_size=4, batch_buckets=(1, 2, 4))
+    requests = [("a cat", 1, ("s", 1.0)), ("a dog", 2, None), ("a bird", 3, ("s", 1.0))]
+    together = _serve(batcher, requests, guidance=5.0)
+    assert batcher.stats()["mixed_adapter_steps"] == REQUEST["steps"]
+    for request, image in zip(requests, together):
+        assert np.abs(image - _serve(batcher, [request], guidance=5.0)[0]).max() <= BATCH_TOLERANCE, request
+    reference = load_pipeline("tiny-sd3")
+    reference.load_lora_weights(path)
+    _, kwargs = _plan(reference, "a cat", 1, guidance=5.0)
+    expected = np.asarray(reference(**kwargs).images)
+    assert np.abs(together[0] - expected).max() <= PIXEL_TOLERANCE
+    plain = load_pipeline("tiny-sd3")
+    _, kwargs = _plan(plain, "a cat", 1, guidance=5.0)
+    assert np.abs(expected - np.asarray(plain(**kwargs).images)).max() > 10 * PIXEL_TOLERANCE  # it changes it
