@@ -78,8 +78,8 @@ POOL_BYTES = "pool_bytes"
 
 DEFAULT_SPILL_THRESHOLD = 3
 
-__all__ = ["BATCH_FREE_ROWS", "LORA_ADAPTERS", "POOL_BYTES", "QUEUE_LEN", "WARM_BATCH_KEYS", "WARM_KEYS", "ShapeAffinityRouter",
-           "replica_warm_keys", "warm_set"]
+__all__ = ["BATCH_FREE_ROWS", "LORA_ADAPTERS", "POOL_BYTES", "QUEUE_LEN", "WARM_BATCH_KEYS", "WARM_KEYS",
+           "ShapeAffinityRouter", "replica_warm_keys", "warm_set"]
 
 
 # Decisions of one ranking; a ranking whose tiers are None asks Serve's power-of-two router.

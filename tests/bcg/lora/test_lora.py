@@ -132,18 +132,17 @@ def test_switching_adapters_keeps_the_buffers_the_graphs_read_and_the_signature(
     assert (bank.rows.slots.data_ptr(), bank.rows.scales.data_ptr()) == rows
 
 
-def test_switching_adapters_compiles_nothing_new():
-    # dynamo with the eager backend: a switch must hit the frames compiled for the first call (no guard
-    # on the buffers' values); the same holds for inductor's code, which these frames feed.
+def test_a_compiled_lora_layer_serves_every_row_choice_from_one_graph():
+    # dynamo with the eager backend: a switch, or rows of several adapters, must hit the graph compiled
+    # for the first call (no guard on the buffers' values); inductor's code is fed by these graphs
     import torch._dynamo
     from torch._dynamo.utils import counters
 
-    from bcg.lora import LoraBank, LoraRows  # noqa: F401
+    from bcg.lora import AdapterWeights, LoraBank
 
     layer = torch.nn.Linear(8, 6)
     bank = LoraBank.install(torch.nn.Sequential(layer), ["0"], max_loras=2, max_rank=2, max_rows=4)
     module = torch.nn.Sequential(bank.layers["0"])
-    from bcg.lora import AdapterWeights
     bank.load("x", AdapterWeights({"0": (torch.randn(2, 8), torch.randn(6, 2))}))
     bank.load("y", AdapterWeights({"0": (torch.randn(1, 8), torch.randn(6, 1))}))
     torch._dynamo.reset()
