@@ -176,8 +176,10 @@ class AppArgs(BaseModel):
         """The replicas' LoRA settings (`deployments.engine`), None without LoRA layers."""
         if not self.lora_modules and not self.lora_target_modules:
             return None
+        # rows of one transformer call: a batch padded to its bucket (or n images alone), twice with CFG
+        rows = 2 * max(self.batching()["max_batch_size"], max(self.batch_buckets), self.max_n)
         return {"modules": dict(self.lora_modules), "target_modules": list(self.lora_target_modules),
-                "max_loras": self.max_loras, "max_lora_rank": self.max_lora_rank}
+                "max_loras": self.max_loras, "max_lora_rank": self.max_lora_rank, "max_lora_rows": max(64, rows)}
 
     @field_validator("batch_buckets", mode="before")
     @classmethod

@@ -40,8 +40,8 @@ class LoraRows(nn.Module):
         """Rows ``0..len(slots)``: each its slot and scale (in place: graphs keep reading these buffers)."""
         n = len(slots)
         if n > self.max_rows:
-            raise ValueError(f"a step of {n} rows exceeds the LoRA row buffers ({self.max_rows} rows); raise "
-                             "max_lora_rows")
+            raise ValueError(f"a step of {n} rows exceeds the LoRA row buffers ({self.max_rows} rows); install "
+                             "the LoRA layers with more max_rows")
         non_blocking = self.slots.device.type == "cuda"
         self.slots[:n].copy_(torch.tensor(slots, dtype=torch.long), non_blocking=non_blocking)
         self.scales[:n].copy_(torch.tensor(scales, dtype=torch.float32), non_blocking=non_blocking)

@@ -29,7 +29,9 @@ def test_model_may_name_an_adapter_and_lora_scale_needs_one():
 def test_lora_app_args_parse_and_are_checked():
     args = parse_args({"lora_modules": "style=/a,logo=/b", "lora_target_modules": "to_q,to_v", "max_loras": 2})
     assert args.lora() == {"modules": {"style": "/a", "logo": "/b"}, "target_modules": ["to_q", "to_v"],
-                           "max_loras": 2, "max_lora_rank": 16}
+                           "max_loras": 2, "max_lora_rank": 16, "max_lora_rows": 64}
+    assert parse_args({"lora_target_modules": "to_q", "batch_buckets": "1,2,64", "max_ongoing_requests": 64,
+                       "max_batch_size": 64}).lora()["max_lora_rows"] == 128  # CFG doubles a bucket's rows
     assert parse_args({}).lora() is None
     for bad, words in [({"lora_modules": "style"}, "name=path"),
                        ({"lora_modules": {"a": "/a", "b": "/b"}, "max_loras": 1}, "max_loras=1"),
