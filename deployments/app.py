@@ -126,6 +126,14 @@ class AppArgs(BaseModel):
     # the coordinator's memory only (still handed between replicas)
     compile_cache: Optional[str] = None
     compile_wait_s: float = Field(900.0, ge=0)                 # a replica waits this long for another's compile
+    # LoRA adapters (vLLM's names; deployments.lora): name -> diffusers LoRA file or directory, loaded by
+    # every replica at start; the layers they target, and those of lora_target_modules (peft target
+    # names), get slots for max_loras adapters of rank <= max_lora_rank (adapters loaded later at run
+    # time must target no other layer). Neither set: no LoRA layers.
+    lora_modules: Dict[str, str] = Field(default_factory=dict)
+    lora_target_modules: List[str] = Field(default_factory=list)
+    max_loras: int = Field(4, ge=1)
+    max_lora_rank: int = Field(16, ge=1)
 
     @field_validator("warmup", mode="before")
     @classmethod
@@ -135,6 +143,43 @@ class AppArgs(BaseModel):
         if isinstance(v, str):
             return [part for part in v.split(",") if part.strip()]
         return [str(item) for item in v]
+
+    @field_validator("lora_modules", mode="before")
+    @classmethod
+    def _split_lora_modules(cls, v):
+        if isinstance(v, str):  # "style=/adapters/style,logo=/adapters/logo" from a command line
+            pairs = _pairs(v)
+            bad = [name for name, path in pairs if not name or not path]
+            if bad or not pairs and v.strip():
+                raise ValueError(f"lora_modules must be 'name=path,...', got {v!r}")
+            return dict(pairs)
+        return v
+
+    @field_validator("lora_target_modules", mode="before")
+    @classmethod
+    def _split_lora_targets(cls, v):
+        if isinstance(v, str):
+            return [part.strip() for part in v.split(",") if part.strip()]
+        return v
+
+    @model_validator(mode="after")
+    def _lora_fits(self):
+        if len(self.lora_modules) > self.max_loras:
+            raise ValueError(f"lora_modules names {len(self.lora_modules)} adapters, above max_loras="
+                             f"{self.max_loras}; raise max_loras")
+        served = self.served_model_name or self.model
+        if served in self.lora_modules:
+            raise ValueError(f"lora_modules: {served!r} is the served model's name; name the adapter otherwise")
+        return self
+
+    def lora(self) -> Optional[dict]:
+        """The replicas' LoRA settings (`deployments.engine`), None without LoRA layers."""
+        if not self.lora_modules and not self.lora_target_modules:
+            return None
+        # rows of one transformer call: a batch padded to its bucket (or n images alone), twice with CFG
+        rows = 2 * max(self.batching()["max_batch_size"], max(self.batch_buckets), self.max_n)
+        return {"modules": dict(self.lora_modules), "target_modules": list(self.lora_target_modules),
+                "max_loras": self.max_loras, "max_lora_rank": self.max_lora_rank, "max_lora_rows": max(64, rows)}
 
     @field_validator("batch_buckets", mode="before")
     @classmethod
@@ -210,11 +255,7 @@ class AppArgs(BaseModel):
     @classmethod
     def _runner_str(cls, v):
         if isinstance(v, str):  # "max_entries=4,enabled=true" from a command line
-            out = {}
-            for part in filter(None, (p.strip() for p in v.split(","))):
-                name, _, value = part.partition("=")
-                out[name.strip()] = _scalar(value.strip())
-            return out
+            return {name: _scalar(value) for name, value in _pairs(v)}
         return v
 
     @field_validator("components", mode="before")
@@ -295,6 +336,12 @@ class AppArgs(BaseModel):
         return self.autoscaling.initial_replicas or max(1, self.autoscaling.min_replicas)
 
 
+def _pairs(text: str) -> List[tuple]:
+    """``"a=1,b=2"`` (a command-line value) -> ``[("a", "1"), ("b", "2")]``, stripped."""
+    return [tuple(x.strip() for x in part.partition("=")[::2])
+            for part in filter(None, (p.strip() for p in text.split(",")))]
+
+
 def _scalar(text: str):
     low = text.lower()
     if low in ("true", "false"):
@@ -349,13 +396,14 @@ def build_app(args: Optional[dict] = None):
         replica_options["num_replicas"] = a.num_replicas
     plan = {"keys": a.warmup, "placement": a.placement, "replication": a.replication} if a.warmup else None
     coordinator = Coordinator.bind(plan=plan, expected_replicas=a.expected_replicas(),
-                                   compile_cache=a.compile_cache, compile_lease_s=a.compile_wait_s)
+                                   compile_cache=a.compile_cache, compile_lease_s=a.compile_wait_s,
+                                   lora_modules=a.lora_modules)
     replica = Replica.options(**replica_options).bind(
         model=a.model, coordinator=coordinator, device=a.device, dtype=a.dtype, runner_config=a.runner_config(),
         warmup_steps=a.warmup_steps, default_steps=a.default_steps, cpu_threads=a.cpu_threads,
         gpu_memory_fraction=gpu_fraction, pipeline_hook=a.pipeline_hook, components=a.components,
         batching=a.batching(),
-        memory_budget_bytes=a.memory_budget_bytes, compile_wait_s=a.compile_wait_s,
+        memory_budget_bytes=a.memory_budget_bytes, compile_wait_s=a.compile_wait_s, lora=a.lora(),
     )
     limits = a.limits().model_dump()
     limits["size_multiple"] = a.size_multiple
@@ -368,7 +416,7 @@ def build_app(args: Optional[dict] = None):
     return ingress.bind(
         replica, coordinator, model=a.served_model_name or a.model, limits=limits, default_size=a.served_default_size(),
         request_timeout_s=a.request_timeout_s, max_retries=a.max_retries, retry_after_s=a.retry_after_s,
-        api_key_env=a.api_key_env, auth_scope=a.auth_scope,
+        api_key_env=a.api_key_env, auth_scope=a.auth_scope, model_root=a.model,
         # a warmup answers once the routers' stats show it: within a poll period or two; Serve's
         # default router ignores warm state, so there is nothing to wait for
         routing_sync_timeout_s=2 * a.routing_stats_period_s + 5 if a.router == "shape_affinity" else 0)

@@ -38,6 +38,9 @@ Contract:
   (``fetch_artifacts``) and hands over what it compiled (``offer_artifacts``); the coordinator owns
   them in Ray's object store and, with ``compile_cache``, persists them
   (``deployments.artifacts.ArtifactRegistry``). ``stats()["compile_artifacts"]`` shows what it holds.
+* LoRA adapters: the coordinator keeps the adapters every replica holds (``lora_modules`` at start,
+  then ``load_lora_adapter`` / ``unload_lora_adapter``: one broadcast each, all replicas or none, see
+  ``deployments.lora``); a starting replica loads ``lora_adapters()`` before it warms.
 * The assignment functions are pure (``assign_shards``, ``share_for_new_replica``, ``plan_misfit``)
   and tested alone.
 """
@@ -55,6 +58,7 @@ from ray import serve
 from bcg.diffusers.buckets import ShapeKey
 from deployments import routing_view
 from deployments.artifacts import ArtifactRegistry
+from deployments.lora import AdapterRegistry
 from deployments.memory import plan_fits
 from deployments.schemas import FieldError, WarmupRequest
 from deployments.serve_internals import fresh_request_call
@@ -155,7 +159,7 @@ class Coordinator:
     def __init__(self, plan: Optional[dict] = None, expected_replicas: int = 1,
                  replica_deployment: str = "Replica", capture_timeout_s: float = 900.0,
                  pending_ttl_s: float = 1800.0, compile_cache: Optional[str] = None,
-                 compile_lease_s: float = 900.0):
+                 compile_lease_s: float = 900.0, lora_modules: Optional[Dict[str, str]] = None):
         self.plan = WarmupRequest.model_validate(plan) if plan else None
         self.expected_replicas = max(1, int(expected_replicas))
         self.replica_deployment = replica_deployment
@@ -170,6 +174,7 @@ class Coordinator:
         self._key_bytes: Dict[str, dict] = {}       # key -> what a replica measured it needs
         # compile artifacts of the plan's keys, handed from the replica that compiled to the others
         self._artifacts = ArtifactRegistry(compile_cache, lease_s=compile_lease_s)
+        self._lora = AdapterRegistry(lora_modules)  # the LoRA adapters every replica holds
         self._warmup_lock = asyncio.Lock()
         self._assign_lock = asyncio.Lock()
         self._app = serve.get_replica_context().app_name
@@ -321,6 +326,22 @@ class Coordinator:
         """A replica told to compile `key` has nothing to hand over (its warmup failed)."""
         self._artifacts.release(key, replica_id)
 
+    # -- LoRA adapters (deployments.lora) -----------------------------------------------------------
+    def lora_adapters(self) -> Dict[str, str]:
+        """Name -> path of every adapter the replicas hold (a starting replica loads these)."""
+        return dict(self._lora.adapters)
+
+    async def load_lora_adapter(self, name: str, path: str, base_model: Optional[str] = None) -> dict:
+        """Load adapter `name` from `path` on every running replica (all or none)."""
+        return await self._lora.load(name, path, self._broadcast, base_model)
+
+    async def unload_lora_adapter(self, name: str) -> dict:
+        """Drop adapter `name` from every running replica."""
+        return await self._lora.unload(name, self._broadcast)
+
+    async def _broadcast(self, method: str, *args) -> list:
+        return await broadcast(self._replicas(), method, *args, timeout_s=self.capture_timeout_s)
+
     async def stats(self) -> dict:
         """Current per-replica stats (one broadcast) plus the plan, per-replica warmup progress, the
         warmup in progress if any and the last warmup report. Takes no lock: answered while a warmup
@@ -329,7 +350,8 @@ class Coordinator:
         keys = merge_reports(self.plan, live, {})
         return {"plan": keys["plan"], "replicas": live, "keys": keys["keys"], "uncovered": keys["uncovered"],
                 "warmup_progress": self._progress_view(live), "warmup_in_progress": self._warming,
-                "last_warmup": self._last_report, "compile_artifacts": self._artifacts.stats()}
+                "last_warmup": self._last_report, "compile_artifacts": self._artifacts.stats(),
+                "lora_adapters": dict(self._lora.adapters)}
 
 
 async def broadcast(handle, method: str, *args, timeout_s: float = 30.0) -> list:

@@ -124,7 +124,7 @@ class ReplicaEngine:
                  runner_config: Optional[dict] = None, warmup_steps: int = 2,
                  cpu_threads: Optional[int] = None, gpu_memory_fraction: Optional[float] = None,
                  pipeline_hook: Optional[str] = None, components="all", batching: Optional[dict] = None,
-                 memory_budget_bytes: Optional[int] = None):
+                 memory_budget_bytes: Optional[int] = None, lora: Optional[dict] = None):
         import torch
         from bcg.runtime.config import RunnerConfig
         from bcg.diffusers import accelerate, pipeline_info, pipeline_runners
@@ -144,6 +144,9 @@ class ReplicaEngine:
         pipe = load_pipeline(model, device=self.device, dtype=getattr(torch, dtype) if dtype else None)
         if pipeline_hook:
             resolve_hook(pipeline_hook)(pipe)  # from the app config (e.g. fault injection in tests)
+        # LoRA slots before anything captures or compiles the transformer (``lora``: see `_install_lora`);
+        # they count in the replica's weights, so in its memory share
+        self.lora = _install_lora(pipe, lora) if lora else None
         self.pipe = accelerate(pipe, config=self.config, components=pipeline_components(pipe, components))
         # what this replica's compiled code is shared through (None: nothing here compiles)
         from bcg.runtime.compile_cache import ARTIFACTS_ATTR, CompileArtifacts
@@ -371,6 +374,35 @@ class ReplicaEngine:
         while serving means a request paid a compile."""
         return _compiled(self._runner_stats)["graphs"]
 
+    # -- LoRA adapters (bcg.lora) -------------------------------------------------------------------
+    def read_lora_adapter(self, path: str):
+        """An adapter's weights read from `path` (any thread: no slot is touched); raises
+        `bcg.lora.AdapterFileError` naming what is wrong."""
+        from bcg.lora import AdapterFileError, read_adapter
+        if self.lora is None:
+            raise AdapterFileError("this deployment holds no LoRA layers: start it with lora_modules or "
+                                   "lora_target_modules")
+        return read_adapter(self.pipe, path)
+
+    def load_lora_adapter(self, name: str, weights) -> dict:
+        """Copy `weights` (`read_lora_adapter`) into a free slot as adapter `name`. Call on the loop thread
+        (`call`), between two steps; no graph is recaptured."""
+        return {"lora_name": name, "slot": self.lora.load(name, weights)}
+
+    def unload_lora_adapter(self, name: str) -> None:
+        """Free adapter `name`'s slot (on the loop thread, `call`); raises `bcg.lora.UnknownAdapterError`
+        when none is loaded."""
+        from bcg.lora import UnknownAdapterError
+        if self.lora is None:
+            raise UnknownAdapterError(f"no LoRA adapter {name!r} is loaded (this deployment holds no LoRA layers)")
+        self.lora.unload(name)
+
+    def lora_adapters(self) -> List[str]:
+        return [] if self.lora is None else self.lora.adapters()
+
+    def lora_stats(self) -> Optional[dict]:
+        return None if self.lora is None else self.lora.stats()
+
     def _drop_graphs(self, graphs) -> None:
         """Drop these (component, signature key) graphs from their runners (a key that does not fit)."""
         by_component: Dict[str, list] = {}
@@ -386,11 +418,16 @@ class ReplicaEngine:
         key measured what it needs (``key_bytes``: graphs, eager peak), for the coordinator's plan check."""
         return {**self.memory.report(self._used_bytes, self._stranded_bytes), "key_bytes": dict(self._key_bytes)}
 
-    def submit(self, request: ImageGenerationRequest, key: ShapeKey, default_steps: int) -> concurrent.futures.Future:
-        """Queue one request at its shape key (any thread). The future's result: ``{"images": [PIL
-        images], "replays", "eager_calls"}``, from the request's own call record: the runner calls made
-        for it (a batched call it shared with its neighbours counts for each of them)."""
+    def submit(self, request: ImageGenerationRequest, key: ShapeKey, default_steps: int,
+               lora: Optional[str] = None) -> concurrent.futures.Future:
+        """Queue one request at its shape key (any thread), with LoRA adapter `lora` (the ingress decided
+        it from the request's ``model``; None: the base model) at the request's ``lora_scale`` (1.0 unless
+        given). The future's result: ``{"images": [PIL images], "replays", "eager_calls"}``, from the
+        request's own call record: the runner calls made for it (a batched call it shared with its
+        neighbours counts for each of them). An adapter this replica does not hold fails the future with
+        `bcg.lora.UnknownAdapterError`."""
         answer: concurrent.futures.Future = concurrent.futures.Future()
+        choice = None if lora is None else (lora, 1.0 if request.lora_scale is None else request.lora_scale)
 
         def plan_and_queue():
             # on the loop thread: planning counts prompt tokens with the pipeline's tokenizers, which the
@@ -401,7 +438,7 @@ class ReplicaEngine:
                 steps=request.num_inference_steps or default_steps, guidance=request.guidance_scale,
                 seed=request.seed, info=self.info)
             record = CallRecord()
-            queued = self.batcher.submit_planned(key, kwargs, records=(record, self._serving))
+            queued = self.batcher.submit_planned(key, kwargs, records=(record, self._serving), lora=choice)
             with self._submit_lock:
                 answer.queued = queued  # what `cancel` drops from now on
             queued.add_done_callback(lambda done: self._answer(done, record, answer))
@@ -439,12 +476,22 @@ class ReplicaEngine:
         except concurrent.futures.InvalidStateError:
             pass  # cancelled by its caller meanwhile
 
-    def generate(self, request: ImageGenerationRequest, key: ShapeKey, default_steps: int) -> dict:
+    def generate(self, request: ImageGenerationRequest, key: ShapeKey, default_steps: int,
+                 lora: Optional[str] = None) -> dict:
         """`submit` and wait: the encoded images (the request's ``output_format``) and the runners'
         replays/eager calls for the request."""
-        out = self.submit(request, key, default_steps).result()
+        out = self.submit(request, key, default_steps, lora=lora).result()
         return {**out, "images": encode_images(out["images"], request.output_format, request.output_compression,
                                                fps=self.info.get("fps"))}
+
+
+def _install_lora(pipe, lora: dict):
+    """`bcg.lora.install_lora` with the app's LoRA settings (``modules``: name -> path, ``target_modules``,
+    ``max_loras``, ``max_lora_rank``, ``max_lora_rows``)."""
+    from bcg.lora import install_lora
+    return install_lora(pipe, lora.get("modules") or {}, target_modules=lora.get("target_modules") or (),
+                        max_loras=int(lora.get("max_loras", 4)), max_rank=int(lora.get("max_lora_rank", 16)),
+                        max_rows=int(lora.get("max_lora_rows", 64)))
 
 
 def _warmup_outcome(report: dict) -> tuple:

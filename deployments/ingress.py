@@ -4,7 +4,13 @@ Routes: ``POST /v1/images/generations`` (OpenAI Images shape plus ``num_inferenc
 ``guidance_scale``, ``seed``; images come back as ``output_format`` (png, jpeg or webp), which the
 response names as OpenAI's does, and the response adds ``bcg: {replica, warm, shape_key, latency_ms}``),
 ``POST /v1/warmup`` (a ``WarmupRequest`` -> the coordinator's merged report), ``GET /v1/stats``,
-``GET /v1/models``, ``GET /healthz``.
+``GET /v1/models`` (the model and its LoRA adapters, with ``parent``), ``POST /v1/load_lora_adapter`` and
+``POST /v1/unload_lora_adapter`` (vLLM's; ``deployments.lora``), ``GET /healthz``.
+
+LoRA adapters: a request whose ``model`` names an adapter runs with it (``lora_scale``, default 1.0);
+the ingress knows the adapters from the coordinator (asked again when a request names one it does not
+know), and passes the adapter to the replica as the ``lora`` kwarg. An adapter unloaded meanwhile gets
+a 404 from the replica's answer.
 
 Warm before traffic: ``POST /v1/warmup`` (and ``Ingress.warmup``) answers only once every ingress
 replica's routers see each warmed key warm where the report puts it (``routing_view``: routers read
@@ -36,7 +42,7 @@ import asyncio
 import base64
 import logging
 import time
-from typing import Optional
+from typing import Dict, Optional
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -59,6 +65,7 @@ from deployments.schemas import (
     check_request,
     check_warmup,
 )
+from deployments.lora import LoadLoraAdapterRequest, UnloadLoraAdapterRequest, lora_message, lora_status
 from deployments.security import API_KEY_ENV, RequestGuard, api_key_from_env
 from deployments.serve_internals import handle_queue
 
@@ -80,7 +87,8 @@ class ReplicaLostError(RuntimeError):
 ERROR_RESPONSES = {
     400: {"description": "body not UTF-8, unreadable, or an unsupported option (response_format 'url')"},
     401: {"description": "API key missing or wrong (header WWW-Authenticate: Bearer)"},
-    404: {"description": "`model` is not the model this deployment serves"},
+    404: {"description": "`model` is neither the model this deployment serves nor one of its LoRA adapters"},
+    409: {"description": "a LoRA adapter of that name is loaded already, or every adapter slot is taken"},
     413: {"description": "body larger than max_body_bytes"},
     500: {"description": "the pipeline raised while generating; the replica keeps serving"},
     503: {"description": "queue full, or the replica died max_retries+1 times; retry after Retry-After"},
@@ -92,6 +100,14 @@ ERROR_RESPONSES = {
 # when it decorates it.
 def _error(exc: FieldError) -> JSONResponse:
     return JSONResponse(status_code=exc.status_code, content={"detail": exc.detail()})
+
+
+def _lora_error(exc: BaseException, field: str) -> Optional[JSONResponse]:
+    """The response to an adapter error (404 unknown, 422 bad file, 409 conflict); None: not one."""
+    status = lora_status(exc)
+    if status is None:
+        return None
+    return _error(FieldError(field, lora_message(exc), status_code=status))
 
 
 def _unavailable(msg: str, retry_after_s: float, status: int = 503) -> JSONResponse:
@@ -120,7 +136,7 @@ class Ingress:
     def __init__(self, replica, coordinator, model: str = "tiny-flux", limits: Optional[dict] = None,
                  default_size: Optional[str] = None, request_timeout_s: float = 300.0, max_retries: int = 2,
                  retry_after_s: float = 1.0, api_key_env: str = API_KEY_ENV, auth_scope: str = "all",
-                 routing_sync_timeout_s: float = 10.0):
+                 routing_sync_timeout_s: float = 10.0, model_root: Optional[str] = None):
         self.replica = replica
         self.coordinator = coordinator
         self.model = model
@@ -131,6 +147,9 @@ class Ingress:
         self.retry_after_s = retry_after_s
         self.routing_sync_timeout_s = routing_sync_timeout_s  # 0: answer warmups without waiting
         self.created = int(time.time())
+        self.model_root = model_root or model  # where the model came from (/v1/models ``root``)
+        self._adapters: Dict[str, str] = {}  # LoRA adapter name -> path, as the coordinator last said
+        self._adapters_at = 0.0  # when it last said (monotonic; 0: never asked)
         self._info: Optional[dict] = None
         self._info_lock = asyncio.Lock()
         self._counters = {"retries": 0, "lost": 0, "timeouts": 0, "rejected": 0}
@@ -153,11 +172,21 @@ class Ingress:
                 self.limits = RequestLimits(**self._limits)
         return self._info
 
-    async def _call_replica(self, request: ImageGenerationRequest, key: ShapeKey) -> dict:
+    async def _lora_adapters(self, model: Optional[str] = None) -> Dict[str, str]:
+        """The LoRA adapters (name -> path), asked from the coordinator the first time and when `model`
+        names neither the served model nor a known adapter (at most once a second)."""
+        stale = not self._adapters_at or (model not in (None, self.model) and model not in self._adapters
+                                          and time.monotonic() - self._adapters_at > 1.0)
+        if stale:
+            self._adapters = await asyncio.wait_for(self.coordinator.lora_adapters.remote(), self.request_timeout_s)
+            self._adapters_at = time.monotonic()
+        return self._adapters
+
+    async def _call_replica(self, request: ImageGenerationRequest, key: ShapeKey, lora: Optional[str] = None) -> dict:
         """One replica answer; re-sent when its replica dies, all within ``request_timeout_s``."""
         deadline = time.monotonic() + self.request_timeout_s
         for attempt in range(self.max_retries + 1):
-            response = self.replica.generate.remote(request, shape_key=key)
+            response = self.replica.generate.remote(request, shape_key=key, lora=lora)
             try:
                 return await asyncio.wait_for(response, max(0.0, deadline - time.monotonic()))
             except asyncio.TimeoutError:
@@ -181,8 +210,10 @@ class Ingress:
         if isinstance(request, dict):
             request = ImageGenerationRequest.model_validate(request)
         info = await self._model_info()
-        key = check_request(request, self.limits, self.model, info, self.default_size)
-        out = await self._call_replica(request, key)
+        adapters = await self._lora_adapters(request.model)
+        key = check_request(request, self.limits, self.model, info, self.default_size, adapters=adapters)
+        lora = request.model if request.model in adapters and request.model != self.model else None
+        out = await self._call_replica(request, key, lora)
         data = [ImageData(b64_json=base64.b64encode(image).decode("ascii")) for image in out["images"]]
         return ImageGenerationResponse(
             created=int(time.time()), data=data, output_format=request.output_format,
@@ -191,6 +222,22 @@ class Ingress:
                           ingress_ms=(time.perf_counter() - t0) * 1e3, replays=out["replays"],
                           eager_calls=out["eager_calls"]),
         )
+
+    async def load_lora_adapter(self, request: LoadLoraAdapterRequest) -> dict:
+        """Load a LoRA adapter on every replica through the coordinator (``deployments.lora``); raises
+        its adapter errors (`bcg.lora`)."""
+        if isinstance(request, dict):
+            request = LoadLoraAdapterRequest.model_validate(request)
+        out = await self.coordinator.load_lora_adapter.remote(request.lora_name, request.lora_path, self.model)
+        self._adapters_at = 0.0
+        return {**out, "message": f"Success: LoRA adapter '{request.lora_name}' added successfully."}
+
+    async def unload_lora_adapter(self, request: UnloadLoraAdapterRequest) -> dict:
+        if isinstance(request, dict):
+            request = UnloadLoraAdapterRequest.model_validate(request)
+        out = await self.coordinator.unload_lora_adapter.remote(request.lora_name)
+        self._adapters_at = 0.0
+        return {**out, "message": f"Success: LoRA adapter '{request.lora_name}' removed successfully."}
 
     async def warmup(self, plan: WarmupRequest) -> dict:
         if isinstance(plan, dict):
@@ -249,6 +296,10 @@ class Ingress:
         except TimeoutError as exc:
             return JSONResponse(status_code=504, content={"detail": str(exc)})
         except Exception as exc:  # noqa: BLE001 -- an error raised while generating: say what, not how
+            unknown = _lora_error(exc, "model")  # its adapter was unloaded after the ingress checked it
+            if unknown is not None:
+                self._adapters_at = 0.0
+                return unknown
             logger.exception("generation failed")
             return JSONResponse(status_code=500, content={
                 "detail": f"generation failed on the replica ({_cause_name(exc)}); the server logs have "
@@ -267,7 +318,34 @@ class Ingress:
 
     @api.get("/v1/models", response_model=ModelList)
     async def http_models(self):
-        return ModelList(data=[ModelCard(id=self.model, created=self.created)])
+        self._adapters_at = 0.0  # the list a client reads is the coordinator's current one
+        adapters = await self._lora_adapters()
+        return ModelList(data=[ModelCard(id=self.model, created=self.created, root=self.model_root)] + [
+            ModelCard(id=name, created=self.created, root=path, parent=self.model)
+            for name, path in sorted(adapters.items())])
+
+    @api.post("/v1/load_lora_adapter", responses={k: ERROR_RESPONSES[k] for k in (401, 409, 413)})
+    async def http_load_lora_adapter(self, body: LoadLoraAdapterRequest):
+        """Load a LoRA adapter on every replica (an admin path): 200, or 422 (a file that cannot be served),
+        409 (the name is taken, or no slot is free)."""
+        try:
+            return await self.load_lora_adapter(body)
+        except Exception as exc:  # noqa: BLE001
+            response = _lora_error(exc, "lora_path" if lora_status(exc) == 422 else "lora_name")
+            if response is None:
+                raise
+            return response
+
+    @api.post("/v1/unload_lora_adapter", responses={k: ERROR_RESPONSES[k] for k in (401, 404, 413)})
+    async def http_unload_lora_adapter(self, body: UnloadLoraAdapterRequest):
+        """Drop a LoRA adapter from every replica (an admin path): 200, or 404 naming it."""
+        try:
+            return await self.unload_lora_adapter(body)
+        except Exception as exc:  # noqa: BLE001
+            response = _lora_error(exc, "lora_name")
+            if response is None:
+                raise
+            return response
 
     @api.get("/healthz")
     async def http_healthz(self):

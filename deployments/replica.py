@@ -41,9 +41,14 @@ Contract:
   so they never wait for a capture in progress (a runner holds its lock while capturing).
 * ``record_routing_stats()`` publishes ``warm_keys``, ``warm_batch_keys`` (the keys of the batch
   buckets their warmups captured), ``queue_len`` (requests on this replica, queued or running),
-  ``pool_bytes`` and ``batch_free_rows`` (per group running a batch now, the image rows it has room
-  for); the router reads them. Serve's ``max_ongoing_requests`` caps how many requests reach
-  the batcher, so it must be at least ``max_batch_size`` (``build_app`` checks).
+  ``pool_bytes``, ``batch_free_rows`` (per group running a batch now, the image rows it has room
+  for) and ``lora_adapters`` (the LoRA adapters it holds); the router reads them. Serve's
+  ``max_ongoing_requests`` caps how many requests reach the batcher, so it must be at least
+  ``max_batch_size`` (``build_app`` checks).
+* LoRA adapters (``deployments.lora``): the replica loads the coordinator's adapters before its warmup
+  and again once warm (those loaded or unloaded while it started); the coordinator loads and unloads
+  them at run time through ``load_lora_adapter`` / ``unload_lora_adapter`` (read on a worker thread,
+  copied into a slot between two steps: no capture).
 """
 from __future__ import annotations
 
@@ -62,7 +67,7 @@ from deployments.artifacts import ReplicaArtifacts
 from deployments.encoding import encode_images, encoding_threads
 from deployments.engine import ReplicaEngine, _release_cached_memory, cuda_memory
 from deployments.metrics import ReplicaMetrics
-from deployments.router import (BATCH_FREE_ROWS, POOL_BYTES, QUEUE_LEN, WARM_BATCH_KEYS, WARM_KEYS,
+from deployments.router import (BATCH_FREE_ROWS, LORA_ADAPTERS, POOL_BYTES, QUEUE_LEN, WARM_BATCH_KEYS, WARM_KEYS,
                                 ShapeAffinityRouter)
 from deployments.schemas import ImageGenerationRequest, ReplicaReport
 from deployments.spill import COLD_REQUEST_S, REQUEST_S, WARMUP_S, moving_average
@@ -89,7 +94,7 @@ class Replica:
                  gpu_memory_fraction: Optional[float] = None, assign_timeout_s: float = 900.0,
                  pipeline_hook: Optional[str] = None, components="all",
                  memory_budget_bytes: Optional[int] = None, batching: Optional[dict] = None,
-                 compile_wait_s: float = 900.0):
+                 compile_wait_s: float = 900.0, lora: Optional[dict] = None):
         ctx = serve.get_replica_context()
         self.replica_id = ctx.replica_id.unique_id
         self.rank = getattr(getattr(ctx, "rank", None), "rank", None)
@@ -112,8 +117,10 @@ class Replica:
         self._coordinator = coordinator  # warmup progress goes there (see _push_progress)
         self._progress: Dict = {"replica": self.replica_id, "i": 0, "n": 0, "done": True, "failed": {}}
         t0, t_start = time.perf_counter(), time.time()
+        if lora and coordinator is not None:  # the adapters every replica holds now (loads at run time too)
+            lora = {**lora, "modules": await coordinator.lora_adapters.remote()}
         self.engine = await self._in_thread(functools.partial(ReplicaEngine, memory_budget_bytes=memory_budget_bytes,
-                                                              batching=batching),
+                                                              batching=batching, lora=lora),
                                             model, device, dtype, runner_config,
                                             warmup_steps, cpu_threads, gpu_memory_fraction, pipeline_hook,
                                             components)
@@ -141,6 +148,8 @@ class Replica:
             await self._warmup(keys)
         else:
             await self._push_progress()  # the coordinator learns this replica's memory share
+        if lora and coordinator is not None:  # adapters loaded or unloaded while this replica started
+            await self._sync_adapters(await coordinator.lora_adapters.remote())
         self.warm_ready_at = time.time()
         # from the constructor's start: the pipeline's load, then the warmup (start of warmup to warm)
         self._cold_start = {"seconds": round(self.warm_ready_at - t_start, 3),
@@ -182,7 +191,8 @@ class Replica:
         free = {group: load["free_rows"] for group, load in self.engine.batcher.load().items()
                 if load["running_rows"]}
         return {**self._warm_view(), QUEUE_LEN: self._ongoing, POOL_BYTES: self.engine.pool_bytes(),
-                BATCH_FREE_ROWS: free, **{name: dict(times) for name, times in self._timing.items()}}
+                BATCH_FREE_ROWS: free, LORA_ADAPTERS: self.engine.lora_adapters(),
+                **{name: dict(times) for name, times in self._timing.items()}}
 
     def record_replica_metadata(self) -> dict:
         return self._routing_view()
@@ -277,6 +287,34 @@ class Replica:
         self.assigned = sorted(set(self.assigned) | set(keys))
         return await self._warmup(list(keys))
 
+    # -- LoRA adapters (deployments.lora: the coordinator calls these on every replica) ---------------
+    async def load_lora_adapter(self, name: str, path: str) -> dict:
+        """Read the adapter at `path` (a worker thread), then copy it into a free slot between two steps."""
+        weights = await self._wait(asyncio.get_running_loop().run_in_executor(
+            self._executor, self.engine.read_lora_adapter, path))
+        out = await self._in_thread(self.engine.load_lora_adapter, name, weights)
+        return {"replica": self.replica_id, **out}
+
+    async def _sync_adapters(self, adapters: Dict[str, str]) -> None:
+        """Hold exactly `adapters` (name -> path, the coordinator's); a failure is logged, not raised."""
+        held = set(self.engine.lora_adapters())
+        for name in sorted(held - set(adapters)):
+            await self.unload_lora_adapter(name, missing_ok=True)
+        for name in sorted(set(adapters) - held):
+            try:
+                await self.load_lora_adapter(name, adapters[name])
+            except Exception as exc:  # noqa: BLE001 -- requests for it go to replicas that hold it
+                logger.warning("replica %s: LoRA adapter %s not loaded: %s", self.replica_id, name, exc)
+
+    async def unload_lora_adapter(self, name: str, missing_ok: bool = False) -> dict:
+        from bcg.lora import UnknownAdapterError
+        try:
+            await self._in_thread(self.engine.unload_lora_adapter, name)
+        except UnknownAdapterError:
+            if not missing_ok:
+                raise
+        return {"replica": self.replica_id, "lora_name": name}
+
     def replica_info(self) -> dict:
         return {"replica": self.replica_id, "rank": self.rank, "assigned": list(self.assigned),
                 **self._routing_view()}
@@ -294,16 +332,18 @@ class Replica:
                 "batcher": self.engine.batcher.stats(), "batch_pool_bytes": self.engine.bucket_pool_bytes(),
                 "cuda_memory": cuda_memory(), "warmup_progress": dict(self._progress),
                 "memory": self.engine.memory_report(), "cold_start": self._cold_start,
-                "compile_artifacts": self._artifacts.stats(),
+                "compile_artifacts": self._artifacts.stats(), "lora": self.engine.lora_stats(),
                 # graphs compiled while serving requests, not warming: a request that paid a compile
                 "compiled_while_serving": self.engine.compiled_graphs() - self._compiled_outside_warmups,
                 "timing": {name: dict(times) for name, times in self._timing.items()}}
 
     # -- serving -----------------------------------------------------------------------------------
-    async def generate(self, request, shape_key, target_replica: Optional[str] = None) -> dict:
+    async def generate(self, request, shape_key, target_replica: Optional[str] = None,
+                       lora: Optional[str] = None) -> dict:
         """Run one image request at ``shape_key``, the `ShapeKey` the ingress computed and checked for it
-        (``check_request``; a key string is parsed), trusted from here on; the router reads ``shape_key``
-        and ``target_replica``."""
+        (``check_request``; a key string is parsed), trusted from here on, with LoRA adapter ``lora`` (the
+        ingress's reading of ``model``; None: the base model); the router reads ``shape_key`` and
+        ``target_replica``."""
         if isinstance(request, dict):
             request = ImageGenerationRequest.model_validate(request)
         key = ShapeKey.parse(shape_key)
@@ -313,7 +353,7 @@ class Replica:
             self.first_request_at = time.time()
         try:
             warm = key.key in self.engine.warm_set()  # what the router routed it by (routing_view.warm_set)
-            answer = self.engine.submit(request, key, self.default_steps)
+            answer = self.engine.submit(request, key, self.default_steps, lora=lora)
             out = await self._wait(asyncio.wrap_future(answer), on_cancel=lambda: self.engine.cancel(answer))
             t_encode = time.perf_counter()
             # after the batch: requests of any output_format share one, each encodes its own way

@@ -28,6 +28,9 @@ Contract (one call of ``choose_replicas`` = one routing attempt, Serve retries w
   (what this router last saw) and else from the replica's routing stats; they count ongoing requests
   on the replica, which Serve caps at ``max_ongoing_requests``, so a threshold at or above that cap
   never spills; ``spill_threshold`` None turns spilling off.
+* a request with a LoRA adapter (kwarg ``lora``) is ranked among the replicas that report holding it
+  (routing stats ``lora_adapters``), when any does (`holding_adapter`): adapters load on every replica,
+  so this only matters while a load or a new replica is under way;
 * a request without a key, or whose key no replica is warm for, gets Serve's own power-of-two
   answer (``PowerOfTwoChoicesRequestRouter.choose_replicas``, with Serve's locality and multiplexing
   preferences, from ``LocalityMixin`` and ``MultiplexMixin``): two random replicas, Serve takes the
@@ -48,7 +51,7 @@ replica warm optimistically: the runner never captures outside warmup, so servin
 make a replica warm for it.
 
 Knobs travel through ``request_router_kwargs`` (JSON): ``shape_key_kwarg``, ``target_kwarg``,
-``spill_threshold`` (``None`` = never spill).
+``spill_threshold`` (``None`` = never spill), ``lora_kwarg``.
 """
 from __future__ import annotations
 
@@ -60,8 +63,8 @@ from typing import Dict, Iterable, List, NamedTuple, Optional
 from ray.serve.request_router import LocalityMixin, MultiplexMixin, PendingRequest, RequestRouter, RunningReplica
 
 from deployments import routing_view, spill
-from deployments.routing_view import (BATCH_FREE_ROWS, WARM_BATCH_KEYS, WARM_KEYS, batch_group, replica_free_rows,
-                                      replica_warm_keys, warm_set)
+from deployments.routing_view import (BATCH_FREE_ROWS, LORA_ADAPTERS, WARM_BATCH_KEYS, WARM_KEYS, batch_group,
+                                      replica_adapters, replica_free_rows, replica_warm_keys, warm_set)
 # Serve's default router, whose choose_replicas is the fallback here (Serve's experimental
 # CapacityQueueRouter delegates the same way).
 from deployments.serve_internals import PowerOfTwoChoicesRequestRouter
@@ -75,8 +78,8 @@ POOL_BYTES = "pool_bytes"
 
 DEFAULT_SPILL_THRESHOLD = 3
 
-__all__ = ["BATCH_FREE_ROWS", "POOL_BYTES", "QUEUE_LEN", "WARM_BATCH_KEYS", "WARM_KEYS", "ShapeAffinityRouter",
-           "replica_warm_keys", "warm_set"]
+__all__ = ["BATCH_FREE_ROWS", "LORA_ADAPTERS", "POOL_BYTES", "QUEUE_LEN", "WARM_BATCH_KEYS", "WARM_KEYS",
+           "ShapeAffinityRouter", "replica_warm_keys", "warm_set"]
 
 
 # Decisions of one ranking; a ranking whose tiers are None asks Serve's power-of-two router.
@@ -104,18 +107,20 @@ class ShapeAffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         shape_key_kwarg: str = "shape_key",
         target_kwarg: str = "target_replica",
         spill_threshold: Optional[int] = DEFAULT_SPILL_THRESHOLD,
+        lora_kwarg: str = "lora",
         **unknown,
     ) -> None:
         if unknown:
             # Raising here would break every handle of the deployment; a typo should be visible though.
             logger.warning("ShapeAffinityRouter ignores unknown request_router_kwargs %s; known: "
-                           "shape_key_kwarg, target_kwarg, spill_threshold", sorted(unknown))
+                           "shape_key_kwarg, target_kwarg, spill_threshold, lora_kwarg", sorted(unknown))
         if spill_threshold is not None and int(spill_threshold) < 1:
             logger.warning("spill_threshold must be >= 1 or None, got %r; using %d",
                            spill_threshold, DEFAULT_SPILL_THRESHOLD)
             spill_threshold = DEFAULT_SPILL_THRESHOLD
         self.shape_key_kwarg = shape_key_kwarg
         self.target_kwarg = target_kwarg
+        self.lora_kwarg = lora_kwarg
         self.spill_threshold = None if spill_threshold is None else int(spill_threshold)
         # Router-local decision counters (this caller's view; replicas count what they served).
         self.decisions: Dict[str, int] = dict.fromkeys(DECISIONS, 0)
@@ -179,6 +184,15 @@ class ShapeAffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
                 return Ranking("spill", [cold, warm], estimate)
         return Ranking("warm", [warm])
 
+    def holding_adapter(self, candidate_replicas: List[RunningReplica],
+                        pending_request: Optional[PendingRequest]) -> List[RunningReplica]:
+        """The candidates that hold the request's LoRA adapter (kwarg ``lora``), when any says it does;
+        else all of them (a replica without it answers 404)."""
+        adapter = (pending_request.kwargs if pending_request is not None else {}).get(self.lora_kwarg)
+        if not adapter:
+            return candidate_replicas
+        return [r for r in candidate_replicas if adapter in replica_adapters(r)] or candidate_replicas
+
     async def choose_replicas(
         self,
         candidate_replicas: List[RunningReplica],
@@ -188,6 +202,7 @@ class ShapeAffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
             # Mandatory: an empty or all-full answer must sleep before the next attempt.
             pending_request.routing_context.should_backoff = True
         try:
+            candidate_replicas = self.holding_adapter(candidate_replicas, pending_request)
             decision, tiers, estimate = Ranking(*self.rank(candidate_replicas, pending_request))
             self.decisions[decision] += 1
             if decision == "spill":

@@ -42,6 +42,8 @@ WARM_BATCH_KEYS = "warm_batch_keys"
 # group key (a shape key with one image) -> image rows free in the batch of that group running on the
 # replica; only groups that run now (a replica with no batch of a group has no room in one)
 BATCH_FREE_ROWS = "batch_free_rows"
+# the LoRA adapters the replica holds (deployments.lora)
+LORA_ADAPTERS = "lora_adapters"
 
 _routers: "weakref.WeakSet" = weakref.WeakSet()
 _lock = threading.Lock()
@@ -64,6 +66,7 @@ class ReplicaView(NamedTuple):
 
     warm: frozenset             # `warm_set`: the shape keys it serves warm
     free_rows: Mapping[str, int]  # group key -> image rows free in the batch of that group running there
+    adapters: frozenset = frozenset()  # the LoRA adapters it holds
 
 
 # ReplicaID -> (the routing stats object a view was parsed from, the view). Serve replaces a replica's
@@ -82,7 +85,8 @@ def replica_view(replica) -> ReplicaView:
     if cached is not None and cached[0] is stats:
         return cached[1]
     source = stats if (stats or {}).get(WARM_KEYS) is not None else (replica.replica_metadata or {})
-    view = ReplicaView(warm=warm_set(source), free_rows=_free_rows(source))
+    view = ReplicaView(warm=warm_set(source), free_rows=_free_rows(source),
+                       adapters=frozenset(source.get(LORA_ADAPTERS) or ()))
     if len(_views) >= _MAX_VIEWS:
         _views.clear()
     _views[rid] = (stats, view)
@@ -100,6 +104,11 @@ def replica_warm_keys(replica) -> frozenset:
     """The shape keys a replica serves warm (`warm_set`): routing stats when polled yet, else start-up
     metadata."""
     return replica_view(replica).warm
+
+
+def replica_adapters(replica) -> frozenset:
+    """The LoRA adapters a replica holds (routing stats when polled yet, else start-up metadata)."""
+    return replica_view(replica).adapters
 
 
 def batch_group(key) -> tuple:

@@ -65,6 +65,8 @@ class ImageGenerationRequest(BaseModel):
     # jpeg/webp quality in percent; None: Pillow's default (75 for JPEG, 80 for WebP). OpenAI ignores it
     # for png; here it is an error, since nothing would honour it.
     output_compression: Optional[int] = Field(None, ge=0, le=100)
+    # the scale of the LoRA adapter that `model` names (None: 1.0); only with an adapter
+    lora_scale: Optional[float] = Field(None, ge=-10.0, le=10.0)
 
     @field_validator("output_compression")
     @classmethod
@@ -128,8 +130,11 @@ def check_shape_limits(key: ShapeKey, limits: RequestLimits) -> ShapeKey:
 
 
 def check_request(req: ImageGenerationRequest, limits: RequestLimits, served_model: str, info: dict,
-                  default_size: Optional[str] = None) -> ShapeKey:
+                  default_size: Optional[str] = None, adapters: Iterable[str] = ()) -> ShapeKey:
     """Apply the deployment limits; returns the request's shape key or raises FieldError.
+
+    ``model`` may name the served model or one of its LoRA `adapters` (``lora_scale`` only with one);
+    anything else is a 404 naming it.
 
     The key is `request_shape_key` of the request on the model `info` describes, with the
     deployment's `default_size` (None: the model's) when the request gives none: the one place a
@@ -138,9 +143,14 @@ def check_request(req: ImageGenerationRequest, limits: RequestLimits, served_mod
     if req.response_format != "b64_json":
         raise FieldError("response_format", "only 'b64_json' is supported; 'url' is not "
                          "(this server keeps no image store)", status_code=400)
-    if req.model is not None and req.model != served_model:
-        raise FieldError("model", f"this deployment serves {served_model!r}, got {req.model!r}",
+    adapters = sorted(adapters)
+    if req.model is not None and req.model != served_model and req.model not in adapters:
+        also = f" and its LoRA adapters {adapters}" if adapters else ""
+        raise FieldError("model", f"this deployment serves {served_model!r}{also}, got {req.model!r}",
                          status_code=404)
+    if req.lora_scale is not None and req.model not in adapters:
+        raise FieldError("lora_scale", "applies to a LoRA adapter: set model to one of "
+                                       f"{adapters or 'the adapters (none loaded)'}")
     if len(req.prompt) > limits.max_prompt_chars:
         raise FieldError("prompt", f"at most {limits.max_prompt_chars} characters, got {len(req.prompt)}")
     if req.num_inference_steps is not None and req.num_inference_steps > limits.max_steps:
@@ -213,10 +223,14 @@ class WarmupRequest(BaseModel):
 
 
 class ModelCard(BaseModel):
+    """One entry of ``GET /v1/models`` (vLLM's shape): the served model (``parent`` None) or one of its
+    LoRA adapters (``parent``: the served model; ``root``: where the adapter was read from)."""
     id: str
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "bcg-serve"
+    root: Optional[str] = None
+    parent: Optional[str] = None
 
 
 class ModelList(BaseModel):

@@ -8,7 +8,8 @@ below it sees a request it rejected):
   ``WWW-Authenticate: Bearer realm="bcg-serve"`` (``error="invalid_token"`` when a wrong key was sent).
   Keys are compared with ``hmac.compare_digest``. ``auth_scope="all"`` (default) guards every path,
   the OpenAPI schema and docs included; ``auth_scope="admin"`` leaves inference paths open but the
-  admin paths (``ADMIN_PATHS``: warmup, stats) always need the key. Without a key nothing is
+  admin paths (``ADMIN_PATHS``: warmup, stats, loading and unloading LoRA adapters) always need the
+  key. Without a key nothing is
   guarded -- HTTP binds 127.0.0.1 by default (serve_config.yaml, demo), so that is local access only.
 * Body size. A body larger than ``max_body_bytes`` gets 413, judged from ``Content-Length`` before
   anything is read, else while reading (chunked bodies); the body is never buffered past the limit.
@@ -31,7 +32,7 @@ from typing import Optional
 logger = logging.getLogger(__name__)
 
 API_KEY_ENV = "BCG_API_KEY"
-ADMIN_PATHS = ("/v1/warmup", "/v1/stats")
+ADMIN_PATHS = ("/v1/warmup", "/v1/stats", "/v1/load_lora_adapter", "/v1/unload_lora_adapter")
 _BODY_METHODS = {"POST", "PUT", "PATCH"}
 
 

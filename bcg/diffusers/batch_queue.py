@@ -75,6 +75,7 @@ class QueuedRequest:
     alone: str | None = None   # why it runs whole through pipe(**kwargs), None when step-batched
     state: Any = None
     records: tuple = ()        # `bcg.runtime.call_record.CallRecord`s the runner calls made for it add to
+    lora: tuple | None = None  # (LoRA adapter name, scale) its rows use (`bcg.lora`); None: the base model
 
 
 class RequestQueue:

@@ -31,6 +31,11 @@ requests with arguments the hooks do not batch run alone through ``pipe(**kwargs
 `step()`, taking their turn in the round-robin; their PIL images are made from 8 bits converted on the
 device, answered from the answers thread (`bcg.diffusers.steps.pipeline_call_async`).
 
+LoRA adapters (`bcg.lora`): a request may name a loaded adapter (``submit_planned(..., lora=)``); before
+each transformer call the batcher writes each row's adapter and scale into the transformer's LoRA bank
+(`StepFamily.row_owners` says whose each row is), so requests with different adapters and the base model
+share a step, and the graphs replayed are the same for all of them.
+
 Threads: every pipeline call runs on the thread that calls `step()`: `start()` runs a daemon loop thread
 that does, tests may call `step()` themselves. `submit` / `submit_planned` are thread-safe and return a
 `concurrent.futures.Future` of the request's image list (what `generate` returns); done-callbacks run on
@@ -58,6 +63,7 @@ from bcg.diffusers.buckets import ShapeKey, parse_plan
 from bcg.diffusers.families import family_of
 from bcg.diffusers.accelerated import pipeline_call_scope
 from bcg.diffusers.steps import StepFamily, pipeline_call_async
+from bcg.lora.bank import UnknownAdapterError, lora_bank
 from bcg.runtime.call_record import CallRecord, recording
 
 logger = logging.getLogger(__name__)
@@ -81,6 +87,8 @@ class StepBatcher:
         self.config = config or BatcherConfig(**settings)
         self.family = family_of(pipe).batching_hooks() if family == "auto" else family
         self._info = info
+        # the transformer's LoRA slots (`bcg.lora`): each step writes which adapter each of its rows uses
+        self.lora = lora_bank(getattr(pipe, "transformer", None))
         if self.config.max_batch_size > self.config.batch_buckets[-1]:
             logger.warning("max_batch_size %d exceeds the largest batch bucket %d: larger batches run unpadded",
                            self.config.max_batch_size, self.config.batch_buckets[-1])
@@ -119,17 +127,25 @@ class StepBatcher:
             return future
         return self.submit_planned(key, kwargs)
 
-    def submit_planned(self, key: ShapeKey | str, kwargs: dict, records: tuple = ()) -> concurrent.futures.Future:
+    def submit_planned(self, key: ShapeKey | str, kwargs: dict, records: tuple = (),
+                       lora: tuple | None = None) -> concurrent.futures.Future:
         """Queue a planned request: its `ShapeKey` and the keyword arguments of ``pipe(**kwargs)``. Every
         runner call made for it (its preparation, the steps it is in, its decode, or its run alone) adds to
-        each of `records` (`bcg.runtime.call_record`), calls shared with its batch neighbours too."""
+        each of `records` (`bcg.runtime.call_record`), calls shared with its batch neighbours too. `lora`:
+        ``(adapter name, scale)`` for its rows, None for the base model; an adapter that is not loaded
+        raises `bcg.lora.UnknownAdapterError` here, and one unloaded while the request runs fails it at its
+        next step."""
+        if lora is not None:
+            if self.lora is None:
+                raise UnknownAdapterError(f"no LoRA adapter {lora[0]!r}: this pipeline holds no LoRA layers")
+            self.lora.check(lora[0])
         group = ShapeKey.parse(key).group.key  # a ShapeKey is taken as it is: decided where the request entered
         alone = "no step hooks for this pipeline" if self.family is None else self.family.batchable(kwargs)
         prompts = kwargs.get("prompt")
         rows = (len(prompts) if isinstance(prompts, list) else 1) * int(kwargs.get("num_images_per_prompt") or 1)
         request = QueuedRequest(id=next(self._ids), group=group, kwargs=kwargs, rows=rows,
                                 future=concurrent.futures.Future(), submitted=time.perf_counter(), alone=alone,
-                                records=tuple(records))
+                                records=tuple(records), lora=lora)
         self._queue.put(request)
         self._count("submitted")
         return request.future
@@ -300,6 +316,9 @@ class StepBatcher:
             states = [r.state for r in batch]
             rows = sum(s.rows for s in states)
             bucket = self.config.bucket_for(rows)
+            if self.lora is not None:  # each row's adapter, written where the graphs read it
+                self.lora.set_rows([batch[i].lora for i in self.family.row_owners(states, bucket)])
+                self._count_adapters(batch)
             with _recording_for(batch):
                 preds = self.family.forward(self.pipe, states, bucket)
             self._count_step(rows, bucket)
@@ -384,6 +403,8 @@ class StepBatcher:
         with self._stats_lock:
             self._alone_reasons[request.alone] += 1
         try:
+            if self.lora is not None:  # the pipeline lays out the rows: all of them the request's
+                self.lora.set_all(request.lora)
             # PIL output converted to 8 bits on the device, made into images on the answers thread
             with _recording_for([request]):
                 outputs = pipeline_call_async(self.pipe, request.kwargs)
@@ -404,6 +425,14 @@ class StepBatcher:
     def _count(self, name: str, n: int = 1) -> None:
         with self._stats_lock:
             self._counts[name] += n
+
+    def _count_adapters(self, batch: list[QueuedRequest]) -> None:
+        adapters = {r.lora[0] if r.lora is not None else None for r in batch}
+        with self._stats_lock:
+            if adapters != {None}:
+                self._counts["adapter_steps"] += 1
+            if len(adapters) > 1:
+                self._counts["mixed_adapter_steps"] += 1
 
     def _count_prepare(self, requests: int, prompts: int | None, bucket: int | None) -> None:
         with self._stats_lock:
@@ -466,6 +495,8 @@ class StepBatcher:
         batched = () if self.family is None else self._join_buckets()
 
         def run():
+            if self.lora is not None:  # warmups run the base model
+                self.lora.set_all(None)
             with recording(*([record] if record is not None else [])):
                 return warmup_pipeline(self.pipe, plan, num_inference_steps=num_inference_steps,
                                        batched_prompts=batched)
@@ -482,7 +513,9 @@ class StepBatcher:
 
     def stats(self) -> dict:
         """Counters since construction: requests (submitted, joins, leaves, failed, ran alone), steps,
-        rows and padded rows, histograms of real rows and of buckets per step, preparations (``prepares``;
+        rows and padded rows, steps with LoRA adapter rows (``adapter_steps``; ``mixed_adapter_steps``: rows
+        of several adapters, or of adapters and the base model), histograms of real rows and of buckets
+        per step, preparations (``prepares``;
         ``batched_prepares`` of several requests; ``prepare_prompts_histogram``: real prompts per joint
         encode; ``padded_prompts``), ``phase_seconds``: wall seconds of the loop thread in each phase of
         the group steps (``prepare``: joining requests' preparation; ``forward``: the batched transformer
@@ -509,6 +542,8 @@ class StepBatcher:
                 "alone_reasons": dict(self._alone_reasons),
                 "isolation_retries": counts.get("isolation_retries", 0),
                 "batched_decodes": counts.get("batched_decodes", 0),
+                "adapter_steps": counts.get("adapter_steps", 0),
+                "mixed_adapter_steps": counts.get("mixed_adapter_steps", 0),
                 "prepares": counts.get("prepares", 0),
                 "batched_prepares": counts.get("batched_prepares", 0),
                 "padded_prompts": counts.get("padded_prompts", 0),

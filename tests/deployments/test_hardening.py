@@ -209,6 +209,8 @@ def _cheap_and_valid(path, body) -> bool:
     if path == "/v1/warmup":
         return (1 <= len(body["keys"]) <= LIMITS["max_warmup_keys"] and all(_size_ok(k) for k in body["keys"])
                 and body.get("replication", 1) >= 1)
+    if path in ("/v1/load_lora_adapter", "/v1/unload_lora_adapter"):
+        return False  # this app holds no LoRA layers: a load is a 422, an unload a 404
     if path != GEN:
         return True
     prompt = body["prompt"]
@@ -220,6 +222,7 @@ def _cheap_and_valid(path, body) -> bool:
             and 1 <= body.get("n", 1) <= LIMITS["max_n"]
             and body.get("num_inference_steps") in (None, *range(1, LIMITS["max_steps"] + 1))
             and body.get("num_frames") is None  # tiny-flux makes images: num_frames is a 422
+            and body.get("lora_scale") is None  # only with a LoRA adapter, and this app has none
             and (body.get("output_compression") is None or body.get("output_format", "png") != "png")
             and body.get("response_format", "b64_json") == "b64_json" and _size_ok(body.get("size"), body.get("n", 1)))
 

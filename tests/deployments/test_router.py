@@ -35,6 +35,7 @@ class FakeReplica:
     free_rows: dict = field(default_factory=dict)   # group key -> rows free in its running batch
     batch_keys: tuple = ()                          # the batch-bucket keys its warmups captured
     timing: dict = field(default_factory=dict)      # measured seconds: request_s, cold_request_s, warmup_s
+    lora: tuple = ()                                # the LoRA adapters it holds
 
     @property
     def replica_id(self):
@@ -45,7 +46,7 @@ class FakeReplica:
         if self.warm is None:
             return {}
         return {"warm_keys": list(self.warm), "warm_batch_keys": list(self.batch_keys), "queue_len": self.queue_len,
-                "batch_free_rows": dict(self.free_rows), **self.timing}
+                "batch_free_rows": dict(self.free_rows), "lora_adapters": list(self.lora), **self.timing}
 
     @property
     def replica_metadata(self):
@@ -313,3 +314,15 @@ def test_routing_view_is_what_every_router_of_the_process_sees_warm():
 
 async def _update(router, replicas):
     router.update_replicas(replicas)
+
+
+def test_a_request_with_a_lora_adapter_goes_to_the_replicas_holding_it():
+    a, b = FakeReplica("a", ("64x64",), 0), FakeReplica("b", ("64x64",), 1, lora=("style",))
+    c = FakeReplica("c", ("32x32",), 0, lora=("style",))
+    router = make_router([a, b, c])
+    ranks, _ = choose(router, [a, b, c], shape_key="64x64", lora="style")
+    assert [uids(r) for r in ranks] == [["b"]]            # warm and holding it, though busier than a
+    ranks, _ = choose(router, [a, b, c], shape_key="64x64")
+    assert [uids(r) for r in ranks] == [["a", "b"]]       # the base model: every warm replica
+    ranks, _ = choose(router, [a, b, c], shape_key="64x64", lora="other")
+    assert [uids(r) for r in ranks] == [["a", "b"]]       # nobody says it holds it: as without one

@@ -181,6 +181,12 @@ class StepFamily:
     def forward(self, pipe, states: list[RequestState], bucket: int) -> list[torch.Tensor]:
         raise NotImplementedError
 
+    def row_owners(self, states: list[RequestState], bucket: int) -> list[int]:
+        """Which state (its index) each row of `forward`'s transformer call belongs to: the states' rows
+        side by side, padding rows repeating the last (a LoRA adapter per row follows it: `bcg.lora`)."""
+        owners = [i for i, s in enumerate(states) for _ in range(s.rows)]
+        return owners + owners[-1:] * max(0, bucket - len(owners))
+
     def decode_latents(self, pipe, latents: torch.Tensor, state: RequestState) -> torch.Tensor:
         """The VAE's images of `latents` (rows of requests laid out like `state`'s), before post-processing."""
         raise NotImplementedError

@@ -122,6 +122,10 @@ class SD3StepFamily(StepFamily):
         uncond, text = out.chunk(2) if cfg else (None, out)
         return guided(states, text, uncond)
 
+    def row_owners(self, states, bucket):
+        owners = super().row_owners(states, bucket)
+        return owners * 2 if states[0].neg_inputs is not None else owners  # [negatives; positives]
+
     def decode_latents(self, pipe, latents, state):
         latents = (latents / pipe.vae.config.scaling_factor) + pipe.vae.config.shift_factor
         return pipe.vae.decode(latents, return_dict=False)[0]

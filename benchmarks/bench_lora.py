@@ -1,0 +1,274 @@
+"""LoRA adapters on warm graphs: switches, adapter vs base requests, mixed-adapter step batches (issue 27).
+
+    python3 benchmarks/make_pipeline_dirs.py --out benchmarks/pipelines --models flux.1-dev --device cuda
+    python3 benchmarks/bench_lora.py --model benchmarks/pipelines/flux.1-dev [--compile] \\
+        [--out benchmarks/results/bench_lora.json]
+    python3 benchmarks/bench_lora.py --allow-cpu --out /tmp/bench_lora.json        # smoke run (tiny-flux)
+
+One `deployments.engine.ReplicaEngine` (a replica without Ray or HTTP: the pipeline, its runners and the
+step batcher) on the FLUX.1-dev directory (published configs, random bf16 weights), with ``--adapters``
+(3) LoRA adapters of rank ``--rank`` (64) on the attention and MLP projections
+(`bcg.lora.synthetic.ATTENTION_AND_MLP`), made with peft from a meta-device copy of the transformer's
+config (random normal weights, ``--std``) and saved with ``FluxPipeline.save_lora_weights``, loaded at
+start (``lora_modules``). The key (``--size`` 512², one image) is warmed with the batcher's buckets 1, 2
+and 4; requests run ``--steps`` (28) steps. Measured:
+
+- ``switches``: one request each of base, a0, a1, a2, a0, base, a2: captures, compiled graphs and eager
+  calls of every runner across them (the issue wants 0 captures and 0 compiles), each request's seconds;
+- ``interleaved``: a base request and an adapter request (the adapters in turn) timed in turn, ``--rounds``
+  (>= 3) rounds: median, min and max wall ms of each, and the per-round ratio adapter / base (<= 1.10);
+- ``batch``: 4 requests queued at once (one 4-row step batch) with 4 different adapters (the base model
+  as the fourth when fewer than 4 adapters) against 4 with one adapter, in turn, ``--rounds`` rounds:
+  images per second of each and the ratio mixed / single (>= 0.85), the batcher's rows per step;
+- ``rows``: each row of a mixed batch against the same request served alone, max abs difference in 8-bit
+  pixel values (bf16 rounding of batched kernels; a row that used another row's adapter is far off);
+- ``no_lora_layers`` (unless ``--no-baseline``): the base request on an engine without LoRA layers (the
+  model loaded again once the first engine is freed), against the base request above: what the layers
+  cost a request that uses no adapter (two runs one after the other, not interleaved).
+
+The JSON (machine, command, settings, each phase as it finishes, the targets) is rewritten after every
+phase, so a timeout keeps what was measured. Needs CUDA unless ``--allow-cpu``: a smoke run on the
+built-in tiny-flux, 64x64, 2 steps, rank 4 (its numbers say nothing about a GPU).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(1, os.path.dirname(HERE))
+
+from _common import machine_info, ratio, runner_fields, time_interleaved, write_json  # noqa: E402
+
+DEFAULT_OUT = os.path.join(HERE, "results", "bench_lora.json")
+TARGETS = {"adapter_over_base": 1.10, "mixed_over_single_images_per_s": 0.85}
+ROW_TOLERANCE = 8  # 8-bit pixel values: a few bf16 steps of a [0, 1] image
+
+
+def log(msg):
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def make_adapters(model: str, out_dir: str, count: int, rank: int, std: float, dtype=None) -> dict:
+    """``count`` adapters for `model`'s transformer (a meta-device copy of its config: no weights read),
+    saved in `dtype`."""
+    import diffusers
+    import torch
+
+    from bcg.lora.synthetic import make_adapter
+
+    if os.path.isdir(model):
+        index = diffusers.DiffusionPipeline.load_config(model)
+        pipeline_class = getattr(diffusers, index["_class_name"])
+        transformer_class = getattr(diffusers, index["transformer"][1])
+        with torch.device("meta"):
+            transformer = transformer_class.from_config(transformer_class.load_config(model, subfolder="transformer"))
+    else:
+        from bcg.diffusers.models import load_pipeline
+        pipe = load_pipeline(model)
+        pipeline_class, transformer = type(pipe), pipe.transformer
+    return {f"a{i}": str(make_adapter(transformer, pipeline_class, os.path.join(out_dir, f"a{i}"), rank=rank,
+                                      seed=i + 1, std=std, dtype=dtype)) for i in range(count)}
+
+
+def _totals(engine) -> dict:
+    """Captures, eager calls and compiled graphs over the engine's runners (stats read again now)."""
+    stats = engine.call(engine.refresh).result()
+    return {"captures": sum(int(s.get("captures", 0)) for s in stats.values()),
+            "eager_calls": sum(int(s.get("eager_calls_total", 0)) for s in stats.values()),
+            "compiled_graphs": engine.compiled_graphs()}
+
+
+def run(args) -> dict:
+    import numpy as np
+    import torch
+
+    from deployments.engine import ReplicaEngine
+    from deployments.schemas import ImageGenerationRequest, RequestLimits, check_request
+
+    result = {"benchmark": "bench_lora", "command": " ".join(sys.argv), "machine": machine_info(),
+              "settings": {k: v for k, v in vars(args).items() if k != "out"}, "targets_wanted": TARGETS}
+    save = lambda: write_json(args.out, result)  # noqa: E731
+    adapter_dir = tempfile.mkdtemp(prefix="bench_lora_")
+    t0 = time.perf_counter()
+    adapters = make_adapters(args.model, adapter_dir, args.adapters, args.rank, args.std,
+                             None if args.model == "tiny-flux" else torch.bfloat16)
+    result["make_adapters_s"] = round(time.perf_counter() - t0, 3)
+    runner = {**runner_fields(args.runner), **({"compile": True} if args.compile else {})}
+    t0 = time.perf_counter()
+    engine = ReplicaEngine(args.model, runner_config=runner, warmup_steps=2,
+                           batching={"max_batch_size": 4, "batch_buckets": [1, 2, 4]},
+                           lora={"modules": adapters, "max_loras": max(4, args.adapters), "max_lora_rank": args.rank})
+    result["load_s"] = round(time.perf_counter() - t0, 3)
+    result["lora"] = engine.lora_stats()
+    size = f"{args.size}x{args.size}"
+    limits = RequestLimits(max_steps=max(50, args.steps), max_pixels=args.size * args.size * 4)
+
+    def request(seed=1):
+        return ImageGenerationRequest(prompt="a photo of a lighthouse at dusk", size=size, seed=seed,
+                                      num_inference_steps=args.steps)
+
+    key = check_request(request(), limits, args.model, engine.info)
+    log(f"warming {key.key}")
+    result["warmup"] = engine.call(engine.warmup_key, key.key).result()
+    result["warmup"].pop("memory", None)
+    save()
+
+    def serve(lora, seed=1):
+        return engine.submit(request(seed), key, args.steps, lora=lora).result()["images"][0]
+
+    names = sorted(adapters)
+    before, seconds = _totals(engine), []
+    for lora in [None, names[0], *names[1:3], names[0], None, names[-1]]:
+        t = time.perf_counter()
+        serve(lora)
+        seconds.append({"lora": lora, "s": round(time.perf_counter() - t, 4)})
+    after = _totals(engine)
+    result["switches"] = {"requests": seconds, **{k: after[k] - before[k] for k in after}}
+    log(f"switches: {result['switches']}")
+    save()
+
+    turn = iter(range(10**9))
+
+    def wall_ms(fn):
+        t = time.perf_counter()
+        fn()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        return (time.perf_counter() - t) * 1e3
+
+    timed = time_interleaved({"base": lambda: serve(None), "adapter": lambda: serve(names[next(turn) % len(names)])},
+                             rounds=args.rounds, measure=wall_ms)
+    result["interleaved"] = {"ms": timed, "adapter_over_base": ratio(timed, "adapter", "base")}
+    log(f"interleaved: {result['interleaved']['adapter_over_base']}")
+    save()
+
+    mixed = (names + [None] * 4)[:4]
+
+    def batch(loras):
+        def queue_all():  # one task on the loop thread: all four are queued before the next step
+            return [engine.submit(request(seed), key, args.steps, lora=lora) for seed, lora in enumerate(loras, 1)]
+        return [np.asarray(f.result()["images"][0]) for f in engine.call(queue_all).result()]
+
+    stats_before = engine.batcher.stats()
+    timed = time_interleaved({"mixed": lambda: batch(mixed), "single": lambda: batch([names[0]] * 4)},
+                             rounds=args.rounds, measure=wall_ms)
+    # 4 images per batch: images/s per round (4000 / ms), its median and spread
+    per_s = {name: ratio({"n": {"rounds": [4000.0] * len(t["rounds"])}, **timed}, "n", name)
+             for name, t in timed.items()}
+    stats = engine.batcher.stats()
+    steps = {rows: n - stats_before["batch_size_histogram"].get(rows, 0)
+             for rows, n in stats["batch_size_histogram"].items()}
+    result["batch"] = {"ms": timed, "images_per_s": per_s, "adapters": mixed,
+                       "mixed_over_single_images_per_s": ratio(timed, "single", "mixed"),
+                       "rows_per_step": {rows: n for rows, n in steps.items() if n},
+                       "mixed_adapter_steps": stats["mixed_adapter_steps"] - stats_before["mixed_adapter_steps"]}
+    log(f"batch: {result['batch']['mixed_over_single_images_per_s']}")
+    save()
+
+    together = batch(mixed)
+    rows = []
+    for seed, (lora, image) in enumerate(zip(mixed, together), 1):
+        alone = np.asarray(serve(lora, seed))
+        rows.append({"lora": lora, "max_abs_diff_8bit": int(np.abs(image.astype(int) - alone.astype(int)).max())})
+    base_vs_adapter = int(np.abs(np.asarray(serve(None, 1)).astype(int) - together[0].astype(int)).max())
+    result["rows"] = {"per_row": rows, "adapter_vs_base_8bit": base_vs_adapter, "tolerance_8bit": ROW_TOLERANCE}
+    result["memory"] = engine.memory_report()
+    result["targets"] = targets(result)
+    engine.close()
+    save()
+    if args.baseline:
+        config = engine.config
+        del engine, together  # the model's memory goes before the second engine loads it
+        result["no_lora_layers"] = baseline(args, request, key, wall_ms, config, result)
+        save()
+    return result
+
+
+def baseline(args, request, key, wall_ms, runner, result) -> dict:
+    """What the LoRA layers cost a base request: the same request on an engine without them (loaded after
+    the LoRA engine is freed: not interleaved, so the ratio carries the drift between the two runs)."""
+    import gc
+
+    import torch
+
+    from deployments.engine import ReplicaEngine
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    plain = ReplicaEngine(args.model, runner_config=runner, warmup_steps=2,
+                          batching={"max_batch_size": 4, "batch_buckets": [1, 2, 4]})
+    plain.call(plain.warmup_key, key.key).result()
+    rounds = [wall_ms(lambda: plain.submit(request(), key, args.steps).result()) for _ in range(args.rounds)]
+    plain.close()
+    ms = ratio({"ms": {"rounds": rounds}, "one": {"rounds": [1.0] * len(rounds)}}, "ms", "one")
+    lora_base = result["interleaved"]["ms"]["base"]["median"]
+    log(f"base request without LoRA layers: {ms['median']} ms; with them {lora_base} ms")
+    return {"base_ms": ms, "lora_layers_base_over_plain_base": round(lora_base / ms["median"], 4)}
+
+
+def targets(result: dict) -> list:
+    """The issue's checks from a result's phases (those measured)."""
+    out = []
+    if "switches" in result:
+        s = result["switches"]
+        value = s["captures"] + s["compiled_graphs"]
+        out.append({"check": "captures and compiles on adapter switches == 0", "value": value, "met": value == 0})
+    if "interleaved" in result:
+        value = result["interleaved"]["adapter_over_base"]["median"]
+        out.append({"check": f"adapter / base request <= {TARGETS['adapter_over_base']}", "value": value,
+                    "met": value <= TARGETS["adapter_over_base"]})
+    if "batch" in result:
+        value = result["batch"]["mixed_over_single_images_per_s"]["median"]
+        out.append({"check": f"4 adapters / 1 adapter images per s >= {TARGETS['mixed_over_single_images_per_s']}",
+                    "value": value, "met": value >= TARGETS["mixed_over_single_images_per_s"]})
+    if "rows" in result:
+        worst = max(r["max_abs_diff_8bit"] for r in result["rows"]["per_row"])
+        out.append({"check": f"each mixed row within {ROW_TOLERANCE}/255 of the request alone", "value": worst,
+                    "met": worst <= ROW_TOLERANCE})
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=None, help="pipeline directory (default: benchmarks/pipelines/flux.1-dev; "
+                                                  "tiny-flux with --allow-cpu)")
+    p.add_argument("--out", default=DEFAULT_OUT)
+    p.add_argument("--adapters", type=int, default=3)
+    p.add_argument("--rank", type=int, default=None, help="adapter rank (default 64; 4 with --allow-cpu)")
+    p.add_argument("--std", type=float, default=None,
+                   help="std of the adapters' random A and B (default 0.01; 0.3 with --allow-cpu)")
+    p.add_argument("--size", type=int, default=None, help="image side (default 512; 64 with --allow-cpu)")
+    p.add_argument("--steps", type=int, default=None, help="denoising steps (default 28; 2 with --allow-cpu)")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--compile", action="store_true", help="runner compile=True (compiled segments)")
+    p.add_argument("--runner", default="", help="RunnerConfig fields, k=v,...")
+    p.add_argument("--no-baseline", dest="baseline", action="store_false",
+                   help="skip the base request on an engine without LoRA layers (loads the model again)")
+    p.add_argument("--allow-cpu", action="store_true", help="smoke run without CUDA (tiny-flux)")
+    args = p.parse_args(argv)
+    import torch
+
+    if not torch.cuda.is_available() and not args.allow_cpu:
+        p.error("needs CUDA (or --allow-cpu for a smoke run)")
+    small = args.allow_cpu and not torch.cuda.is_available()
+    args.model = args.model or ("tiny-flux" if small else os.path.join(HERE, "pipelines", "flux.1-dev"))
+    args.rank = args.rank or (4 if small else 64)
+    args.size = args.size or (64 if small else 512)
+    args.steps = args.steps or (2 if small else 28)
+    args.std = args.std or (0.3 if small else 0.01)
+    if args.adapters < 1 or args.rounds < 3:
+        p.error("--adapters must be >= 1 and --rounds >= 3")
+    result = run(args)
+    for check in result["targets"]:
+        log(f"{'met' if check['met'] else 'NOT met'}: {check['check']} ({check['value']})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

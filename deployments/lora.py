@@ -1,0 +1,115 @@
+"""LoRA adapters as models, in vLLM's words: the admin request bodies, the coordinator's adapter registry
+and the HTTP status of each adapter error.
+
+* ``lora_modules: {name: path}`` (app args) are loaded by every replica at start (`bcg.lora.install_lora`);
+  a request whose ``model`` names an adapter gets it, at ``lora_scale`` (1.0 unless given).
+* ``POST /v1/load_lora_adapter`` / ``POST /v1/unload_lora_adapter`` (``lora_name``, ``lora_path``; admin
+  paths of the API key) reach the coordinator's `AdapterRegistry`, which loads or drops the adapter on
+  every running replica (one broadcast) and keeps the set, so replicas that start later load it too.
+  A load that fails on any replica is undone on those where it succeeded: an adapter is on every replica
+  or on none, and nothing loaded before is touched.
+* Errors (`lora_status`): an adapter nobody holds -> 404 naming it; a file that cannot be served -> 422
+  saying what is wrong; a name taken or no free slot -> 409.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Awaitable, Callable, Dict, List, Optional
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from bcg.lora.bank import AdapterConflictError, AdapterFileError, UnknownAdapterError
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["AdapterRegistry", "LoadLoraAdapterRequest", "UnloadLoraAdapterRequest", "lora_status"]
+
+AdapterName = Field(min_length=1, max_length=256, pattern=r"^[^\s/]+$")
+
+
+class LoadLoraAdapterRequest(BaseModel):
+    """vLLM's ``POST /v1/load_lora_adapter`` body: the adapter's name (what requests put in ``model``)
+    and its path on the replicas' machines (a diffusers LoRA file or directory)."""
+    model_config = ConfigDict(extra="forbid", strict=True)
+    lora_name: str = AdapterName
+    lora_path: str = Field(min_length=1, max_length=4096)
+
+
+class UnloadLoraAdapterRequest(BaseModel):
+    """vLLM's ``POST /v1/unload_lora_adapter`` body (``lora_path`` is accepted and not needed)."""
+    model_config = ConfigDict(extra="forbid", strict=True)
+    lora_name: str = AdapterName
+    lora_path: Optional[str] = Field(None, max_length=4096)
+
+
+def _cause(exc: BaseException) -> BaseException:
+    """The user exception inside Ray's wrapper (a replica's or the coordinator's)."""
+    return getattr(exc, "cause", None) or exc
+
+
+def lora_status(exc: BaseException) -> Optional[int]:
+    """The HTTP status of an adapter error (None: not one)."""
+    cause = _cause(exc)
+    for kind, status in ((UnknownAdapterError, 404), (AdapterFileError, 422), (AdapterConflictError, 409)):
+        if isinstance(exc, kind) or isinstance(cause, kind):
+            return status
+    return None
+
+
+def lora_message(exc: BaseException) -> str:
+    return str(_cause(exc))
+
+
+Broadcast = Callable[..., Awaitable[list]]
+
+
+class AdapterRegistry:
+    """The adapters every replica holds (name -> path), changed one load or unload at a time through
+    `broadcast` (``broadcast(method, *args) -> [answer or exception per replica]``)."""
+
+    def __init__(self, adapters: Optional[Dict[str, str]] = None):
+        self.adapters: Dict[str, str] = dict(adapters or {})
+        self._lock = asyncio.Lock()
+
+    async def load(self, name: str, path: str, broadcast: Broadcast, base_model: Optional[str] = None) -> dict:
+        async with self._lock:
+            if name in self.adapters:
+                raise AdapterConflictError(f"LoRA adapter {name!r} is loaded already (from {self.adapters[name]}); "
+                                           "unload it first")
+            if name == base_model:
+                raise AdapterConflictError(f"{name!r} is the served model's name; name the adapter otherwise")
+            answers = await broadcast("load_lora_adapter", name, path)
+            loaded = [a["replica"] for a in answers if isinstance(a, dict)]
+            errors = [a for a in answers if isinstance(a, BaseException)]
+            if errors:
+                if loaded:  # on every replica or on none
+                    await broadcast("unload_lora_adapter", name, True)
+                raise _first_adapter_error(errors)
+            if not loaded:
+                raise RuntimeError("no replica is running to load the adapter on; retry once one is")
+            self.adapters[name] = path
+            logger.info("LoRA adapter %s loaded from %s on %d replicas", name, path, len(loaded))
+            return {"lora_name": name, "lora_path": path, "replicas": sorted(loaded)}
+
+    async def unload(self, name: str, broadcast: Broadcast) -> dict:
+        async with self._lock:
+            if name not in self.adapters:
+                raise UnknownAdapterError(f"no LoRA adapter {name!r} is loaded "
+                                          f"(loaded: {sorted(self.adapters) or 'none'})")
+            answers = await broadcast("unload_lora_adapter", name, True)
+            errors = [a for a in answers if isinstance(a, BaseException)]
+            path = self.adapters.pop(name)
+            if errors:  # the registry forgets it all the same: no replica may serve it from now on
+                logger.warning("LoRA adapter %s: %d replicas failed to unload it: %s", name, len(errors), errors[0])
+            return {"lora_name": name, "lora_path": path,
+                    "replicas": sorted(a["replica"] for a in answers if isinstance(a, dict))}
+
+
+def _first_adapter_error(errors: List[BaseException]) -> BaseException:
+    """The error to answer with: the first adapter error (its message), else the first error."""
+    for exc in errors:
+        cause = _cause(exc)
+        if lora_status(cause) is not None:
+            return type(cause)(str(cause))
+    return errors[0]

@@ -1,0 +1,82 @@
+"""The serving side of LoRA adapters without a cluster: the request's ``model`` and ``lora_scale`` checks,
+the app args, and the coordinator's registry (all replicas or none) with a fake broadcast."""
+import asyncio
+
+import pytest
+
+from bcg.lora.bank import AdapterConflictError, AdapterFileError, UnknownAdapterError
+from deployments.app import parse_args
+from deployments.lora import AdapterRegistry, lora_status
+from deployments.schemas import FieldError, ImageGenerationRequest, RequestLimits, check_request
+from tests.deployments.test_schemas import FLUX  # what a replica's model_info says of tiny-flux
+
+
+def _check(adapters=(), **fields):
+    request = ImageGenerationRequest(prompt="a cat", size="64x64", **fields)
+    return check_request(request, RequestLimits(), "tiny-flux", FLUX, adapters=adapters)
+
+
+def test_model_may_name_an_adapter_and_lora_scale_needs_one():
+    assert _check(["style"], model="style", lora_scale=0.5).key == _check(model="tiny-flux").key
+    with pytest.raises(FieldError) as unknown:
+        _check(["style"], model="other")
+    assert unknown.value.status_code == 404 and "'other'" in str(unknown.value) and "style" in str(unknown.value)
+    with pytest.raises(FieldError) as scale:
+        _check(["style"], model="tiny-flux", lora_scale=0.5)
+    assert scale.value.field == "lora_scale" and scale.value.status_code == 422
+
+
+def test_lora_app_args_parse_and_are_checked():
+    args = parse_args({"lora_modules": "style=/a,logo=/b", "lora_target_modules": "to_q,to_v", "max_loras": 2})
+    assert args.lora() == {"modules": {"style": "/a", "logo": "/b"}, "target_modules": ["to_q", "to_v"],
+                           "max_loras": 2, "max_lora_rank": 16, "max_lora_rows": 64}
+    assert parse_args({"lora_target_modules": "to_q", "batch_buckets": "1,2,64", "max_ongoing_requests": 64,
+                       "max_batch_size": 64}).lora()["max_lora_rows"] == 128  # CFG doubles a bucket's rows
+    assert parse_args({}).lora() is None
+    for bad, words in [({"lora_modules": "style"}, "name=path"),
+                       ({"lora_modules": {"a": "/a", "b": "/b"}, "max_loras": 1}, "max_loras=1"),
+                       ({"lora_modules": {"tiny-flux": "/a"}}, "served model's name")]:
+        with pytest.raises(ValueError, match=words):
+            parse_args(bad)
+
+
+class FakeReplicas:
+    """``broadcast(method, *args)`` over replicas that hold adapters by name; `bad` replicas fail loads."""
+
+    def __init__(self, names, bad=()):
+        self.held = {name: set() for name in names}
+        self.bad = set(bad)
+
+    async def __call__(self, method, name, *args):
+        out = []
+        for rid, held in self.held.items():
+            if method == "load_lora_adapter" and rid in self.bad:
+                out.append(AdapterFileError(f"{args[0]}: unreadable on {rid}"))
+            elif method == "load_lora_adapter":
+                held.add(name)
+                out.append({"replica": rid})
+            else:
+                held.discard(name)
+                out.append({"replica": rid})
+        return out
+
+
+def test_registry_loads_on_every_replica_or_on_none():
+    replicas, registry = FakeReplicas(["r1", "r2"]), AdapterRegistry({"a": "/a"})
+    out = asyncio.run(registry.load("b", "/b", replicas, base_model="tiny-flux"))
+    assert out["replicas"] == ["r1", "r2"] and registry.adapters == {"a": "/a", "b": "/b"}
+    assert all(held == {"b"} for held in replicas.held.values())
+    with pytest.raises(AdapterConflictError, match="loaded already"):
+        asyncio.run(registry.load("b", "/c", replicas))
+    with pytest.raises(AdapterConflictError, match="served model"):
+        asyncio.run(registry.load("tiny-flux", "/c", replicas, base_model="tiny-flux"))
+    half = FakeReplicas(["r1", "r2"], bad=["r2"])
+    with pytest.raises(AdapterFileError, match="unreadable on r2") as failed:
+        asyncio.run(registry.load("c", "/c", half))
+    assert half.held == {"r1": set(), "r2": set()} and "c" not in registry.adapters  # undone on r1
+    assert lora_status(failed.value) == 422
+    asyncio.run(registry.unload("b", replicas))
+    assert registry.adapters == {"a": "/a"} and all(not held for held in replicas.held.values())
+    with pytest.raises(UnknownAdapterError) as unknown:
+        asyncio.run(registry.unload("b", replicas))
+    assert lora_status(unknown.value) == 404 and "'b'" in str(unknown.value)

@@ -1,0 +1,45 @@
+"""benchmarks/bench_lora.py on CPU: a smoke run of every phase on tiny-flux, and the issue's targets read
+from measured phases."""
+import json
+import os
+import sys
+
+import pytest
+
+pytest.importorskip("peft")
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+import bench_lora  # noqa: E402
+
+
+def test_smoke_run_switches_adapters_and_batches_four_adapters_in_one_step(tmp_path):
+    out = tmp_path / "lora.json"
+    # the smoke settings named, so that a GPU host runs the same small case (on graphs there)
+    assert bench_lora.main(["--allow-cpu", "--model", "tiny-flux", "--rank", "4", "--size", "64", "--steps", "2",
+                            "--std", "0.3", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["lora"]["adapters"].keys() == {"a0", "a1", "a2"} and result["lora"]["max_lora_rank"] == 4
+    switches = result["switches"]
+    assert [r["lora"] for r in switches["requests"]] == [None, "a0", "a1", "a2", "a0", None, "a2"]
+    assert switches["captures"] == 0 and switches["compiled_graphs"] == 0
+    assert set(result["interleaved"]["ms"]) == {"base", "adapter"}
+    assert len(result["interleaved"]["adapter_over_base"]["rounds"]) == 3
+    batch = result["batch"]
+    assert batch["adapters"] == ["a0", "a1", "a2", None]
+    assert batch["rows_per_step"] == {"4": 12}  # every step of the 6 batches ran its 4 rows together
+    assert batch["mixed_adapter_steps"] == 3 * 2  # the 3 mixed batches, 2 steps each
+    rows = result["rows"]
+    assert rows["adapter_vs_base_8bit"] > 10 * rows["tolerance_8bit"]  # the adapters change the image
+    assert all(r["max_abs_diff_8bit"] <= rows["tolerance_8bit"] for r in rows["per_row"])
+    assert [c["met"] for c in result["targets"]][0] is True and len(result["targets"]) == 4
+    plain = result["no_lora_layers"]  # the same base request on an engine without LoRA layers
+    assert len(plain["base_ms"]["rounds"]) == 3 and plain["lora_layers_base_over_plain_base"] > 0
+
+
+def test_targets_flag_a_switch_that_captured_and_a_slow_mixed_batch():
+    result = {"switches": {"captures": 1, "compiled_graphs": 0},
+              "interleaved": {"adapter_over_base": {"median": 1.05}},
+              "batch": {"mixed_over_single_images_per_s": {"median": 0.8}},
+              "rows": {"per_row": [{"max_abs_diff_8bit": 2}, {"max_abs_diff_8bit": 9}]}}
+    assert [(c["value"], c["met"]) for c in bench_lora.targets(result)] == [(1, False), (1.05, True), (0.8, False),
+                                                                          (9, False)]
