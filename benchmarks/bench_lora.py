@@ -33,6 +33,7 @@ built-in tiny-flux, 64x64, 2 steps, rank 4 (its numbers say nothing about a GPU)
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import tempfile
@@ -219,18 +220,23 @@ def targets(result: dict) -> list:
         s = result["switches"]
         value = s["captures"] + s["compiled_graphs"]
         out.append({"check": "captures and compiles on adapter switches == 0", "value": value, "met": value == 0})
-    if "interleaved" in result:
-        value = result["interleaved"]["adapter_over_base"]["median"]
-        out.append({"check": f"adapter / base request <= {TARGETS['adapter_over_base']}", "value": value,
-                    "met": value <= TARGETS["adapter_over_base"]})
+    if "interleaved" in result:  # met when the worst round meets it
+        value = result["interleaved"]["adapter_over_base"]["max"]
+        out.append({"check": f"adapter / base request <= {TARGETS['adapter_over_base']} (worst round)",
+                    "value": value, "met": value <= TARGETS["adapter_over_base"]})
     if "batch" in result:
-        value = result["batch"]["mixed_over_single_images_per_s"]["median"]
-        out.append({"check": f"4 adapters / 1 adapter images per s >= {TARGETS['mixed_over_single_images_per_s']}",
-                    "value": value, "met": value >= TARGETS["mixed_over_single_images_per_s"]})
+        value = result["batch"]["mixed_over_single_images_per_s"]["min"]
+        out.append({"check": f"4 adapters / 1 adapter images per s >= {TARGETS['mixed_over_single_images_per_s']} "
+                             "(worst round)", "value": value, "met": value >= TARGETS["mixed_over_single_images_per_s"]})
     if "rows" in result:
-        worst = max(r["max_abs_diff_8bit"] for r in result["rows"]["per_row"])
-        out.append({"check": f"each mixed row within {ROW_TOLERANCE}/255 of the request alone", "value": worst,
-                    "met": worst <= ROW_TOLERANCE})
+        rows = result["rows"]
+        worst = max(r["max_abs_diff_8bit"] for r in rows["per_row"])
+        check = {"check": f"each mixed row within {ROW_TOLERANCE}/255 of the request alone", "value": worst,
+                 "met": worst <= ROW_TOLERANCE}
+        if rows.get("adapter_vs_base_8bit", math.inf) <= ROW_TOLERANCE:  # a row on the wrong adapter would pass
+            check.update(met=None, why="inconclusive: the adapters move the image no more than the tolerance "
+                                       f"({rows['adapter_vs_base_8bit']}/255 from the base); raise --std")
+        out.append(check)
     return out
 
 
