@@ -269,8 +269,8 @@ def _attention_of(module):
     from bcg.diffusers import attention_stats
 
     stats = attention_stats(module)
-    return None if stats is None else {"backend": stats["backend"], "candidates": stats["candidates"], "choices": stats["choices"],
-                                       "unavailable": stats["unavailable"], "fallbacks": stats["fallbacks"]}
+    keep = ("backend", "candidates", "choices", "unavailable", "fallbacks")
+    return None if stats is None else {k: stats[k] for k in keep}
 
 
 def run(args) -> dict:

@@ -4,12 +4,12 @@ chosen for the call's shape, inside captured and compiled segments alike.
 Kernels (`ATTENTION_BACKENDS`): ``"sdpa"`` (``F.scaled_dot_product_attention`` with PyTorch's own choice;
 the reference and the fallback), ``"cudnn"``, ``"flash"``, ``"efficient"``, ``"math"`` (SDPA restricted to
 one of its backends), ``"fa3"`` (FlashAttention-3 forward from the ``fa3-fwd`` package: Hopper GPUs,
-bf16, head dims up to 256, no mask), ``"fa3_fp8"`` (the same kernel on float8 e4m3 query, key and value, cast
-without scaling and clamped to e4m3's range: faster on long sequences, its own switch because it changes the
-numbers -- `benchmarks/bench_fp8.py` measures it against fp32 attention). ``"auto"`` times the candidates (`AUTO_CANDIDATES` that are
-available here) on the first call of each shape and keeps the fastest for that shape, SDPA unless
-another kernel is at least 3% faster; SDPA already picks the fastest of its own backends, so auto weighs
-it against kernels outside PyTorch.
+bf16, head dims up to 256, no mask), ``"fa3_fp8"`` (the same kernel on float8 e4m3 query, key and value,
+cast without scaling and clamped to e4m3's range: faster on long sequences, its own switch because it
+changes the numbers; `benchmarks/bench_fp8.py` measures it against fp32 attention). ``"auto"`` times the
+candidates (`AUTO_CANDIDATES` that are available here) on the first call of each shape and keeps the
+fastest for that shape, SDPA unless another kernel is at least 3% faster; SDPA already picks the fastest
+of its own backends, so auto weighs it against kernels outside PyTorch.
 
 When the choice is made: on the first call of each shape outside a CUDA graph capture -- the runner's
 warm-up run before each capture is one. In code that dynamo compiles, the dispatch is one custom op
@@ -41,8 +41,8 @@ logger = logging.getLogger(__name__)
 __all__ = ["ATTENTION_BACKENDS", "AUTO_CANDIDATES", "AttentionDispatch", "KERNELS", "backend_unavailable_reason"]
 
 ATTENTION_BACKENDS = ("auto", "sdpa", "cudnn", "flash", "efficient", "math", "fa3", "fa3_fp8")
-#: What ``"auto"`` weighs, where available: PyTorch's own choice against kernels it does not have (exact ones:
-#: ``"fa3_fp8"`` is only ever chosen by name).
+#: What ``"auto"`` weighs, where available: PyTorch's own choice against kernels it does not have. Exact
+#: kernels only: ``"fa3_fp8"`` changes the numbers and runs only where it is named.
 AUTO_CANDIDATES = ("sdpa", "fa3")
 _SDPA_BACKENDS = {"cudnn": "CUDNN_ATTENTION", "flash": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION",
                   "math": "MATH"}
