@@ -1,10 +1,9 @@
 """A request's outputs as the bytes of its ``output_format`` (png, jpeg or webp), on the replica's threads.
 
 An image is one Pillow ``save``; a large 8-bit one, where the caller gives a ``map`` over a thread pool, is
-one PNG whose compression is split into bands side by side (`_png_bands`; 1024x1024 on 2 threads of a 2-CPU
-machine: noise 43.0 against 110.5 ms for Pillow's writer, a smooth image 29.4 against 112.4 ms, 0.02% more
-bytes; bench_encoding_png_threads.json). The same pixels, a standard PNG. A video (a list of PIL frames) is one animated file: an APNG or an animated
-WebP; JPEG holds no video (``check_request`` refuses it before the pipeline runs). An APNG is made from one
+one standard PNG of the same pixels whose compression is split into bands side by side (`_png_bands`;
+against Pillow's writer: bench_encoding_png_threads.json). A video (a list of PIL frames) is one animated
+file: an APNG or an animated WebP; JPEG holds no video (``check_request`` refuses it before the pipeline runs). An APNG is made from one
 PNG per frame, which `encode_images` encodes side by side where its caller gives it a ``map`` over a thread
 pool (zlib lets go of the GIL): Pillow's own APNG writer encodes the frames one after another, 1.8 s for 33
 noise frames of 832x480, a served Wan2.1 request's video, on one core (`benchmarks/bench_encoding.py`). The
@@ -25,9 +24,9 @@ __all__ = ["apng_from_pngs", "encode_image", "encode_images", "encoding_threads"
 # Pillow's format name for each ``output_format`` of a request
 _PIL_FORMATS = {"png": "PNG", "jpeg": "JPEG", "webp": "WEBP"}
 _PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
-# modes whose PNGs carry no per-frame palette, so their frames share the first one's chunks; a video of
-# other frames (a palette each) goes through Pillow's writer
-_SHARED_LEAD_MODES = {"RGB", "RGBA", "L", "LA"}
+# PNG colour types of the 8-bit modes `_png_bands` writes. Their PNGs carry no palette, so a video's frames
+# share the first one's chunks; a video of other frames (a palette each) goes through Pillow's writer
+_COLOR_TYPES = {"L": 0, "RGB": 2, "LA": 4, "RGBA": 6}
 
 Map = Callable[[Callable, Iterable], Iterable]
 
@@ -48,13 +47,12 @@ PNG_COMPRESS_LEVEL = 1
 #: A single image of at least this many pixels is compressed in `PNG_BANDS` bands side by side (`_png_bands`).
 PNG_BANDS_MIN_PIXELS = 512 * 512
 PNG_BANDS = 8
-_COLOR_TYPES = {"L": 0, "RGB": 2, "LA": 4, "RGBA": 6}   # PNG colour types of 8-bit modes
 
 
-def _png(image, map_fn: Optional[Map] = None) -> bytes:
-    """PNG bytes of `image` at `PNG_COMPRESS_LEVEL`: Pillow's writer, or, for a large 8-bit image when a
-    `map_fn` over threads is given, `_png_bands`."""
-    if map_fn is not None and image.mode in _COLOR_TYPES and image.width * image.height >= PNG_BANDS_MIN_PIXELS:
+def _png(image, map_fn: Map = map) -> bytes:
+    """PNG bytes of `image` at `PNG_COMPRESS_LEVEL`: Pillow's writer, or, for a large 8-bit image when
+    `map_fn` runs over threads (not the builtin ``map``), `_png_bands`."""
+    if map_fn is not map and image.mode in _COLOR_TYPES and image.width * image.height >= PNG_BANDS_MIN_PIXELS:
         return _png_bands(image, map_fn)
     buf = io.BytesIO()
     image.save(buf, format="PNG", compress_level=PNG_COMPRESS_LEVEL)
@@ -98,7 +96,7 @@ def _png_bands(image, map_fn: Map, bands: int = PNG_BANDS) -> bytes:
 
 
 def _chunks(png: bytes) -> List[tuple]:
-    """A PNG's chunks as (type, data), in order (CRCs are not checked: these are Pillow's own bytes)."""
+    """A PNG's chunks as (type, data), in order (CRCs are not checked: these are bytes this module wrote)."""
     if not png.startswith(_PNG_SIGNATURE):
         raise ValueError("not a PNG")
     chunks, pos = [], len(_PNG_SIGNATURE)
@@ -170,7 +168,7 @@ def encode_image(image, output_format: OutputFormat = "png", quality: Optional[i
     if isinstance(image, (list, tuple)):
         if output_format == "jpeg":
             raise ValueError("jpeg cannot hold a video; use png or webp")
-        if output_format == "png" and all(frame.mode in _SHARED_LEAD_MODES for frame in image):
+        if output_format == "png" and all(frame.mode in _COLOR_TYPES for frame in image):
             return apng_from_pngs(list(map_fn(_png_frame, image)), fps)
         if fps is not None:
             options["duration"] = round(1000 / fps)
@@ -179,7 +177,7 @@ def encode_image(image, output_format: OutputFormat = "png", quality: Optional[i
                       **options)
         return buf.getvalue()
     if output_format == "png":
-        return _png(image, map_fn if map_fn is not map else None)
+        return _png(image, map_fn)
     buf = io.BytesIO()
     image.save(buf, format=_PIL_FORMATS[output_format], **options)
     return buf.getvalue()

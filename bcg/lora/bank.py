@@ -110,14 +110,20 @@ class LoraBank:
         if max_loras < 1 or max_rank < 1:
             raise ValueError(f"max_loras and max_lora_rank must be >= 1, got {max_loras} and {max_rank}")
         device = next(iter(transformer.parameters())).device
-        rows = LoraRows(max_rows, device=device)
-        layers = {}
+        bases = {}
         for name in names:
             parent_name, _, child = name.rpartition(".")
             parent = transformer.get_submodule(parent_name) if parent_name else transformer
             base = getattr(parent, child)
             if not isinstance(base, nn.Linear):
                 raise ValueError(f"{name} is a {type(base).__name__}, not a linear layer")
+            bases[name] = (parent, child, base)
+        # the row scales in the layers' dtype when they share one (rounded once as each layer would round
+        # them), else float32 and each layer casts
+        dtypes = {LoraLinear.compute_dtype(base) for _, _, base in bases.values()}
+        rows = LoraRows(max_rows, device=device, dtype=dtypes.pop() if len(dtypes) == 1 else torch.float32)
+        layers = {}
+        for name, (parent, child, base) in bases.items():
             layers[name] = LoraLinear(base, rows, max_loras + 1, max_rank)
             setattr(parent, child, layers[name])
         bank = cls(layers, rows, max_loras, max_rank)

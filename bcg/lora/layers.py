@@ -27,10 +27,12 @@ class LoraRows(nn.Module):
     A module of its own, registered as a child of every `LoraLinear` it serves, so ``.to()`` moves it
     once and each layer sees the same tensors. Rows beyond a call's batch are not read."""
 
-    def __init__(self, max_rows: int, device=None):
+    def __init__(self, max_rows: int, device=None, dtype: torch.dtype = torch.float32):
         super().__init__()
+        # scales in the layers' compute dtype (`LoraBank.install`): each layer multiplies by them as they are,
+        # with no cast of its own (written once a step, read by every layer)
         self.register_buffer("slots", torch.zeros(max_rows, dtype=torch.long, device=device), persistent=False)
-        self.register_buffer("scales", torch.zeros(max_rows, dtype=torch.float32, device=device), persistent=False)
+        self.register_buffer("scales", torch.zeros(max_rows, dtype=dtype, device=device), persistent=False)
 
     @property
     def max_rows(self) -> int:
@@ -59,11 +61,16 @@ class LoraLinear(nn.Module):
         self.base = base
         self.rows = rows
         weight = base.weight
-        dtype = weight.dtype if weight.dtype.is_floating_point else torch.float32
+        dtype = self.compute_dtype(base)
         self.register_buffer("lora_A", torch.zeros(slots, rank, base.in_features, dtype=dtype, device=weight.device),
                              persistent=False)
         self.register_buffer("lora_B", torch.zeros(slots, base.out_features, rank, dtype=dtype, device=weight.device),
                              persistent=False)
+
+    @staticmethod
+    def compute_dtype(base: nn.Linear) -> torch.dtype:
+        """The dtype of the low-rank update of `base` (its weights', float32 for integer weights)."""
+        return base.weight.dtype if base.weight.dtype.is_floating_point else torch.float32
 
     @property
     def in_features(self) -> int:
@@ -89,6 +96,7 @@ class LoraLinear(nn.Module):
         b = self.lora_B.index_select(0, slots)  # (n, out, rank)
         h = torch.bmm(x.reshape(n, -1, x.shape[-1]).to(a.dtype), a.transpose(1, 2))  # (n, tokens, rank)
         h = (h * self.rows.scales[:n].to(h.dtype).view(n, 1, 1)).to(out.dtype)  # the scale on the small side
+        # (``.to`` is a no-op where the scales are in h's dtype already: every layer of one dtype)
         # out + h @ B^T in one GEMM (beta 1): a base row adds B's zeros, exactly out
         return torch.baddbmm(out.reshape(n, -1, out.shape[-1]), h, b.transpose(1, 2).to(out.dtype)).reshape(out.shape)
 

@@ -265,3 +265,35 @@ def test_sd3_cfg_rows_follow_their_request_and_match_diffusers(tmp_path):
     plain = load_pipeline("tiny-sd3")
     _, kwargs = _plan(plain, "a cat", 1, guidance=5.0)
     assert np.abs(expected - np.asarray(plain(**kwargs).images)).max() > 10 * PIXEL_TOLERANCE  # it changes it
+
+
+def test_row_scales_are_kept_in_the_layers_dtype_and_give_the_float32_scales_result():
+    from bcg.lora import LoraBank
+    from bcg.lora.bank import AdapterWeights
+    from bcg.lora.layers import LoraRows
+
+    def model(dtype):
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 8)).to(dtype)
+
+    bf16 = model(torch.bfloat16)
+    bank = LoraBank.install(bf16, ["0", "1"], max_loras=1, max_rank=2)
+    assert bank.rows.scales.dtype == torch.bfloat16  # no cast per layer
+    g = torch.Generator().manual_seed(1)
+    weights = AdapterWeights({"0": (torch.randn(2, 16, generator=g), torch.randn(32, 2, generator=g)),
+                              "1": (torch.randn(2, 32, generator=g), torch.randn(8, 2, generator=g))})
+    bank.load("x", weights)
+    bank.set_rows([("x", 0.3), None])
+    x = torch.randn(2, 5, 16, generator=g).to(torch.bfloat16)
+    out = bf16(x)
+    bank.set_rows([None, None])
+    base = bf16(x)
+    assert not torch.equal(base[0], out[0]) and torch.equal(base[1], out[1])  # row 0 has the adapter
+    float32_rows = LoraRows(bank.rows.max_rows)  # float32 scales, each layer casting them
+    float32_rows.write([1, 0], [0.3, 0.0])
+    for layer in bank.layers.values():
+        layer.rows = float32_rows
+    assert torch.equal(bf16(x), out)
+    mixed = model(torch.float32)
+    mixed[1].to(torch.bfloat16)
+    assert LoraBank.install(mixed, ["0", "1"]).rows.scales.dtype == torch.float32  # two dtypes: each layer casts
