@@ -225,8 +225,10 @@ class ReplicaEngine:
             log("%s: fp8 %s; attention %s", name, fp8, kernel)
 
     def runner_stats(self) -> dict:
-        """The runners' stats after the last pipeline run (a snapshot: never waits for a capture)."""
-        return self._runner_stats
+        """The runners' stats: the snapshot of the last refresh (graphs, blocked signatures, pool bytes;
+        never waits for a capture) with the call counters read now, so that `/v1/stats` and the metrics
+        count the requests served since."""
+        return {name: {**st, **self.runners[name].counters()} for name, st in self._runner_stats.items()}
 
     def pool_bytes(self) -> int:
         return _counts(self._runner_stats)["pool_bytes"]

@@ -269,20 +269,24 @@ class BreakableGraphRunner(ModuleProxy):
             self._fingerprint = fingerprint
             return False
 
+    def counters(self):
+        """The call counters alone (captures, replays, evictions, eager calls by reason), read without
+        waiting for a capture in progress as ``stats()`` does: the live part of a stats snapshot."""
+        counts = dict(self._counts)  # each counter is changed under the lock; the copy holds whole values
+        with self._stats_lock:
+            eager = dict(self._eager)
+        return {**counts, "eager_calls": eager, "eager_calls_total": sum(eager.values())}
+
     def stats(self):
         """Counters, eager calls by reason, pool bytes and one record per captured signature."""
         with self._lock:
-            counts = dict(self._counts)
+            counters = self.counters()
             entries = [e.describe() for e in reversed(self._entries.entries())]
             blocked = [{"key": s.key, "signature": s.summary(), "reason": r} for s, r in self._blocked.items()]
             pool_bytes = self._entries.pool_bytes
-        with self._stats_lock:
-            eager = dict(self._eager)
         config = self._runner_config
         return {
-            **counts,
-            "eager_calls": eager,
-            "eager_calls_total": sum(eager.values()),
+            **counters,
             "enabled": self._off is None,
             "disabled_reason": self._off[1] if self._off else None,
             "device": str(self._device),

@@ -112,6 +112,7 @@ def test_requests_read_their_own_call_records_and_no_runner_stats():
         stats = runner.stats
         runner.stats = lambda stats=stats, name=name: stats_calls.append(name) or stats()
     served_before = engine.served()
+    live_before = engine.runner_stats()
     warm = engine.warm_set()  # what a replica counts a request warm by: worked out once, not per request
     assert warm == {WIDE, *engine.warm_batch_keys()} and engine.warm_set() is warm
     outs = [_generate(engine, WIDE) for _ in range(3)] + [_generate(engine, SMALL)]
@@ -121,6 +122,12 @@ def test_requests_read_their_own_call_records_and_no_runner_stats():
     served = engine.served()
     assert (served["replays"] - served_before["replays"], served["eager_calls"]) == (14, 2)
     assert engine.warm_set() is warm
+    # what /v1/stats and the metrics read counts these requests without a refresh (nor a stats() call)
+    live = engine.runner_stats()
+    assert stats_calls == []
+    assert sum(live[n]["replays"] - live_before[n]["replays"] for n in live) == 14
+    assert {n: live[n]["eager_calls"]["unseen"] - live_before[n]["eager_calls"]["unseen"] for n in live} == {
+        "text_encoder": 0, "text_encoder_2": 0, "transformer": 1, "vae_decoder": 1}
     # the stats endpoint's totals still come from stats(), and they agree
     totals = engine.refresh()
     assert sum(st["replays"] for st in totals.values()) >= 14 and stats_calls != []
