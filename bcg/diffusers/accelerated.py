@@ -378,8 +378,10 @@ def accelerate(pipe, config=None, policy: Any = "auto", components: Iterable[str
     from bcg.runtime.runner import BreakableGraphRunner
 
     config = config if config is not None else RunnerConfig.from_env()
-    # quantization and the attention kernel are the transformers' alone: text encoders and VAE keep theirs
-    other_config = dataclasses.replace(config, quantize=None) if config.quantize is not None else config
+    # quantization, the attention kernel and regional compilation are the transformers' alone: text
+    # encoders and VAE keep their dtype and kernels and compile whole (a regionally compiled CLIP or T5
+    # encoder recompiled inside its capture at FLUX.1-dev's start-up and ran without graphs)
+    other_config = dataclasses.replace(config, quantize=None, compile_regional=False)
     components = [components] if isinstance(components, str) else list(components)
     unknown = [c for c in components if c not in COMPONENTS]
     if unknown:

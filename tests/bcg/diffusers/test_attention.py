@@ -4,8 +4,9 @@ import numpy as np
 import pytest
 import torch
 
-from bcg.diffusers import (accelerate, attention_stats, install_breaks, pipeline_stats, plan_request,
-                           remove_attention_backend, remove_breaks, set_attention_backend, unaccelerate)
+from bcg.diffusers import (accelerate, attention_stats, install_breaks, pipeline_runners, pipeline_stats,
+                           plan_request, remove_attention_backend, remove_breaks, set_attention_backend,
+                           unaccelerate)
 from bcg.diffusers.models import load_pipeline
 from bcg.runtime.compile import compile_for_segments
 from bcg.runtime.config import RunnerConfig
@@ -108,6 +109,18 @@ def test_accelerate_routes_the_transformer_only_where_there_is_a_choice():
     finally:
         unaccelerate(pipe)
     assert attention_stats(pipe.transformer) is None
+
+
+def test_regional_compilation_is_the_transformers_alone():
+    pipe = accelerate(load_pipeline("tiny-flux"), config=RunnerConfig(compile=True, compile_regional=True),
+                      components=("transformer", "text_encoder", "text_encoder_2", "vae_decoder"))
+    try:
+        configs = {name: runner._runner_config for name, runner in pipeline_runners(pipe).items()}
+        assert configs["transformer"].compile_regional is True
+        assert {name: (c.compile, c.compile_regional) for name, c in configs.items() if name != "transformer"} == {
+            "text_encoder": (True, False), "text_encoder_2": (True, False), "vae_decoder": (True, False)}
+    finally:
+        unaccelerate(pipe)
 
 
 def test_regional_compile_under_automatic_placement_compiles_in_the_first_call():
