@@ -249,8 +249,8 @@ class ReplicaEngine:
 
     def _warmup_run(self, key: str):
         """One warmup run of `key` and of every batch bucket the batcher replays for it
-        (`StepBatcher.warmup`): (its report, what it did as `_counts` deltas, the live graphs it used,
-        from its own call record). The deltas (evictions, failures, pool bytes: runner-wide facts) come
+        (`StepBatcher.warmup`): (its report, what it did as `_counts` deltas, the live graphs it used and
+        its calls of blocked signatures, from its own call record). The deltas (evictions, failures, pool bytes: runner-wide facts) come
         from the runners' stats around it: a warmup runs between steps, nothing else runs meanwhile."""
         before = self._runner_stats  # current: refreshed after every warmup and every graph change
         record = CallRecord()
@@ -260,7 +260,7 @@ class ReplicaEngine:
         self._bucket_pools = {**self._bucket_pools, report["key"]: _bucket_pool_bytes(reports, after)}
         names = {id(runner): name for name, runner in self.runners.items()}
         used = frozenset((names.get(id(runner)), sig) for runner, sig in record.graphs) & self._live
-        return report, _delta(before, after), used
+        return report, _delta(before, after), used, record.eager.get("blocked", 0)
 
     def bucket_pool_bytes(self) -> Dict[str, Dict[int, int]]:
         """Per warm key: batch bucket -> pool bytes of the graphs its warmup captured for that bucket."""
@@ -299,8 +299,8 @@ class ReplicaEngine:
         held_before = self.memory.used_bytes(self.pool_bytes())
         used_before = held_before - self._stranded_bytes
         with self.memory.peak() as peak:
-            report, delta, used = self._warmup_run(key)
-        ok, reason = _warmup_outcome(report)
+            report, delta, used, blocked = self._warmup_run(key)
+        ok, reason = _warmup_outcome(report, blocked)
         if ok and self.graphs_off_reason() is not None:
             reason, used = self.graphs_off_reason(), frozenset()
         elif ok and (delta["evictions"] or (delta["captures"] and self.memory.cuda)):
@@ -308,8 +308,8 @@ class ReplicaEngine:
             # captures reset CUDA's peak statistics: run the key again, which must replay everything
             # (no capture, no eviction); its peak is what serving the key takes beside its graphs.
             with self.memory.peak() as peak:
-                again, delta_again, used = self._warmup_run(key)
-            ok, reason = _warmup_outcome(again)
+                again, delta_again, used, blocked = self._warmup_run(key)
+            ok, reason = _warmup_outcome(again, blocked)
             if ok and (delta_again["captures"] or delta_again["evictions"]):
                 ok, reason = False, ("its graphs do not fit in the runners at once (raise runner "
                                      "max_entries or pool_budget_bytes)")
@@ -496,11 +496,15 @@ def _install_lora(pipe, lora: dict):
                         max_rows=int(lora.get("max_lora_rows", 64)))
 
 
-def _warmup_outcome(report: dict) -> tuple:
-    """(ok, reason) of one key's ``warmup_pipeline`` report: an error or a failed capture fails it."""
+def _warmup_outcome(report: dict, blocked_calls: int = 0) -> tuple:
+    """(ok, reason) of one key's ``warmup_pipeline`` report: an error or a failed capture fails it, and
+    so do calls of signatures an earlier capture failure blocked (another key's: they run eagerly)."""
     if report["error"]:
         return False, report["error"]
     failed = [r for rs in report["failed"].values() for r in rs]
     if failed:
         return False, "; ".join(failed)
+    if blocked_calls:
+        return False, (f"{blocked_calls} runner calls ran eagerly: their signatures are blocked by an earlier "
+                       "capture failure (the runners' 'blocked' stats say why)")
     return True, None

@@ -133,3 +133,17 @@ def test_requests_read_their_own_call_records_and_no_runner_stats():
     assert sum(st["replays"] for st in totals.values()) >= 14 and stats_calls != []
     assert engine.warmup_key(SMALL)["ok"] and SMALL in engine.warm_set() and engine.warm_set() is not warm
     engine.close()
+
+
+def test_a_key_whose_warmup_runs_a_signature_another_key_blocked_is_not_warm():
+    engine = _engine("all", max_entries=4)
+    # the first text encoder's capture fails: blocked for WIDE's prompt, which TALL's warmup shares
+    engine.runners["text_encoder"]._recorder = _RerunRecorder(fail=lambda attempt, kwargs: RuntimeError("capture broke"))
+    wide = engine.warmup_key(WIDE)
+    assert not wide["ok"] and "capture broke" in wide["reason"]
+    tall = engine.warmup_key(TALL)
+    assert not tall["ok"] and "blocked by an earlier capture failure" in tall["reason"]
+    assert engine.warm_keys() == []
+    out = _generate(engine, TALL)
+    assert out["eager_calls"] >= 1    # the blocked encoder ran eagerly: the key was rightly cold
+    engine.close()
