@@ -322,6 +322,9 @@ def run_model(args, model: str, result: dict, port_box: list) -> None:
         for row in rows:
             if args.over_budget():
                 break
+            if args.no_eager:
+                row["eager"]["skipped"] = "--no-eager"
+                continue
             _say(f"{model} {row['eager_key']} eager: {args.warmup_iters} untimed + {args.iters} timed calls, "
                  f"{row['steps']} steps")
             try:
@@ -414,6 +417,8 @@ def parse_args(argv=None):
     p.add_argument("--wan-steps", type=int, default=None, help="default: the pipeline's own")
     p.add_argument("--iters", type=int, default=3, help="timed calls / requests per row")
     p.add_argument("--warmup-iters", type=int, default=1, help="untimed calls / requests before them")
+    p.add_argument("--no-eager", action="store_true",
+                   help="served rows only (the pipeline is still loaded once for its defaults)")
     p.add_argument("--compile", action="store_true", help="served runners compile their segments (inductor)")
     p.add_argument("--runner", type=runner_fields, default={}, help="more RunnerConfig fields: 'max_entries=8,...'")
     p.add_argument("--components", default="all", help="accelerated components of the served pipeline")
