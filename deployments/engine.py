@@ -250,8 +250,9 @@ class ReplicaEngine:
     def _warmup_run(self, key: str):
         """One warmup run of `key` and of every batch bucket the batcher replays for it
         (`StepBatcher.warmup`): (its report, what it did as `_counts` deltas, the live graphs it used and
-        its calls of blocked signatures, from its own call record). The deltas (evictions, failures, pool bytes: runner-wide facts) come
-        from the runners' stats around it: a warmup runs between steps, nothing else runs meanwhile."""
+        its calls of blocked signatures, both from its own call record). The deltas (evictions, failures,
+        pool bytes: runner-wide facts) come from the runners' stats around it: a warmup runs between
+        steps, nothing else runs meanwhile."""
         before = self._runner_stats  # current: refreshed after every warmup and every graph change
         record = CallRecord()
         reports = self.batcher.warmup([key], num_inference_steps=self.warmup_steps, record=record)["keys"]
