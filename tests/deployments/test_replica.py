@@ -138,7 +138,8 @@ def test_requests_read_their_own_call_records_and_no_runner_stats():
 def test_a_key_whose_warmup_runs_a_signature_another_key_blocked_is_not_warm():
     engine = _engine("all", max_entries=4)
     # the first text encoder's capture fails: blocked for WIDE's prompt, which TALL's warmup shares
-    engine.runners["text_encoder"]._recorder = _RerunRecorder(fail=lambda attempt, kwargs: RuntimeError("capture broke"))
+    broken = _RerunRecorder(fail=lambda attempt, kwargs: RuntimeError("capture broke"))
+    engine.runners["text_encoder"]._recorder = broken
     wide = engine.warmup_key(WIDE)
     assert not wide["ok"] and "capture broke" in wide["reason"]
     tall = engine.warmup_key(TALL)
