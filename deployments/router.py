@@ -21,8 +21,10 @@ Contract (one call of ``choose_replicas`` = one routing attempt, Serve retries w
   key's measured request time) against the cold replica's queue plus the key's measured cold cost (a
   cold request's time, else the key's warmup cost), from the replicas' routing stats; a spill the
   queue gap allows but the estimate says would be slower stays warm (counted as
-  ``kept_warm_by_estimate``), and before anything is measured the gap alone decides. A spill sends the
-  request to the cold replicas (least loaded first), with the warm ones as the second tier; each
+  ``kept_warm_by_estimate``). Before the key's warm request time is measured nothing spills: a spill
+  needs an estimate, so the first burst of a key waits for warm slots (``kept_warm_unmeasured``). A
+  spill sends the request to the cold replicas (least loaded first), with the warm ones as the second
+  tier; each
   request that reached a cold replica is counted with the wait it was estimated to avoid
   (``spill_stats``, in ``on_request_routed``). Queue lengths come from Serve's queue-length cache
   (what this router last saw) and else from the replica's routing stats; they count ongoing requests
@@ -93,6 +95,7 @@ class Ranking(NamedTuple):
     decision: str
     tiers: Optional[List[List[RunningReplica]]]
     estimate: Optional[spill.SpillEstimate] = None   # when measured times weighed warm against cold
+    unmeasured: bool = False   # the queue gap allowed a spill, but nothing measured could weigh it
 
 
 class ShapeAffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
@@ -125,7 +128,7 @@ class ShapeAffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         # Router-local decision counters (this caller's view; replicas count what they served).
         self.decisions: Dict[str, int] = dict.fromkeys(DECISIONS, 0)
         # requests sent to a cold replica, and routing attempts kept warm, by what decided it
-        self.spill_stats = {"spilled_by_estimate": 0, "spilled_by_threshold": 0, "kept_warm_by_estimate": 0,
+        self.spill_stats = {"spilled_by_estimate": 0, "kept_warm_by_estimate": 0, "kept_warm_unmeasured": 0,
                             "wait_avoided_s": 0.0, "recent": collections.deque(maxlen=_RECENT_SPILLS)}
         self._pending_spills: "collections.OrderedDict" = collections.OrderedDict()
         routing_view.register(self)
@@ -179,7 +182,9 @@ class ShapeAffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
             if self._load(warm[0]) - self._load(cold[0]) >= self.spill_threshold:
                 estimate = spill.estimate(key, warm[0].routing_stats, self._load(warm[0]), cold[0].routing_stats,
                                           self._load(cold[0]), [r.routing_stats for r in candidate_replicas])
-                if estimate is not None and not estimate.spill:
+                if estimate is None:
+                    return Ranking("warm", [warm], None, True)
+                if not estimate.spill:
                     return Ranking("warm", [warm], estimate)
                 return Ranking("spill", [cold, warm], estimate)
         return Ranking("warm", [warm])
@@ -203,7 +208,7 @@ class ShapeAffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
             pending_request.routing_context.should_backoff = True
         try:
             candidate_replicas = self.holding_adapter(candidate_replicas, pending_request)
-            decision, tiers, estimate = Ranking(*self.rank(candidate_replicas, pending_request))
+            decision, tiers, estimate, unmeasured = Ranking(*self.rank(candidate_replicas, pending_request))
             self.decisions[decision] += 1
             if decision == "spill":
                 self._pending_spills[pending_request.metadata.internal_request_id] = estimate
@@ -211,6 +216,8 @@ class ShapeAffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
                     self._pending_spills.popitem(last=False)
             elif estimate is not None:
                 self.spill_stats["kept_warm_by_estimate"] += 1
+            elif unmeasured:
+                self.spill_stats["kept_warm_unmeasured"] += 1
             if tiers is None:
                 tiers = await PowerOfTwoChoicesRequestRouter.choose_replicas(
                     self, candidate_replicas=candidate_replicas, pending_request=pending_request)
@@ -230,10 +237,6 @@ class ShapeAffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
             replica = self.curr_replicas.get(replica_id)
             if replica is not None and key in replica_warm_keys(replica):
                 return  # the warm second tier took it after all
-            if estimate is None:
-                self.spill_stats["spilled_by_threshold"] += 1
-                self.spill_stats["recent"].append({"shape_key": key, "by": "threshold"})
-                return
             self.spill_stats["spilled_by_estimate"] += 1
             self.spill_stats["wait_avoided_s"] += estimate.avoided_s
             self.spill_stats["recent"].append({"shape_key": key, "by": "estimate", **estimate.as_dict()})

@@ -101,8 +101,8 @@ def test_queue_len_cache_beats_stale_routing_stats():
 
 
 def test_spills_to_cold_only_when_every_warm_replica_is_overloaded():
-    warm = FakeReplica("w", ("k",), 3)
-    cold = FakeReplica("c", ("other",), 0)
+    warm = FakeReplica("w", ("k",), 3, timing={"request_s": {"k": 1.0}})
+    cold = FakeReplica("c", ("other",), 0, timing={"cold_request_s": {"k": 0.5}})
     ranks, _ = choose(make_router([warm, cold], spill_threshold=3), [warm, cold], shape_key="k")
     assert [uids(r) for r in ranks] == [["c"], ["w"]]      # 3 - 0 >= 3: spill, warm as second tier
     ranks, _ = choose(make_router([warm, cold], spill_threshold=4), [warm, cold], shape_key="k")
@@ -129,6 +129,22 @@ def test_spill_weighs_the_warm_queue_against_the_measured_cold_cost_and_counts_t
     spills = router.stats()["spills"]
     assert spills["spilled_by_estimate"] == 1 and spills["wait_avoided_s"] == 3.5
     assert spills["recent"][0]["shape_key"] == "k" and spills["recent"][0]["cold_cost_from"] == "cold_request"
+
+
+def test_nothing_spills_before_the_keys_warm_request_time_is_measured():
+    warm = FakeReplica("w", ("k",), 4, timing={"warmup_s": {"k": 2.3}})   # warmed, no request finished yet
+    cold = FakeReplica("c", ("other",), 0, timing={"request_s": {"other": 0.1}})
+    router = make_router([warm, cold], spill_threshold=3)    # the queue gap allows a spill
+    ranks, pr = choose(router, [warm, cold], shape_key="k")
+    assert [uids(r) for r in ranks] == [["w"]]
+    spills = router.stats()["spills"]
+    assert router.decisions == {**dict.fromkeys(router.decisions, 0), "warm": 1}
+    assert (spills["kept_warm_unmeasured"], spills["kept_warm_by_estimate"]) == (1, 0)
+    assert spills["spilled_by_estimate"] == 0
+    # once a request of the key has been measured warm, the estimate decides: (4 + 1) x 1.0 s against 2.3 s
+    warm.timing = {**warm.timing, "request_s": {"k": 1.0}}
+    ranks, _ = choose(router, [warm, cold], shape_key="k")
+    assert [uids(r) for r in ranks] == [["c"], ["w"]] and router.decisions["spill"] == 1
 
 
 def test_a_measured_warmup_cost_keeps_the_request_on_the_busy_warm_replica():
