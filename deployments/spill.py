@@ -20,8 +20,9 @@ Replicas publish in their routing stats, per shape key (moving averages of what 
 
 None when the warm side has no measurement for the key, or the key no cold cost: the router keeps
 the request warm then (nothing spills unweighed). The router's queue-length threshold gates every
-spill: an estimate only decides among the spills the threshold allows. Batching is not modelled: a warm replica with room in a
-running batch of the key is taken before any spill is weighed (``router`` ranks it first).
+spill: an estimate only decides among the spills the threshold allows. Batching is not modelled: a
+warm replica with room in a running batch of the key is taken before any spill is weighed (``router``
+ranks it first).
 """
 from __future__ import annotations
 
