@@ -497,7 +497,7 @@ def _install_lora(pipe, lora: dict):
                         max_rows=int(lora.get("max_lora_rows", 64)))
 
 
-def _warmup_outcome(report: dict, blocked_calls: int = 0) -> tuple:
+def _warmup_outcome(report: dict, blocked_calls: int) -> tuple:
     """(ok, reason) of one key's ``warmup_pipeline`` report: an error or a failed capture fails it, and
     so do calls of signatures an earlier capture failure blocked (another key's: they run eagerly)."""
     if report["error"]:

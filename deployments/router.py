@@ -24,8 +24,7 @@ Contract (one call of ``choose_replicas`` = one routing attempt, Serve retries w
   ``kept_warm_by_estimate``). Before the key's warm request time is measured nothing spills: a spill
   needs an estimate, so the first burst of a key waits for warm slots (``kept_warm_unmeasured``). A
   spill sends the request to the cold replicas (least loaded first), with the warm ones as the second
-  tier; each
-  request that reached a cold replica is counted with the wait it was estimated to avoid
+  tier; each request that reached a cold replica is counted with the wait it was estimated to avoid
   (``spill_stats``, in ``on_request_routed``). Queue lengths come from Serve's queue-length cache
   (what this router last saw) and else from the replica's routing stats; they count ongoing requests
   on the replica, which Serve caps at ``max_ongoing_requests``, so a threshold at or above that cap
@@ -151,8 +150,9 @@ class ShapeAffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
     # -- ranking ---------------------------------------------------------------------------------
     def rank(self, candidate_replicas: List[RunningReplica],
              pending_request: Optional[PendingRequest]) -> Ranking:
-        """``(decision, tiers)`` for one request, a `Ranking` with the estimate where a spill was weighed;
-        tiers None: Serve's power-of-two answer.
+        """``(decision, tiers)`` for one request, a `Ranking` with the estimate where a spill was weighed
+        (``unmeasured`` where the queue gap allowed one but nothing measured could weigh it); tiers None:
+        Serve's power-of-two answer.
 
         Pure: reads the replicas and the queue-length cache, changes nothing."""
         if not candidate_replicas:

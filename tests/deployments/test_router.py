@@ -135,7 +135,7 @@ def test_nothing_spills_before_the_keys_warm_request_time_is_measured():
     warm = FakeReplica("w", ("k",), 4, timing={"warmup_s": {"k": 2.3}})   # warmed, no request finished yet
     cold = FakeReplica("c", ("other",), 0, timing={"request_s": {"other": 0.1}})
     router = make_router([warm, cold], spill_threshold=3)    # the queue gap allows a spill
-    ranks, pr = choose(router, [warm, cold], shape_key="k")
+    ranks, _ = choose(router, [warm, cold], shape_key="k")
     assert [uids(r) for r in ranks] == [["w"]]
     spills = router.stats()["spills"]
     assert router.decisions == {**dict.fromkeys(router.decisions, 0), "warm": 1}

@@ -115,7 +115,7 @@ def test_regional_compilation_is_the_transformers_alone():
     pipe = accelerate(load_pipeline("tiny-flux"), config=RunnerConfig(compile=True, compile_regional=True),
                       components=("transformer", "text_encoder", "text_encoder_2", "vae_decoder"))
     try:
-        configs = {name: runner._runner_config for name, runner in pipeline_runners(pipe).items()}
+        configs = {name: runner.runner_config for name, runner in pipeline_runners(pipe).items()}
         assert configs["transformer"].compile_regional is True
         assert {name: (c.compile, c.compile_regional) for name, c in configs.items() if name != "transformer"} == {
             "text_encoder": (True, False), "text_encoder_2": (True, False), "vae_decoder": (True, False)}
