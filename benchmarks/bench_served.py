@@ -149,7 +149,8 @@ def served_app_args(args, model_dir: str, shape: dict, steps: int, key: str) -> 
     """``build_app`` args of the row's app: one replica with the whole GPU, its key warm at start-up."""
     cuda = torch.device(args.device).type == "cuda"
     runner = {**args.runner, "compile": args.compile}
-    return {
+    app_fields = {k: runner.pop(k) for k in ("quantize", "attention_backend") if k in runner}  # build_app's own args
+    return {**app_fields,
         "model": model_dir, "num_replicas": 1, "num_gpus_per_replica": 1 if cuda else 0, "num_cpus_per_replica": 0,
         "device": args.device, "cpu_threads": None if cuda else 1, "components": args.components,
         "warmup": [key], "placement": "all", "warmup_steps": 2, "default_steps": steps,

@@ -103,6 +103,24 @@ class _SignatureRecord:
                 "backend_ms": round(self.backend_ms, 3), "recompile_reasons": list(self.reasons)}
 
 
+class CompiledInCaptureError(RuntimeError):
+    """torch.compile was about to compile inside a CUDA graph capture: a guard of the compiled code failed
+    there although the warm-up runs before the capture had compiled what they met (a module whose control
+    flow or shapes differ from one run to the next, such as a causal video VAE's frame cache)."""
+
+
+def compiled_in_capture(exc: BaseException) -> CompiledInCaptureError | None:
+    """The `CompiledInCaptureError` that `exc` is or was raised from (dynamo wraps a backend's error in
+    ``BackendCompilerFailed``), else None."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, CompiledInCaptureError):
+            return exc
+        seen.add(id(exc))
+        exc = getattr(exc, "inner_exception", None) or exc.__cause__ or exc.__context__
+    return None
+
+
 class _CountingBackend:
     """Wraps the real backend: records each compiled graph, refuses to compile inside a CUDA capture."""
 
@@ -114,7 +132,7 @@ class _CountingBackend:
 
     def __call__(self, gm, example_inputs):
         if _capturing():
-            raise RuntimeError(
+            raise CompiledInCaptureError(
                 "bcg.runtime.compile: torch.compile tried to compile a graph inside a CUDA graph capture (a guard "
                 "failed, e.g. a new shape); run the compiled forward once for this signature before "
                 "capturing (RunnerConfig.capture_warmup_runs >= 1)")

@@ -31,6 +31,10 @@ The hook answers what it changed so that capturing again makes sense (automatic 
 the place on the traceback a break: ``"<error> at <place>, now a break"``), or None. The runner then
 logs one INFO line, counts ``stats()["capture_retries"]`` and captures again, at most
 ``max_capture_retries`` times per signature, before it blocks the signature as for any failed capture.
+With ``compile`` on, a capture whose compiled code would compile again inside it (its guards fail there
+although the warm-up runs compiled what they met: ``CompiledInCaptureError``, e.g. a causal video VAE's
+frame cache) is captured once more from the module's own code, a plain graph for that signature: one
+warning, ``stats()["uncompiled_captures"]`` and ``stats()["uncompiled"]`` say which and why.
 
 Break output mismatch: a break function that returns, at replay, another structure, shape, dtype or
 Python scalar value than at capture stops the replay before the next segment
@@ -74,6 +78,7 @@ import torch.utils._pytree as pytree
 
 from bcg.graphs.capture import BreakOutputMismatchError, eager_on_graph, replay_token_scope
 from bcg.runtime.call_record import active_records, note_capture, note_eager, note_replay
+from bcg.runtime.compile import compiled_in_capture
 from bcg.runtime.config import RunnerConfig
 from bcg.runtime.entries import CaptureEntry, EntryCache
 from bcg.runtime.proxy import ModuleProxy
@@ -135,7 +140,9 @@ class BreakableGraphRunner(ModuleProxy):
         self._stats_lock = threading.Lock()
         self._tokens = itertools.count(1)
         self._warming = 0
-        self._counts = dict(captures=0, capture_failures=0, capture_retries=0, replays=0, evictions=0)
+        self._counts = dict(captures=0, capture_failures=0, capture_retries=0, uncompiled_captures=0, replays=0,
+                            evictions=0)
+        self._uncompiled = {}               # Signature -> why its graph holds the module's own code
         self._eager = dict.fromkeys(EAGER_REASONS, 0)
         self._runtime_disabled = None       # reason the runner turned itself off, until reset()
         self._fingerprint = None
@@ -283,6 +290,7 @@ class BreakableGraphRunner(ModuleProxy):
             counters = self.counters()
             entries = [e.describe() for e in reversed(self._entries.entries())]
             blocked = [{"key": s.key, "signature": s.summary(), "reason": r} for s, r in self._blocked.items()]
+            uncompiled = [{"key": s.key, "signature": s.summary(), "reason": r} for s, r in self._uncompiled.items()]
             pool_bytes = self._entries.pool_bytes
         config = self._runner_config
         return {
@@ -297,6 +305,7 @@ class BreakableGraphRunner(ModuleProxy):
             "pool_budget_bytes": config.pool_budget_bytes,
             "entries": entries,
             "blocked": blocked,
+            "uncompiled": uncompiled,
             "compile": self._compiled.stats() if self._compiled is not None else None,
             "quantize": self._quantized.as_dict() if self._quantized is not None else None,
         }
@@ -375,13 +384,14 @@ class BreakableGraphRunner(ModuleProxy):
         with lock, replay_token_scope(token):
             return self._forward(capture=False)(*args, **kwargs)
 
-    def _forward(self, capture):
+    def _forward(self, capture, compiled=True):
         """The one place that chooses what runs the module: for a capture (and its warm-up run), or for an
         eager call -- with compile on, one that may compile while warming, and while serving one that
-        uses what is compiled and never stalls on a new compilation."""
+        uses what is compiled and never stalls on a new compilation; the module's own code when not
+        `compiled` (a capture whose compiled code recompiled inside it)."""
         if capture and self._runner_config.debug_single_break:
             return self._whole_forward_fn()
-        if self._compiled is None:
+        if self._compiled is None or not compiled:
             return self._module
         return self._compiled if capture or self._warming else self._compiled.run_cached
 
@@ -452,12 +462,24 @@ class BreakableGraphRunner(ModuleProxy):
         """`_record_evicting_on_oom`, tried again while the module's capture-failure hook changes what it
         captures (see the module docstring), at most ``max_capture_retries`` times."""
         limit = self._runner_config.max_capture_retries
+        compiled = self._compiled is not None
         for retry in itertools.count(1):
             try:
-                return self._record_evicting_on_oom(signature, args, kwargs, leaves, token)
+                return self._record_evicting_on_oom(signature, args, kwargs, leaves, token, compiled)
             except torch.cuda.OutOfMemoryError:
                 raise
             except Exception as exc:  # noqa: BLE001 -- re-raised unless the hook changed something
+                refused = compiled_in_capture(exc) if compiled else None
+                if refused is not None:
+                    # the compiled code's guards fail inside the capture although the warm-up runs compiled
+                    # what they met: capture the module's own code for this signature (a plain graph)
+                    compiled = False
+                    self._uncompiled[signature] = str(refused)
+                    self._counts["uncompiled_captures"] += 1
+                    logger.warning("the compiled forward of %s recompiles inside the capture of %s (%s); capturing "
+                                   "the uncompiled module for it instead", type(self._module).__name__,
+                                   signature.key, signature.summary())
+                    continue
                 hook = getattr(self._module, "__dict__", {}).get(CAPTURE_FAILED_ATTR)
                 if hook is None or retry > limit:
                     raise
@@ -473,10 +495,10 @@ class BreakableGraphRunner(ModuleProxy):
                 logger.info("capture of %s (%s) failed on %s; retrying (%d of at most %d)", signature.key,
                             signature.summary(), change, retry, limit)
 
-    def _record_evicting_on_oom(self, signature, args, kwargs, leaves, token):
+    def _record_evicting_on_oom(self, signature, args, kwargs, leaves, token, compiled):
         """`_record`; when it runs out of memory with graphs cached, evict them all and try once more."""
         try:
-            return self._record(signature, args, kwargs, leaves, token)
+            return self._record(signature, args, kwargs, leaves, token, compiled)
         except torch.cuda.OutOfMemoryError:
             if not len(self._entries):
                 raise
@@ -485,7 +507,7 @@ class BreakableGraphRunner(ModuleProxy):
             while len(self._entries):
                 self._evict_lru_locked("out of memory")
             torch.cuda.empty_cache()  # lets the pool grow into memory the eager cache held
-            return self._record(signature, args, kwargs, leaves, token)
+            return self._record(signature, args, kwargs, leaves, token, compiled)
 
     def _within_max_segments(self, signature, entry):
         """False (and the runner disabled until reset()) when the capture has more than max_segments."""
@@ -517,8 +539,9 @@ class BreakableGraphRunner(ModuleProxy):
             self._evict_lru_locked("pool budget")
         return True
 
-    def _record(self, signature, args, kwargs, leaves, token):
-        """Static buffers, warm-up, capture: a new CaptureEntry (not yet in the cache)."""
+    def _record(self, signature, args, kwargs, leaves, token, compiled):
+        """Static buffers, warm-up, capture: a new CaptureEntry (not yet in the cache); of the module's own
+        code when not `compiled`."""
         device = self._device
         static_inputs, host_inputs = [], []
         with torch.no_grad():
@@ -530,7 +553,7 @@ class BreakableGraphRunner(ModuleProxy):
                     host_inputs.append(i)
         static = rebuild_kwargs(call_arguments(args, kwargs), static_inputs)
         static_args = static.pop(ARGS_KEY, ())
-        fn = self._forward(capture=True)
+        fn = self._forward(capture=True, compiled=compiled)
         # Autocast caches its casts of weights until its context closes; a graph captured with the cache
         # on would read a cast that is freed by then (make_graphed_callables refuses the cache for the
         # same reason), so the capture casts inside the graph instead.
@@ -601,4 +624,5 @@ class BreakableGraphRunner(ModuleProxy):
             entry.release()
         self._entries = EntryCache()
         self._blocked.clear()
+        self._uncompiled.clear()
         self._fingerprint = None

@@ -5,7 +5,8 @@
   values printed: run with ``-s`` to see them);
 - a first call inside a capture (it would compile there) fails with an error that names the fix;
 - dynamic shapes: four signatures, one compilation (recompiles reported per signature);
-- through the runner (``RunnerConfig.compile``).
+- through the runner (``RunnerConfig.compile``), and a module whose compiled code would compile again
+  inside its capture is captured uncompiled instead of blocked.
 """
 import pytest
 import torch
@@ -159,3 +160,36 @@ def test_runner_with_compile_replays_compiled_code():
     sample = replayed.sample if hasattr(replayed, "sample") else replayed[0]
     assert torch.equal(sample, direct.sample if hasattr(direct, "sample") else direct[0])
 
+
+
+class _Alternating(torch.nn.Module):
+    """Its code differs from one call to the next (as a causal video VAE's frame cache makes a decode's):
+    the compiled code's guard on ``calls`` fails in the capture that follows the warm-up run."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(16, 16, generator=torch.Generator().manual_seed(0)))
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        return (x @ self.weight) * 2 if self.calls % 2 else (x * 2) @ self.weight  # the same values
+
+
+def test_runner_captures_the_uncompiled_module_where_the_compiled_code_recompiles_inside_the_capture():
+    from bcg.runtime.config import RunnerConfig
+    from bcg.runtime.runner import BreakableGraphRunner
+
+    module = _Alternating().cuda()
+    runner = BreakableGraphRunner(module, config=RunnerConfig(compile=True, capture_warmup_runs=1))
+    x = torch.randn(4, 16, device="cuda")
+    with runner.warmup():
+        runner(x=x)
+    stats = runner.stats()
+    assert stats["captures"] == 1 and stats["blocked"] == [] and stats["uncompiled_captures"] == 1
+    assert "inside a CUDA graph capture" in stats["uncompiled"][0]["reason"]
+    # the graph holds the module's own code and replays it for new values
+    fresh = torch.randn(4, 16, device="cuda")
+    out = runner(x=fresh)
+    assert runner.stats()["replays"] >= 1 and runner.stats()["eager_calls_total"] == 0
+    torch.testing.assert_close(out, (fresh @ module.weight) * 2)

@@ -607,3 +607,42 @@ def test_max_break_mismatches_of_one_blocks_at_the_first_mismatch():
     module.steps = 7
     assert torch.equal(runner(x=_x(2))[0], _x(2) @ module.weight * 7)
     assert runner.warm_signatures() == [] and runner.stats()["blocked"]
+
+
+def _compiled_in_capture_error():
+    """What dynamo raises when the backend refuses to compile inside a capture: its own error, caused by ours."""
+    from bcg.runtime.compile import CompiledInCaptureError
+
+    try:
+        try:
+            raise CompiledInCaptureError("torch.compile tried to compile a graph inside a CUDA graph capture")
+        except CompiledInCaptureError as inner:
+            raise RuntimeError("BackendCompilerFailed: backend raised") from inner
+    except RuntimeError as exc:
+        return exc
+
+
+def test_a_compiled_capture_that_would_compile_inside_it_is_captured_from_the_module_instead():
+    module = Affine()
+    recorder = _RerunRecorder(fail=lambda attempt, kw: _compiled_in_capture_error() if attempt == 1 else None)
+    runner = _runner(module, recorder, compile=True)
+    with runner.warmup():
+        out = runner(x=_x(4))
+    assert torch.equal(out[0], Affine()(_x(4))[0])
+    assert recorder.attempts == 2 and recorder.fns[0] is runner._compiled and recorder.fns[1] is module
+    stats = runner.stats()
+    assert stats["captures"] == 1 and stats["uncompiled_captures"] == 1 and stats["blocked"] == []
+    assert [u["key"] for u in stats["uncompiled"]] == [_key({"x": _x(4)})]
+    assert "inside a CUDA graph capture" in stats["uncompiled"][0]["reason"]
+    runner.reset()
+    assert runner.stats()["uncompiled"] == []
+
+
+@pytest.mark.parametrize("compile", [False, True])
+def test_other_capture_errors_and_uncompiled_runners_still_block(compile):
+    error = _compiled_in_capture_error() if not compile else RuntimeError("capture broke")
+    recorder = _RerunRecorder(fail=lambda attempt, kw: error)
+    runner = _runner(Affine(), recorder, compile=compile)
+    runner.capture(x=_x(4))
+    stats = runner.stats()
+    assert recorder.attempts == 1 and stats["uncompiled_captures"] == 0 and len(stats["blocked"]) == 1
