@@ -295,6 +295,9 @@ def run(args) -> dict:
             model_section(args, result, args.out, model)
         except torch.cuda.OutOfMemoryError as exc:
             result.setdefault("skipped", []).append({"model": model, "reason": f"OOM: {exc}"[:300]})
+        # dynamo's caches hold the compiled modules' guards, and so their weights: Qwen-Image after
+        # FLUX.1-dev in one run ran out of memory on the H200 without this
+        torch._dynamo.reset()
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
