@@ -194,10 +194,11 @@ def _runner_summary(runner_stats: dict) -> dict:
     for name, st in runner_stats.items():
         entries = st.get("entries") or []
         out[name] = {k: st.get(k) for k in ("enabled", "disabled_reason", "captures", "replays", "eager_calls",
-                                           "capture_failures", "num_entries", "max_entries", "pool_bytes",
-                                           "pool_reserved_bytes")}
+                                           "capture_failures", "uncompiled_captures", "num_entries",
+                                           "max_entries", "pool_bytes", "pool_reserved_bytes")}
         out[name]["segments"] = [e.get("segments") for e in entries]
         out[name]["blocked"] = [b.get("reason") for b in st.get("blocked") or []]
+        out[name]["uncompiled"] = [u.get("reason") for u in st.get("uncompiled") or []]
         out[name]["compile"] = st.get("compile")
     return out
 

@@ -56,6 +56,8 @@ RUNNER_COUNTERS = {
     "captures": ("bcg_captures", "Graphs captured by a component's runner."),
     "capture_failures": ("bcg_capture_failures", "Captures that failed (the signature is then blocked)."),
     "capture_retries": ("bcg_capture_retries", "Captures retried after a failed one placed a new break."),
+    "uncompiled_captures": ("bcg_uncompiled_captures",
+                            "Captures of the uncompiled module: the compiled code would have compiled inside them."),
     "evictions": ("bcg_evictions", "Graphs evicted from a runner's cache."),
 }
 # StepBatcher.stats() counters -> (metric name, description).

@@ -31,11 +31,12 @@ def test_counter_delta_treats_a_decrease_as_a_reset():
 
 def test_runner_totals_and_levels_flatten_per_component():
     stats = {"transformer": _runner(replays=7, eager={"unseen": 2, "no_cuda": 0}, pool_bytes=100,
-                                    compile_ms=1500.0, capture_retries=3)}
+                                    compile_ms=1500.0, capture_retries=3, uncompiled_captures=1)}
     totals = runner_totals(stats)
     comp = (("component", "transformer"),)
     assert totals[("bcg_replays", comp)] == 7
     assert totals[("bcg_capture_retries", comp)] == 3
+    assert totals[("bcg_uncompiled_captures", comp)] == 1
     assert totals[("bcg_eager_calls", (("component", "transformer"), ("reason", "unseen")))] == 2
     assert totals[("bcg_compile_seconds", comp)] == 1.5
     levels = runner_levels(stats)
