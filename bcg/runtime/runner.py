@@ -460,10 +460,12 @@ class BreakableGraphRunner(ModuleProxy):
 
     def _record_retrying(self, signature, args, kwargs, leaves, token):
         """`_record_evicting_on_oom`, tried again while the module's capture-failure hook changes what it
-        captures (see the module docstring), at most ``max_capture_retries`` times."""
+        captures (see the module docstring), at most ``max_capture_retries`` times; a compiled capture
+        that would compile inside the capture is tried once more uncompiled (not counted as a retry)."""
         limit = self._runner_config.max_capture_retries
-        compiled = self._compiled is not None
-        for retry in itertools.count(1):
+        compiled = self._compiled is not None and signature not in self._uncompiled
+        retries = 0
+        while True:
             try:
                 return self._record_evicting_on_oom(signature, args, kwargs, leaves, token, compiled)
             except torch.cuda.OutOfMemoryError:
@@ -472,16 +474,17 @@ class BreakableGraphRunner(ModuleProxy):
                 refused = compiled_in_capture(exc) if compiled else None
                 if refused is not None:
                     # the compiled code's guards fail inside the capture although the warm-up runs compiled
-                    # what they met: capture the module's own code for this signature (a plain graph)
-                    compiled = False
-                    self._uncompiled[signature] = str(refused)
+                    # what they met: capture the module's own code for this signature (a plain graph); only
+                    # the message is kept, as the traceback's frames hold the failed capture's tensors
+                    compiled, refused = False, str(refused)
+                    self._uncompiled[signature] = refused
                     self._counts["uncompiled_captures"] += 1
                     logger.warning("the compiled forward of %s recompiles inside the capture of %s (%s); capturing "
-                                   "the uncompiled module for it instead", type(self._module).__name__,
-                                   signature.key, signature.summary())
+                                   "the uncompiled module for it instead: %s", type(self._module).__name__,
+                                   signature.key, signature.summary(), refused)
                     continue
                 hook = getattr(self._module, "__dict__", {}).get(CAPTURE_FAILED_ATTR)
-                if hook is None or retry > limit:
+                if hook is None or retries >= limit:
                     raise
                 try:
                     change = hook(exc)
@@ -491,9 +494,10 @@ class BreakableGraphRunner(ModuleProxy):
                 if not change:
                     raise
                 # `exc` goes at the end of this block: its traceback's frames hold the failed capture's tensors
+                retries += 1
                 self._counts["capture_retries"] += 1
                 logger.info("capture of %s (%s) failed on %s; retrying (%d of at most %d)", signature.key,
-                            signature.summary(), change, retry, limit)
+                            signature.summary(), change, retries, limit)
 
     def _record_evicting_on_oom(self, signature, args, kwargs, leaves, token, compiled):
         """`_record`; when it runs out of memory with graphs cached, evict them all and try once more."""

@@ -638,6 +638,22 @@ def test_a_compiled_capture_that_would_compile_inside_it_is_captured_from_the_mo
     assert runner.stats()["uncompiled"] == []
 
 
+def test_a_signature_captured_uncompiled_skips_the_compiled_attempt_when_captured_again():
+    module = Affine()
+    recorder = _RerunRecorder()
+    # the compiled code of 4-row inputs would compile inside the capture, every time it is tried
+    recorder.fail = lambda attempt, kw: (_compiled_in_capture_error()
+                                         if recorder.fns[-1] is runner._compiled and kw["x"].shape[0] == 4 else None)
+    runner = _runner(module, recorder, compile=True, max_entries=1)
+    with runner.warmup():
+        runner(x=_x(4))
+        runner(x=_x(6))     # evicts the 4-row graph
+        runner(x=_x(4))     # captured again, straight from the module
+    assert recorder.fns[1:] == [module, runner._compiled, module]
+    stats = runner.stats()
+    assert stats["captures"] == 3 and stats["uncompiled_captures"] == 1 and stats["evictions"] == 2
+
+
 @pytest.mark.parametrize("compile", [False, True])
 def test_other_capture_errors_and_uncompiled_runners_still_block(compile):
     error = _compiled_in_capture_error() if not compile else RuntimeError("capture broke")
