@@ -172,6 +172,10 @@ def run_or_plot(args, run, plot) -> int:
     return 0
 
 
+# fields a benchmark's ``--runner`` / variant may name that are `build_app`'s own args, not RunnerConfig's
+APP_FIELDS = ("quantize", "attention_backend")
+
+
 def runner_fields(text: str) -> dict:
     """``"max_entries=8,raw_launch=true,compile_mode=none"`` -> RunnerConfig fields by name (values: true/false,
     none, integers, floats, else strings); ``build_app`` checks them."""

@@ -76,7 +76,7 @@ REPO = os.path.dirname(HERE)
 sys.path.insert(0, REPO)
 sys.path.insert(0, HERE)
 
-from _common import (add_plot_only, machine_info, pick_device, plot_only, pyplot, runner_fields,  # noqa: E402
+from _common import (APP_FIELDS, add_plot_only, machine_info, pick_device, plot_only, pyplot, runner_fields,  # noqa: E402
                      save_figure, served_split, start_local_serve, sync, write_json, write_result)
 
 from deployments.schemas import OUTPUT_FORMATS  # noqa: E402
@@ -148,13 +148,14 @@ def measure_eager(pipe, info: dict, shape: dict, steps: int, args) -> dict:
 def served_app_args(args, model_dir: str, shape: dict, steps: int, key: str) -> dict:
     """``build_app`` args of the row's app: one replica with the whole GPU, its key warm at start-up."""
     cuda = torch.device(args.device).type == "cuda"
-    runner = {**args.runner, "compile": args.compile}
-    app_fields = {k: runner.pop(k) for k in ("quantize", "attention_backend") if k in runner}  # build_app's own args
-    return {**app_fields,
+    runner = {k: v for k, v in args.runner.items() if k not in APP_FIELDS}
+    return {
+        **{k: args.runner[k] for k in APP_FIELDS if k in args.runner},
         "model": model_dir, "num_replicas": 1, "num_gpus_per_replica": 1 if cuda else 0, "num_cpus_per_replica": 0,
         "device": args.device, "cpu_threads": None if cuda else 1, "components": args.components,
         "warmup": [key], "placement": "all", "warmup_steps": 2, "default_steps": steps,
-        "default_size": shape["size"], "max_ongoing_requests": 1, "max_batch_size": 1, "runner": runner,
+        "default_size": shape["size"], "max_ongoing_requests": 1, "max_batch_size": 1,
+        "runner": {**runner, "compile": args.compile},
         "max_steps": max(50, steps), "max_pixels": 4096 * 4096, "request_timeout_s": args.timeout_s,
         "routing_stats_period_s": 0.5,
     }

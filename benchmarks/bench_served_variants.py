@@ -40,11 +40,10 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 
-from _common import (add_plot_only, machine_info, plot_only, pyplot, runner_fields, save_figure,  # noqa: E402
-                     served_split, start_local_serve, write_json)
+from _common import (APP_FIELDS, add_plot_only, machine_info, plot_only, pyplot, runner_fields,  # noqa: E402
+                     save_figure, served_split, start_local_serve, write_json)
 
 PROMPT = "a photo of a cat sitting on a red chair, studio lighting"
-APP_FIELDS = ("quantize", "attention_backend")  # app args; every other variant field goes in `runner`
 DEFAULT_OUT = os.path.join(HERE, "results", "bench_served_variants.json")
 _T0 = time.perf_counter()
 

@@ -58,3 +58,17 @@ def test_cpu_smoke_run_serves_a_tiny_flux_directory_over_http_and_records_wan(tm
     assert wan["speedup"] is not None and proc.returncode == 0
     assert result["targets"] == []
     png_of(None, tmp_path / "bench_served.png")  # drawn in the script's process: its pixels only
+
+
+def test_runner_fields_that_are_app_args_go_to_the_app_and_build_app_accepts_them():
+    from argparse import Namespace
+
+    from deployments.app import AppArgs
+
+    args = Namespace(runner=bench_served.runner_fields("quantize=fp8,attention_backend=fa3_fp8,compile_regional=true"),
+                     compile=True, device="cpu", components="all", timeout_s=60.0)
+    app_args = bench_served.served_app_args(args, "tiny-flux", {"size": "64x64"}, 2, "64x64")
+    assert (app_args["quantize"], app_args["attention_backend"]) == ("fp8", "fa3_fp8")
+    assert app_args["runner"] == {"compile_regional": True, "compile": True}
+    parsed = AppArgs(**app_args)   # once `runner` also named quantize, this refused it ("set twice")
+    assert (parsed.quantize, parsed.attention_backend) == ("fp8", "fa3_fp8")
