@@ -27,6 +27,7 @@ from bcg.runtime.quantize import quantize_module
 from bcg.diffusers.tokenizers import fast_tensors
 from bcg.diffusers.tokenizers import restore as restore_tokenizer
 from bcg.diffusers.placement import placement_stats
+from bcg.diffusers.step_cache import attach_step_cache
 
 logger = logging.getLogger(__name__)
 
@@ -409,6 +410,8 @@ def accelerate(pipe, config=None, policy: Any = "auto", components: Iterable[str
             if name in _TRANSFORMERS:
                 prepare_transformer(module, config, policy)
             runner = BreakableGraphRunner(module, config=config if name in _TRANSFORMERS else other_config)
+            if name in _TRANSFORMERS:
+                attach_step_cache(module, runner)
             # Bypass DiffusionPipeline.__setattr__: model_index must keep naming the real class.
             object.__setattr__(pipe, name, runner)
         runners[name] = runner

@@ -140,6 +140,7 @@ class BreakableGraphRunner(ModuleProxy):
         self._stats_lock = threading.Lock()
         self._tokens = itertools.count(1)
         self._warming = 0
+        self._nested = []                   # runners called from this one's breaks: they warm up with it
         self._counts = dict(captures=0, capture_failures=0, capture_retries=0, uncompiled_captures=0, replays=0,
                             evictions=0)
         self._uncompiled = {}               # Signature -> why its graph holds the module's own code
@@ -225,16 +226,31 @@ class BreakableGraphRunner(ModuleProxy):
 
     @contextlib.contextmanager
     def warmup(self):
-        """Inside this context, calls capture signatures not captured yet (then replay them)."""
+        """Inside this context, calls capture signatures not captured yet (then replay them); so do the
+        runners `nest`ed in this one."""
         self._refresh_device()
         self.check_weights()
         with self._lock:
             self._warming += 1
         try:
-            yield self
+            with contextlib.ExitStack() as nested:
+                for runner in self._nested:
+                    nested.enter_context(runner.warmup())
+                yield self
         finally:
             with self._lock:
                 self._warming -= 1
+
+    @property
+    def warming(self) -> bool:
+        """True inside ``warmup()``: an unseen signature is captured, not run eagerly."""
+        return self._warming > 0
+
+    def nest(self, runner: "BreakableGraphRunner") -> None:
+        """Warm `runner` up whenever this runner warms up: a runner that this one's break functions call
+        (its graphs replay between this one's segments)."""
+        if runner is not self and all(runner is not r for r in self._nested):
+            self._nested.append(runner)
 
     def warm_signatures(self):
         """Keys of the captured signatures, least recently used first."""

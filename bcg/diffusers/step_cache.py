@@ -1,0 +1,613 @@
+"""Step caching decided per request inside the graphs: `StepCacheConfig`, `enable_step_cache`.
+
+A transformer with step caching runs every step as: the embeddings and the first ``first_blocks`` blocks on
+every row, then one eager break (`StepCacheHook._middle`) that decides, per row, whether the middle blocks
+run, then the last ``last_blocks`` blocks and the head on every row. A row that *computes* runs the middle
+blocks (the rows that compute are gathered and padded to a row bucket, so an accelerated transformer
+replays one middle graph per bucket); a row that is *cached* adds the residual its middle blocks left at
+its last computed step (DBCache's / First-Block Cache's "Fn" and "Bn" blocks). Every other row of the
+batch is untouched by that choice: a row's image depends on its own decisions only.
+
+What decides (per request, `StepCacheConfig`):
+- ``"first_block"``: the relative L1 distance between this step's first-blocks residual (what the first
+  blocks added) and the one of the request's last computed step, ``mean|r - r_prev| / mean|r_prev|``,
+  computed on the device for every row at once; the rows of one request (its images, its CFG branches)
+  decide together on their largest distance. Cached when below ``threshold`` (0: never).
+- ``"schedule"``: the steps to compute, given as step indices; no distance, no host read.
+- ``warmup_steps``: steps always computed first (and a request's first step always is).
+
+Host reads: at most one per call (the distances, ``.tolist()``), only when a row decides by distance;
+counted in `StepCacheHook.stats`. Thresholds and schedules are host values, never part of a graph's
+signature: changing them never captures or compiles.
+
+State: per row of a request (its key) in slot-indexed buffers per activation shape: the middle residual of
+its last computed step and that step's first-blocks residual. A request starts clean (no slot yet) and its
+slots are freed by `StepCacheHook.release` (the step batcher calls it when the request leaves) or by
+`reset_state` (diffusers' pipelines reset stateful hooks at the end of ``pipe(...)``).
+
+Rows: the step batcher says whose each row is before each call (`StepCacheHook.set_rows`: a `CacheRow`
+per row, None for a padding row). Without that (a plain ``pipe(...)``), every row belongs to one request
+with the installed default config, its step counted per cache context (``"cond"`` / ``"uncond"``).
+
+Graphs: inside a breakable capture the break runs a stub (outputs of the right shapes); at replay the real
+decision runs. With `attach_runner` (``accelerate`` calls it) the middle blocks run in a runner of their
+own (`BreakableGraphRunner`, its own pool), captured per row bucket while the transformer's runner warms
+up: a cached request replays graphs only. Supported transformers: `FluxTransformer2DModel` (and classes
+with its forward: ``x_embedder``, ``transformer_blocks``, ``single_transformer_blocks``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import threading
+from typing import Any, Hashable, Sequence
+
+import torch
+from torch import nn
+
+from bcg.graphs.capture import eager_on_graph
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["CacheRow", "HOOK_NAME", "METHODS", "StepCacheConfig", "StepCacheHook", "disable_step_cache",
+           "enable_step_cache", "attach_step_cache", "step_cache_of"]
+
+METHODS = ("first_block", "schedule")
+HOOK_NAME = "bcg_step_cache"
+_DEFAULT_BUCKETS = (1, 2, 4, 8)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepCacheConfig:
+    """How one request caches steps (diffusers' `FirstBlockCacheConfig` is ``method="first_block"``).
+
+    method: ``"first_block"`` (decide by the first blocks' residual against ``threshold``) or
+        ``"schedule"`` (compute exactly the steps in ``schedule``).
+    threshold: relative L1 distance under which a step is cached (>= 0; 0 never caches).
+    warmup_steps: steps always computed first (>= 0).
+    schedule: the step indices to compute (``"schedule"`` only); steps not listed are cached.
+    """
+
+    method: str = "first_block"
+    threshold: float = 0.08
+    warmup_steps: int = 1
+    schedule: tuple[int, ...] | None = None
+
+    def __post_init__(self):
+        if self.method not in METHODS:
+            raise ValueError(f"cache.method must be one of {list(METHODS)}, got {self.method!r}")
+        if isinstance(self.threshold, bool) or not isinstance(self.threshold, (int, float)) \
+                or not math.isfinite(self.threshold) or self.threshold < 0:
+            raise ValueError(f"cache.threshold must be a finite number >= 0, got {self.threshold!r}")
+        if isinstance(self.warmup_steps, bool) or not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
+            raise ValueError(f"cache.warmup_steps must be an integer >= 0, got {self.warmup_steps!r}")
+        if self.method == "schedule":
+            steps = self.schedule
+            if steps is None or isinstance(steps, (str, bytes)) or not all(
+                    isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in steps):
+                raise ValueError("cache.schedule must be a list of step indices (integers >= 0) for method "
+                                 f"'schedule', got {steps!r}")
+            object.__setattr__(self, "schedule", tuple(sorted(set(steps))))
+        elif self.schedule is not None:
+            raise ValueError(f"cache.schedule is for method 'schedule', not {self.method!r}")
+
+    @classmethod
+    def from_any(cls, value) -> "StepCacheConfig | None":
+        """A config from a dict (the request's ``cache`` field), one of ours, diffusers'
+        `FirstBlockCacheConfig`, or None."""
+        if value is None or isinstance(value, cls):
+            return value
+        if type(value).__name__ == "FirstBlockCacheConfig":
+            return cls(method="first_block", threshold=float(value.threshold))
+        if isinstance(value, dict):
+            unknown = set(value) - {f.name for f in dataclasses.fields(cls)}
+            if unknown:
+                raise ValueError(f"cache has unknown fields {sorted(unknown)}; known: method, threshold, "
+                                 "warmup_steps, schedule")
+            return cls(**value)
+        raise ValueError(f"cache must be a dict or a StepCacheConfig, got {type(value).__name__}")
+
+    def computes(self, step: int) -> bool | None:
+        """True/False where the step's decision needs no distance, None where it does."""
+        if step < self.warmup_steps:
+            return True
+        if self.method == "schedule":
+            return step in self.schedule
+        return True if self.threshold == 0 else None
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheRow:
+    """One row of a transformer call: `key` names its state (a request and its row), rows of one `group`
+    (a request) decide together, `config` (None: always compute) at denoising step `step`."""
+
+    key: Hashable
+    group: Hashable
+    config: StepCacheConfig | None
+    step: int
+
+
+class _MiddleBlocks(nn.Module):
+    """The middle blocks as one module (shared with the transformer): what a row that computes runs."""
+
+    def __init__(self, blocks: Sequence[nn.Module]):
+        super().__init__()
+        self.blocks = nn.ModuleList(blocks)
+
+    def forward(self, hidden_states, encoder_hidden_states, temb, image_rotary_emb):
+        for block in self.blocks:
+            encoder_hidden_states, hidden_states = block(
+                hidden_states=hidden_states, encoder_hidden_states=encoder_hidden_states, temb=temb,
+                image_rotary_emb=image_rotary_emb, joint_attention_kwargs=None)
+        return encoder_hidden_states, hidden_states
+
+
+class _Store:
+    """Slot-indexed buffers for one activation shape: the middle residuals (hidden and text streams) of a
+    row's last computed step, and that step's first-blocks residual. Slot 0 is zeros (padding rows)."""
+
+    def __init__(self, h: torch.Tensor, e: torch.Tensor, capacity: int = 4):
+        self.slots: dict = {}
+        self.res_h = h.new_zeros((capacity, *h.shape[1:]))
+        self.res_e = e.new_zeros((capacity, *e.shape[1:]))
+        self.first = h.new_zeros((capacity, *h.shape[1:]))
+        self.free = list(range(capacity - 1, 0, -1))
+
+    def slot(self, key) -> tuple[int, bool]:
+        """The slot of `key` and whether it is new (no state yet)."""
+        slot = self.slots.get(key)
+        if slot is not None:
+            return slot, False
+        if not self.free:
+            self._grow()
+        slot = self.slots[key] = self.free.pop()
+        return slot, True
+
+    def release(self, keys) -> None:
+        for key in keys:
+            slot = self.slots.pop(key, None)
+            if slot is not None:
+                self.free.append(slot)
+
+    def _grow(self) -> None:
+        old = self.res_h.shape[0]
+        for name in ("res_h", "res_e", "first"):
+            buf = getattr(self, name)
+            grown = buf.new_zeros((2 * old, *buf.shape[1:]))
+            grown[:old].copy_(buf)
+            setattr(self, name, grown)
+        self.free.extend(range(2 * old - 1, old - 1, -1))
+
+
+def _model_hook_base():
+    from diffusers.hooks.hooks import ModelHook, StateManager
+
+    return ModelHook, StateManager
+
+
+def _make_hook_class():
+    ModelHook, StateManager = _model_hook_base()
+
+    class _ContextManager(StateManager):
+        # a StateManager so that diffusers' `cache_context` reaches it (it sets the context on those);
+        # the hook keeps its own state, this only holds the branch
+        def __init__(self):
+            self._context = None
+
+        def set_context(self, context) -> None:
+            self._context = context
+
+        def reset(self, *args, **kwargs) -> None:
+            self._context = None
+
+        def get_state(self):  # pragma: no cover -- diffusers' API, unused here
+            return None
+
+        @property
+        def name(self) -> str:
+            return getattr(self._context, "name", None) or "cond"
+
+    class StepCacheHook(ModelHook, _StepCacheLogic):
+        _is_stateful = True
+
+        def __init__(self, config, first_blocks, last_blocks, buckets):
+            ModelHook.__init__(self)
+            _StepCacheLogic.__init__(self, config, first_blocks, last_blocks, buckets)
+            self.context = _ContextManager()
+
+        def initialize_hook(self, module):
+            self._bind(module)
+            return module
+
+        def deinitalize_hook(self, module):  # diffusers' spelling
+            self._unbind()
+            return module
+
+        def new_forward(self, module, *args, **kwargs):
+            return self._forward(module, *args, **kwargs)
+
+        def reset_state(self, module):
+            self.reset()
+            return module
+
+    return StepCacheHook
+
+
+class _StepCacheLogic:
+    """The hook's work, apart from diffusers' `ModelHook` plumbing (see the module docstring)."""
+
+    def __init__(self, config: StepCacheConfig | None, first_blocks: int, last_blocks: int, buckets):
+        if first_blocks < 1 or last_blocks < 0:
+            raise ValueError(f"first_blocks must be >= 1 and last_blocks >= 0, got {first_blocks}, {last_blocks}")
+        self.config = StepCacheConfig.from_any(config)
+        self.first_blocks = first_blocks
+        self.last_blocks = last_blocks
+        self.buckets = tuple(sorted(set(int(b) for b in buckets)))
+        self.inner = None            # a BreakableGraphRunner over the middle blocks (attach_runner)
+        self._lock = threading.RLock()
+        self._rows: list | None = None
+        self._stores: dict = {}
+        self._plain_steps: dict = {}     # branch -> steps counted for the plain (unbatched) request
+        self._decided: dict = {}         # (group, step) -> computes: the branches of one request agree
+        self._last: dict = {}            # group -> computed (bool) in the last call
+        self._counts = dict(calls=0, host_reads=0, rows_computed=0, rows_cached=0, middle_calls=0,
+                            skipped_middle=0, bypassed=0)
+        self._buckets_used: dict = {}
+        self._middle = eager_on_graph(self._middle_impl, capture_stub=self._middle_stub)
+
+    # -- install ---------------------------------------------------------------------------------
+
+    def _bind(self, module) -> None:
+        missing = [n for n in ("x_embedder", "transformer_blocks", "single_transformer_blocks", "pos_embed")
+                   if not hasattr(module, n)]
+        if missing:
+            raise ValueError(f"step caching supports Flux-style transformers; {type(module).__name__} has no "
+                             f"{missing}")
+        blocks = [*module.transformer_blocks, *module.single_transformer_blocks]
+        if self.first_blocks + self.last_blocks >= len(blocks):
+            raise ValueError(f"first_blocks + last_blocks must leave middle blocks: {len(blocks)} blocks, "
+                             f"{self.first_blocks} + {self.last_blocks}")
+        self._first = blocks[:self.first_blocks]
+        self._last_blocks = blocks[len(blocks) - self.last_blocks:]
+        self.middle = _MiddleBlocks(blocks[self.first_blocks:len(blocks) - self.last_blocks])
+
+    def _unbind(self) -> None:
+        self.inner = None
+        self.reset()
+
+    def attach_runner(self, config) -> None:
+        """Run the middle blocks in a `BreakableGraphRunner` of their own with `config` (compiled only where
+        the blocks are not compiled in place already: regional compilation compiles them for both)."""
+        from bcg.runtime.runner import BreakableGraphRunner
+
+        if self.inner is None:
+            inner_config = dataclasses.replace(config, compile=bool(config.compile and not config.compile_regional),
+                                               quantize=None)
+            self.inner = BreakableGraphRunner(self.middle, config=inner_config)
+
+    # -- rows ------------------------------------------------------------------------------------
+
+    def set_rows(self, rows: list[CacheRow | None] | None) -> None:
+        """Whose each row of the next call is (None: a padding row); None: the plain request."""
+        self._rows = None if rows is None else list(rows)
+
+    def release(self, group) -> None:
+        """Free the state of every row of request `group` (it left its batch)."""
+        with self._lock:
+            for store in self._stores.values():
+                store.release([k for k in store.slots if isinstance(k, tuple) and k and k[0] == group])
+            self._last.pop(group, None)
+            for key in [k for k in self._decided if k[0] == group]:
+                del self._decided[key]
+
+    def last_decisions(self) -> dict:
+        """Group -> whether its rows computed the middle blocks in the last call."""
+        return dict(self._last)
+
+    def reset(self) -> None:
+        """Forget every request's state (the buffers stay allocated for reuse)."""
+        with self._lock:
+            for store in self._stores.values():
+                store.release(list(store.slots))
+            self._plain_steps.clear()
+            self._decided.clear()
+            self._last.clear()
+            self._rows = None
+            self.context.reset()
+
+    def stats(self) -> dict:
+        with self._lock:
+            out = dict(self._counts)
+            out["middle_buckets"] = dict(sorted(self._buckets_used.items()))
+            out["default"] = None if self.config is None else dataclasses.asdict(self.config)
+            out["state_slots"] = sum(len(s.slots) for s in self._stores.values())
+            out["first_blocks"], out["last_blocks"] = self.first_blocks, self.last_blocks
+            return out
+
+    def _plain_rows(self, batch: int) -> list[CacheRow]:
+        branch = self.context.name
+        step = self._plain_steps.get(branch, 0)
+        self._plain_steps[branch] = step + 1
+        # CFG's branches are one request: their rows decide together, each keeps its own residuals
+        return [CacheRow(key=("plain", branch, i), group="plain", config=self.config, step=step)
+                for i in range(batch)]
+
+    # -- the forward -----------------------------------------------------------------------------
+
+    def _forward(self, module, hidden_states, encoder_hidden_states=None, pooled_projections=None,
+                 timestep=None, img_ids=None, txt_ids=None, guidance=None, joint_attention_kwargs=None,
+                 controlnet_block_samples=None, controlnet_single_block_samples=None, return_dict=True,
+                 controlnet_blocks_repeat=False):
+        """`FluxTransformer2DModel.forward` (diffusers 0.42), op for op, with the middle blocks behind
+        `_middle`; ControlNet residuals and IP-Adapter embeddings run the original forward (uncached)."""
+        if controlnet_block_samples is not None or controlnet_single_block_samples is not None or \
+                joint_attention_kwargs:
+            self._counts["bypassed"] += 1
+            return self.fn_ref.original_forward(
+                hidden_states, encoder_hidden_states=encoder_hidden_states, pooled_projections=pooled_projections,
+                timestep=timestep, img_ids=img_ids, txt_ids=txt_ids, guidance=guidance,
+                joint_attention_kwargs=joint_attention_kwargs, controlnet_block_samples=controlnet_block_samples,
+                controlnet_single_block_samples=controlnet_single_block_samples, return_dict=return_dict,
+                controlnet_blocks_repeat=controlnet_blocks_repeat)
+        from diffusers.models.modeling_outputs import Transformer2DModelOutput
+
+        hidden_states = module.x_embedder(hidden_states)
+        timestep = timestep.to(hidden_states.dtype) * 1000
+        if guidance is not None:
+            guidance = guidance.to(hidden_states.dtype) * 1000
+        temb = (module.time_text_embed(timestep, pooled_projections) if guidance is None
+                else module.time_text_embed(timestep, guidance, pooled_projections))
+        encoder_hidden_states = module.context_embedder(encoder_hidden_states)
+        if txt_ids.ndim == 3:
+            txt_ids = txt_ids[0]
+        if img_ids.ndim == 3:
+            img_ids = img_ids[0]
+        ids = torch.cat((txt_ids, img_ids), dim=0)
+        image_rotary_emb = module.pos_embed(ids)
+
+        first_in = hidden_states
+        for block in self._first:
+            encoder_hidden_states, hidden_states = block(
+                hidden_states=hidden_states, encoder_hidden_states=encoder_hidden_states, temb=temb,
+                image_rotary_emb=image_rotary_emb, joint_attention_kwargs=None)
+        encoder_hidden_states, hidden_states = self._middle(
+            first_in, hidden_states, encoder_hidden_states, temb, image_rotary_emb)
+        for block in self._last_blocks:
+            encoder_hidden_states, hidden_states = block(
+                hidden_states=hidden_states, encoder_hidden_states=encoder_hidden_states, temb=temb,
+                image_rotary_emb=image_rotary_emb, joint_attention_kwargs=None)
+        hidden_states = module.norm_out(hidden_states, temb)
+        output = module.proj_out(hidden_states)
+        if not return_dict:
+            return (output,)
+        return Transformer2DModelOutput(sample=output)
+
+    # -- the break -------------------------------------------------------------------------------
+
+    @staticmethod
+    def _middle_stub(first_in, hidden_states, encoder_hidden_states, temb, image_rotary_emb):
+        return torch.empty_like(encoder_hidden_states), torch.empty_like(hidden_states)
+
+    def _run_middle(self, h, e, temb, rot):
+        self._counts["middle_calls"] += 1
+        self._buckets_used[h.shape[0]] = self._buckets_used.get(h.shape[0], 0) + 1
+        if self.inner is not None:
+            return self.inner(hidden_states=h, encoder_hidden_states=e, temb=temb, image_rotary_emb=rot)
+        return self.middle(h, e, temb, rot)
+
+    def _warming(self) -> bool:
+        return self.inner is not None and self.inner.warming
+
+    def _bucket(self, rows: int, batch: int) -> int:
+        return next((b for b in self.buckets if rows <= b < batch), batch)
+
+    def _middle_impl(self, first_in, hidden_states, encoder_hidden_states, temb, image_rotary_emb):
+        h, e = hidden_states, encoder_hidden_states
+        batch = h.shape[0]
+        with self._lock:
+            if self._warming():
+                # a warmup: capture the middle graph of every row bucket up to this batch, change no state
+                for b in self.buckets:
+                    if b < batch:
+                        self._run_middle(h[:b], e[:b], temb[:b], image_rotary_emb)
+                return self._run_middle(h, e, temb, image_rotary_emb)
+            rows = self._rows if self._rows is not None else self._plain_rows(batch)
+            if len(rows) < batch:  # rows the caller did not describe: padding
+                rows = rows + [None] * (batch - len(rows))
+            store = self._store(h, e)
+            computes = self._decide(rows[:batch], store, h - first_in)
+            self._counts["calls"] += 1
+            index = [i for i, c in enumerate(computes) if c]
+            self._counts["rows_computed"] += sum(1 for r, c in zip(rows, computes) if r is not None and c)
+            self._counts["rows_cached"] += sum(1 for r, c in zip(rows, computes) if r is not None and not c)
+            slots = [0 if r is None else store.slot(r.key)[0] for r in rows[:batch]]
+            bucket = self._bucket(len(index), batch) if index else 0
+            if bucket == batch:  # every row runs the middle blocks: no gather (padding rows are discarded)
+                me, mh = self._run_middle(h, e, temb, image_rotary_emb)
+                self._remember(store, slots, index, h, e, mh, me, first_in, rows)
+                if len(index) == batch:
+                    return me, mh
+            slot_index = torch.tensor(slots, device=h.device)
+            out_h = h + store.res_h.index_select(0, slot_index)
+            out_e = e + store.res_e.index_select(0, slot_index)
+            if not index:
+                self._counts["skipped_middle"] += 1
+                return out_e, out_h
+            real = torch.tensor(index, device=h.device)
+            if bucket == batch:
+                out_h.index_copy_(0, real, mh.index_select(0, real))
+                out_e.index_copy_(0, real, me.index_select(0, real))
+                return out_e, out_h
+            rows_index = torch.tensor(index + index[-1:] * (bucket - len(index)), device=h.device)
+            with self._lora_rows(rows_index):
+                me, mh = self._run_middle(h.index_select(0, rows_index), e.index_select(0, rows_index),
+                                          temb.index_select(0, rows_index), image_rotary_emb)
+            mh, me = mh[:len(index)], me[:len(index)]
+            out_h.index_copy_(0, real, mh)
+            out_e.index_copy_(0, real, me)
+            self._remember(store, slots, index, h, e, mh, me, first_in, rows, gathered=True)
+            return out_e, out_h
+
+    def _remember(self, store, slots, index, h, e, mh, me, first_in, rows, gathered=False):
+        """Store the middle residuals (and the first-blocks residual) of the rows that computed."""
+        keep = [j for j, i in enumerate(index) if rows[i] is not None]
+        if not keep:
+            return
+        rows_at = torch.tensor([index[j] for j in keep], device=h.device)
+        slot_at = torch.tensor([slots[index[j]] for j in keep], device=h.device)
+        pick = torch.tensor(keep, device=h.device) if gathered else rows_at
+        h_in, e_in = h.index_select(0, rows_at), e.index_select(0, rows_at)
+        store.res_h.index_copy_(0, slot_at, mh.index_select(0, pick) - h_in)
+        store.res_e.index_copy_(0, slot_at, me.index_select(0, pick) - e_in)
+        store.first.index_copy_(0, slot_at, h_in - first_in.index_select(0, rows_at))
+
+    def _decide(self, rows: list, store: _Store, first_residual: torch.Tensor) -> list[bool]:
+        """Whether each row computes the middle blocks. At most one host read (the distances of the rows
+        that decide by distance)."""
+        decided: list = [None] * len(rows)
+        measure = []
+        for i, row in enumerate(rows):
+            if row is None:
+                decided[i] = False          # padding: nobody reads it
+                continue
+            slot, new = store.slot(row.key)
+            memo = self._decided.get((row.group, row.step))
+            if new or row.config is None:
+                decided[i] = True
+            elif memo is not None:
+                decided[i] = memo
+            else:
+                decided[i] = row.config.computes(row.step)
+                if decided[i] is None:
+                    measure.append((i, slot))
+        if measure:
+            at = torch.tensor([i for i, _ in measure], device=first_residual.device)
+            slot_at = torch.tensor([s for _, s in measure], device=first_residual.device)
+            now = first_residual.index_select(0, at).float().flatten(1)
+            prev = store.first.index_select(0, slot_at).float().flatten(1)
+            distance = (now - prev).abs().mean(1) / prev.abs().mean(1)
+            self._counts["host_reads"] += 1
+            values = distance.tolist()          # the one host read of this step
+            worst: dict = {}
+            for (i, _), d in zip(measure, values):
+                group = rows[i].group
+                d = math.inf if math.isnan(d) else d
+                worst[group] = max(worst.get(group, 0.0), d)
+            for i, _ in measure:
+                decided[i] = not worst[rows[i].group] < rows[i].config.threshold
+        # one request's rows decide together: any row that computes makes its group compute
+        groups: dict = {}
+        for row, c in zip(rows, decided):
+            if row is not None:
+                groups[row.group] = groups.get(row.group, False) or bool(c)
+        out = [False if row is None else groups[row.group] for row in rows]
+        self._last = dict(groups)
+        for row in rows:
+            if row is not None:
+                self._decided[(row.group, row.step)] = groups[row.group]
+        if len(self._decided) > 4096:   # bounded: old steps of finished requests
+            self._decided.clear()
+        return out
+
+    def _store(self, h, e) -> _Store:
+        key = (tuple(h.shape[1:]), tuple(e.shape[1:]), h.dtype, h.device)
+        store = self._stores.get(key)
+        if store is None:
+            store = self._stores[key] = _Store(h, e)
+        return store
+
+    def _lora_rows(self, index: torch.Tensor):
+        """The LoRA rows (`bcg.lora`) reordered like the gathered rows for the middle call, restored after."""
+        import contextlib
+
+        rows = getattr(self, "lora_rows", None)
+        if rows is None:
+            return contextlib.nullcontext()
+
+        @contextlib.contextmanager
+        def reordered():
+            slots, scales = rows.slots.clone(), rows.scales.clone()
+            n = index.shape[0]
+            rows.slots[:n].copy_(slots.index_select(0, index))
+            rows.scales[:n].copy_(scales.index_select(0, index))
+            try:
+                yield
+            finally:
+                rows.slots.copy_(slots)
+                rows.scales.copy_(scales)
+
+        return reordered()
+
+
+_HOOK_CLASS = None
+
+
+def _hook_class():
+    global _HOOK_CLASS
+    if _HOOK_CLASS is None:
+        _HOOK_CLASS = _make_hook_class()
+    return _HOOK_CLASS
+
+
+def __getattr__(name):
+    if name == "StepCacheHook":
+        return _hook_class()
+    raise AttributeError(name)
+
+
+def _transformer(target):
+    from bcg.runtime.proxy import unwrap_runner
+
+    module = unwrap_runner(getattr(target, "transformer", target))
+    if not isinstance(module, nn.Module):
+        raise ValueError(f"step caching needs a transformer module, got {type(module).__name__}")
+    return module
+
+
+def enable_step_cache(target, config: StepCacheConfig | dict | None = None, *, first_blocks: int = 1,
+                      last_blocks: int = 0, buckets: Sequence[int] = _DEFAULT_BUCKETS):
+    """Install step caching on a pipeline's transformer (or a transformer) through diffusers' hook
+    registry, before `accelerate`. `config` is the default of rows no caller describes (None: such rows
+    always compute; a request of the step batcher brings its own). Returns the hook."""
+    from diffusers.hooks import HookRegistry
+
+    module = _transformer(target)
+    registry = HookRegistry.check_if_exists_or_initialize(module)
+    if registry.get_hook(HOOK_NAME) is not None:
+        hook = registry.get_hook(HOOK_NAME)
+        hook.config = StepCacheConfig.from_any(config)
+        return hook
+    hook = _hook_class()(config, first_blocks, last_blocks, buckets)
+    registry.register_hook(hook, HOOK_NAME)
+    runner = getattr(target, "transformer", target)
+    if runner is not module and hasattr(runner, "nest"):  # accelerated already
+        attach_step_cache(module, runner)
+    return hook
+
+
+def attach_step_cache(module, runner) -> None:
+    """After `runner` wraps `module` (``accelerate`` calls this): the middle blocks of a step cache installed
+    on `module` run in a runner of their own, warmed up with `runner`'s warmups."""
+    hook = step_cache_of(module)
+    if hook is not None:
+        hook.attach_runner(runner.runner_config)
+        runner.nest(hook.inner)
+
+
+def step_cache_of(target):
+    """The step-cache hook installed on a pipeline's transformer (or a transformer), or None."""
+    try:
+        module = _transformer(target)
+    except ValueError:
+        return None
+    registry = getattr(module, "_diffusers_hook", None)
+    return None if registry is None else registry.get_hook(HOOK_NAME)
+
+
+def disable_step_cache(target) -> None:
+    """Remove step caching (the transformer runs its own forward again)."""
+    module = _transformer(target)
+    registry = getattr(module, "_diffusers_hook", None)
+    if registry is not None and registry.get_hook(HOOK_NAME) is not None:
+        registry.remove_hook(HOOK_NAME, recurse=False)
