@@ -76,6 +76,7 @@ class QueuedRequest:
     state: Any = None
     records: tuple = ()        # `bcg.runtime.call_record.CallRecord`s the runner calls made for it add to
     lora: tuple | None = None  # (LoRA adapter name, scale) its rows use (`bcg.lora`); None: the base model
+    cache: Any = None          # its `StepCacheConfig` (`bcg.diffusers.step_cache`); None: the default
 
 
 class RequestQueue:

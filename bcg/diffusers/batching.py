@@ -62,6 +62,7 @@ from bcg.diffusers.batch_queue import ALONE, BatcherConfig, QueuedRequest, Reque
 from bcg.diffusers.buckets import ShapeKey, parse_plan
 from bcg.diffusers.families import family_of
 from bcg.diffusers.accelerated import pipeline_call_scope
+from bcg.diffusers.step_cache import CacheRow, StepCacheConfig, step_cache_of
 from bcg.diffusers.steps import StepFamily, pipeline_call_async
 from bcg.lora.bank import UnknownAdapterError, lora_bank
 from bcg.runtime.call_record import CallRecord, recording
@@ -89,6 +90,10 @@ class StepBatcher:
         self._info = info
         # the transformer's LoRA slots (`bcg.lora`): each step writes which adapter each of its rows uses
         self.lora = lora_bank(getattr(pipe, "transformer", None))
+        # step caching (`bcg.diffusers.step_cache`): each step says whose each row is and how it caches
+        self.step_cache = step_cache_of(pipe)
+        if self.step_cache is not None and self.lora is not None:
+            self.step_cache.lora_rows = self.lora.rows  # gathered rows keep their adapters
         if self.config.max_batch_size > self.config.batch_buckets[-1]:
             logger.warning("max_batch_size %d exceeds the largest batch bucket %d: larger batches run unpadded",
                            self.config.max_batch_size, self.config.batch_buckets[-1])
@@ -111,8 +116,9 @@ class StepBatcher:
     # ------------------------------------------------------------------------------------------------
     # submitting (any thread)
 
-    def submit(self, prompt: str, **request) -> concurrent.futures.Future:
-        """Plan a request (`plan_request` arguments) and queue it; a planning error fails its future."""
+    def submit(self, prompt: str, cache=None, **request) -> concurrent.futures.Future:
+        """Plan a request (`plan_request` arguments) and queue it with its step caching `cache` (see
+        `submit_planned`); a planning error fails its future."""
         from bcg.diffusers.pipelines import pipeline_info, plan_request
 
         try:
@@ -125,16 +131,20 @@ class StepBatcher:
             self._count("submitted")
             self._count("failed")
             return future
-        return self.submit_planned(key, kwargs)
+        return self.submit_planned(key, kwargs, cache=cache)
 
     def submit_planned(self, key: ShapeKey | str, kwargs: dict, records: tuple = (),
-                       lora: tuple | None = None) -> concurrent.futures.Future:
+                       lora: tuple | None = None, cache=None) -> concurrent.futures.Future:
         """Queue a planned request: its `ShapeKey` and the keyword arguments of ``pipe(**kwargs)``. Every
         runner call made for it (its preparation, the steps it is in, its decode, or its run alone) adds to
         each of `records` (`bcg.runtime.call_record`), calls shared with its batch neighbours too. `lora`:
         ``(adapter name, scale)`` for its rows, None for the base model; an adapter that is not loaded
         raises `bcg.lora.UnknownAdapterError` here, and one unloaded while the request runs fails it at its
-        next step."""
+        next step. `cache`: its step caching (`StepCacheConfig` or its dict; None: the transformer's
+        default); each record counts the steps it computed and cached."""
+        cache = StepCacheConfig.from_any(cache)
+        if cache is not None and self.step_cache is None:
+            raise ValueError(f"cache: step caching is not available for {type(self.pipe).__name__}'s transformer")
         if lora is not None:
             if self.lora is None:
                 raise UnknownAdapterError(f"no LoRA adapter {lora[0]!r}: this pipeline holds no LoRA layers")
@@ -145,7 +155,7 @@ class StepBatcher:
         rows = (len(prompts) if isinstance(prompts, list) else 1) * int(kwargs.get("num_images_per_prompt") or 1)
         request = QueuedRequest(id=next(self._ids), group=group, kwargs=kwargs, rows=rows,
                                 future=concurrent.futures.Future(), submitted=time.perf_counter(), alone=alone,
-                                records=tuple(records), lora=lora)
+                                records=tuple(records), lora=lora, cache=cache)
         self._queue.put(request)
         self._count("submitted")
         return request.future
@@ -316,15 +326,53 @@ class StepBatcher:
             states = [r.state for r in batch]
             rows = sum(s.rows for s in states)
             bucket = self.config.bucket_for(rows)
+            owners = self.family.row_owners(states, bucket)
             if self.lora is not None:  # each row's adapter, written where the graphs read it
-                self.lora.set_rows([batch[i].lora for i in self.family.row_owners(states, bucket)])
+                self.lora.set_rows([batch[i].lora for i in owners])
                 self._count_adapters(batch)
-            with _recording_for(batch):
-                preds = self.family.forward(self.pipe, states, bucket)
+            if self.step_cache is not None:
+                self.step_cache.set_rows(self._cache_rows(batch, owners, rows))
+            try:
+                with _recording_for(batch):
+                    preds = self.family.forward(self.pipe, states, bucket)
+            finally:
+                if self.step_cache is not None:
+                    self.step_cache.set_rows(None)
             self._count_step(rows, bucket)
+            self._count_cached(batch)
             return {r.id: p for r, p in zip(batch, preds)}
 
         return self._isolated(requests, forward, "step")
+
+    def _cache_rows(self, batch: list[QueuedRequest], owners: list[int], rows: int) -> list:
+        """A `CacheRow` per row of a step (None for padding): each request's rows keyed by its id and row."""
+        default = self.step_cache.config
+        seen: collections.Counter = collections.Counter()
+        out = []
+        for position, owner in enumerate(owners):
+            if position >= rows:
+                out.append(None)
+                continue
+            request = batch[owner]
+            out.append(CacheRow(key=(request.id, seen[owner]), group=request.id,
+                                config=request.cache if request.cache is not None else default,
+                                step=request.state.step_index))
+            seen[owner] += 1
+        return out
+
+    def _count_cached(self, batch: list[QueuedRequest]) -> None:
+        """Each request's step: computed or cached (its records count it)."""
+        if self.step_cache is None:
+            return
+        decisions = self.step_cache.last_decisions()
+        for request in batch:
+            computed = decisions.get(request.id, True)
+            for record in request.records:
+                if computed:
+                    record.steps_computed += 1
+                else:
+                    record.steps_cached += 1
+            self._count("steps_computed" if computed else "steps_cached")
 
     def _isolated(self, requests: list[QueuedRequest], run: Callable[[list], dict], what: str) -> dict:
         """``run(requests)``, a result per request id; when it raises, `run` of each request alone, so an
@@ -392,6 +440,7 @@ class StepBatcher:
             images = None
         for request, result in zip(requests, images or ()):
             request.state = None  # the latents and embeddings go now, not when the caller drops the future
+            self._release_cache(request)
             self._count("leaves")
             request.future.set_result(result)
         self._add_seconds(answer=time.perf_counter() - t0)
@@ -406,13 +455,34 @@ class StepBatcher:
             if self.lora is not None:  # the pipeline lays out the rows: all of them the request's
                 self.lora.set_all(request.lora)
             # PIL output converted to 8 bits on the device, made into images on the answers thread
-            with _recording_for([request]):
+            with _recording_for([request]), self._plain_cache(request):
                 outputs = pipeline_call_async(self.pipe, request.kwargs)
         except Exception as exc:  # noqa: BLE001
             self._fail(request, exc)
             return
         self._count("ran_alone")
         self._answer_later([request], lambda: [outputs()])
+
+    def _plain_cache(self, request: QueuedRequest):
+        """Around a request run whole: the step cache's plain rows use its config, and its records count
+        the steps it computed and cached."""
+        import contextlib
+
+        hook = self.step_cache
+        if hook is None:
+            return contextlib.nullcontext()
+
+        @contextlib.contextmanager
+        def scope():
+            with hook.plain_request(request.cache) as counts:
+                yield
+            for record in request.records:
+                record.steps_computed += counts["computed"]
+                record.steps_cached += counts["cached"]
+            self._count("steps_computed", counts["computed"])
+            self._count("steps_cached", counts["cached"])
+
+        return scope()
 
     # ------------------------------------------------------------------------------------------------
     # bookkeeping
@@ -455,8 +525,13 @@ class StepBatcher:
             self._rows_hist[rows] += 1
             self._bucket_hist[bucket] += 1
 
+    def _release_cache(self, request: QueuedRequest) -> None:
+        if self.step_cache is not None:
+            self.step_cache.release(request.id)
+
     def _fail(self, request: QueuedRequest, exc: BaseException) -> None:
         request.state = None
+        self._release_cache(request)
         self._count("failed")
         if request.future.done():
             return
@@ -513,7 +588,8 @@ class StepBatcher:
 
     def stats(self) -> dict:
         """Counters since construction: requests (submitted, joins, leaves, failed, ran alone), steps,
-        rows and padded rows, steps with LoRA adapter rows (``adapter_steps``; ``mixed_adapter_steps``: rows
+        rows and padded rows, request steps computed and cached (``steps_computed`` / ``steps_cached``; the
+        step cache's own counters under ``step_cache``), steps with LoRA adapter rows (``adapter_steps``; ``mixed_adapter_steps``: rows
         of several adapters, or of adapters and the base model), histograms of real rows and of buckets
         per step, preparations (``prepares``;
         ``batched_prepares`` of several requests; ``prepare_prompts_histogram``: real prompts per joint
@@ -544,6 +620,10 @@ class StepBatcher:
                 "batched_decodes": counts.get("batched_decodes", 0),
                 "adapter_steps": counts.get("adapter_steps", 0),
                 "mixed_adapter_steps": counts.get("mixed_adapter_steps", 0),
+                # request steps whose middle blocks ran / were cached (step caching; a request's own)
+                "steps_computed": counts.get("steps_computed", 0),
+                "steps_cached": counts.get("steps_cached", 0),
+                "step_cache": None if self.step_cache is None else self.step_cache.stats(),
                 "prepares": counts.get("prepares", 0),
                 "batched_prepares": counts.get("batched_prepares", 0),
                 "padded_prompts": counts.get("padded_prompts", 0),

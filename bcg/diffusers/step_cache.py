@@ -37,6 +37,7 @@ with its forward: ``x_embedder``, ``transformer_blocks``, ``single_transformer_b
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
@@ -245,12 +246,15 @@ class _StepCacheLogic:
         self.last_blocks = last_blocks
         self.buckets = tuple(sorted(set(int(b) for b in buckets)))
         self.inner = None            # a BreakableGraphRunner over the middle blocks (attach_runner)
+        self.lora_rows = None        # the transformer's `bcg.lora.LoraRows`, where LoRA layers are installed
         self._lock = threading.RLock()
         self._rows: list | None = None
         self._stores: dict = {}
         self._plain_steps: dict = {}     # branch -> steps counted for the plain (unbatched) request
         self._decided: dict = {}         # (group, step) -> computes: the branches of one request agree
         self._last: dict = {}            # group -> computed (bool) in the last call
+        self._plain_config: tuple = ()   # (config,) of the plain request running now (`plain_request`)
+        self._plain_counts: dict | None = None
         self._counts = dict(calls=0, host_reads=0, rows_computed=0, rows_cached=0, middle_calls=0,
                             skipped_middle=0, bypassed=0)
         self._buckets_used: dict = {}
@@ -325,12 +329,28 @@ class _StepCacheLogic:
             out["first_blocks"], out["last_blocks"] = self.first_blocks, self.last_blocks
             return out
 
+    @contextlib.contextmanager
+    def plain_request(self, config=None):
+        """Around one ``pipe(...)`` call: its rows cache with `config` (None: the default); yields
+        ``{"computed": n, "cached": n}``, its steps, filled as they run."""
+        config = StepCacheConfig.from_any(config)
+        counts = {"computed": 0, "cached": 0}
+        with self._lock:
+            previous = self._plain_config, self._plain_counts
+            self._plain_config, self._plain_counts = ((config,) if config is not None else ()), counts
+        try:
+            yield counts
+        finally:
+            with self._lock:
+                self._plain_config, self._plain_counts = previous
+
     def _plain_rows(self, batch: int) -> list[CacheRow]:
         branch = self.context.name
         step = self._plain_steps.get(branch, 0)
         self._plain_steps[branch] = step + 1
+        config = self._plain_config[0] if self._plain_config else self.config
         # CFG's branches are one request: their rows decide together, each keeps its own residuals
-        return [CacheRow(key=("plain", branch, i), group="plain", config=self.config, step=step)
+        return [CacheRow(key=("plain", branch, i), group="plain", config=config, step=step)
                 for i in range(batch)]
 
     # -- the forward -----------------------------------------------------------------------------
@@ -504,8 +524,10 @@ class _StepCacheLogic:
         out = [False if row is None else groups[row.group] for row in rows]
         self._last = dict(groups)
         for row in rows:
-            if row is not None:
+            if row is not None and (row.group, row.step) not in self._decided:
                 self._decided[(row.group, row.step)] = groups[row.group]
+                if row.group == "plain" and self._plain_counts is not None:  # once per step, not per branch
+                    self._plain_counts["computed" if groups[row.group] else "cached"] += 1
         if len(self._decided) > 4096:   # bounded: old steps of finished requests
             self._decided.clear()
         return out
@@ -519,9 +541,7 @@ class _StepCacheLogic:
 
     def _lora_rows(self, index: torch.Tensor):
         """The LoRA rows (`bcg.lora`) reordered like the gathered rows for the middle call, restored after."""
-        import contextlib
-
-        rows = getattr(self, "lora_rows", None)
+        rows = self.lora_rows
         if rows is None:
             return contextlib.nullcontext()
 

@@ -29,6 +29,10 @@ class CallRecord:
     captures: int = 0
     eager: dict = dataclasses.field(default_factory=dict)   # reason -> calls
     graphs: set = dataclasses.field(default_factory=set)
+    # denoising steps whose middle blocks ran / were cached (step caching: `bcg.diffusers.step_cache`);
+    # the caller that knows whose each step was counts them (the step batcher), not the runners
+    steps_computed: int = 0
+    steps_cached: int = 0
 
     @property
     def eager_total(self) -> int:
@@ -41,6 +45,8 @@ class CallRecord:
         for reason, n in other.eager.items():
             self.eager[reason] = self.eager.get(reason, 0) + n
         self.graphs |= other.graphs
+        self.steps_computed += other.steps_computed
+        self.steps_cached += other.steps_cached
 
 
 @contextlib.contextmanager

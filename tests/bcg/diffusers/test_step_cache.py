@@ -1,0 +1,187 @@
+"""Step caching per request (`bcg.diffusers.step_cache`) on the built-in tiny Flux pipeline, CPU float32.
+
+What is checked: the option's validation; threshold 0 (never cached) is the pipeline's own image bit for
+bit; a schedule computes exactly its steps; each row decides alone, so a request's image and its cached
+steps are the same alone and in a step batch with requests that cache otherwise or not at all, also when
+it joins a running batch; its state is freed when it leaves; at most one host read per transformer call.
+"""
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from bcg.diffusers.batching import StepBatcher
+from bcg.diffusers.models import load_pipeline
+from bcg.diffusers.pipelines import plan_request
+from bcg.diffusers.step_cache import (CacheRow, StepCacheConfig, disable_step_cache, enable_step_cache,
+                                      step_cache_of)
+from bcg.runtime.call_record import CallRecord
+
+SIZE = "64x64"
+STEPS = 8
+# batched against alone on CPU float32: the last bits of float32 through matmuls blocked for another row
+# count (see tests/bcg/diffusers/test_batching.py), far under 3/255
+BATCH_TOLERANCE = 3e-5
+
+
+@pytest.fixture(scope="module")
+def flux():
+    pipe = load_pipeline("tiny-flux")
+    yield pipe
+    disable_step_cache(pipe)
+
+
+@pytest.fixture
+def cached(flux):
+    hook = enable_step_cache(flux, None)
+    yield flux
+    hook.reset()
+    disable_step_cache(flux)
+
+
+def _image(pipe, prompt="a red circle", seed=11, cache=None, steps=STEPS):
+    _, kwargs = plan_request(pipe, prompt, size=SIZE, steps=steps, seed=seed)
+    kwargs["output_type"] = "np"
+    hook = step_cache_of(pipe)
+    if hook is None:
+        return np.asarray(pipe(**kwargs).images), None
+    with hook.plain_request(cache) as counts:
+        image = np.asarray(pipe(**kwargs).images)
+    return image, dict(counts)
+
+
+@pytest.mark.parametrize("bad, field", [
+    ({"method": "magic"}, "cache.method"),
+    ({"threshold": -0.1}, "cache.threshold"),
+    ({"threshold": float("nan")}, "cache.threshold"),
+    ({"threshold": True}, "cache.threshold"),
+    ({"warmup_steps": -1}, "cache.warmup_steps"),
+    ({"method": "schedule", "schedule": "0,2"}, "cache.schedule"),
+    ({"method": "schedule", "schedule": [0, -2]}, "cache.schedule"),
+    ({"method": "schedule"}, "cache.schedule"),
+    ({"method": "first_block", "schedule": [0]}, "cache.schedule"),
+    ({"thresh": 0.1}, "unknown fields"),
+])
+def test_bad_cache_options_are_errors_naming_the_field(bad, field):
+    with pytest.raises(ValueError, match=field.replace(".", r"\.")):
+        StepCacheConfig.from_any(bad)
+
+
+def test_a_schedule_is_sorted_step_indices_and_diffusers_config_maps():
+    config = StepCacheConfig.from_any({"method": "schedule", "schedule": [4, 0, 2, 2], "warmup_steps": 0})
+    assert config.schedule == (0, 2, 4)
+    assert [config.computes(s) for s in range(5)] == [True, False, True, False, True]
+    from diffusers.hooks import FirstBlockCacheConfig
+
+    assert StepCacheConfig.from_any(FirstBlockCacheConfig(threshold=0.2)) == StepCacheConfig(threshold=0.2)
+
+
+def test_threshold_zero_is_the_uncached_image_bit_for_bit(flux):
+    expected, _ = _image(flux)
+    hook = enable_step_cache(flux, StepCacheConfig(threshold=0.0))
+    try:
+        image, counts = _image(flux)
+        assert np.array_equal(image, expected)
+        assert counts == {"computed": STEPS, "cached": 0}
+        assert hook.stats()["host_reads"] == 0  # threshold 0 needs no distance
+    finally:
+        disable_step_cache(flux)
+    after, _ = _image(flux)
+    assert np.array_equal(after, expected)  # removed: the transformer's own forward again
+
+
+def test_a_schedule_computes_exactly_its_steps_and_caching_changes_the_image(cached):
+    expected, _ = _image(cached, cache=StepCacheConfig(threshold=0.0))
+    schedule = StepCacheConfig(method="schedule", schedule=[0, 1, 3, 5, 7], warmup_steps=0)
+    image, counts = _image(cached, cache=schedule)
+    assert counts == {"computed": 5, "cached": 3}
+    diff = np.abs(image - expected).max()
+    assert 1e-4 < diff < 0.5  # cached steps reuse residuals: close, not equal
+    assert step_cache_of(cached).stats()["state_slots"] == 0  # the pipeline's end reset its state
+
+
+def test_first_block_threshold_caches_more_as_it_grows_with_one_host_read_per_call(cached):
+    hook = step_cache_of(cached)
+    cached_steps = []
+    for threshold in (0.0, 0.05, 0.5, 100.0):
+        before = hook.stats()
+        _, counts = _image(cached, cache=StepCacheConfig(threshold=threshold, warmup_steps=1))
+        after = hook.stats()
+        assert after["host_reads"] - before["host_reads"] <= after["calls"] - before["calls"]
+        cached_steps.append(counts["cached"])
+    assert cached_steps == sorted(cached_steps)
+    assert cached_steps[0] == 0 and cached_steps[-1] == STEPS - 1  # warmup step 0 always computes
+
+
+REQUESTS = [
+    ("a red circle", 1, None),
+    ("two blue squares on the left", 2, StepCacheConfig(threshold=0.5, warmup_steps=1)),
+    ("a green star", 3, StepCacheConfig(method="schedule", schedule=[0, 2, 4, 6], warmup_steps=0)),
+    ("a yellow triangle", 4, StepCacheConfig(threshold=100.0, warmup_steps=2)),
+]
+
+
+def _batched(pipe, requests, join_after=None):
+    """Each request's (image, record) through one StepBatcher; requests from index `join_after` on are
+    submitted after two steps (they join a running batch)."""
+    batcher = StepBatcher(pipe, max_batch_size=4, batch_buckets=(1, 2, 4))
+    futures, records = [], []
+
+    def submit(prompt, seed, cache):
+        key, kwargs = plan_request(pipe, prompt, size=SIZE, steps=STEPS, seed=seed)
+        kwargs["output_type"] = "np"
+        record = CallRecord()
+        futures.append(batcher.submit_planned(key, kwargs, records=(record,), cache=cache))
+        records.append(record)
+
+    first = requests if join_after is None else requests[:join_after]
+    for r in first:
+        submit(*r)
+    steps = 0
+    while not all(f.done() for f in futures) or len(futures) < len(requests):
+        batcher.step()
+        steps += 1
+        if join_after is not None and steps == 2 and len(futures) < len(requests):
+            for r in requests[join_after:]:
+                submit(*r)
+        assert steps < 200
+    return [(np.asarray(f.result(timeout=0)), rec) for f, rec in zip(futures, records)], batcher
+
+
+@pytest.mark.parametrize("join_after", [None, 2])
+def test_a_row_decides_alone_in_a_mixed_batch(cached, join_after):
+    alone = [_batched(cached, [r])[0][0] for r in REQUESTS]
+    together, batcher = _batched(cached, REQUESTS, join_after=join_after)
+    for (image, record), (image_alone, record_alone), request in zip(together, alone, REQUESTS):
+        assert np.abs(image - image_alone).max() <= BATCH_TOLERANCE, request
+        assert (record.steps_computed, record.steps_cached) == (record_alone.steps_computed,
+                                                                 record_alone.steps_cached), request
+        assert record.steps_computed + record.steps_cached == STEPS
+    cached_counts = [record.steps_cached for _, record in together]
+    assert cached_counts[0] == 0 and cached_counts[2] == 4 and cached_counts[3] == STEPS - 2
+    hook = step_cache_of(cached)
+    stats = hook.stats()
+    assert stats["state_slots"] == 0  # every request's state freed when it left
+    assert stats["host_reads"] <= stats["calls"]
+    # the middle blocks ran on gathered rows (a bucket smaller than the batch) in some steps
+    assert any(b < 4 for b in stats["middle_buckets"])
+    assert batcher.stats()["steps_cached"] > 0
+
+
+def test_padding_rows_and_rows_of_one_request_decide_together(cached):
+    hook = step_cache_of(cached)
+    h = torch.randn(4, 16, 8)
+    store = hook._store(h, torch.randn(4, 3, 8))
+    config = StepCacheConfig(threshold=0.5, warmup_steps=0)
+    rows = [CacheRow(key=("a", 0), group="a", config=config, step=1),
+            CacheRow(key=("a", 1), group="a", config=config, step=1),
+            CacheRow(key=("b", 0), group="b", config=config, step=1), None]
+    for row in rows[:3]:
+        slot, _ = store.slot(row.key)
+        store.first[slot] = 1.0
+    residual = torch.ones_like(h)
+    residual[1] += 10.0   # row 1 of request a moved far: a computes, both its rows
+    computes = hook._decide(rows, store, residual)
+    assert computes == [True, True, False, False]
+    hook.reset()
