@@ -15,6 +15,7 @@ The start-up plan (``warmup``) is normalised and gets the limits requests get (`
 """
 from __future__ import annotations
 
+import json
 import logging
 from typing import Dict, List, Literal, Optional, Union
 
@@ -25,7 +26,7 @@ from deployments.coordinator import Coordinator
 from deployments.ingress import Ingress
 from deployments.replica import Replica
 from deployments.router import DEFAULT_SPILL_THRESHOLD, ShapeAffinityRouter
-from deployments.schemas import RequestLimits, SizeText, check_plan
+from deployments.schemas import RequestLimits, SizeText, StepCache, check_plan
 from deployments.serve_internals import DEFAULT_ROUTER_PATH
 
 logger = logging.getLogger(__name__)
@@ -134,6 +135,29 @@ class AppArgs(BaseModel):
     lora_target_modules: List[str] = Field(default_factory=list)
     max_loras: int = Field(4, ge=1)
     max_lora_rank: int = Field(16, ge=1)
+    # step caching for requests that name no ``cache`` (`deployments.schemas.StepCache`: method
+    # first_block with a threshold, or a schedule); None: such requests compute every step
+    step_cache: Optional[StepCache] = None
+
+    @field_validator("step_cache", mode="before")
+    @classmethod
+    def _parse_step_cache(cls, v):
+        if isinstance(v, str):  # "method=first_block,threshold=0.1" or JSON from a command line
+            text = v.strip()
+            if text.startswith("{"):
+                return json.loads(text)
+            out = {}
+            for name, value in _pairs(text):
+                if name == "schedule":
+                    out[name] = [int(s) for s in value.split(":") if s]
+                elif name == "threshold":
+                    out[name] = float(value)
+                elif name == "warmup_steps":
+                    out[name] = int(value)
+                else:
+                    out[name] = value
+            return out
+        return v
 
     @field_validator("warmup", mode="before")
     @classmethod
@@ -404,6 +428,7 @@ def build_app(args: Optional[dict] = None):
         gpu_memory_fraction=gpu_fraction, pipeline_hook=a.pipeline_hook, components=a.components,
         batching=a.batching(),
         memory_budget_bytes=a.memory_budget_bytes, compile_wait_s=a.compile_wait_s, lora=a.lora(),
+        step_cache=None if a.step_cache is None else a.step_cache.model_dump(),
     )
     limits = a.limits().model_dump()
     limits["size_multiple"] = a.size_multiple

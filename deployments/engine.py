@@ -124,7 +124,8 @@ class ReplicaEngine:
                  runner_config: Optional[dict] = None, warmup_steps: int = 2,
                  cpu_threads: Optional[int] = None, gpu_memory_fraction: Optional[float] = None,
                  pipeline_hook: Optional[str] = None, components="all", batching: Optional[dict] = None,
-                 memory_budget_bytes: Optional[int] = None, lora: Optional[dict] = None):
+                 memory_budget_bytes: Optional[int] = None, lora: Optional[dict] = None,
+                 step_cache: Optional[dict] = None):
         import torch
         from bcg.runtime.config import RunnerConfig
         from bcg.diffusers import accelerate, pipeline_info, pipeline_runners
@@ -147,6 +148,14 @@ class ReplicaEngine:
         # LoRA slots before anything captures or compiles the transformer (``lora``: see `_install_lora`);
         # they count in the replica's weights, so in its memory share
         self.lora = _install_lora(pipe, lora) if lora else None
+        # step caching (`bcg.diffusers.step_cache`): on when the app sets a default (threshold 0: requests may
+        # ask, none caches unless it does); off, the transformer runs as it always did
+        self.step_cache = None
+        if step_cache is not None:
+            from bcg.diffusers.step_cache import StepCacheConfig, enable_step_cache, supports_step_cache
+            if not supports_step_cache(pipe):
+                raise ValueError(f"step_cache: {model!r}'s transformer does not support step caching (Flux only)")
+            self.step_cache = enable_step_cache(pipe, StepCacheConfig.from_any(step_cache))
         self.pipe = accelerate(pipe, config=self.config, components=pipeline_components(pipe, components))
         # what this replica's compiled code is shared through (None: nothing here compiles)
         from bcg.runtime.compile_cache import ARTIFACTS_ATTR, CompileArtifacts
@@ -154,9 +163,13 @@ class ReplicaEngine:
                                                                          else None)
         self.pipe.set_progress_bar_config(disable=True)
         self.runners = pipeline_runners(self.pipe)
+        if self.step_cache is not None and self.step_cache.inner is not None:
+            # the transformer's middle blocks, replayed per row bucket inside its step-cache break: a
+            # component like the others (stats, metrics, the graphs a key's warmup needs)
+            self.runners["middle_blocks"] = self.step_cache.inner
         self._log_kernels(config)
         self.info = {**pipeline_info(self.pipe), "model": model, "device": self.device,
-                     "components": sorted(self.runners)}
+                     "components": sorted(self.runners), "step_cache": self.step_cache is not None}
         self.warmup_steps = warmup_steps
         # key -> the graphs (component, signature key) its warmup used; replaced, never mutated, so
         # other threads read it without a lock
@@ -425,7 +438,8 @@ class ReplicaEngine:
                lora: Optional[str] = None) -> concurrent.futures.Future:
         """Queue one request at its shape key (any thread), with LoRA adapter `lora` (the ingress decided
         it from the request's ``model``; None: the base model) at the request's ``lora_scale`` (1.0 unless
-        given). The future's result: ``{"images": [PIL images], "replays", "eager_calls"}``, from the
+        given). The future's result: ``{"images": [PIL images], "replays", "eager_calls", "steps_computed",
+        "steps_cached"}``, from the
         request's own call record: the runner calls made for it (a batched call it shared with its
         neighbours counts for each of them). An adapter this replica does not hold fails the future with
         `bcg.lora.UnknownAdapterError`."""
@@ -441,7 +455,8 @@ class ReplicaEngine:
                 steps=request.num_inference_steps or default_steps, guidance=request.guidance_scale,
                 seed=request.seed, info=self.info)
             record = CallRecord()
-            queued = self.batcher.submit_planned(key, kwargs, records=(record, self._serving), lora=choice)
+            queued = self.batcher.submit_planned(key, kwargs, records=(record, self._serving), lora=choice,
+                                                 cache=None if request.cache is None else request.cache.config())
             with self._submit_lock:
                 answer.queued = queued  # what `cancel` drops from now on
             queued.add_done_callback(lambda done: self._answer(done, record, answer))
@@ -475,7 +490,8 @@ class ReplicaEngine:
             return
         try:
             answer.set_result({"images": list(done.result()), "replays": record.replays,
-                               "eager_calls": record.eager_total})
+                               "eager_calls": record.eager_total, "steps_computed": record.steps_computed,
+                               "steps_cached": record.steps_cached})
         except concurrent.futures.InvalidStateError:
             pass  # cancelled by its caller meanwhile
 

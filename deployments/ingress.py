@@ -220,7 +220,8 @@ class Ingress:
             bcg=ServeInfo(replica=out["replica"], warm=out["warm"], shape_key=out["shape_key"],
                           latency_ms=out["latency_ms"], encode_ms=out.get("encode_ms"),
                           ingress_ms=(time.perf_counter() - t0) * 1e3, replays=out["replays"],
-                          eager_calls=out["eager_calls"]),
+                          eager_calls=out["eager_calls"], steps_computed=out.get("steps_computed", 0),
+                          steps_cached=out.get("steps_cached", 0)),
         )
 
     async def load_lora_adapter(self, request: LoadLoraAdapterRequest) -> dict:

@@ -159,6 +159,9 @@ class ReplicaMetrics:
         self._warmup_parts = m.Histogram("bcg_warmup_part_seconds", description=(
             "Where a warmup's seconds went (start of warmup to warm), by part."),
             boundaries=list(WARMUP_S_BOUNDARIES), tag_keys=("part",))
+        self._steps = m.Counter("bcg_denoising_steps", description=(
+            "Denoising steps of served requests, by shape key and whether the transformer's middle blocks "
+            "ran (computed) or were cached (step caching)."), tag_keys=("key", "cached"))
         self._batch = m.Histogram("bcg_batch_size", description="Requests per batched denoising step.",
                                   boundaries=list(BATCH_SIZE_BOUNDARIES))
         self._counters = {
@@ -198,6 +201,11 @@ class ReplicaMetrics:
         tags = {"key": key, "warm": "true" if warm else "false"}
         self._requests.inc(1, tags=tags)
         self._latency.observe(max(float(latency_s), 0.0), tags=tags)
+
+    def record_steps(self, key: str, computed: int, cached: int) -> None:
+        for value, n in (("false", computed), ("true", cached)):
+            if n:
+                self._steps.inc(n, tags={"key": key, "cached": value})
 
     def record_encode(self, output_format: str, seconds: float) -> None:
         self._encode.observe(max(float(seconds), 0.0), tags={"output_format": output_format})

@@ -94,7 +94,8 @@ class Replica:
                  gpu_memory_fraction: Optional[float] = None, assign_timeout_s: float = 900.0,
                  pipeline_hook: Optional[str] = None, components="all",
                  memory_budget_bytes: Optional[int] = None, batching: Optional[dict] = None,
-                 compile_wait_s: float = 900.0, lora: Optional[dict] = None):
+                 compile_wait_s: float = 900.0, lora: Optional[dict] = None,
+                 step_cache: Optional[dict] = None):
         ctx = serve.get_replica_context()
         self.replica_id = ctx.replica_id.unique_id
         self.rank = getattr(getattr(ctx, "rank", None), "rank", None)
@@ -109,6 +110,7 @@ class Replica:
         self._lock = asyncio.Lock()  # one warmup at a time (requests take no lock)
         self._ongoing = 0
         self._counters = {"warm_requests": 0, "cold_requests": 0, "errors": 0}
+        self._steps: Dict[str, dict] = {}  # shape key -> denoising steps computed / cached (step caching)
         self._cold_keys: Dict[str, int] = {}
         self._reports: List[dict] = []
         self._broken: Optional[str] = None
@@ -120,7 +122,8 @@ class Replica:
         if lora and coordinator is not None:  # the adapters every replica holds now (loads at run time too)
             lora = {**lora, "modules": await coordinator.lora_adapters.remote()}
         self.engine = await self._in_thread(functools.partial(ReplicaEngine, memory_budget_bytes=memory_budget_bytes,
-                                                              batching=batching, lora=lora),
+                                                              batching=batching, lora=lora,
+                                                              step_cache=step_cache),
                                             model, device, dtype, runner_config,
                                             warmup_steps, cpu_threads, gpu_memory_fraction, pipeline_hook,
                                             components)
@@ -333,6 +336,7 @@ class Replica:
                 "cuda_memory": cuda_memory(), "warmup_progress": dict(self._progress),
                 "memory": self.engine.memory_report(), "cold_start": self._cold_start,
                 "compile_artifacts": self._artifacts.stats(), "lora": self.engine.lora_stats(),
+                "steps_by_key": {k: dict(v) for k, v in self._steps.items()},
                 # graphs compiled while serving requests, not warming: a request that paid a compile
                 "compiled_while_serving": self.engine.compiled_graphs() - self._compiled_outside_warmups,
                 "timing": {name: dict(times) for name, times in self._timing.items()}}
@@ -374,6 +378,10 @@ class Replica:
             self._ongoing -= 1
         self._counters["warm_requests" if warm else "cold_requests"] += 1
         self.metrics.record_request(key.key, warm, time.perf_counter() - t0)
+        steps = self._steps.setdefault(key.key, {"computed": 0, "cached": 0})
+        steps["computed"] += out.get("steps_computed", 0)
+        steps["cached"] += out.get("steps_cached", 0)
+        self.metrics.record_steps(key.key, out.get("steps_computed", 0), out.get("steps_cached", 0))
         # what the router weighs a spill by: the replica's time per request of the key, counted from when
         # the replica was last freed (or the request arrived): queueing here is not counted, and requests
         # finishing together in one batch share its time

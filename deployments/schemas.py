@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Annotated, Dict, Iterable, List, Literal, Optional, get_args
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from bcg.diffusers.buckets import ShapeKey, check_shape, parse_size, request_shape_key
 
@@ -48,6 +48,30 @@ class RequestLimits(BaseModel):
     frame_multiple: Optional[int] = Field(None, ge=1)   # None: an image model (1 frame); video: frames k*m+1
 
 
+class StepCache(BaseModel):
+    """A request's step caching (`bcg.diffusers.step_cache.StepCacheConfig`, which checks it): method
+    ``first_block`` (cached while the first block's residual moved less than ``threshold`` since the last
+    computed step) or ``schedule`` (the step indices to compute); ``warmup_steps`` always computed first."""
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False, frozen=True)
+    method: Literal["first_block", "schedule"] = "first_block"
+    threshold: float = Field(0.08, ge=0.0)
+    warmup_steps: int = Field(1, ge=0, le=1000)
+    schedule: Optional[List[Annotated[int, Field(ge=0, le=100000)]]] = Field(None, max_length=1000)
+
+    @model_validator(mode="after")
+    def _consistent(self):
+        self.config()  # the library's own rules (a schedule only with method "schedule", and needed there)
+        return self
+
+    def config(self):
+        from bcg.diffusers.step_cache import StepCacheConfig
+
+        try:
+            return StepCacheConfig.from_any(self.model_dump())
+        except ValueError as exc:
+            raise ValueError(str(exc).removeprefix("cache.")) from None
+
+
 class ImageGenerationRequest(BaseModel):
     """OpenAI ``POST /v1/images/generations`` body, plus diffusion knobs."""
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
@@ -67,6 +91,8 @@ class ImageGenerationRequest(BaseModel):
     output_compression: Optional[int] = Field(None, ge=0, le=100)
     # the scale of the LoRA adapter that `model` names (None: 1.0); only with an adapter
     lora_scale: Optional[float] = Field(None, ge=-10.0, le=10.0)
+    # step caching for this request (None: the deployment's ``step_cache``, which may be none)
+    cache: Optional[StepCache] = None
 
     @field_validator("output_compression")
     @classmethod
@@ -155,6 +181,10 @@ def check_request(req: ImageGenerationRequest, limits: RequestLimits, served_mod
         raise FieldError("prompt", f"at most {limits.max_prompt_chars} characters, got {len(req.prompt)}")
     if req.num_inference_steps is not None and req.num_inference_steps > limits.max_steps:
         raise FieldError("num_inference_steps", f"at most {limits.max_steps}, got {req.num_inference_steps}")
+    if req.cache is not None and not info.get("step_cache"):
+        raise FieldError("cache", f"this deployment of {served_model!r} has no step caching; start it with the "
+                                  "app arg step_cache (method=first_block,threshold=0 lets requests ask for it "
+                                  "without a default)")
     if req.num_frames is not None and not info["is_video"]:
         raise FieldError("num_frames", f"{served_model!r} makes images; num_frames is for video models only")
     if req.output_format == "jpeg" and info["is_video"]:
@@ -200,6 +230,9 @@ class ServeInfo(BaseModel):
     ingress_ms: Optional[float] = None
     replays: int = 0
     eager_calls: int = 0
+    # denoising steps whose transformer middle blocks ran / were cached (step caching)
+    steps_computed: int = 0
+    steps_cached: int = 0
 
 
 class ImageData(BaseModel):

@@ -52,7 +52,7 @@ from bcg.graphs.capture import eager_on_graph
 logger = logging.getLogger(__name__)
 
 __all__ = ["CacheRow", "HOOK_NAME", "METHODS", "StepCacheConfig", "StepCacheHook", "disable_step_cache",
-           "enable_step_cache", "attach_step_cache", "step_cache_of"]
+           "enable_step_cache", "attach_step_cache", "step_cache_of", "supports_step_cache"]
 
 METHODS = ("first_block", "schedule")
 HOOK_NAME = "bcg_step_cache"
@@ -433,6 +433,12 @@ class _StepCacheLogic:
                         self._run_middle(h[:b], e[:b], temb[:b], image_rotary_emb)
                 return self._run_middle(h, e, temb, image_rotary_emb)
             rows = self._rows if self._rows is not None else self._plain_rows(batch)
+            if all(r is None or r.config is None for r in rows):
+                # nobody in this step caches (nor ever will: a request's config is fixed): no state to keep
+                self._counts["calls"] += 1
+                self._counts["rows_computed"] += sum(r is not None for r in rows)
+                self._last = {r.group: True for r in rows if r is not None}
+                return self._run_middle(h, e, temb, image_rotary_emb)
             if len(rows) < batch:  # rows the caller did not describe: padding
                 rows = rows + [None] * (batch - len(rows))
             store = self._store(h, e)
@@ -613,6 +619,16 @@ def attach_step_cache(module, runner) -> None:
     if hook is not None:
         hook.attach_runner(runner.runner_config)
         runner.nest(hook.inner)
+
+
+def supports_step_cache(target) -> bool:
+    """Whether `target`'s transformer (a pipeline's, or a transformer) has the forward step caching runs."""
+    try:
+        module = _transformer(target)
+    except ValueError:
+        return False
+    return all(hasattr(module, n) for n in ("x_embedder", "transformer_blocks", "single_transformer_blocks",
+                                            "pos_embed", "context_embedder", "time_text_embed"))
 
 
 def step_cache_of(target):
