@@ -19,6 +19,11 @@ per app: each key's warmup seconds, warm hits, replays, eager calls,
 cold requests, the kernels (`quantize`, attention choice) and compile stats of each component. A request
 that fails is recorded with its error; the run goes on. ``start_s``: from the deploy until every app runs.
 
+``--caches`` (JSON: ``{name: a request's "cache" option or null}``) times each variant once per cache, on
+one app (started with ``step_cache`` threshold 0: nothing caches unless the request asks): a row's
+variants are then ``<variant>+<cache>``, interleaved like the rest, and each answer records its
+``steps_computed`` / ``steps_cached``.
+
 The JSON is rewritten after every round (a timeout keeps what ran); a PNG next to it draws seconds per
 request per size and variant (bars: median, whiskers: min-max, speed-up on top). Needs CUDA unless
 ``--allow-cpu``: a tiny FLUX.1-dev directory, 64x64, 2 steps, one round, CPU replicas.
@@ -27,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import shutil
 import statistics
@@ -72,7 +78,9 @@ def app_args(args, name: str, fields: dict, share: float) -> dict:
     """``build_app`` args of one variant: one replica with `share` of the GPU, every size warm at start."""
     cuda = args.device == "cuda"
     runner = {k: v for k, v in fields.items() if k not in APP_FIELDS}
+    caching = any(c is not None for c in (getattr(args, "caches", None) or {}).values())
     return {
+        **({"step_cache": {"method": "first_block", "threshold": 0.0}} if caching else {}),
         "model": args.model_dir, "num_replicas": 1, "num_gpus_per_replica": share if cuda else 0,
         "num_cpus_per_replica": 0, "device": args.device, "cpu_threads": None if cuda else 1,
         "warmup": list(args.sizes), "placement": "all", "warmup_steps": 2, "default_steps": args.steps,
@@ -136,14 +144,20 @@ def run(args, result: dict, save) -> None:
     result["start_s"] = round(time.perf_counter() - begin, 2)  # load + start-up warmup of the slowest app
     _say(f"all apps running after {result['start_s']} s")
     save()
+    caches = args.caches or {None: None}
+    # what a row times: each variant's app once per request cache (``<variant>+<cache>``)
+    timed = [(n, c) for n in names for c in caches]
+    label = {(n, c): n if c is None else f"{n}+{c}" for n, c in timed}
     running = names
     with contextlib.ExitStack() as stack:
         clients = {n: stack.enter_context(httpx.Client(base_url=f"http://127.0.0.1:{port}/{apps[n]}",
                                                        timeout=args.timeout_s)) for n in running}
 
-        def post(name, size, seed):
+        def post(name, size, seed, cache=None):
             body = {"prompt": PROMPT, "size": size, "num_inference_steps": args.steps,
                     "output_format": args.output_format, "seed": seed}
+            if caches.get(cache) is not None:
+                body["cache"] = caches[cache]
             begin = time.perf_counter()
             r = clients[name].post("/v1/images/generations", json=body)
             ms = (time.perf_counter() - begin) * 1e3
@@ -154,23 +168,23 @@ def run(args, result: dict, save) -> None:
         rows = result["rows"] = [{"size": size, "steps": args.steps, "ms": {}, "answers": {}, "errors": {}}
                                  for size in args.sizes]
         for row in rows:  # untimed: the first request of a key pays what warmup left (e.g. the encoder)
-            for name in running:
+            for name, cache in timed:
                 for i in range(args.warmup_iters):
                     try:
-                        post(name, row["size"], 1000 + i)
+                        post(name, row["size"], 1000 + i, cache)
                     except Exception as exc:  # noqa: BLE001
-                        row["errors"].setdefault(name, []).append(f"warmup request: {exc}"[:500])
+                        row["errors"].setdefault(label[name, cache], []).append(f"warmup request: {exc}"[:500])
         for index in range(args.rounds):
             for row in rows:
-                for name in running:
+                for name, cache in timed:
                     try:
-                        ms, info = post(name, row["size"], index)
+                        ms, info = post(name, row["size"], index, cache)
                     except Exception as exc:  # noqa: BLE001 -- recorded; the run goes on
-                        row["errors"].setdefault(name, []).append(f"round {index}: {exc}"[:500])
+                        row["errors"].setdefault(label[name, cache], []).append(f"round {index}: {exc}"[:500])
                         continue
-                    row["ms"].setdefault(name, []).append(ms)
-                    row["answers"].setdefault(name, []).append(info)
-                _summarize(row, names)
+                    row["ms"].setdefault(label[name, cache], []).append(ms)
+                    row["answers"].setdefault(label[name, cache], []).append(info)
+                _summarize(row, [label[t] for t in timed])
             _say(f"round {index + 1}/{args.rounds}: " + "; ".join(
                 f"{r['size']} " + ", ".join(f"{n} {r['summary'][n]['median']:.0f} ms" for n in r["summary"])
                 for r in rows))
@@ -191,7 +205,9 @@ def _summarize(row: dict, names: list[str]) -> None:
     for name, times in row["ms"].items():
         answers = row["answers"][name]
         row["summary"][name] = {**_summary(times), **served_split(times, answers),
-                                "warm": sum(bool(a.get("warm")) for a in answers), "requests": len(answers)}
+                                "warm": sum(bool(a.get("warm")) for a in answers), "requests": len(answers),
+                                "steps_cached": [a.get("steps_cached", 0) for a in answers],
+                                "eager_calls": [a.get("eager_calls", 0) for a in answers]}
     first = names[0]
     row["speedup_over_" + first] = {
         name: _summary([a / b for a, b in zip(row["ms"][first], row["ms"][name])])
@@ -203,7 +219,7 @@ def plot(result: dict, png: str) -> bool:
     rows = [r for r in result.get("rows", []) if r.get("summary")]
     if plt is None or not rows:
         return False
-    names = list(result.get("variants") or {})
+    names = list(dict.fromkeys(n for r in rows for n in r["summary"]))  # variants (x caches), in timed order
     fig, ax = plt.subplots(figsize=(max(5, 2.5 * len(rows)), 4.5))
     width = 0.8 / max(1, len(names))
     for j, name in enumerate(names):
@@ -233,6 +249,9 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=28)
     p.add_argument("--variants", type=parse_variants,
                    default=parse_variants("bf16:compile=true;fp8:compile=true,quantize=fp8"))
+    p.add_argument("--caches", type=json.loads, default=None,
+                   help='request caches timed on each variant, e.g. \'{"uncached": null, "sched": {"method": '
+                        '"schedule", "schedule": [0, 1, 2]}}\'')
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--warmup-iters", type=int, default=1, help="untimed requests per size and variant")
     p.add_argument("--output-format", default="png")
@@ -263,7 +282,7 @@ def main(argv=None) -> int:
     result = {"benchmark": "bench_served_variants",
               "command": " ".join([os.path.basename(sys.argv[0])] + (sys.argv[1:] if argv is None else list(argv))),
               "machine": machine_info(), "model": args.model, "sizes": args.sizes, "steps": args.steps,
-              "rounds": args.rounds, "rows": []}
+              "rounds": args.rounds, "caches": args.caches, "rows": []}
 
     def save():
         write_json(args.out, {**result, "elapsed_s": round(time.perf_counter() - started, 1)})
