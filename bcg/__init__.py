@@ -29,6 +29,8 @@ _EXPORTS = {
     "ShapeKey": "bcg.diffusers.shape_key",
     "install_breaks": "bcg.diffusers",
     "accelerate": "bcg.diffusers",
+    "StepCacheConfig": "bcg.diffusers.step_cache",
+    "enable_step_cache": "bcg.diffusers.step_cache",
     "load_pipeline": "bcg.diffusers.models",
     "BUILTIN_MODELS": "bcg.diffusers.models",
 }

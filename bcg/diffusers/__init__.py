@@ -13,6 +13,8 @@
   bucketing, frames, batching hooks): `ModelFamily`, `FAMILIES`, `family_of`;
 - `bcg.diffusers.buckets`: `ShapeKey`, `request_shape_key` (a request's key, defined once), size and prompt
   buckets, warmup plans;
+- `bcg.diffusers.step_cache`: `enable_step_cache` / `StepCacheConfig`, step caching decided per request
+  inside the graphs (a break after the first blocks; the middle blocks per row bucket);
 - `bcg.diffusers.batching`: `StepBatcher` / `BatcherConfig`, step-wise continuous batching (scheduling in
   `batch_queue`, per-family step hooks in `step_families`);
 - `bcg.diffusers.models`: the built-in tiny pipelines (`load_pipeline`, `BUILTIN_MODELS`).
@@ -48,6 +50,10 @@ _EXPORTS = {
     "ShapeKey": "bcg.diffusers.shape_key",
     "request_shape_key": "bcg.diffusers.buckets",
     "StepBatcher": "bcg.diffusers.batching",
+    "StepCacheConfig": "bcg.diffusers.step_cache",
+    "enable_step_cache": "bcg.diffusers.step_cache",
+    "disable_step_cache": "bcg.diffusers.step_cache",
+    "step_cache_of": "bcg.diffusers.step_cache",
     "BatcherConfig": "bcg.diffusers.batch_queue",
     "load_pipeline": "bcg.diffusers.models",
     "BUILTIN_MODELS": "bcg.diffusers.models",

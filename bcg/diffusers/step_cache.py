@@ -608,8 +608,17 @@ def enable_step_cache(target, config: StepCacheConfig | dict | None = None, *, f
     registry.register_hook(hook, HOOK_NAME)
     runner = getattr(target, "transformer", target)
     if runner is not module and hasattr(runner, "nest"):  # accelerated already
+        _forward_changed(runner)
         attach_step_cache(module, runner)
     return hook
+
+
+def _forward_changed(runner) -> None:
+    """The transformer's forward changed under its runner: graphs captured before hold the old one."""
+    if runner.warm_signatures():
+        logger.warning("step caching changed %s's forward: its %d captured graphs are dropped; warm it up again",
+                       type(runner.module).__name__, len(runner.warm_signatures()))
+        runner.reset()
 
 
 def attach_step_cache(module, runner) -> None:
@@ -647,3 +656,6 @@ def disable_step_cache(target) -> None:
     registry = getattr(module, "_diffusers_hook", None)
     if registry is not None and registry.get_hook(HOOK_NAME) is not None:
         registry.remove_hook(HOOK_NAME, recurse=False)
+        runner = getattr(target, "transformer", target)
+        if runner is not module and hasattr(runner, "nest"):
+            _forward_changed(runner)
