@@ -300,7 +300,7 @@ class _StepCacheLogic:
         """Free the state of every row of request `group` (it left its batch)."""
         with self._lock:
             for store in self._stores.values():
-                store.release([k for k in store.slots if isinstance(k, tuple) and k and k[0] == group])
+                store.release([k for k in store.slots if k[0] == group])
             self._last.pop(group, None)
             for key in [k for k in self._decided if k[0] == group]:
                 del self._decided[key]
@@ -447,7 +447,7 @@ class _StepCacheLogic:
             index = [i for i, c in enumerate(computes) if c]
             self._counts["rows_computed"] += sum(1 for r, c in zip(rows, computes) if r is not None and c)
             self._counts["rows_cached"] += sum(1 for r, c in zip(rows, computes) if r is not None and not c)
-            slots = [0 if r is None else store.slot(r.key)[0] for r in rows[:batch]]
+            slots = [0 if r is None else store.slot(self._state_key(r))[0] for r in rows[:batch]]
             bucket = self._bucket(len(index), batch) if index else 0
             if bucket == batch:  # every row runs the middle blocks: no gather (padding rows are discarded)
                 me, mh = self._run_middle(h, e, temb, image_rotary_emb)
@@ -497,7 +497,7 @@ class _StepCacheLogic:
             if row is None:
                 decided[i] = False          # padding: nobody reads it
                 continue
-            slot, new = store.slot(row.key)
+            slot, new = store.slot(self._state_key(row))
             memo = self._decided.get((row.group, row.step))
             if new or row.config is None:
                 decided[i] = True
@@ -537,6 +537,11 @@ class _StepCacheLogic:
         if len(self._decided) > 4096:   # bounded: old steps of finished requests
             self._decided.clear()
         return out
+
+    def _state_key(self, row: CacheRow) -> tuple:
+        """Where a row's state lives: its request, its row, and the call's branch (CFG's cond and uncond
+        calls of one step keep residuals of their own; diffusers' ``cache_context`` names the branch)."""
+        return row.group, row.key, self.context.name
 
     def _store(self, h, e) -> _Store:
         key = (tuple(h.shape[1:]), tuple(e.shape[1:]), h.dtype, h.device)

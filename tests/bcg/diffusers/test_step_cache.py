@@ -178,10 +178,31 @@ def test_padding_rows_and_rows_of_one_request_decide_together(cached):
             CacheRow(key=("a", 1), group="a", config=config, step=1),
             CacheRow(key=("b", 0), group="b", config=config, step=1), None]
     for row in rows[:3]:
-        slot, _ = store.slot(row.key)
+        slot, _ = store.slot(hook._state_key(row))
         store.first[slot] = 1.0
     residual = torch.ones_like(h)
     residual[1] += 10.0   # row 1 of request a moved far: a computes, both its rows
     computes = hook._decide(rows, store, residual)
     assert computes == [True, True, False, False]
     hook.reset()
+
+
+def test_true_cfg_branches_keep_their_own_residuals_and_decide_together(cached):
+    """Flux's true CFG calls the transformer twice a step (cond, uncond): each branch caches its own
+    residual, the step's decision is the request's. Batched and plain paths give the same image."""
+    cache = StepCacheConfig(method="schedule", schedule=[0, 1, 4, 7], warmup_steps=0)
+    _, kwargs = plan_request(cached, "a red circle", size=SIZE, steps=STEPS, seed=3)
+    kwargs.update(output_type="np", negative_prompt="blurry", true_cfg_scale=4.0)
+    with step_cache_of(cached).plain_request(cache) as counts:
+        plain = np.asarray(cached(**kwargs).images)
+    assert dict(counts) == {"computed": 4, "cached": 4}
+    key, kwargs = plan_request(cached, "a red circle", size=SIZE, steps=STEPS, seed=3,
+                               negative_prompt="blurry", guidance=4.0)
+    kwargs["output_type"] = "np"
+    batcher = StepBatcher(cached)
+    record = CallRecord()
+    future = batcher.submit_planned(key, kwargs, records=(record,), cache=cache)
+    while not future.done():
+        batcher.step()
+    assert (record.steps_computed, record.steps_cached) == (4, 4)
+    assert np.abs(np.asarray(future.result()) - plain).max() <= BATCH_TOLERANCE
