@@ -247,6 +247,8 @@ class _StepCacheLogic:
         self.buckets = tuple(sorted(set(int(b) for b in buckets)))
         self.inner = None            # a BreakableGraphRunner over the middle blocks (attach_runner)
         self.lora_rows = None        # the transformer's `bcg.lora.LoraRows`, where LoRA layers are installed
+        self._warmups = 0            # depth of `warmup()`
+        self._pending: dict = {}     # row bucket and shapes -> the middle runner's example inputs (warmup)
         self._lock = threading.RLock()
         self._rows: list | None = None
         self._stores: dict = {}
@@ -417,7 +419,30 @@ class _StepCacheLogic:
         return self.middle(h, e, temb, rot)
 
     def _warming(self) -> bool:
-        return self.inner is not None and self.inner.warming
+        return self._warmups > 0
+
+    @contextlib.contextmanager
+    def warmup(self):
+        """The transformer's runner enters this with its own ``warmup()`` (`attach_step_cache` nests it):
+        inside, the break runs the middle blocks as they are and notes each row bucket's inputs; on exit
+        the middle runner captures them. Not inside the break: it is a ``torch.compiler.disable`` region
+        (so that a compiled forward breaks there), and code compiled for the first time in one runs
+        without its compiled kernels (regional compilation of the middle blocks' classes)."""
+        with self._lock:
+            self._warmups += 1
+        try:
+            yield self
+        finally:
+            with self._lock:
+                self._warmups -= 1
+                pending = self._pending if self._warmups == 0 else {}
+                if self._warmups == 0:
+                    self._pending = {}
+            if pending and self.inner is not None:
+                with self.inner.warmup():
+                    for grad, example in pending.values():  # in the grad mode of the call that noted it
+                        with torch.set_grad_enabled(grad):
+                            self.inner(**example)
 
     def _bucket(self, rows: int, batch: int) -> int:
         return next((b for b in self.buckets if rows <= b < batch), batch)
@@ -427,11 +452,16 @@ class _StepCacheLogic:
         batch = h.shape[0]
         with self._lock:
             if self._warming():
-                # a warmup: capture the middle graph of every row bucket up to this batch, change no state
-                for b in self.buckets:
-                    if b < batch:
-                        self._run_middle(h[:b], e[:b], temb[:b], image_rotary_emb)
-                return self._run_middle(h, e, temb, image_rotary_emb)
+                # a warmup: note every row bucket up to this batch for the middle runner (`warmup`), run the
+                # middle blocks as they are, change no request's state
+                for b in {*(b for b in self.buckets if b < batch), batch}:
+                    grad = torch.is_grad_enabled()
+                    key = (b, tuple(h.shape[1:]), tuple(e.shape[1:]), h.dtype, h.device, grad)
+                    if key not in self._pending:
+                        self._pending[key] = (grad, {
+                            "hidden_states": h[:b].clone(), "encoder_hidden_states": e[:b].clone(),
+                            "temb": temb[:b].clone(), "image_rotary_emb": image_rotary_emb})
+                return self.middle(h, e, temb, image_rotary_emb)
             rows = self._rows if self._rows is not None else self._plain_rows(batch)
             if all(r is None or r.config is None for r in rows):
                 # nobody in this step caches (nor ever will: a request's config is fixed): no state to keep
@@ -628,11 +658,11 @@ def _forward_changed(runner) -> None:
 
 def attach_step_cache(module, runner) -> None:
     """After `runner` wraps `module` (``accelerate`` calls this): the middle blocks of a step cache installed
-    on `module` run in a runner of their own, warmed up with `runner`'s warmups."""
+    on `module` run in a runner of their own, captured when `runner`'s warmups end (`StepCacheHook.warmup`)."""
     hook = step_cache_of(module)
     if hook is not None:
         hook.attach_runner(runner.runner_config)
-        runner.nest(hook.inner)
+        runner.nest(hook)
 
 
 def supports_step_cache(target) -> bool:

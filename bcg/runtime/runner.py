@@ -246,9 +246,9 @@ class BreakableGraphRunner(ModuleProxy):
         """True inside ``warmup()``: an unseen signature is captured, not run eagerly."""
         return self._warming > 0
 
-    def nest(self, runner: "BreakableGraphRunner") -> None:
-        """Warm `runner` up whenever this runner warms up: a runner that this one's break functions call
-        (its graphs replay between this one's segments)."""
+    def nest(self, runner) -> None:
+        """Enter ``runner.warmup()`` whenever this runner warms up: a runner (or anything with a ``warmup()``
+        context) that this one's break functions call, whose graphs replay between this one's segments."""
         if runner is not self and all(runner is not r for r in self._nested):
             self._nested.append(runner)
 
