@@ -65,7 +65,7 @@ from ray.serve.config import RequestRouterConfig
 from bcg.diffusers.buckets import ShapeKey
 from deployments.artifacts import ReplicaArtifacts
 from deployments.encoding import encode_images, encoding_threads
-from deployments.engine import ReplicaEngine, _release_cached_memory, cuda_memory
+from deployments.engine import ReplicaEngine, _release_cached_memory, cuda_memory, describe_gpu
 from deployments.metrics import ReplicaMetrics
 from deployments.router import (BATCH_FREE_ROWS, LORA_ADAPTERS, POOL_BYTES, QUEUE_LEN, WARM_BATCH_KEYS, WARM_KEYS,
                                 ShapeAffinityRouter)
@@ -136,8 +136,8 @@ class Replica:
         self._last_done_at: Optional[float] = None  # when the last request finished here
         # graphs compiled outside warmups (by a request: never expected) = all less those the warmups compiled
         self._compiled_outside_warmups = self.engine.compiled_graphs()
-        logger.info("replica %s: %s loaded on %s in %.1f s", self.replica_id, model, self.engine.device,
-                    time.perf_counter() - t0)
+        logger.info("replica %s: %s loaded on %s, %s, in %.1f s", self.replica_id, model, self.engine.device,
+                    describe_gpu(self.engine.gpu), time.perf_counter() - t0)
         keys: List[str] = []
         if coordinator is not None:
             try:
@@ -329,7 +329,7 @@ class Replica:
         # replays and eager calls: the runners' totals while serving (a request's own figures overlap
         # with those of the requests batched beside it)
         return {**self.replica_info(), **self._counters, **self.engine.served(), "cold_keys": dict(self._cold_keys),
-                "device": self.engine.device, "warm_ready_at": self.warm_ready_at,
+                "device": self.engine.device, "gpu": self.engine.gpu, "warm_ready_at": self.warm_ready_at,
                 "first_request_at": self.first_request_at, "warmups": list(self._reports),
                 "runner": self.engine.runner_stats(), "kernels": self.engine.kernel_stats(), "ongoing": self._ongoing,
                 "batcher": self.engine.batcher.stats(), "batch_pool_bytes": self.engine.bucket_pool_bytes(),
