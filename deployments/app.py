@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from dataclasses import dataclass
 from typing import Dict, List, Literal, Optional, Tuple, Union
 
@@ -142,6 +143,11 @@ class AppArgs(BaseModel):
     lora_target_modules: List[str] = Field(default_factory=list)
     max_loras: int = Field(4, ge=1)
     max_lora_rank: int = Field(16, ge=1)
+    # POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING): off
+    # unless true; when on, runtime loads read only adapters under lora_root (an absolute folder on the
+    # replicas' machines; symlinks and '..' resolved), lora_modules' paths stay loadable wherever they are
+    allow_runtime_lora_updating: bool = False
+    lora_root: Optional[str] = Field(None, min_length=1, max_length=4096)
     # step caching for requests that name no ``cache`` (`deployments.schemas.StepCache`: method
     # first_block with a threshold, or a schedule); None: such requests compute every step
     step_cache: Optional[StepCache] = None
@@ -203,6 +209,25 @@ class AppArgs(BaseModel):
             raise ValueError(f"lora_modules: {served!r} is the served model's name; name the adapter otherwise")
         return self
 
+    @field_validator("lora_root")
+    @classmethod
+    def _lora_root_absolute(cls, v):
+        if v is not None and not os.path.isabs(v):
+            raise ValueError(f"lora_root must be an absolute folder on the replicas' machines, got {v!r}")
+        return v
+
+    @model_validator(mode="after")
+    def _runtime_lora_needs_a_root(self):
+        if not self.allow_runtime_lora_updating:
+            return self
+        if self.lora_root is None:
+            raise ValueError("allow_runtime_lora_updating needs lora_root: the folder runtime loads may read "
+                             "adapters from")
+        if not self.lora_modules and not self.lora_target_modules:
+            raise ValueError("allow_runtime_lora_updating needs LoRA layers: set lora_target_modules (the layers "
+                             "adapters loaded at run time target) or lora_modules")
+        return self
+
     def lora(self) -> Optional[dict]:
         """The replicas' LoRA settings (`deployments.engine`), None without LoRA layers."""
         if not self.lora_modules and not self.lora_target_modules:
@@ -210,7 +235,10 @@ class AppArgs(BaseModel):
         # rows of one transformer call: a batch padded to its bucket (or n images alone), twice with CFG
         rows = 2 * max(self.batching()["max_batch_size"], max(self.batch_buckets), self.max_n)
         return {"modules": dict(self.lora_modules), "target_modules": list(self.lora_target_modules),
-                "max_loras": self.max_loras, "max_lora_rank": self.max_lora_rank, "max_lora_rows": max(64, rows)}
+                "max_loras": self.max_loras, "max_lora_rank": self.max_lora_rank, "max_lora_rows": max(64, rows),
+                # which paths a replica reads (deployments.lora.LoraPaths): the root only when runtime loads are on
+                "root": self.lora_root if self.allow_runtime_lora_updating else None,
+                "start_paths": sorted(set(self.lora_modules.values()))}
 
     @field_validator("batch_buckets", mode="before")
     @classmethod
@@ -488,6 +516,7 @@ def build_app(args: Optional[dict] = None):
         replica, coordinator, model=a.served_model_name or a.model, limits=limits, default_size=a.served_default_size(),
         request_timeout_s=a.request_timeout_s, max_retries=a.max_retries, retry_after_s=a.retry_after_s,
         api_key_env=a.api_key_env, auth_scope=a.auth_scope, model_root=a.model,
+        allow_runtime_lora_updating=a.allow_runtime_lora_updating,
         # a warmup answers once the routers' stats show it: within a poll period or two; Serve's
         # default router ignores warm state, so there is nothing to wait for
         routing_sync_timeout_s=2 * a.routing_stats_period_s + 5 if a.router == "shape_affinity" else 0)
