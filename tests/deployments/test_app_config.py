@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from deployments.app import AppArgs, build_app, parse_args
-from deployments.coordinator import assign_shards, merge_reports, share_for_new_replica
+from deployments.coordinator import assign_shards, attention_choices, merge_reports, share_for_new_replica
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -167,7 +167,8 @@ def test_inside_ray_the_clusters_gpus_count_not_the_building_machines(built_on, 
     ({"max_ongoing_requests": 1}, 1.0),                         # ... at most max_ongoing_requests
     ({"max_batch_size": 8, "max_ongoing_requests": 16, "autoscaling": {"target_ongoing_requests": 3}}, 3.0),
 ])
-def test_autoscaling_target_follows_the_replicas_batch_capacity_unless_set(args, target):
+def test_autoscaling_target_follows_the_replicas_batch_capacity_unless_set(built_on, args, target):
+    built_on(0)   # a CPU host: 2 replicas unless autoscaling
     config = _replica_deployment({"autoscaling": "1:4", **args})._deployment_config.autoscaling_config
     assert config.target_ongoing_requests == target
     assert (config.min_replicas, config.max_replicas) == (1, 4)
@@ -240,6 +241,37 @@ def test_new_replicas_get_uncovered_keys_first_then_a_balanced_share():
     # a replacement for a dead replica takes exactly the keys nobody holds any more
     assert share_for_new_replica(keys, 1, {"a": first}, expected_replicas=2) == second
     assert share_for_new_replica([], 1, {}) == []
+
+
+def _replica_stats(device, gpu_name, choices):
+    """A replica's stats as far as `attention_choices` reads them, the choices from a real dispatch's stats."""
+    return {"device": device, "gpu": {"name": gpu_name} if gpu_name else None,
+            "kernels": {"transformer": {"quantize": None, "attention": {"backend": "auto", "choices": choices}}}}
+
+
+def test_attention_choices_group_replicas_by_gpu_name_and_shape_and_name_disagreements():
+    import torch
+    from bcg.runtime.attention import AttentionDispatch
+    dispatch = AttentionDispatch("sdpa", device="cpu")
+    q = torch.randn(1, 2, 16, 8)
+    dispatch(q, q, q)
+    dispatch(q[:, :, :8], q, q)
+    real = dispatch.stats()["choices"]   # SDPA, the only candidate here, for two shapes
+    shapes = [c["shape"] for c in real]
+    assert len(shapes) == 2 and {c["backend"] for c in real} == {"sdpa"}
+    fa3 = [{**real[0], "backend": "fa3", "source": "timed"}]
+    view = attention_choices({"r1": _replica_stats("cuda", "NVIDIA H100", real),
+                              "r2": _replica_stats("cuda", "NVIDIA H100", fa3 + real[1:]),
+                              "r3": _replica_stats("cuda", "NVIDIA H200", fa3),
+                              "r4": _replica_stats("cpu", None, real), "r5": {"device": "cpu", "gpu": None}})
+    h100 = view["choices"]["NVIDIA H100"]["transformer"]
+    assert h100 == {shapes[0]: {"sdpa": ["r1"], "fa3": ["r2"]}, shapes[1]: {"sdpa": ["r1", "r2"]}}
+    assert view["choices"]["NVIDIA H200"]["transformer"] == {shapes[0]: {"fa3": ["r3"]}}
+    assert view["choices"]["cpu"]["transformer"][shapes[1]] == {"sdpa": ["r4"]}
+    # one disagreement: the two H100s on the first shape (another GPU kind may choose otherwise)
+    assert view["disagreements"] == [{"device": "NVIDIA H100", "component": "transformer", "shape": shapes[0],
+                                      "kernels": {"sdpa": ["r1"], "fa3": ["r2"]}}]
+    assert attention_choices({}) == {"choices": {}, "disagreements": []}
 
 
 def test_merge_reports_lists_replicas_per_key_and_uncovered():
