@@ -12,12 +12,19 @@ place before Serve routes to a replica, including replicas the autoscaler adds l
 finished. ``router=power_of_two`` swaps in Serve's default router for comparisons: warm state is then
 ignored, and ``Coordinator.warmup`` cannot pin its capture calls (start-up warmup still works).
 The start-up plan (``warmup``) is normalised and gets the limits requests get (``check_plan``).
+
+GPUs: unless ``num_gpus_per_replica`` / ``num_replicas`` say otherwise, a replica takes one GPU and
+there is one replica per GPU where the app is built (`AppArgs.replica_resources`): under ``serve run``
+torch's count on the machine running the command (Ray starts after the build), under ``serve deploy``
+the Ray cluster's; with no GPU there, CPU replicas.
 """
 from __future__ import annotations
 
 import json
 import logging
-from typing import Dict, List, Literal, Optional, Union
+import os
+from dataclasses import dataclass
+from typing import Dict, List, Literal, Optional, Tuple, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -67,8 +74,9 @@ class AppArgs(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     model: str = "tiny-flux"
-    num_replicas: int = Field(2, ge=1)
-    num_gpus_per_replica: Optional[float] = Field(None, ge=0)   # None: 1 if the cluster has GPUs, else 0
+    # None: see `replica_resources` (one replica per GPU where the app is built, else 2)
+    num_replicas: Optional[int] = Field(None, ge=1)
+    num_gpus_per_replica: Optional[float] = Field(None, ge=0)   # None: 1 where the app is built sees GPUs, else 0
     num_cpus_per_replica: float = Field(1.0, ge=0)
     accelerator_type: Optional[str] = None
     device: Optional[str] = None
@@ -135,6 +143,11 @@ class AppArgs(BaseModel):
     lora_target_modules: List[str] = Field(default_factory=list)
     max_loras: int = Field(4, ge=1)
     max_lora_rank: int = Field(16, ge=1)
+    # POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING): off
+    # unless true; when on, runtime loads read only adapters under lora_root (an absolute folder on the
+    # replicas' machines; symlinks and '..' resolved), lora_modules' paths stay loadable wherever they are
+    allow_runtime_lora_updating: bool = False
+    lora_root: Optional[str] = Field(None, min_length=1, max_length=4096)
     # step caching for requests that name no ``cache`` (`deployments.schemas.StepCache`: method
     # first_block with a threshold, or a schedule); None: such requests compute every step
     step_cache: Optional[StepCache] = None
@@ -196,6 +209,25 @@ class AppArgs(BaseModel):
             raise ValueError(f"lora_modules: {served!r} is the served model's name; name the adapter otherwise")
         return self
 
+    @field_validator("lora_root")
+    @classmethod
+    def _lora_root_absolute(cls, v):
+        if v is not None and not os.path.isabs(v):
+            raise ValueError(f"lora_root must be an absolute folder on the replicas' machines, got {v!r}")
+        return v
+
+    @model_validator(mode="after")
+    def _runtime_lora_needs_a_root(self):
+        if not self.allow_runtime_lora_updating:
+            return self
+        if self.lora_root is None:
+            raise ValueError("allow_runtime_lora_updating needs lora_root: the folder runtime loads may read "
+                             "adapters from")
+        if not self.lora_modules and not self.lora_target_modules:
+            raise ValueError("allow_runtime_lora_updating needs LoRA layers: set lora_target_modules (the layers "
+                             "adapters loaded at run time target) or lora_modules")
+        return self
+
     def lora(self) -> Optional[dict]:
         """The replicas' LoRA settings (`deployments.engine`), None without LoRA layers."""
         if not self.lora_modules and not self.lora_target_modules:
@@ -203,7 +235,10 @@ class AppArgs(BaseModel):
         # rows of one transformer call: a batch padded to its bucket (or n images alone), twice with CFG
         rows = 2 * max(self.batching()["max_batch_size"], max(self.batch_buckets), self.max_n)
         return {"modules": dict(self.lora_modules), "target_modules": list(self.lora_target_modules),
-                "max_loras": self.max_loras, "max_lora_rank": self.max_lora_rank, "max_lora_rows": max(64, rows)}
+                "max_loras": self.max_loras, "max_lora_rank": self.max_lora_rank, "max_lora_rows": max(64, rows),
+                # which paths a replica reads (deployments.lora.LoraPaths): the root only when runtime loads are on
+                "root": self.lora_root if self.allow_runtime_lora_updating else None,
+                "start_paths": sorted(set(self.lora_modules.values()))}
 
     @field_validator("batch_buckets", mode="before")
     @classmethod
@@ -348,16 +383,53 @@ class AppArgs(BaseModel):
             return self.default_size
         return ShapeKey.parse(self.warmup[0]).size if self.warmup else "256x256"
 
-    def gpus(self) -> float:
-        if self.num_gpus_per_replica is not None:
-            return self.num_gpus_per_replica
-        import ray
-        return 1.0 if ray.is_initialized() and ray.cluster_resources().get("GPU", 0) > 0 else 0.0
+    def replica_resources(self) -> "ReplicaResources":
+        """GPUs per replica and the replica count, from the GPUs where the app is built (`gpus_where_built`):
+        with GPUs there, a replica takes 1 and there is one replica per GPU (``num_gpus_per_replica`` given:
+        as many as the GPUs hold); without, CPU replicas (``CPU_REPLICAS`` of them). Explicit args win."""
+        seen, where = gpus_where_built()
+        gpus = self.num_gpus_per_replica if self.num_gpus_per_replica is not None else (1.0 if seen > 0 else 0.0)
+        if self.num_replicas is not None:
+            replicas = self.num_replicas
+        elif gpus > 0 and seen > 0:
+            replicas = max(1, int(seen / gpus + 1e-9))
+        else:
+            replicas = CPU_REPLICAS
+        return ReplicaResources(num_gpus=float(gpus), num_replicas=replicas, gpus_seen=seen, seen_by=where)
 
-    def expected_replicas(self) -> int:
+    def expected_replicas(self, num_replicas: int) -> int:
+        """Replicas at start: ``num_replicas`` (the resolved count), or autoscaling's initial count."""
         if self.autoscaling is None:
-            return self.num_replicas
+            return num_replicas
         return self.autoscaling.initial_replicas or max(1, self.autoscaling.min_replicas)
+
+
+# CPU replicas when num_replicas is not given and no GPU is seen where the app is built
+CPU_REPLICAS = 2
+
+
+@dataclass(frozen=True)
+class ReplicaResources:
+    """What `AppArgs.replica_resources` decided: per replica GPUs, the replica count, and the GPUs it saw."""
+    num_gpus: float
+    num_replicas: int
+    gpus_seen: float
+    seen_by: str  # "ray cluster" or "torch.cuda"
+
+
+def gpus_where_built() -> Tuple[float, str]:
+    """(GPUs, where they were counted) for the process building the app.
+
+    Inside Ray (``serve deploy``: the controller's build task; a driver that called ``ray.init``) the
+    cluster's GPU resources count, since the building node (a CPU-only head) need not hold any. Before Ray
+    starts (``serve run`` builds the app first) torch counts this machine's GPUs: only
+    ``torch.cuda.is_available()`` and ``device_count()``, which create no CUDA context here (a context in
+    the building process would hold GPU memory for the life of the command)."""
+    import ray
+    if ray.is_initialized():
+        return float(ray.cluster_resources().get("GPU", 0)), "ray cluster"
+    import torch
+    return float(torch.cuda.device_count() if torch.cuda.is_available() else 0), "torch.cuda"
 
 
 def _pairs(text: str) -> List[tuple]:
@@ -392,7 +464,8 @@ def parse_args(args: Optional[dict]) -> AppArgs:
 def build_app(args: Optional[dict] = None):
     """The bound application for ``serve run``/``serve deploy`` (see the module docstring)."""
     a = parse_args(args)
-    gpus = a.gpus()
+    resources = a.replica_resources()
+    gpus = resources.num_gpus
     actor_options = {"num_cpus": a.num_cpus_per_replica, "num_gpus": gpus}
     if a.accelerator_type:
         actor_options["accelerator_type"] = a.accelerator_type
@@ -417,9 +490,9 @@ def build_app(args: Optional[dict] = None):
     if a.autoscaling is not None:
         replica_options["autoscaling_config"] = a.autoscaling_config()
     else:
-        replica_options["num_replicas"] = a.num_replicas
+        replica_options["num_replicas"] = resources.num_replicas
     plan = {"keys": a.warmup, "placement": a.placement, "replication": a.replication} if a.warmup else None
-    coordinator = Coordinator.bind(plan=plan, expected_replicas=a.expected_replicas(),
+    coordinator = Coordinator.bind(plan=plan, expected_replicas=a.expected_replicas(resources.num_replicas),
                                    compile_cache=a.compile_cache, compile_lease_s=a.compile_wait_s,
                                    lora_modules=a.lora_modules)
     replica = Replica.options(**replica_options).bind(
@@ -432,8 +505,9 @@ def build_app(args: Optional[dict] = None):
     )
     limits = a.limits().model_dump()
     limits["size_multiple"] = a.size_multiple
-    logger.info("bcg app: %s x %s replicas, %.2f GPU each, warmup %s (%s)", a.model,
-                a.autoscaling or a.num_replicas, gpus, a.warmup, a.placement)
+    logger.info("bcg app: %s x %s replicas, %.2f GPU each (%g GPUs seen by %s), warmup %s (%s)", a.model,
+                a.autoscaling or resources.num_replicas, gpus, resources.gpus_seen, resources.seen_by, a.warmup,
+                a.placement)
     ingress = Ingress.options(
         num_replicas=a.ingress_replicas, max_ongoing_requests=a.ingress_max_ongoing_requests,
         max_queued_requests=a.ingress_max_queued_requests,
@@ -442,9 +516,10 @@ def build_app(args: Optional[dict] = None):
         replica, coordinator, model=a.served_model_name or a.model, limits=limits, default_size=a.served_default_size(),
         request_timeout_s=a.request_timeout_s, max_retries=a.max_retries, retry_after_s=a.retry_after_s,
         api_key_env=a.api_key_env, auth_scope=a.auth_scope, model_root=a.model,
+        allow_runtime_lora_updating=a.allow_runtime_lora_updating,
         # a warmup answers once the routers' stats show it: within a poll period or two; Serve's
         # default router ignores warm state, so there is nothing to wait for
         routing_sync_timeout_s=2 * a.routing_stats_period_s + 5 if a.router == "shape_affinity" else 0)
 
 
-__all__ = ["AppArgs", "build_app", "parse_args"]
+__all__ = ["AppArgs", "ReplicaResources", "build_app", "gpus_where_built", "parse_args"]

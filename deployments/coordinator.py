@@ -41,8 +41,10 @@ Contract:
 * LoRA adapters: the coordinator keeps the adapters every replica holds (``lora_modules`` at start,
   then ``load_lora_adapter`` / ``unload_lora_adapter``: one broadcast each, all replicas or none, see
   ``deployments.lora``); a starting replica loads ``lora_adapters()`` before it warms.
-* The assignment functions are pure (``assign_shards``, ``share_for_new_replica``, ``plan_misfit``)
-  and tested alone.
+* ``stats()["attention"]``: the attention kernel each replica chose per shape, by GPU name, and the
+  shapes where replicas disagree (``attention_choices``). Each replica still chooses on its own.
+* The assignment functions are pure (``assign_shards``, ``share_for_new_replica``, ``plan_misfit``,
+  ``attention_choices``) and tested alone.
 """
 from __future__ import annotations
 
@@ -149,6 +151,24 @@ def merge_reports(plan: Optional[WarmupRequest], reports: Dict[str, dict],
         "uncovered": sorted(k for k, rids in keys.items() if not rids),
         "wall_ms": wall_ms,
     }
+
+
+def attention_choices(replicas: Dict[str, dict]) -> dict:
+    """Replica id -> its stats, to the attention kernel each replica's transformers chose per shape, by the
+    GPU's name (``gpu.name``; the device without one): ``{"choices": {device: {component: {shape: {kernel:
+    [replica ids]}}}}, "disagreements": [...]}``, the shapes for which replicas on one kind of device hold
+    different kernels (``"auto"`` times each shape once per replica, so the load at that moment decides)."""
+    choices: Dict[str, dict] = {}
+    for rid, stats in sorted(replicas.items()):
+        device = (stats.get("gpu") or {}).get("name") or stats.get("device") or "unknown"
+        for component, kernels in sorted((stats.get("kernels") or {}).items()):
+            for choice in ((kernels or {}).get("attention") or {}).get("choices", []):
+                shapes = choices.setdefault(device, {}).setdefault(component, {})
+                shapes.setdefault(choice["shape"], {}).setdefault(choice["backend"], []).append(rid)
+    disagreements = [{"device": device, "component": component, "shape": shape, "kernels": kernels}
+                     for device, components in choices.items() for component, shapes in components.items()
+                     for shape, kernels in shapes.items() if len(kernels) > 1]
+    return {"choices": choices, "disagreements": disagreements}
 
 
 @serve.deployment(name="Coordinator", num_replicas=1, ray_actor_options={"num_cpus": 0},
@@ -351,7 +371,7 @@ class Coordinator:
         return {"plan": keys["plan"], "replicas": live, "keys": keys["keys"], "uncovered": keys["uncovered"],
                 "warmup_progress": self._progress_view(live), "warmup_in_progress": self._warming,
                 "last_warmup": self._last_report, "compile_artifacts": self._artifacts.stats(),
-                "lora_adapters": dict(self._lora.adapters)}
+                "lora_adapters": dict(self._lora.adapters), "attention": attention_choices(live)}
 
 
 async def broadcast(handle, method: str, *args, timeout_s: float = 30.0) -> list:

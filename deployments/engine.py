@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import os
 import threading
 import time
 from typing import Dict, List, Optional
@@ -71,6 +72,26 @@ def cuda_memory() -> dict:
     if not torch.cuda.is_available() or not torch.cuda.is_initialized():
         return {"allocated_bytes": 0, "reserved_bytes": 0}
     return {"allocated_bytes": torch.cuda.memory_allocated(), "reserved_bytes": torch.cuda.memory_reserved()}
+
+
+def held_gpu(device: str) -> Optional[dict]:
+    """The GPU this process computes on (None for a CPU device): torch's index and name for `device`, and
+    ``CUDA_VISIBLE_DEVICES``, through which Ray hands a replica its GPUs (index 0 is the first one listed)."""
+    import torch
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        return None
+    index = dev.index if dev.index is not None else torch.cuda.current_device()
+    return {"index": index, "name": torch.cuda.get_device_name(index),
+            "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
+
+
+def describe_gpu(gpu: Optional[dict]) -> str:
+    """`held_gpu`'s answer for a log line."""
+    if gpu is None:
+        return "no GPU"
+    visible = gpu["cuda_visible_devices"]
+    return f"GPU {gpu['index']} ({gpu['name']}; CUDA_VISIBLE_DEVICES={visible if visible is not None else 'unset'})"
 
 
 def _release_cached_memory() -> None:
@@ -140,6 +161,7 @@ class ReplicaEngine:
             # Replicas sharing a GPU get no memory isolation from Ray; cap this process's share.
             torch.cuda.set_per_process_memory_fraction(float(gpu_memory_fraction))
         self.model = model
+        self.gpu = held_gpu(self.device)  # which GPU, for the start line and stats
         config = RunnerConfig(**runner_config) if isinstance(runner_config, dict) else runner_config
         self.config = config if config is not None else RunnerConfig.from_env()
         pipe = load_pipeline(model, device=self.device, dtype=getattr(torch, dtype) if dtype else None)

@@ -5,7 +5,8 @@ Routes: ``POST /v1/images/generations`` (OpenAI Images shape plus ``num_inferenc
 response names as OpenAI's does, and the response adds ``bcg: {replica, warm, shape_key, latency_ms}``),
 ``POST /v1/warmup`` (a ``WarmupRequest`` -> the coordinator's merged report), ``GET /v1/stats``,
 ``GET /v1/models`` (the model and its LoRA adapters, with ``parent``), ``POST /v1/load_lora_adapter`` and
-``POST /v1/unload_lora_adapter`` (vLLM's; ``deployments.lora``), ``GET /healthz``.
+``POST /v1/unload_lora_adapter`` (vLLM's; ``deployments.lora``: 403 unless the app sets
+``allow_runtime_lora_updating``, and then paths only under ``lora_root``), ``GET /healthz``.
 
 LoRA adapters: a request whose ``model`` names an adapter runs with it (``lora_scale``, default 1.0);
 the ingress knows the adapters from the coordinator (asked again when a request names one it does not
@@ -65,7 +66,8 @@ from deployments.schemas import (
     check_request,
     check_warmup,
 )
-from deployments.lora import LoadLoraAdapterRequest, UnloadLoraAdapterRequest, lora_message, lora_status
+from deployments.lora import (RUNTIME_LORA_OFF, LoadLoraAdapterRequest, RuntimeLoraUpdatingOffError,
+                              UnloadLoraAdapterRequest, lora_message, lora_status)
 from deployments.security import API_KEY_ENV, RequestGuard, api_key_from_env
 from deployments.serve_internals import handle_queue
 
@@ -87,6 +89,7 @@ class ReplicaLostError(RuntimeError):
 ERROR_RESPONSES = {
     400: {"description": "body not UTF-8, unreadable, or an unsupported option (response_format 'url')"},
     401: {"description": "API key missing or wrong (header WWW-Authenticate: Bearer)"},
+    403: {"description": "runtime LoRA loading is off (app arg allow_runtime_lora_updating)"},
     404: {"description": "`model` is neither the model this deployment serves nor one of its LoRA adapters"},
     409: {"description": "a LoRA adapter of that name is loaded already, or every adapter slot is taken"},
     413: {"description": "body larger than max_body_bytes"},
@@ -107,6 +110,9 @@ def _lora_error(exc: BaseException, field: str) -> Optional[JSONResponse]:
     status = lora_status(exc)
     if status is None:
         return None
+    if status == 403:  # runtime loading off: about the app, not a field of the body
+        return JSONResponse(status_code=403, content={"detail": [{"loc": ["body"], "msg": lora_message(exc),
+                                                                  "type": "forbidden"}]})
     return _error(FieldError(field, lora_message(exc), status_code=status))
 
 
@@ -136,7 +142,8 @@ class Ingress:
     def __init__(self, replica, coordinator, model: str = "tiny-flux", limits: Optional[dict] = None,
                  default_size: Optional[str] = None, request_timeout_s: float = 300.0, max_retries: int = 2,
                  retry_after_s: float = 1.0, api_key_env: str = API_KEY_ENV, auth_scope: str = "all",
-                 routing_sync_timeout_s: float = 10.0, model_root: Optional[str] = None):
+                 routing_sync_timeout_s: float = 10.0, model_root: Optional[str] = None,
+                 allow_runtime_lora_updating: bool = False):
         self.replica = replica
         self.coordinator = coordinator
         self.model = model
@@ -159,6 +166,10 @@ class Ingress:
             RequestLimits(**{k: v for k, v in self._limits.items() if v is not None}).max_body_bytes)
         logger.info("ingress: API key %s (%s), auth scope %s, max body %d bytes",
                     "set" if guard.api_key else "not set", api_key_env, auth_scope, guard.max_body_bytes)
+        self.allow_runtime_lora_updating = allow_runtime_lora_updating
+        if allow_runtime_lora_updating and guard.api_key is None:
+            logger.warning("ingress: runtime LoRA loading is on without an API key (%s unset): anyone who reaches "
+                           "the port may load adapters from lora_root", api_key_env)
 
     async def _model_info(self) -> dict:
         """The model's facts (family, defaults, size multiple) from a replica, fetched once."""
@@ -229,6 +240,8 @@ class Ingress:
         its adapter errors (`bcg.lora`)."""
         if isinstance(request, dict):
             request = LoadLoraAdapterRequest.model_validate(request)
+        if not self.allow_runtime_lora_updating:
+            raise RuntimeLoraUpdatingOffError(RUNTIME_LORA_OFF)
         out = await self.coordinator.load_lora_adapter.remote(request.lora_name, request.lora_path, self.model)
         self._adapters_at = 0.0
         return {**out, "message": f"Success: LoRA adapter '{request.lora_name}' added successfully."}
@@ -236,6 +249,8 @@ class Ingress:
     async def unload_lora_adapter(self, request: UnloadLoraAdapterRequest) -> dict:
         if isinstance(request, dict):
             request = UnloadLoraAdapterRequest.model_validate(request)
+        if not self.allow_runtime_lora_updating:
+            raise RuntimeLoraUpdatingOffError(RUNTIME_LORA_OFF)
         out = await self.coordinator.unload_lora_adapter.remote(request.lora_name)
         self._adapters_at = 0.0
         return {**out, "message": f"Success: LoRA adapter '{request.lora_name}' removed successfully."}
@@ -325,10 +340,11 @@ class Ingress:
             ModelCard(id=name, created=self.created, root=path, parent=self.model)
             for name, path in sorted(adapters.items())])
 
-    @api.post("/v1/load_lora_adapter", responses={k: ERROR_RESPONSES[k] for k in (401, 409, 413)})
+    @api.post("/v1/load_lora_adapter", responses={k: ERROR_RESPONSES[k] for k in (401, 403, 409, 413)})
     async def http_load_lora_adapter(self, body: LoadLoraAdapterRequest):
-        """Load a LoRA adapter on every replica (an admin path): 200, or 422 (a file that cannot be served),
-        409 (the name is taken, or no slot is free)."""
+        """Load a LoRA adapter on every replica (an admin path): 200, or 403 (runtime loading off), 422 (a
+        path refused or unreadable: one answer; an adapter that cannot be served: what is wrong), 409 (the
+        name is taken, or no slot is free)."""
         try:
             return await self.load_lora_adapter(body)
         except Exception as exc:  # noqa: BLE001
@@ -337,9 +353,10 @@ class Ingress:
                 raise
             return response
 
-    @api.post("/v1/unload_lora_adapter", responses={k: ERROR_RESPONSES[k] for k in (401, 404, 413)})
+    @api.post("/v1/unload_lora_adapter", responses={k: ERROR_RESPONSES[k] for k in (401, 403, 404, 413)})
     async def http_unload_lora_adapter(self, body: UnloadLoraAdapterRequest):
-        """Drop a LoRA adapter from every replica (an admin path): 200, or 404 naming it."""
+        """Drop a LoRA adapter from every replica (an admin path): 200, or 403 (runtime loading off), 404
+        naming it."""
         try:
             return await self.unload_lora_adapter(body)
         except Exception as exc:  # noqa: BLE001

@@ -8,14 +8,27 @@ and the HTTP status of each adapter error.
   every running replica (one broadcast) and keeps the set, so replicas that start later load it too.
   A load that fails on any replica is undone on those where it succeeded: an adapter is on every replica
   or on none, and nothing loaded before is touched.
-* Errors (`lora_status`): an adapter nobody holds -> 404 naming it; a file that cannot be served -> 422
-  saying what is wrong; a name taken or no free slot -> 409.
+* Runtime loading is guarded as vLLM guards it (``VLLM_ALLOW_RUNTIME_LORA_UPDATING``): off unless the
+  app sets ``allow_runtime_lora_updating`` (both endpoints then answer 403, `RuntimeLoraUpdatingOffError`);
+  when on, a replica reads a runtime ``lora_path`` only under ``lora_root`` (`LoraPaths`: a relative path
+  is taken under the root; symlinks and ``..`` are resolved before the check, and the resolved path is
+  what is read). The paths of ``lora_modules`` stay loadable wherever they are. The check runs on each
+  replica, where the file is read, and covers every load there (run time, or a replica starting later).
+  Every path a runtime load may not or cannot read -- outside the root, missing, or not an adapter --
+  gets one answer (`LoraPathRefusedError`, 422 naming ``lora_path``, the same text) that says nothing
+  about the replica's disk; the replica logs the reason. The API key guards both endpoints whenever
+  one is set (``deployments.security.ADMIN_PATHS``).
+* Errors (`lora_status`): an adapter nobody holds -> 404 naming it; a path refused or unreadable -> 422,
+  one answer; an adapter that cannot be served (text-encoder weights, DoRA, rank, layers without slots)
+  -> 422 saying what is wrong; a name taken or no free slot -> 409; runtime loading off -> 403.
 """
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
-from typing import Awaitable, Callable, Dict, List, Optional
+import os
+from typing import Awaitable, Callable, Dict, List, Optional, Tuple
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -23,7 +36,8 @@ from bcg.lora.bank import AdapterConflictError, AdapterFileError, UnknownAdapter
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["AdapterRegistry", "LoadLoraAdapterRequest", "UnloadLoraAdapterRequest", "lora_status"]
+__all__ = ["AdapterRegistry", "LoadLoraAdapterRequest", "LoraPathRefusedError", "LoraPaths",
+           "RuntimeLoraUpdatingOffError", "UnloadLoraAdapterRequest", "lora_status"]
 
 AdapterName = Field(min_length=1, max_length=256, pattern=r"^[^\s/]+$")
 
@@ -43,6 +57,52 @@ class UnloadLoraAdapterRequest(BaseModel):
     lora_path: Optional[str] = Field(None, max_length=4096)
 
 
+class RuntimeLoraUpdatingOffError(PermissionError):
+    """A runtime load or unload while the app does not allow them (403)."""
+
+
+RUNTIME_LORA_OFF = ("runtime LoRA loading is off: start the app with allow_runtime_lora_updating: true and "
+                    "lora_root: <the folder adapters may be loaded from> (vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING)")
+
+
+class LoraPathRefusedError(AdapterFileError):
+    """The one answer for a runtime ``lora_path`` that may not or cannot be read (see the module docstring).
+    Takes its message as its only argument, so it crosses Ray as it is (`_first_adapter_error`)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraPaths:
+    """Which adapter paths a replica reads: those of ``lora_modules`` (`start_paths`) wherever they are,
+    and, with runtime loading on, any under `root` (None: off)."""
+    root: Optional[str] = None
+    start_paths: Tuple[str, ...] = ()
+
+    @classmethod
+    def from_settings(cls, lora: Optional[dict]) -> "LoraPaths":
+        """From the replicas' LoRA settings (`deployments.app.AppArgs.lora`)."""
+        lora = lora or {}
+        return cls(root=lora.get("root"), start_paths=tuple(lora.get("start_paths") or ()))
+
+    def refusal(self) -> LoraPathRefusedError:
+        """The one answer (its text depends on the settings only, never on the path or the disk)."""
+        where = f"under lora_root ({self.root})" if self.root else "given in lora_modules (runtime loading is off)"
+        return LoraPathRefusedError(f"no LoRA adapter this deployment may load there: lora_path must name a LoRA "
+                                    f"adapter (a file or a folder) {where} that the replicas can read")
+
+    def resolve(self, path: str) -> Tuple[Optional[str], str]:
+        """``(the path to read, "")`` for an allowed path, ``(None, why)`` for a refused one (`why` is for
+        the replica's log, not the client). Resolving touches the disk only through ``realpath``."""
+        real = os.path.realpath(os.path.join(self.root or "", path) if self.root else path)
+        if path in self.start_paths or real in {os.path.realpath(p) for p in self.start_paths}:
+            return path, ""
+        if self.root is None:
+            return None, "runtime loading is off and the path is none of lora_modules'"
+        root = os.path.realpath(self.root)
+        if os.path.commonpath([root, real]) != root:
+            return None, f"resolves to {real}, outside lora_root {root}"
+        return real, ""
+
+
 def _cause(exc: BaseException) -> BaseException:
     """The user exception inside Ray's wrapper (a replica's or the coordinator's)."""
     return getattr(exc, "cause", None) or exc
@@ -51,7 +111,8 @@ def _cause(exc: BaseException) -> BaseException:
 def lora_status(exc: BaseException) -> Optional[int]:
     """The HTTP status of an adapter error (None: not one)."""
     cause = _cause(exc)
-    for kind, status in ((UnknownAdapterError, 404), (AdapterFileError, 422), (AdapterConflictError, 409)):
+    for kind, status in ((UnknownAdapterError, 404), (AdapterFileError, 422), (AdapterConflictError, 409),
+                         (RuntimeLoraUpdatingOffError, 403)):
         if isinstance(exc, kind) or isinstance(cause, kind):
             return status
     return None

@@ -65,7 +65,8 @@ from ray.serve.config import RequestRouterConfig
 from bcg.diffusers.buckets import ShapeKey
 from deployments.artifacts import ReplicaArtifacts
 from deployments.encoding import encode_images, encoding_threads
-from deployments.engine import ReplicaEngine, _release_cached_memory, cuda_memory
+from deployments.engine import ReplicaEngine, _release_cached_memory, cuda_memory, describe_gpu
+from deployments.lora import LoraPaths
 from deployments.metrics import ReplicaMetrics
 from deployments.router import (BATCH_FREE_ROWS, LORA_ADAPTERS, POOL_BYTES, QUEUE_LEN, WARM_BATCH_KEYS, WARM_KEYS,
                                 ShapeAffinityRouter)
@@ -119,8 +120,9 @@ class Replica:
         self._coordinator = coordinator  # warmup progress goes there (see _push_progress)
         self._progress: Dict = {"replica": self.replica_id, "i": 0, "n": 0, "done": True, "failed": {}}
         t0, t_start = time.perf_counter(), time.time()
+        self._lora_paths = LoraPaths.from_settings(lora)  # which adapter paths this replica reads
         if lora and coordinator is not None:  # the adapters every replica holds now (loads at run time too)
-            lora = {**lora, "modules": await coordinator.lora_adapters.remote()}
+            lora = {**lora, "modules": self._allowed_adapters(await coordinator.lora_adapters.remote())}
         self.engine = await self._in_thread(functools.partial(ReplicaEngine, memory_budget_bytes=memory_budget_bytes,
                                                               batching=batching, lora=lora,
                                                               step_cache=step_cache),
@@ -136,8 +138,8 @@ class Replica:
         self._last_done_at: Optional[float] = None  # when the last request finished here
         # graphs compiled outside warmups (by a request: never expected) = all less those the warmups compiled
         self._compiled_outside_warmups = self.engine.compiled_graphs()
-        logger.info("replica %s: %s loaded on %s in %.1f s", self.replica_id, model, self.engine.device,
-                    time.perf_counter() - t0)
+        logger.info("replica %s: %s loaded on %s, %s, in %.1f s", self.replica_id, model, self.engine.device,
+                    describe_gpu(self.engine.gpu), time.perf_counter() - t0)
         keys: List[str] = []
         if coordinator is not None:
             try:
@@ -292,11 +294,34 @@ class Replica:
 
     # -- LoRA adapters (deployments.lora: the coordinator calls these on every replica) ---------------
     async def load_lora_adapter(self, name: str, path: str) -> dict:
-        """Read the adapter at `path` (a worker thread), then copy it into a free slot between two steps."""
-        weights = await self._wait(asyncio.get_running_loop().run_in_executor(
-            self._executor, self.engine.read_lora_adapter, path))
+        """Read the adapter at `path` (a worker thread), then copy it into a free slot between two steps.
+        A path `LoraPaths` refuses, or one where nothing readable is, raises the one `LoraPathRefusedError`
+        (the reason goes to this replica's log only)."""
+        from bcg.lora import AdapterUnreadableError
+        real, why = self._lora_paths.resolve(path)
+        try:
+            if real is None:
+                raise AdapterUnreadableError(why)
+            weights = await self._wait(asyncio.get_running_loop().run_in_executor(
+                self._executor, self.engine.read_lora_adapter, real))
+        except AdapterUnreadableError as exc:
+            logger.warning("replica %s: LoRA adapter %s refused, lora_path %r: %s", self.replica_id, name, path, exc)
+            raise self._lora_paths.refusal() from None
         out = await self._in_thread(self.engine.load_lora_adapter, name, weights)
         return {"replica": self.replica_id, **out}
+
+    def _allowed_adapters(self, adapters: Dict[str, str]) -> Dict[str, str]:
+        """`adapters` (name -> path) as this replica reads them: each path resolved by `LoraPaths`, those it
+        refuses left out (logged; requests for them go to replicas that hold them)."""
+        allowed = {}
+        for name, path in adapters.items():
+            real, why = self._lora_paths.resolve(path)
+            if real is None:
+                logger.warning("replica %s: LoRA adapter %s not loaded, lora_path %r: %s", self.replica_id, name,
+                               path, why)
+            else:
+                allowed[name] = real
+        return allowed
 
     async def _sync_adapters(self, adapters: Dict[str, str]) -> None:
         """Hold exactly `adapters` (name -> path, the coordinator's); a failure is logged, not raised."""
@@ -329,7 +354,7 @@ class Replica:
         # replays and eager calls: the runners' totals while serving (a request's own figures overlap
         # with those of the requests batched beside it)
         return {**self.replica_info(), **self._counters, **self.engine.served(), "cold_keys": dict(self._cold_keys),
-                "device": self.engine.device, "warm_ready_at": self.warm_ready_at,
+                "device": self.engine.device, "gpu": self.engine.gpu, "warm_ready_at": self.warm_ready_at,
                 "first_request_at": self.first_request_at, "warmups": list(self._reports),
                 "runner": self.engine.runner_stats(), "kernels": self.engine.kernel_stats(), "ongoing": self._ongoing,
                 "batcher": self.engine.batcher.stats(), "batch_pool_bytes": self.engine.bucket_pool_bytes(),

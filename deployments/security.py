@@ -11,6 +11,8 @@ below it sees a request it rejected):
   admin paths (``ADMIN_PATHS``: warmup, stats, loading and unloading LoRA adapters) always need the
   key. Without a key nothing is
   guarded -- HTTP binds 127.0.0.1 by default (serve_config.yaml, demo), so that is local access only.
+  Loading LoRA adapters at run time is off unless the app allows it, key or not, and then reads only
+  under ``lora_root`` (``deployments.lora``).
 * Body size. A body larger than ``max_body_bytes`` gets 413, judged from ``Content-Length`` before
   anything is read, else while reading (chunked bodies); the body is never buffered past the limit.
 * Body encoding. A non-empty body must be UTF-8 (JSON's only interchange encoding, RFC 8259): else

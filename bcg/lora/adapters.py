@@ -8,8 +8,9 @@ weights (``transformer_lora_adapter_metadata``) when there is one, else inferred
 network alphas (``get_peft_kwargs``); ``rank_pattern`` / ``alpha_pattern`` resolve per module with peft's
 own ``get_pattern_key``, and the scaling is peft's (alpha / rank, alpha / sqrt(rank) with rsLoRA).
 
-What cannot be served raises `AdapterFileError` naming it: an unreadable file, weights for the text
-encoders, DoRA, LoRA biases, LoKr, norm layers.
+What cannot be served raises `AdapterFileError` naming it: an unreadable file (`AdapterUnreadableError`:
+nothing at the path, or nothing the reader reads), weights for the text encoders, DoRA, LoRA biases,
+LoKr, norm layers.
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import inspect
 import math
 from pathlib import Path
 
-from bcg.lora.bank import AdapterFileError, AdapterWeights
+from bcg.lora.bank import AdapterFileError, AdapterUnreadableError, AdapterWeights
 
 __all__ = ["install_lora", "read_adapter"]
 
@@ -29,14 +30,15 @@ def _state_dict(pipe_cls, path: str) -> tuple[dict, dict, dict]:
         raise AdapterFileError(f"{pipe_cls.__name__} does not load LoRA adapters (diffusers has no LoRA loader "
                                "for it)")
     if not Path(path).exists():
-        raise AdapterFileError(f"{path}: no such file or directory")
+        raise AdapterUnreadableError(f"{path}: no such file or directory")
     kwargs = {"return_lora_metadata": True}
     if "return_alphas" in inspect.signature(loader).parameters:
         kwargs["return_alphas"] = True
     try:
         out = loader(str(path), **kwargs)
     except Exception as exc:  # noqa: BLE001 -- any reader error is this file's fault: say which
-        raise AdapterFileError(f"{path}: not a LoRA adapter diffusers can read ({type(exc).__name__}: {exc})") from None
+        raise AdapterUnreadableError(f"{path}: not a LoRA adapter diffusers can read ({type(exc).__name__}: {exc})") \
+            from None
     out = out if isinstance(out, tuple) else (out,)
     state, alphas, metadata = out[0], (out[1] if len(out) == 3 else None), out[-1] if len(out) > 1 else None
     return dict(state or {}), dict(alphas or {}), dict(metadata or {})

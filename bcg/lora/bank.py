@@ -27,7 +27,7 @@ from bcg.lora.layers import LoraLinear, LoraRows
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["AdapterConflictError", "AdapterFileError", "AdapterWeights", "LORA_ATTR", "LoraBank",
+__all__ = ["AdapterConflictError", "AdapterFileError", "AdapterUnreadableError", "AdapterWeights", "LORA_ATTR", "LoraBank",
            "UnknownAdapterError", "lora_bank", "target_names"]
 
 # where a transformer holds its bank (a plain attribute, not a submodule)
@@ -36,6 +36,12 @@ LORA_ATTR = "_bcg_lora_bank"
 
 class AdapterFileError(ValueError):
     """An adapter file that cannot be served: unreadable, not a LoRA, or not fitting this transformer."""
+
+
+class AdapterUnreadableError(AdapterFileError):
+    """No adapter could be read at the path: nothing there, or nothing the pipeline's LoRA reader reads
+    (a file of another kind, a directory without an adapter). The message tells which; a server that must
+    not tell (`deployments.lora`) answers every one alike."""
 
 
 class UnknownAdapterError(KeyError):

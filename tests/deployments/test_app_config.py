@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from deployments.app import AppArgs, build_app, parse_args
-from deployments.coordinator import assign_shards, merge_reports, share_for_new_replica
+from deployments.coordinator import assign_shards, attention_choices, merge_reports, share_for_new_replica
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -24,7 +24,7 @@ def test_command_line_strings_are_parsed():
     assert a.autoscaling.min_replicas == 1 and a.autoscaling.max_replicas == 4
     assert a.runner == {"max_entries": 2, "enabled": True}
     assert parse_args({"components": "transformer, vae_decoder"}).components == ["transformer", "vae_decoder"]
-    assert a.expected_replicas() == 1
+    assert a.expected_replicas(3) == 1   # autoscaling's initial count, not num_replicas
 
 
 def test_batching_settings_default_to_no_wait_and_a_batch_the_replica_can_fill():
@@ -86,6 +86,80 @@ def _replica_deployment(args):
     return build_app(args)._bound_deployment.init_args[0]._bound_deployment
 
 
+@pytest.fixture
+def built_on(monkeypatch):
+    """``built_on(n)``: build_app runs as under ``serve run`` (Ray not started) on a machine where torch
+    sees `n` GPUs (0: no CUDA). Only is_available and device_count are faked; anything that would create a
+    CUDA context while building (torch's lazy init) fails the test."""
+    import ray
+    import torch
+
+    def no_context():
+        raise AssertionError("building the app initialised CUDA")
+
+    def fake(n: int):
+        monkeypatch.setattr(torch.cuda, "_lazy_init", no_context)
+        monkeypatch.setattr(ray, "is_initialized", lambda: False)
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: n > 0)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: n)
+    return fake
+
+
+def _replica_options(args):
+    dep = _replica_deployment(args)
+    return dep.num_replicas, dep.ray_actor_options["num_gpus"], dep.init_kwargs["gpu_memory_fraction"]
+
+
+@pytest.mark.parametrize("n", [1, 2, 8])
+def test_build_app_without_ray_gives_one_replica_of_one_gpu_per_gpu_torch_sees(built_on, n):
+    built_on(n)
+    assert _replica_options({}) == (n, 1.0, None)
+    coordinator = build_app({})._bound_deployment.init_args[1]._bound_deployment
+    assert coordinator.init_kwargs["expected_replicas"] == n   # the warmup plan is sharded over all of them
+
+
+def test_build_app_without_ray_on_a_cpu_host_gives_cpu_replicas(built_on):
+    built_on(0)
+    assert _replica_options({}) == (2, 0.0, None)
+
+
+@pytest.mark.parametrize("args, expected", [
+    ({"num_replicas": 1}, (1, 1.0, None)),                              # fewer replicas than GPUs
+    ({"num_gpus_per_replica": 0.5}, (8, 0.5, 0.5)),                    # as many as the GPUs hold
+    ({"num_gpus_per_replica": 2}, (2, 2.0, None)),
+    ({"num_gpus_per_replica": 0}, (2, 0.0, None)),                     # CPU replicas on a GPU host
+    ({"num_gpus_per_replica": 0.5, "num_replicas": 3}, (3, 0.5, 0.5)),
+])
+def test_explicit_gpu_and_replica_args_win_over_the_gpus_seen(built_on, args, expected):
+    built_on(4)
+    assert _replica_options(args) == expected
+
+
+def test_explicit_gpus_on_a_cpu_host_are_kept(built_on):
+    built_on(0)   # the machine running `serve run --address` need not hold the cluster's GPUs
+    assert _replica_options({"num_gpus_per_replica": 1}) == (2, 1.0, None)
+    assert _replica_options({"num_gpus_per_replica": 1, "num_replicas": 4}) == (4, 1.0, None)
+
+
+def test_autoscaling_takes_one_gpu_per_replica_from_the_gpus_seen(built_on):
+    built_on(2)
+    dep = _replica_deployment({"autoscaling": "1:4"})
+    assert dep.ray_actor_options["num_gpus"] == 1.0 and dep._deployment_config.autoscaling_config.max_replicas == 4
+
+
+def test_inside_ray_the_clusters_gpus_count_not_the_building_machines(built_on, monkeypatch):
+    """``serve deploy``: the controller's build task runs on a node (a CPU-only head) that need not hold
+    the cluster's GPUs; the cluster's resources decide there."""
+    import ray
+    built_on(0)
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 64.0, "GPU": 4.0})
+    assert _replica_options({}) == (4, 1.0, None)
+    assert parse_args({}).replica_resources().seen_by == "ray cluster"
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 64.0})
+    assert _replica_options({}) == (2, 0.0, None)
+
+
 @pytest.mark.parametrize("args, target", [
     ({}, 4.0),                                                  # batching on: max_batch_size min(4, 4)
     ({"max_batch_size": 8, "max_ongoing_requests": 16}, 8.0),
@@ -93,7 +167,8 @@ def _replica_deployment(args):
     ({"max_ongoing_requests": 1}, 1.0),                         # ... at most max_ongoing_requests
     ({"max_batch_size": 8, "max_ongoing_requests": 16, "autoscaling": {"target_ongoing_requests": 3}}, 3.0),
 ])
-def test_autoscaling_target_follows_the_replicas_batch_capacity_unless_set(args, target):
+def test_autoscaling_target_follows_the_replicas_batch_capacity_unless_set(built_on, args, target):
+    built_on(0)   # a CPU host: 2 replicas unless autoscaling
     config = _replica_deployment({"autoscaling": "1:4", **args})._deployment_config.autoscaling_config
     assert config.target_ongoing_requests == target
     assert (config.min_replicas, config.max_replicas) == (1, 4)
@@ -166,6 +241,37 @@ def test_new_replicas_get_uncovered_keys_first_then_a_balanced_share():
     # a replacement for a dead replica takes exactly the keys nobody holds any more
     assert share_for_new_replica(keys, 1, {"a": first}, expected_replicas=2) == second
     assert share_for_new_replica([], 1, {}) == []
+
+
+def _replica_stats(device, gpu_name, choices):
+    """A replica's stats as far as `attention_choices` reads them, the choices from a real dispatch's stats."""
+    return {"device": device, "gpu": {"name": gpu_name} if gpu_name else None,
+            "kernels": {"transformer": {"quantize": None, "attention": {"backend": "auto", "choices": choices}}}}
+
+
+def test_attention_choices_group_replicas_by_gpu_name_and_shape_and_name_disagreements():
+    import torch
+    from bcg.runtime.attention import AttentionDispatch
+    dispatch = AttentionDispatch("sdpa", device="cpu")
+    q = torch.randn(1, 2, 16, 8)
+    dispatch(q, q, q)
+    dispatch(q[:, :, :8], q, q)
+    real = dispatch.stats()["choices"]   # SDPA, the only candidate here, for two shapes
+    shapes = [c["shape"] for c in real]
+    assert len(shapes) == 2 and {c["backend"] for c in real} == {"sdpa"}
+    fa3 = [{**real[0], "backend": "fa3", "source": "timed"}]
+    view = attention_choices({"r1": _replica_stats("cuda", "NVIDIA H100", real),
+                              "r2": _replica_stats("cuda", "NVIDIA H100", fa3 + real[1:]),
+                              "r3": _replica_stats("cuda", "NVIDIA H200", fa3),
+                              "r4": _replica_stats("cpu", None, real), "r5": {"device": "cpu", "gpu": None}})
+    h100 = view["choices"]["NVIDIA H100"]["transformer"]
+    assert h100 == {shapes[0]: {"sdpa": ["r1"], "fa3": ["r2"]}, shapes[1]: {"sdpa": ["r1", "r2"]}}
+    assert view["choices"]["NVIDIA H200"]["transformer"] == {shapes[0]: {"fa3": ["r3"]}}
+    assert view["choices"]["cpu"]["transformer"][shapes[1]] == {"sdpa": ["r4"]}
+    # one disagreement: the two H100s on the first shape (another GPU kind may choose otherwise)
+    assert view["disagreements"] == [{"device": "NVIDIA H100", "component": "transformer", "shape": shapes[0],
+                                      "kernels": {"sdpa": ["r1"], "fa3": ["r2"]}}]
+    assert attention_choices({}) == {"choices": {}, "disagreements": []}
 
 
 def test_merge_reports_lists_replicas_per_key_and_uncovered():

@@ -150,6 +150,20 @@ def test_every_endpoint_needs_the_api_key(edge, method, path):
     assert ok.status_code == 200, ok.text
 
 
+@pytest.mark.parametrize("path", ["/v1/load_lora_adapter", "/v1/unload_lora_adapter"])
+def test_runtime_lora_loading_is_off_unless_the_app_allows_it(edge, serve_app, path):
+    """Neither app sets allow_runtime_lora_updating: with a key, the key first (401), then 403 naming the
+    app arg; without a key (the session app), 403 too. The answer is the same whatever the path."""
+    probes = ["/etc/passwd", "/etc/no-such-file", "/etc", "../../../../etc/shadow"]
+    bodies = [{"lora_name": "x", "lora_path": p} for p in probes]
+    assert _post(edge, path, bodies[0], headers={}).status_code == 401
+    url, _ = serve_app
+    for answers in ([_post(edge, path, body) for body in bodies],
+                    [httpx.post(f"{url}{path}", json=body, timeout=30) for body in bodies]):
+        assert {r.status_code for r in answers} == {403} and len({r.content for r in answers}) == 1, answers[0].text
+        assert "allow_runtime_lora_updating" in answers[0].json()["detail"][0]["msg"]
+
+
 def test_auth_is_checked_before_the_body_is_read(edge):
     r = edge.post(GEN, content=b"\xff" * 100_000, headers={"content-type": "application/json"})
     assert r.status_code == 401
@@ -210,7 +224,7 @@ def _cheap_and_valid(path, body) -> bool:
         return (1 <= len(body["keys"]) <= LIMITS["max_warmup_keys"] and all(_size_ok(k) for k in body["keys"])
                 and body.get("replication", 1) >= 1)
     if path in ("/v1/load_lora_adapter", "/v1/unload_lora_adapter"):
-        return False  # this app holds no LoRA layers: a load is a 422, an unload a 404
+        return False  # runtime LoRA loading is off in this app: 403
     if path != GEN:
         return True
     prompt = body["prompt"]
@@ -280,7 +294,7 @@ def test_fuzz_http_api_from_openapi_schema(edge):
     seen = _run_fuzz(edge, 60)
     print("fuzz 60:", seen)
     assert seen["total"] >= 60 and seen["expected_ok"] >= 10, seen
-    assert set(seen["statuses"]) - {200, 400, 401, 404, 413, 422} == set(), seen
+    assert set(seen["statuses"]) - {200, 400, 401, 403, 404, 413, 422} == set(), seen
 
 
 @pytest.mark.slow
@@ -288,4 +302,4 @@ def test_fuzz_http_api_from_openapi_schema_500(edge):
     seen = _run_fuzz(edge, 500)
     print("fuzz 500:", seen)
     assert seen["total"] >= 500 and seen["expected_ok"] >= 40, seen
-    assert set(seen["statuses"]) - {200, 400, 401, 404, 413, 422} == set(), seen
+    assert set(seen["statuses"]) - {200, 400, 401, 403, 404, 413, 422} == set(), seen

@@ -27,13 +27,17 @@ def adapters(tmp_path_factory):
     from bcg.diffusers.models import load_pipeline
     from bcg.lora.synthetic import make_adapter
 
-    root = tmp_path_factory.mktemp("lora_serve")
+    # "a" (lora_modules) lives outside lora_root, "b" and the junk inside; "c" is a good adapter outside
+    # it, reachable from inside only through a symlink
+    start, root, outside = (tmp_path_factory.mktemp(name) for name in ("lora_start", "lora_root", "lora_outside"))
     pipe = load_pipeline("tiny-flux")
     transformer, cls = pipe.transformer, type(pipe)
-    return {"a": str(make_adapter(transformer, cls, root / "a", rank=4, alpha=8, seed=1, std=0.3)),
+    c = make_adapter(transformer, cls, outside / "c", rank=2, seed=3, std=0.5)
+    (root / "escape").symlink_to(c)
+    return {"a": str(make_adapter(transformer, cls, start / "a", rank=4, alpha=8, seed=1, std=0.3)),
             "b": str(make_adapter(transformer, cls, root / "b", rank=2, seed=2, std=0.5,
                                   targets=("to_q", "to_v", "proj_mlp"))),
-            "junk": str(_junk(root / "junk.safetensors"))}
+            "junk": str(_junk(root / "junk.safetensors")), "root": str(root), "c": str(c)}
 
 
 def _junk(path):
@@ -51,7 +55,7 @@ def client(ray_serve, adapters):
         "cpu_threads": 1, "routing_stats_period_s": 0.2, "max_ongoing_requests": 4, "request_timeout_s": 60,
         "api_key_env": TEST_API_KEY_ENV, "auth_scope": "admin", "graceful_shutdown_timeout_s": 1,
         "lora_modules": {"a": adapters["a"]}, "lora_target_modules": list(ATTENTION_AND_MLP),
-        "max_loras": 2, "max_lora_rank": 8,
+        "max_loras": 2, "max_lora_rank": 8, "allow_runtime_lora_updating": True, "lora_root": adapters["root"],
     }, timeout=60) as c:
         yield c
 
@@ -129,8 +133,6 @@ def test_load_and_unload_an_adapter_at_run_time_on_every_replica(client, adapter
 def test_adapter_errors_name_what_is_wrong_and_lose_nothing(client, adapters):
     before, _ = _image(_generate(client, "a", seed=5))
     cases = [
-        ("/v1/load_lora_adapter", {"lora_name": "x", "lora_path": adapters["junk"]}, 422, "junk.safetensors"),
-        ("/v1/load_lora_adapter", {"lora_name": "x", "lora_path": adapters["junk"] + ".missing"}, 422, "no such file"),
         ("/v1/load_lora_adapter", {"lora_name": "a", "lora_path": adapters["b"]}, 409, "loaded already"),
         ("/v1/unload_lora_adapter", {"lora_name": "zzz"}, 404, "'zzz'"),
     ]
@@ -144,3 +146,32 @@ def test_adapter_errors_name_what_is_wrong_and_lose_nothing(client, adapters):
     assert no_adapter.status_code == 422 and no_adapter.json()["detail"][0]["loc"] == ["body", "lora_scale"]
     assert {c["id"] for c in client.get("/v1/models").json()["data"]} == {"tiny-flux", "a"}
     assert np.array_equal(_image(_generate(client, "a", seed=5))[0], before)
+
+
+def test_runtime_loads_read_only_under_lora_root_and_refuse_with_one_answer(client, adapters):
+    """The issue's probes and their kin: whatever the path (there or not, a file or a folder, an adapter
+    or not, outside the root by '..' or by a symlink), a refused load gets the same 422 naming lora_path,
+    byte for byte, and nothing is loaded."""
+    root = adapters["root"]
+    before, _ = _image(_generate(client, "a", seed=6))
+    probes = ["/etc/passwd", "/etc/no-such-file", "/etc", "/root", "../../../../etc/shadow",
+              f"{root}/../../../../etc/shadow", adapters["c"],                       # a real adapter outside
+              f"{root}/escape", "escape",                                             # ... reached by a symlink
+              adapters["junk"], f"{root}/missing.safetensors", "junk.safetensors", "missing",  # inside: no adapter
+              f"{root}/b/../../{adapters['c'].rsplit('/', 2)[-2]}/c"]
+    answers = [client.post("/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": p}, headers=AUTH)
+               for p in probes]
+    assert {r.status_code for r in answers} == {422}, [(p, r.text) for p, r in zip(probes, answers)]
+    assert len({r.content for r in answers}) == 1, {p: r.text for p, r in zip(probes, answers)}
+    detail = answers[0].json()["detail"]
+    assert detail[0]["loc"] == ["body", "lora_path"] and "lora_root" in detail[0]["msg"]
+    assert not any(word in answers[0].text for word in ("such file", "Unable", "directory", "passwd", "safetensors"))
+    assert {c["id"] for c in client.get("/v1/models").json()["data"]} == {"tiny-flux", "a"}
+    # under the root, a path relative to it loads; lora_modules' own path loads again from outside it
+    relative = client.post("/v1/load_lora_adapter", json={"lora_name": "b", "lora_path": "b"}, headers=AUTH)
+    assert relative.status_code == 200, relative.text
+    assert client.post("/v1/unload_lora_adapter", json={"lora_name": "b"}, headers=AUTH).status_code == 200
+    assert client.post("/v1/unload_lora_adapter", json={"lora_name": "a"}, headers=AUTH).status_code == 200
+    again = client.post("/v1/load_lora_adapter", json={"lora_name": "a", "lora_path": adapters["a"]}, headers=AUTH)
+    assert again.status_code == 200, again.text
+    assert np.array_equal(_image(_generate(client, "a", seed=6))[0], before)

@@ -148,3 +148,22 @@ def test_a_key_whose_warmup_runs_a_signature_another_key_blocked_is_not_warm():
     out = _generate(engine, TALL)
     assert out["eager_calls"] >= 1    # the blocked encoder ran eagerly: the key was rightly cold
     engine.close()
+
+
+def test_held_gpu_names_torchs_device_and_rays_assignment(monkeypatch):
+    """The replica's start line and stats say which GPU it computes on: torch's index and name inside the
+    replica, and CUDA_VISIBLE_DEVICES (Ray's assignment). torch.cuda is faked: no CUDA here."""
+    import torch
+    from deployments.engine import describe_gpu, held_gpu
+
+    assert held_gpu("cpu") is None and describe_gpu(None) == "no GPU"
+    names = {0: "NVIDIA H100 80GB HBM3", 1: "NVIDIA H200"}
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i: names[i])
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")
+    assert held_gpu("cuda") == {"index": 1, "name": "NVIDIA H200", "cuda_visible_devices": "3,5"}
+    gpu = held_gpu("cuda:0")
+    assert gpu["index"] == 0 and gpu["name"] == "NVIDIA H100 80GB HBM3"
+    assert describe_gpu(gpu) == "GPU 0 (NVIDIA H100 80GB HBM3; CUDA_VISIBLE_DEVICES=3,5)"
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    assert describe_gpu(held_gpu("cuda:0")).endswith("CUDA_VISIBLE_DEVICES=unset)")

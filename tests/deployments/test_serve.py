@@ -131,6 +131,8 @@ def test_http_round_trip_returns_png_of_requested_size(serve_app):
     assert httpx.get(f"{url}/healthz", timeout=30).json()["status"] == "ok"
     stats = httpx.get(f"{url}/v1/stats", timeout=60).json()
     assert len(stats["replicas"]) == 2 and set(PLAN_KEYS) <= set(stats["keys"])
+    assert all(r["device"] == "cpu" and r["gpu"] is None for r in stats["replicas"].values())
+    assert stats["attention"] == {"choices": {}, "disagreements": []}   # CPU replicas route no attention
 
 
 @pytest.mark.parametrize("output_format, quality, pil_format", [("jpeg", 90, "JPEG"), ("webp", None, "WEBP")])

@@ -25,6 +25,9 @@ def test_two_replicas_on_one_gpu_capture_shards_and_replay_warm_requests(ray_ser
             report = info["warmups"][0]
             assert report["graphs_captured"] and report["reason"] is None and not report["failed"]
             assert report["pool_bytes"] > 0 and report["segments"] > 0 and len(info["warm_keys"]) == 2
+            # the GPU Ray gave it (both halves of one GPU: the same one), named by torch inside the replica
+            assert info["gpu"]["index"] == 0 and info["gpu"]["name"] and info["gpu"]["cuda_visible_devices"]
+        assert len({info["gpu"]["cuda_visible_devices"] for info in st["replicas"].values()}) == 1
         handle = serve.get_deployment_handle("Replica", APP)
         warm = [handle.generate.remote(ImageGenerationRequest(prompt="a cat", size=k, seed=i), shape_key=k)
                 .result(timeout_s=300) for i, k in enumerate(KEYS * 3)]

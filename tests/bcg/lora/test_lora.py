@@ -11,8 +11,8 @@ pytest.importorskip("peft")
 from bcg.diffusers.batching import StepBatcher  # noqa: E402
 from bcg.diffusers.models import load_pipeline  # noqa: E402
 from bcg.diffusers.pipelines import plan_request  # noqa: E402
-from bcg.lora import (AdapterConflictError, AdapterFileError, UnknownAdapterError, install_lora,  # noqa: E402
-                      lora_bank, read_adapter, target_names)
+from bcg.lora import (AdapterConflictError, AdapterFileError, AdapterUnreadableError, UnknownAdapterError,  # noqa: E402
+                      install_lora, lora_bank, read_adapter, target_names)
 from bcg.lora.synthetic import make_adapter  # noqa: E402
 
 # The issue's bound: an adapter request within 3/255 per pixel of diffusers' pipeline with the adapter
@@ -163,13 +163,15 @@ def test_bad_adapter_file_names_what_is_wrong_and_loses_nothing(served, adapters
     bank = lora_bank(pipe.transformer)
     before = _serve(batcher, [("a cat", 1, ("a", 1.0))])[0]
     (tmp_path / "junk.safetensors").write_bytes(b"not a safetensors file")
-    with pytest.raises(AdapterFileError, match="junk.safetensors"):
+    # nothing readable at the path: its own kind (a server answers these alike, deployments.lora)
+    with pytest.raises(AdapterUnreadableError, match="junk.safetensors"):
         read_adapter(pipe, str(tmp_path / "junk.safetensors"))
-    with pytest.raises(AdapterFileError, match="no such file"):
+    with pytest.raises(AdapterUnreadableError, match="no such file"):
         read_adapter(pipe, str(tmp_path / "missing"))
     wide = _make(tmp_path / "wide", rank=16, seed=3)
-    with pytest.raises(AdapterFileError, match="max_lora_rank=8"):
+    with pytest.raises(AdapterFileError, match="max_lora_rank=8") as too_wide:
         bank.load("wide", read_adapter(pipe, str(wide)))
+    assert not isinstance(too_wide.value, AdapterUnreadableError)   # an adapter, not fitting
     other = _make(tmp_path / "other", rank=2, seed=4, targets=("norm.linear",))
     with pytest.raises(AdapterFileError, match="lora_target_modules"):
         bank.load("other", read_adapter(pipe, str(other)))
