@@ -57,6 +57,7 @@ class StepCache(BaseModel):
     threshold: float = Field(0.08, ge=0.0)
     warmup_steps: int = Field(1, ge=0, le=1000)
     schedule: Optional[List[Annotated[int, Field(ge=0, le=100000)]]] = Field(None, max_length=1000)
+    taylorseer_order: int = Field(0, ge=0, le=1)  # cached steps add a first-order forecast of the residual
 
     @model_validator(mode="after")
     def _consistent(self):

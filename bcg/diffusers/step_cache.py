@@ -68,12 +68,15 @@ class StepCacheConfig:
     threshold: relative L1 distance under which a step is cached (>= 0; 0 never caches).
     warmup_steps: steps always computed first (>= 0).
     schedule: the step indices to compute (``"schedule"`` only); steps not listed are cached.
+    taylorseer_order: what a cached step adds: 0 the residual of the last computed step, 1 its first-order
+        forecast from the last two computed steps (TaylorSeer's, cache-dit's ``taylorseer_order``).
     """
 
     method: str = "first_block"
     threshold: float = 0.08
     warmup_steps: int = 1
     schedule: tuple[int, ...] | None = None
+    taylorseer_order: int = 0
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -83,6 +86,8 @@ class StepCacheConfig:
             raise ValueError(f"cache.threshold must be a finite number >= 0, got {self.threshold!r}")
         if isinstance(self.warmup_steps, bool) or not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
             raise ValueError(f"cache.warmup_steps must be an integer >= 0, got {self.warmup_steps!r}")
+        if self.taylorseer_order not in (0, 1) or isinstance(self.taylorseer_order, bool):
+            raise ValueError(f"cache.taylorseer_order must be 0 or 1, got {self.taylorseer_order!r}")
         if self.method == "schedule":
             steps = self.schedule
             if steps is None or isinstance(steps, (str, bytes)) or not all(
@@ -105,7 +110,7 @@ class StepCacheConfig:
             unknown = set(value) - {f.name for f in dataclasses.fields(cls)}
             if unknown:
                 raise ValueError(f"cache has unknown fields {sorted(unknown)}; known: method, threshold, "
-                                 "warmup_steps, schedule")
+                                 "warmup_steps, schedule, taylorseer_order")
             return cls(**value)
         raise ValueError(f"cache must be a dict or a StepCacheConfig, got {type(value).__name__}")
 
@@ -146,14 +151,24 @@ class _MiddleBlocks(nn.Module):
 
 class _Store:
     """Slot-indexed buffers for one activation shape: the middle residuals (hidden and text streams) of a
-    row's last computed step, and that step's first-blocks residual. Slot 0 is zeros (padding rows)."""
+    row's last computed step, and that step's first-blocks residual. Slot 0 is zeros (padding rows).
+    A row forecasting its residual (``taylorseer_order`` 1) also keeps the computed step before
+    (``prev_h``/``prev_e``, allocated when first needed); ``steps`` holds the step indices of both."""
+
+    _BUFFERS = ("res_h", "res_e", "first", "prev_h", "prev_e")
 
     def __init__(self, h: torch.Tensor, e: torch.Tensor, capacity: int = 4):
         self.slots: dict = {}
         self.res_h = h.new_zeros((capacity, *h.shape[1:]))
         self.res_e = e.new_zeros((capacity, *e.shape[1:]))
         self.first = h.new_zeros((capacity, *h.shape[1:]))
+        self.prev_h = self.prev_e = None
+        self.steps: dict = {}   # slot -> (step before the last computed one or None, last computed step)
         self.free = list(range(capacity - 1, 0, -1))
+
+    def keep_previous(self) -> None:
+        if self.prev_h is None:
+            self.prev_h, self.prev_e = torch.zeros_like(self.res_h), torch.zeros_like(self.res_e)
 
     def slot(self, key) -> tuple[int, bool]:
         """The slot of `key` and whether it is new (no state yet)."""
@@ -170,11 +185,14 @@ class _Store:
             slot = self.slots.pop(key, None)
             if slot is not None:
                 self.free.append(slot)
+                self.steps.pop(slot, None)
 
     def _grow(self) -> None:
         old = self.res_h.shape[0]
-        for name in ("res_h", "res_e", "first"):
+        for name in self._BUFFERS:
             buf = getattr(self, name)
+            if buf is None:
+                continue
             grown = buf.new_zeros((2 * old, *buf.shape[1:]))
             grown[:old].copy_(buf)
             setattr(self, name, grown)
@@ -485,8 +503,7 @@ class _StepCacheLogic:
                 if len(index) == batch:
                     return me, mh
             slot_index = torch.tensor(slots, device=h.device)
-            out_h = h + store.res_h.index_select(0, slot_index)
-            out_e = e + store.res_e.index_select(0, slot_index)
+            out_h, out_e = self._cached(store, rows, slots, slot_index, h, e)
             if not index:
                 self._counts["skipped_middle"] += 1
                 return out_e, out_h
@@ -505,6 +522,26 @@ class _StepCacheLogic:
             self._remember(store, slots, index, h, e, mh, me, first_in, rows, gathered=True)
             return out_e, out_h
 
+    @staticmethod
+    def _cached(store, rows, slots, slot_index, h, e):
+        """Every row's output as a cached step: its input plus its stored middle residual, or that residual's
+        first-order forecast (``taylorseer_order`` 1, from its last two computed steps)."""
+        res_h, res_e = store.res_h.index_select(0, slot_index), store.res_e.index_select(0, slot_index)
+        coef = []
+        for row, slot in zip(rows, slots):
+            steps = store.steps.get(slot) if row is not None and row.config is not None \
+                and row.config.taylorseer_order else None
+            if steps is None or steps[0] is None or steps[1] == steps[0]:
+                coef.append(0.0)
+            else:
+                coef.append((row.step - steps[1]) / (steps[1] - steps[0]))
+        if any(coef) and store.prev_h is not None:
+            c = torch.tensor(coef, device=h.device, dtype=torch.float32)
+            prev_h, prev_e = store.prev_h.index_select(0, slot_index), store.prev_e.index_select(0, slot_index)
+            res_h = res_h + (res_h - prev_h) * c.view(-1, *[1] * (h.dim() - 1)).to(h.dtype)
+            res_e = res_e + (res_e - prev_e) * c.view(-1, *[1] * (e.dim() - 1)).to(e.dtype)
+        return h + res_h, e + res_e
+
     def _remember(self, store, slots, index, h, e, mh, me, first_in, rows, gathered=False):
         """Store the middle residuals (and the first-blocks residual) of the rows that computed."""
         keep = [j for j, i in enumerate(index) if rows[i] is not None]
@@ -514,6 +551,14 @@ class _StepCacheLogic:
         slot_at = torch.tensor([slots[index[j]] for j in keep], device=h.device)
         pick = torch.tensor(keep, device=h.device) if gathered else rows_at
         h_in, e_in = h.index_select(0, rows_at), e.index_select(0, rows_at)
+        if any(rows[index[j]].config is not None and rows[index[j]].config.taylorseer_order for j in keep):
+            store.keep_previous()
+            store.prev_h.index_copy_(0, slot_at, store.res_h.index_select(0, slot_at))
+            store.prev_e.index_copy_(0, slot_at, store.res_e.index_select(0, slot_at))
+        for j in keep:
+            slot, step = slots[index[j]], rows[index[j]].step
+            last = store.steps.get(slot)
+            store.steps[slot] = (None if last is None else last[1], step)
         store.res_h.index_copy_(0, slot_at, mh.index_select(0, pick) - h_in)
         store.res_e.index_copy_(0, slot_at, me.index_select(0, pick) - e_in)
         store.first.index_copy_(0, slot_at, h_in - first_in.index_select(0, rows_at))

@@ -206,3 +206,31 @@ def test_true_cfg_branches_keep_their_own_residuals_and_decide_together(cached):
         batcher.step()
     assert (record.steps_computed, record.steps_cached) == (4, 4)
     assert np.abs(np.asarray(future.result()) - plain).max() <= BATCH_TOLERANCE
+
+
+def test_taylorseer_order_one_forecasts_the_residual_from_the_last_two_computed_steps(cached):
+    from bcg.diffusers.step_cache import _Store
+
+    hook = step_cache_of(cached)
+    h, e = torch.zeros(2, 4, 3), torch.zeros(2, 2, 3)
+    store = _Store(h, e)
+    store.keep_previous()
+    order1 = StepCacheConfig(method="schedule", schedule=[0, 2, 4], warmup_steps=0, taylorseer_order=1)
+    order0 = StepCacheConfig(method="schedule", schedule=[0, 2, 4], warmup_steps=0)
+    rows = [CacheRow(key=0, group="a", config=order1, step=5), CacheRow(key=0, group="b", config=order0, step=5)]
+    slots = [store.slot(hook._state_key(r))[0] for r in rows]
+    for slot in slots:
+        store.res_h[slot], store.prev_h[slot] = 2.0, 1.0
+        store.res_e[slot], store.prev_e[slot] = 4.0, 0.0
+        store.steps[slot] = (2, 4)
+    out_h, out_e = hook._cached(store, rows, slots, torch.tensor(slots), h, e)
+    # order 1: r4 + (r4 - r2) * (5 - 4) / (4 - 2); order 0: r4
+    assert torch.equal(out_h[0], torch.full((4, 3), 2.5)) and torch.equal(out_e[0], torch.full((2, 3), 6.0))
+    assert torch.equal(out_h[1], torch.full((4, 3), 2.0)) and torch.equal(out_e[1], torch.full((2, 3), 4.0))
+    with pytest.raises(ValueError, match="taylorseer_order"):
+        StepCacheConfig(taylorseer_order=2)
+    schedule = dict(method="schedule", schedule=[0, 1, 3, 5, 7], warmup_steps=0)
+    image0, counts0 = _image(cached, cache=StepCacheConfig(**schedule))
+    image1, counts1 = _image(cached, cache=StepCacheConfig(**schedule, taylorseer_order=1))
+    assert counts0 == counts1 == {"computed": 5, "cached": 3}
+    assert np.abs(image0 - image1).max() > 1e-4   # the forecast changes what a cached step adds
