@@ -1,0 +1,468 @@
+"""Train `shapes-flux` (`bcg.diffusers.shapes.model`) on the captioned shapes of `bcg.diffusers.shapes.data`.
+
+    python3 benchmarks/train_shapes_flux.py --out $R/shapes --parts $OUT          # GPU host, ~5 min
+    python3 benchmarks/train_shapes_flux.py --out /tmp/s --device cpu --smoke     # a minute on a CPU
+    python3 benchmarks/train_shapes_flux.py --plot-only benchmarks/results/train_shapes_flux.json
+
+Stages, each checkpointed under ``--ckpt`` (default ``--out/ckpt``; a run started again over the same ``--out`` goes on where
+the last one stopped; ``--init DIR`` starts the transformer and VAE from exported weights instead, e.g. the
+parts a cut-off device call brought back):
+
+1. data: ``--n-data`` pictures of seeds 0.. (64x64), drawn over worker processes;
+2. the VAE (`AutoencoderKL`): MSE + L1 on pixels and a small KL, then the latents' mean and spread become
+   its ``shift_factor`` / ``scaling_factor`` (as FLUX's VAE declares them);
+3. the transformer (`FluxTransformer2DModel`): rectified flow matching as FLUX trains, the latent
+   ``x_t = (1 - s) x_0 + s noise`` with ``s`` logit-normal, shifted as the pipeline's scheduler shifts a
+   64x64 picture, the target ``noise - x_0``; text through the frozen tiny CLIP/T5 by the pipeline's own
+   ``encode_prompt``, padded to a length drawn from the serving buckets that holds the whole caption (FLUX
+   attends over the padding, so the model must know every length a request can bring); 10% empty captions; an EMA of the weights,
+   which is what ships;
+4. evaluation: the exported pipeline samples ``--eval-n`` held-out captions (seeds from 10,000,000, each
+   its own generator seed) at the pipeline's defaults (64x64, 28 steps), scored by
+   `bcg.diffusers.shapes.score.adherence`.
+
+Writes ``--out/train_shapes_flux.json`` (losses, timings, adherence, machine), ``samples.npz`` (the
+evaluation pictures and captions) and the weights (``--weights``, default the package's
+``bcg/diffusers/shapes/weights``); ``--parts DIR`` also packs the weights into <= 15 MB pieces there (what a
+device call can bring back). PNGs (loss curves, a grid of samples with their captions) come from
+``--plot-only`` where matplotlib is installed.
+"""
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import math
+import os
+import sys
+import tarfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(1, os.path.dirname(HERE))
+
+import numpy as np  # noqa: E402
+
+from _common import machine_info, pyplot, save_figure, write_json  # noqa: E402
+
+EVAL_SEED = 10_000_000
+PROMPT_LENGTHS = (32, 64, 128, 256, 512)   # the FLUX family's prompt buckets (bcg.diffusers.buckets)
+LENGTH_WEIGHTS = (0.1, 0.5, 0.1, 0.15, 0.15)  # captions are 21-50 T5 tokens: served at 32 or 64
+PART_BYTES = 15_000_000
+
+
+def say(*args):
+    print(f"[{time.strftime('%H:%M:%S')}]", *args, flush=True)
+
+
+def _examples(span):
+    from bcg.diffusers.shapes.data import make_batch
+
+    first, count = span
+    pixels, captions, _ = make_batch(first, count)
+    return pixels, captions
+
+
+def make_data(n: int, workers: int):
+    """Pictures (uint8 (n, 64, 64, 3)) and captions of seeds 0..n-1."""
+    chunk = 500
+    spans = [(i, min(chunk, n - i)) for i in range(0, n, chunk)]
+    if workers > 1:
+        import multiprocessing as mp
+
+        with mp.get_context("fork").Pool(workers) as pool:
+            parts = pool.map(_examples, spans)
+    else:
+        parts = [_examples(s) for s in spans]
+    return np.concatenate([p[0] for p in parts]), [c for p in parts for c in p[1]]
+
+
+def _to_tensor(pixels, device):
+    import torch
+
+    return torch.from_numpy(pixels).to(device).permute(0, 3, 1, 2).float().div(127.5).sub(1.0)
+
+
+def _lr(base: float, step: int, done: float, warmup: int = 100) -> float:
+    """Linear warmup, then cosine to a tenth over the stage's budget (`done`: its share spent)."""
+    return base * min(1.0, (step + 1) / warmup) * (0.1 + 0.45 * (1 + math.cos(math.pi * min(done, 1.0))))
+
+
+def train_vae(vae, pixels, args, log, ckpt):
+    import torch
+
+    path = os.path.join(ckpt, "vae.pt")
+    if os.path.isfile(path):
+        state = torch.load(path, map_location="cpu")
+        vae.load_state_dict(state["vae"])
+        log["vae"] = state["log"]
+        say(f"vae: resumed from {path} ({state['log']['steps']} steps done)")
+        return
+    device = args.device
+    vae.to(device).train()
+    opt = torch.optim.AdamW(vae.parameters(), lr=args.vae_lr, betas=(0.9, 0.99), weight_decay=0.0)
+    rng = np.random.default_rng(1)
+    losses, start, step = [], time.perf_counter(), 0
+    autocast = torch.autocast("cuda", torch.bfloat16, enabled=device.startswith("cuda"))
+    while step < args.vae_steps and time.perf_counter() - start < args.vae_seconds:
+        done = max(step / args.vae_steps, (time.perf_counter() - start) / args.vae_seconds)
+        for group in opt.param_groups:
+            group["lr"] = _lr(args.vae_lr, step, done)
+        x = _to_tensor(pixels[rng.integers(0, len(pixels), args.vae_batch)], device)
+        with autocast:
+            posterior = vae.encode(x).latent_dist
+            recon = vae.decode(posterior.sample()).sample.float()
+        mse = torch.nn.functional.mse_loss(recon, x)
+        l1 = (recon - x).abs().mean()
+        kl = posterior.kl().mean() / x[0].numel()
+        loss = mse + 0.1 * l1 + args.vae_kl * kl
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(vae.parameters(), 1.0)
+        opt.step()
+        step += 1
+        if step % 25 == 0 or step == 1:
+            mse, kl = mse.item(), kl.item()
+            losses.append([step, round(time.perf_counter() - start, 2), mse, kl])
+            if step % 200 == 0 or step == 1:
+                say(f"vae step {step}: mse {float(mse):.5f} kl/dim {float(kl):.4f}")
+    vae.eval()
+    log["vae"] = {"steps": step, "seconds": round(time.perf_counter() - start, 1), "batch": args.vae_batch,
+                  "lr": args.vae_lr, "kl_weight": args.vae_kl, "curve": losses,
+                  "columns": ["step", "s", "mse", "kl_per_dim"]}
+    torch.save({"vae": vae.state_dict(), "log": log["vae"]}, path)
+    say(f"vae: {step} steps in {log['vae']['seconds']} s")
+
+
+def encode_latents(vae, pixels, device, batch: int = 512):
+    """Posterior means of every picture, and set the VAE's shift/scaling so the latents are ~N(0, 1)."""
+    import torch
+
+    vae.to(device).eval()
+    out = []
+    with torch.no_grad():
+        for i in range(0, len(pixels), batch):
+            out.append(vae.encode(_to_tensor(pixels[i:i + batch], device)).latent_dist.mode().float())
+    latents = torch.cat(out)
+    mean, std = float(latents.mean()), float(latents.std())
+    vae.register_to_config(shift_factor=mean, scaling_factor=1.0 / std)
+    return (latents - mean) / std
+
+
+def _recon_psnr(vae, pixels, device) -> float:
+    import torch
+
+    with torch.no_grad():
+        x = _to_tensor(pixels, device)
+        recon = vae.decode(vae.encode(x).latent_dist.mode()).sample.clamp(-1, 1)
+    mse = float(((recon - x) / 2).pow(2).mean())
+    return round(10 * math.log10(1.0 / max(mse, 1e-12)), 2)
+
+
+def train_transformer(pipe, latents, captions, args, log, ckpt, on_checkpoint):
+    import copy
+
+    import torch
+    from diffusers import FluxPipeline
+
+    device = args.device
+    model = pipe.transformer.to(device).train()
+    ema = copy.deepcopy(model).eval().requires_grad_(False)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.dit_lr, betas=(0.9, 0.99), weight_decay=0.01)
+    path = os.path.join(ckpt, "transformer.pt")
+    step, spent, losses = 0, 0.0, []
+    if os.path.isfile(path):
+        state = torch.load(path, map_location=device)
+        model.load_state_dict(state["model"])
+        ema.load_state_dict(state["ema"])
+        opt.load_state_dict(state["opt"])
+        step, spent, losses = state["step"], state["seconds"], state["curve"]
+        say(f"transformer: resumed at step {step} ({spent:.0f} s spent)")
+    for module in (pipe.text_encoder, pipe.text_encoder_2):
+        module.to(device).requires_grad_(False)
+    n, _, h, w = latents.shape
+    latents = latents.to(device)
+    img_ids = FluxPipeline._prepare_latent_image_ids(1, h // 2, w // 2, device, torch.float32)
+    shift = math.exp(_mu(pipe, (h // 2) * (w // 2)))
+    tokens = np.array([len(ids) for ids in pipe.tokenizer_2(list(captions))["input_ids"]])
+    fits = {length: np.flatnonzero(tokens <= length) for length in PROMPT_LENGTHS}  # never truncate a caption
+    fits = {length: idx if len(idx) else np.arange(n) for length, idx in fits.items()}
+    rng = np.random.default_rng(2 + step)
+    gen = torch.Generator(device).manual_seed(3 + step)
+    autocast = torch.autocast("cuda", torch.bfloat16, enabled=device.startswith("cuda"))
+    start, last_ckpt = time.perf_counter() - spent, time.perf_counter()
+
+    def elapsed():
+        return time.perf_counter() - start
+
+    while step < args.dit_steps and elapsed() < args.dit_seconds:
+        done = max(step / args.dit_steps, elapsed() / args.dit_seconds)
+        for group in opt.param_groups:
+            group["lr"] = _lr(args.dit_lr, step, done, warmup=200)
+        length = int(rng.choice(PROMPT_LENGTHS, p=LENGTH_WEIGHTS))
+        idx = rng.choice(fits[length], args.batch)
+        prompts = ["" if rng.random() < args.drop_caption else captions[i] for i in idx]
+        with torch.no_grad():
+            embeds, pooled, text_ids = pipe.encode_prompt(prompt=prompts, prompt_2=None, device=device,
+                                                          max_sequence_length=length)
+        x0 = latents[torch.from_numpy(idx).to(device)]
+        noise = torch.randn(x0.shape, device=device, generator=gen)
+        t = torch.sigmoid(torch.randn(len(idx), device=device, generator=gen))
+        sigma = shift * t / (1 + (shift - 1) * t)
+        s = sigma.view(-1, 1, 1, 1)
+        xt = (1 - s) * x0 + s * noise
+        packed = FluxPipeline._pack_latents(xt, len(idx), x0.shape[1], h, w)
+        target = FluxPipeline._pack_latents(noise - x0, len(idx), x0.shape[1], h, w)
+        with autocast:
+            pred = model(hidden_states=packed, timestep=sigma, guidance=None, pooled_projections=pooled,
+                         encoder_hidden_states=embeds, txt_ids=text_ids, img_ids=img_ids, return_dict=False)[0]
+        loss = torch.nn.functional.mse_loss(pred.float(), target)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        step += 1
+        decay = min(args.ema, (1 + step) / (10 + step))
+        with torch.no_grad():
+            for e, p in zip(ema.parameters(), model.parameters()):
+                e.lerp_(p, 1 - decay)
+        if step % 25 == 0 or step == 1:
+            losses.append([step, round(elapsed(), 2), loss.item(), length])
+            if step % 250 == 0 or step == 1:
+                say(f"transformer step {step}: loss {losses[-1][2]:.4f} (text {length}) {elapsed():.0f} s")
+        if time.perf_counter() - last_ckpt > args.ckpt_seconds:
+            _save_transformer(path, model, ema, opt, step, elapsed(), losses)
+            on_checkpoint(ema, step)
+            last_ckpt = time.perf_counter()
+    _save_transformer(path, model, ema, opt, step, elapsed(), losses)
+    log["transformer"] = {"steps": step, "seconds": round(elapsed(), 1), "batch": args.batch, "lr": args.dit_lr,
+                          "ema": args.ema, "drop_caption": args.drop_caption, "shift": round(shift, 4),
+                          "prompt_lengths": dict(zip(PROMPT_LENGTHS, LENGTH_WEIGHTS)), "curve": losses,
+                          "columns": ["step", "s", "loss", "text_tokens"]}
+    say(f"transformer: {step} steps in {log['transformer']['seconds']} s")
+    return ema
+
+
+def _mu(pipe, image_seq_len: int) -> float:
+    c = pipe.scheduler.config
+    m = (c.max_shift - c.base_shift) / (c.max_image_seq_len - c.base_image_seq_len)
+    return image_seq_len * m + c.base_shift - m * c.base_image_seq_len
+
+
+def _save_transformer(path, model, ema, opt, step, seconds, curve):
+    import torch
+
+    torch.save({"model": model.state_dict(), "ema": ema.state_dict(), "opt": opt.state_dict(), "step": step,
+                "seconds": seconds, "curve": curve}, path + ".tmp")
+    os.replace(path + ".tmp", path)
+
+
+def export(pipe, weights_dir, parts_dir, record):
+    """The pipeline's weights into `weights_dir`; with `parts_dir`, also as a tar in <= 15 MB pieces there."""
+    from bcg.diffusers.shapes.model import save_shapes_flux
+
+    sizes = save_shapes_flux(pipe, weights_dir, record=record)
+    if parts_dir:
+        buffer = io.BytesIO()
+        with tarfile.open(fileobj=buffer, mode="w") as tar:
+            tar.add(weights_dir, arcname="weights")
+        data = buffer.getvalue()
+        os.makedirs(parts_dir, exist_ok=True)
+        for i in range(0, len(data), PART_BYTES):
+            with open(os.path.join(parts_dir, f"shapes_weights.tar.{i // PART_BYTES}"), "wb") as f:
+                f.write(data[i:i + PART_BYTES])
+    return sizes
+
+
+def sample(pipe, captions, seeds, device, steps: int = 28, batch: int = 64, **kwargs) -> np.ndarray:
+    """uint8 pictures of `captions`, each from a generator seeded with its seed, at the pipeline's defaults."""
+    import torch
+
+    out = []
+    for i in range(0, len(captions), batch):
+        gens = [torch.Generator(device).manual_seed(int(s)) for s in seeds[i:i + batch]]
+        images = pipe(prompt=list(captions[i:i + batch]), num_inference_steps=steps, generator=gens,
+                      output_type="np", **kwargs).images
+        out.append(np.round(np.clip(images, 0, 1) * 255).astype(np.uint8))
+    return np.concatenate(out)
+
+
+def evaluate(pipe, args, log):
+    from bcg.diffusers.shapes.data import make_batch
+    from bcg.diffusers.shapes.score import adherence
+
+    truth, captions, _ = make_batch(EVAL_SEED, args.eval_n)
+    seeds = list(range(args.eval_n))
+    result = {"n": args.eval_n, "steps": args.eval_steps, "seed_first_caption": EVAL_SEED,
+              "truth": adherence(truth, captions)["rates"]}
+    start = time.perf_counter()
+    pictures = sample(pipe, captions, seeds, args.device, args.eval_steps)
+    result["sample_s"] = round(time.perf_counter() - start, 2)
+    scored = adherence(pictures, captions)
+    result["model"] = scored["rates"]
+    say("adherence:", json.dumps({k: round(v, 3) for k, v in scored["rates"].items()}))
+    extra = {}
+    if args.eval_cfg:
+        cfg = sample(pipe, captions, seeds, args.device, args.eval_steps, negative_prompt="",
+                     true_cfg_scale=args.eval_cfg)
+        result["model_cfg"] = {"true_cfg_scale": args.eval_cfg, **adherence(cfg, captions)["rates"]}
+        say("adherence with CFG:", json.dumps({k: round(v, 3) for k, v in result["model_cfg"].items()}))
+        extra["cfg"] = cfg
+    log["eval"] = result
+    np.savez_compressed(os.path.join(args.out, "samples.npz"), pictures=pictures, truth=truth,
+                        captions=np.array(captions), ok=np.array([r["colour_shape"] for r in scored["per_image"]]),
+                        **extra)
+
+
+def run(args) -> dict:
+    import torch
+    from diffusers.utils import logging as diffusers_logging
+
+    from bcg.diffusers.shapes.model import build_shapes_flux, untrained_shapes_flux
+
+    diffusers_logging.set_verbosity_error()  # empty captions would warn of truncation at every step
+    torch.manual_seed(0)
+    ckpt = args.ckpt or os.path.join(args.out, "ckpt")
+    os.makedirs(ckpt, exist_ok=True)
+    log = {"machine": machine_info(), "args": vars(args), "command": " ".join(sys.argv)}
+    t0 = time.perf_counter()
+    pipe = untrained_shapes_flux()
+    if args.init:
+        trained = build_shapes_flux(args.init)
+        pipe.transformer.load_state_dict(trained.transformer.state_dict())
+        pipe.vae = trained.vae
+        say(f"started from the weights in {args.init}")
+    log["params"] = {name: sum(p.numel() for p in getattr(pipe, name).parameters())
+                     for name in ("transformer", "vae", "text_encoder", "text_encoder_2")}
+    say("parameters:", log["params"])
+    pixels, captions = make_data(args.n_data, args.workers)
+    log["data"] = {"n": len(captions), "seconds": round(time.perf_counter() - t0, 1)}
+    say(f"data: {len(captions)} pictures in {log['data']['seconds']} s")
+    if not args.init:
+        train_vae(pipe.vae, pixels, args, log, ckpt)
+    latents = encode_latents(pipe.vae, pixels, args.device)
+    log["vae_latents"] = {"shift_factor": pipe.vae.config.shift_factor,
+                          "scaling_factor": pipe.vae.config.scaling_factor,
+                          "recon_psnr_db": _recon_psnr(pipe.vae, pixels[:256], args.device)}
+    say("vae latents:", log["vae_latents"])
+
+    def on_checkpoint(ema, step):
+        keep = pipe.transformer
+        pipe.transformer = ema
+        export(pipe, args.weights, args.parts, {"step": step, "partial": True})
+        pipe.transformer = keep
+        say(f"exported the EMA weights at step {step}")
+
+    ema = train_transformer(pipe, latents, captions, args, log, ckpt, on_checkpoint)
+    pipe.transformer = ema
+    record = {k: log[k] for k in ("params", "data", "vae_latents")}
+    record.update(steps={"vae": log.get("vae", {}).get("steps"), "transformer": log["transformer"]["steps"]},
+                  command=log["command"], machine=log["machine"].get("gpu") or "cpu")
+    log["weights_bytes"] = export(pipe, args.weights, args.parts, record)
+    say("weights:", log["weights_bytes"])
+    # evaluate what ships: the exported weights, loaded as load_pipeline loads them (float32)
+    shipped = build_shapes_flux(args.weights).to(args.device)
+    evaluate(shipped, args, log)
+    log["total_s"] = round(time.perf_counter() - t0, 1)
+    return log
+
+
+def plot(log: dict, png: str, samples: str | None = None) -> bool:
+    """Loss curves (``png``) and, with the samples file, a grid of samples with their captions beside it."""
+    plt = pyplot()
+    if plt is None:
+        return False
+    fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
+    if "vae" in log:
+        curve = np.array(log["vae"]["curve"])
+        axes[0].semilogy(curve[:, 0], curve[:, 2], label="reconstruction MSE")
+        axes[0].set(title=f"VAE ({log['vae']['steps']} steps, {log['vae']['seconds']} s)", xlabel="step")
+        axes[0].legend()
+    curve = np.array(log["transformer"]["curve"])
+    axes[1].plot(curve[:, 0], curve[:, 2], lw=0.6, alpha=0.5, label="flow-matching loss")
+    k = max(1, len(curve) // 40)
+    axes[1].plot(curve[:, 0], np.convolve(curve[:, 2], np.ones(k) / k, mode="same"), label=f"mean of {k}")
+    t = log["transformer"]
+    axes[1].set(title=f"transformer ({t['steps']} steps, {t['seconds']} s)", xlabel="step", ylim=(0, None))
+    axes[1].legend()
+    fig.suptitle(f"shapes-flux training on {log['machine'].get('gpu') or 'CPU'}")
+    save_figure(fig, png)
+    if samples and os.path.isfile(samples):
+        data = np.load(samples)
+        pictures, captions, ok = data["pictures"], data["captions"], data["ok"]
+        count = min(48, len(pictures))
+        cols = 8
+        rows = math.ceil(count / cols)
+        fig, axes = plt.subplots(rows, cols, figsize=(cols * 2.1, rows * 2.5))
+        for i, ax in enumerate(np.ravel(axes)):
+            ax.axis("off")
+            if i >= count:
+                continue
+            ax.imshow(pictures[i], interpolation="nearest")
+            text = str(captions[i]).replace(" on the", "\non the").replace(" at the", "\nat the") \
+                .replace(" in the", "\nin the").replace(", ", ",\n")
+            ax.set_title(text, fontsize=6, color="black" if ok[i] else "red")
+        rates = log["eval"]["model"]
+        fig.suptitle(f"shapes-flux samples (64x64, {log['eval']['steps']} steps, seed = index); colour and shape "
+                     f"right: {rates['colour_shape']:.0%} of {log['eval']['n']} (red titles: wrong)", fontsize=9)
+        save_figure(fig, os.path.splitext(png)[0] + "_samples.png")
+    return True
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="out/shapes", help="work folder: checkpoints, log, samples")
+    parser.add_argument("--weights", default=None, help="where the weights go (default: the package's)")
+    parser.add_argument("--parts", default=None, help="also pack the weights in <= 15 MB pieces here")
+    parser.add_argument("--ckpt", default=None, help="checkpoint folder (default: --out/ckpt)")
+    parser.add_argument("--init", default=None, help="start from exported weights (skips the VAE stage)")
+    parser.add_argument("--device", default=None)
+    parser.add_argument("--n-data", type=int, default=100_000)
+    parser.add_argument("--workers", type=int, default=min(16, os.cpu_count() or 1))
+    parser.add_argument("--vae-steps", type=int, default=3000)
+    parser.add_argument("--vae-seconds", type=float, default=75.0)
+    parser.add_argument("--vae-batch", type=int, default=128)
+    parser.add_argument("--vae-lr", type=float, default=1e-3)
+    parser.add_argument("--vae-kl", type=float, default=1e-4)
+    parser.add_argument("--dit-steps", type=int, default=20_000)
+    parser.add_argument("--dit-seconds", type=float, default=200.0)
+    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--dit-lr", type=float, default=6e-4)
+    parser.add_argument("--ema", type=float, default=0.999)
+    parser.add_argument("--drop-caption", type=float, default=0.1)
+    parser.add_argument("--ckpt-seconds", type=float, default=60.0)
+    parser.add_argument("--eval-n", type=int, default=128)
+    parser.add_argument("--eval-steps", type=int, default=28)
+    parser.add_argument("--eval-cfg", type=float, default=0.0, help="also score with true CFG at this scale")
+    parser.add_argument("--smoke", action="store_true", help="tiny budgets (a CPU check of the whole script)")
+    parser.add_argument("--plot-only", metavar="JSON", help="only draw the PNGs of a written log (and samples)")
+    args = parser.parse_args(argv)
+    if args.plot_only:
+        with open(args.plot_only) as f:
+            log = json.load(f)
+        base = os.path.splitext(args.plot_only)[0]
+        samples = base + "_samples.npz" if os.path.isfile(base + "_samples.npz") else \
+            os.path.join(os.path.dirname(args.plot_only), "samples.npz")
+        return 0 if plot(log, base + ".png", samples) else 1
+    import torch
+
+    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if args.smoke:
+        args.n_data, args.vae_steps, args.dit_steps, args.eval_n, args.eval_steps = 512, 4, 4, 8, 2
+        args.vae_batch, args.batch, args.workers = 16, 16, 1
+    if args.weights is None:
+        from bcg.diffusers.shapes.model import WEIGHTS_DIR
+        args.weights = str(WEIGHTS_DIR)
+    if args.device.startswith("cuda"):
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    log = run(args)
+    path = os.path.join(args.out, "train_shapes_flux.json")
+    write_json(path, log)
+    plot(log, os.path.splitext(path)[0] + ".png", os.path.join(args.out, "samples.npz"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
