@@ -190,7 +190,13 @@ def train_transformer(pipe, latents, captions, args, log, ckpt, on_checkpoint):
     fits = {length: idx if len(idx) else np.arange(n) for length, idx in fits.items()}
     rng = np.random.default_rng(2 + step)
     gen = torch.Generator(device).manual_seed(3 + step)
-    autocast = torch.autocast("cuda", torch.bfloat16, enabled=device.startswith("cuda"))
+    autocast = torch.autocast("cuda", torch.bfloat16, enabled=device.startswith("cuda") and args.precision == "bf16")
+    # cuDNN's attention is left out: its backward failed (CUBLAS_STATUS_EXECUTION_FAILED at the next GEMM) on
+    # the first training step here on an H100 (torch 2.11), FLUX's 8 heads of 32 over 528 tokens
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    def kernels():
+        return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
+
     start, last_ckpt = time.perf_counter() - spent, time.perf_counter()
 
     def elapsed():
@@ -214,12 +220,13 @@ def train_transformer(pipe, latents, captions, args, log, ckpt, on_checkpoint):
         xt = (1 - s) * x0 + s * noise
         packed = FluxPipeline._pack_latents(xt, len(idx), x0.shape[1], h, w)
         target = FluxPipeline._pack_latents(noise - x0, len(idx), x0.shape[1], h, w)
-        with autocast:
+        with kernels(), autocast:
             pred = model(hidden_states=packed, timestep=sigma, guidance=None, pooled_projections=pooled,
                          encoder_hidden_states=embeds, txt_ids=text_ids, img_ids=img_ids, return_dict=False)[0]
         loss = torch.nn.functional.mse_loss(pred.float(), target)
         opt.zero_grad(set_to_none=True)
-        loss.backward()
+        with kernels():
+            loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         step += 1
@@ -237,6 +244,7 @@ def train_transformer(pipe, latents, captions, args, log, ckpt, on_checkpoint):
             last_ckpt = time.perf_counter()
     _save_transformer(path, model, ema, opt, step, elapsed(), losses)
     log["transformer"] = {"steps": step, "seconds": round(elapsed(), 1), "batch": args.batch, "lr": args.dit_lr,
+                          "precision": args.precision,
                           "ema": args.ema, "drop_caption": args.drop_caption, "shift": round(shift, 4),
                           "prompt_lengths": dict(zip(PROMPT_LENGTHS, LENGTH_WEIGHTS)), "curve": losses,
                           "columns": ["step", "s", "loss", "text_tokens"]}
@@ -429,6 +437,8 @@ def main(argv=None) -> int:
     parser.add_argument("--dit-seconds", type=float, default=200.0)
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--dit-lr", type=float, default=6e-4)
+    parser.add_argument("--precision", choices=("bf16", "fp32"), default="bf16",
+                        help="the transformer's training matmuls on CUDA: bf16 autocast, or fp32 (TF32)")
     parser.add_argument("--ema", type=float, default=0.999)
     parser.add_argument("--drop-caption", type=float, default=0.1)
     parser.add_argument("--ckpt-seconds", type=float, default=60.0)
