@@ -14,6 +14,10 @@ The pipelines produce real (if meaningless) images: 128x128 in 2 steps takes wel
 - `tiny-wan`: WanPipeline, text-to-video (UMT5, Wan transformer, Wan causal 3D VAE).
 - `tiny-qwen-image`: QwenImagePipeline (Qwen2.5-VL, Qwen-Image MMDiT, Qwen-Image causal 3D VAE).
 
+One built-in is trained, not random: `shapes-flux`, a FluxPipeline trained on captioned pictures of shapes
+(`bcg.diffusers.shapes`; 64x64 by default), whose weights ship with the package: the quality bar for the
+approximate levers (float8, float8 attention, step caching).
+
 Each built-in is the `builtin` of one record in `bcg.diffusers.families` (what the serving layer knows
 of its family); a new family is that record plus its builder here.
 """
@@ -256,6 +260,13 @@ def build_tiny_qwen_image():
     )
 
 
+def build_shapes_flux():
+    """FluxPipeline trained on captioned shapes (`bcg.diffusers.shapes.model`): the shipped weights, 64x64."""
+    from bcg.diffusers.shapes.model import build_shapes_flux as build
+
+    return build()
+
+
 BUILTIN_MODELS: dict[str, Callable] = {
     "tiny-flux": build_tiny_flux,
     "tiny-sd3": build_tiny_sd3,
@@ -263,4 +274,5 @@ BUILTIN_MODELS: dict[str, Callable] = {
     "tiny-sana": build_tiny_sana,
     "tiny-wan": build_tiny_wan,
     "tiny-qwen-image": build_tiny_qwen_image,
+    "shapes-flux": build_shapes_flux,
 }

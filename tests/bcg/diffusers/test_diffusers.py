@@ -442,7 +442,10 @@ def test_pipeline_info_is_plain_and_right():
     info = {name: pipeline_info(load_pipeline(name)) for name in FAMILIES}
     json.dumps(info)
     assert {n: i["size_multiple"] for n, i in info.items()} == {
-        "tiny-flux": 16, "tiny-sd3": 16, "tiny-pixart": 16, "tiny-sana": 32, "tiny-wan": 16, "tiny-qwen-image": 16}
+        "tiny-flux": 16, "tiny-sd3": 16, "tiny-pixart": 16, "tiny-sana": 32, "tiny-wan": 16, "tiny-qwen-image": 16,
+        "shapes-flux": 16}
+    assert info["shapes-flux"]["default_size"] == "64x64"  # its trained size; tiny-flux keeps FLUX's 1024x1024
+    assert info["tiny-flux"]["default_size"] == "1024x1024"
     assert [n for n, i in info.items() if i["is_video"]] == ["tiny-wan"]
     assert info["tiny-wan"]["frame_multiple"] == 4
     assert {n: i["fps"] for n, i in info.items() if i["fps"]} == {"tiny-wan": 16}  # videos only
