@@ -3,6 +3,7 @@
     python3 benchmarks/train_shapes_flux.py --out $R/shapes --parts $OUT          # GPU host, ~5 min
     python3 benchmarks/train_shapes_flux.py --out /tmp/s --device cpu --smoke     # a minute on a CPU
     python3 benchmarks/train_shapes_flux.py --plot-only benchmarks/results/train_shapes_flux.json
+    python3 benchmarks/train_shapes_flux.py --grid $R/bench_quality_samples.npz bf16 samples.png
 
 Stages, each checkpointed under ``--ckpt`` (default ``--out/ckpt``; a run started again over the same ``--out`` goes on where
 the last one stopped; ``--init DIR`` starts the transformer and VAE from exported weights instead, e.g. the
@@ -430,24 +431,46 @@ def plot(log: dict, png: str, samples: str | None = None) -> bool:
     save_figure(fig, png)
     if samples and os.path.isfile(samples):
         data = np.load(samples)
-        pictures, captions, ok = data["pictures"], data["captions"], data["ok"]
-        count = min(48, len(pictures))
-        cols = 8
-        rows = math.ceil(count / cols)
-        fig, axes = plt.subplots(rows, cols, figsize=(cols * 2.1, rows * 2.5))
-        for i, ax in enumerate(np.ravel(axes)):
-            ax.axis("off")
-            if i >= count:
-                continue
-            ax.imshow(pictures[i], interpolation="nearest")
-            text = str(captions[i]).replace(" on the", "\non the").replace(" at the", "\nat the") \
-                .replace(" in the", "\nin the").replace(", ", ",\n")
-            ax.set_title(text, fontsize=6, color="black" if ok[i] else "red")
         rates = log["eval"]["model"]
-        fig.suptitle(f"shapes-flux samples (64x64, {log['eval']['steps']} steps, seed = index); colour and shape "
-                     f"right: {rates['colour_shape']:.0%} of {log['eval']['n']} (red titles: wrong)", fontsize=9)
-        save_figure(fig, os.path.splitext(png)[0] + "_samples.png")
+        sample_grid(data["pictures"], data["captions"], data["ok"], os.path.splitext(png)[0] + "_samples.png",
+                    f"shapes-flux samples (64x64, {log['eval']['steps']} steps, seed = index); colour and shape "
+                    f"right: {rates['colour_shape']:.0%} of {log['eval']['n']} (red titles: wrong)")
     return True
+
+
+def sample_grid(pictures, captions, ok, png: str, title: str, count: int = 48, cols: int = 8) -> bool:
+    """Up to `count` pictures with their captions as titles (red where `ok` is false)."""
+    plt = pyplot()
+    if plt is None:
+        return False
+    count = min(count, len(pictures))
+    rows = math.ceil(count / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(cols * 2.1, rows * 2.5))
+    for i, ax in enumerate(np.ravel(axes)):
+        ax.axis("off")
+        if i >= count:
+            continue
+        ax.imshow(pictures[i], interpolation="nearest")
+        text = str(captions[i])
+        for cut in (" on the", " at the", " in the"):
+            text = text.replace(cut, "\n" + cut[1:])
+        ax.set_title(text.replace(", ", ",\n"), fontsize=6, color="black" if ok[i] else "red")
+    fig.suptitle(title, fontsize=9)
+    return save_figure(fig, png)
+
+
+def grid_of(npz: str, key: str, png: str) -> bool:
+    """The grid of the pictures under `key` of a samples file (this script's or `bench_quality.py --samples`),
+    scored here against their captions."""
+    from bcg.diffusers.shapes.score import adherence
+
+    data = np.load(npz)
+    pictures, captions = data[key], [str(c) for c in data["captions"]]
+    scored = adherence(pictures, captions)
+    ok = [r["colour_shape"] for r in scored["per_image"]]
+    return sample_grid(pictures, captions, ok, png,
+                       f"shapes-flux samples ({key}, 64x64, seed = index): colour and shape right in "
+                       f"{scored['rates']['colour_shape']:.0%} of {len(captions)} (red titles: wrong)")
 
 
 def main(argv=None) -> int:
@@ -479,7 +502,11 @@ def main(argv=None) -> int:
     parser.add_argument("--eval-cfg", type=float, default=0.0, help="also score with true CFG at this scale")
     parser.add_argument("--smoke", action="store_true", help="tiny budgets (a CPU check of the whole script)")
     parser.add_argument("--plot-only", metavar="JSON", help="only draw the PNGs of a written log (and samples)")
+    parser.add_argument("--grid", nargs=3, metavar=("NPZ", "KEY", "PNG"),
+                        help="only draw a grid of samples: a samples file, its pictures' key, the PNG")
     args = parser.parse_args(argv)
+    if args.grid:
+        return 0 if grid_of(*args.grid) else 1
     if args.plot_only:
         with open(args.plot_only) as f:
             log = json.load(f)

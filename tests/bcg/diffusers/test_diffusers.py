@@ -32,6 +32,7 @@ EXPECTED_BREAKS = {
     "tiny-sana": ["SanaLinearAttnProcessor2_0.__call__", "scaled_dot_product_attention"] * 2,
     "tiny-wan": ["dispatch_attention_fn"] * 4,
     "tiny-qwen-image": ["dispatch_attention_fn"] * 2,
+    "shapes-flux": ["dispatch_attention_fn"] * 6,
 }
 
 

@@ -1,0 +1,62 @@
+"""bench_quality and train_shapes_flux on CPU: SSIM and PSNR behave, the exact path runs and the levers
+say why they cannot run here; training's pre-tokenized text is what the pipeline's own encode gives."""
+import json
+import os
+import sys
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+import bench_quality  # noqa: E402
+import train_shapes_flux  # noqa: E402
+
+from bcg.diffusers.shapes.data import make_batch  # noqa: E402
+
+
+def test_ssim_and_psnr_are_one_and_inf_for_equal_pictures_and_fall_with_damage():
+    pictures, _, _ = make_batch(0, 4)
+    damaged = pictures.copy()
+    damaged[:, 20:40, 20:40] = 255 - damaged[:, 20:40, 20:40]
+
+    def noisy(sigma):
+        noise = np.random.default_rng(0).normal(0, sigma, pictures.shape)
+        return np.clip(pictures + noise, 0, 255).astype(np.uint8)
+
+    assert np.allclose(bench_quality.ssim(pictures, pictures), 1.0)
+    assert np.isinf(bench_quality.psnr(pictures, pictures)).all()
+    assert np.allclose(bench_quality.ssim(pictures, damaged), bench_quality.ssim(damaged, pictures))
+    assert (bench_quality.ssim(pictures, damaged) < 0.9).all()
+    assert (bench_quality.ssim(pictures, noisy(8)) < bench_quality.ssim(pictures, noisy(2))).all()
+    assert (bench_quality.psnr(pictures, noisy(8)) < bench_quality.psnr(pictures, noisy(2))).all()
+    assert (np.abs(bench_quality.psnr(pictures, noisy(4)) - 36.1) < 1.5).all()  # sigma 4 noise: ~36 dB
+
+
+def test_quality_bench_on_cpu_runs_the_exact_path_and_says_why_the_levers_do_not(tmp_path, saved_figures):
+    out = tmp_path / "q.json"
+    assert bench_quality.main(["--allow-cpu", "--prompts", "2", "--steps", "1", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["reference"] == "fp32" and result["prompts"] == 2
+    variants = result["variants"]
+    assert variants["fp32"]["applies"] and set(variants["fp32"]["adherence"]) >= {"colour_shape", "all"}
+    for name in ("bf16", "fp8", "fa3_fp8", "fp8+fa3_fp8"):
+        assert variants[name]["applies"] is False and variants[name]["reason"], name
+    assert result["truth_adherence"]["all"] == 1.0
+    assert len(saved_figures) == 1
+
+
+def test_training_text_ids_encode_as_the_pipeline_does():
+    from bcg.diffusers.shapes.model import untrained_shapes_flux
+
+    pipe = untrained_shapes_flux()
+    _, captions, _ = make_batch(0, 30)
+    text = train_shapes_flux.TextIds(pipe, captions, "cpu")
+    for length in (32, 64, 512):
+        idx = np.flatnonzero(text.tokens <= length)[:3]
+        dropped = np.array([False, True, False][:len(idx)])
+        embeds, pooled, ids = text.encode(idx, dropped, length)
+        prompts = ["" if d else captions[i] for i, d in zip(idx, dropped)]
+        with torch.no_grad():
+            expected = pipe.encode_prompt(prompt=prompts, prompt_2=None, device="cpu", max_sequence_length=length)
+        for got, want in zip((embeds, pooled, ids), expected):
+            assert torch.equal(got, want), length
