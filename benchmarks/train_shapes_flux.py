@@ -396,7 +396,9 @@ def run(args) -> dict:
     pipe.transformer = ema
     record = {k: log[k] for k in ("params", "data", "vae_latents")}
     record.update(steps={"vae": log.get("vae", {}).get("steps"), "transformer": log["transformer"]["steps"]},
-                  command=log["command"], machine=log["machine"].get("gpu") or "cpu")
+                  command=log["command"], machine=log["machine"].get("gpu") or "cpu", init=args.init,
+                  init_record=json.loads(open(os.path.join(args.init, "shapes_flux.json")).read())["record"]
+                  if args.init else None)
     log["weights_bytes"] = export(pipe, args.weights, args.parts, record)
     say("weights:", log["weights_bytes"])
     # evaluate what ships: the exported weights, loaded as load_pipeline loads them (float32)
