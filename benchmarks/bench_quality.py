@@ -19,13 +19,16 @@ it. Today's variants go through `bcg.diffusers.accelerate` with a `RunnerConfig`
 every linear of this model has dims that are multiples of 16, so all become float8), ``fa3_fp8`` and
 ``fp8+fa3_fp8`` (FlashAttention-3 on float8 inputs; the model's 32-wide heads may be a size FA3 refuses,
 then the runner falls back to SDPA and the variant's ``attention`` says so). A step-caching variant is one
-more entry: ``VARIANTS["first_block_0.1"] = _variant("bfloat16", ...)`` with its RunnerConfig fields, or
-``lambda args: accelerated(args, torch.bfloat16, config, cache=...)`` for a call argument. The model is small (9M parameters, 16 image tokens):
+more entry: ``_cached(method, **StepCacheConfig fields)`` (First-Block Cache at 0.05, 0.1 and 0.2 and a
+16-of-28-step schedule are there; each prompt is then its own ``pipe`` call, as step caching decides per
+request, and the variant reports its steps computed and cached), in the reference's dtype, so on a CPU
+they run too, against fp32. The model is small (9M parameters, 16 image tokens):
 these are quality figures, not speed figures; speed is `bench_fp8.py`'s.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import subprocess
 import sys
@@ -49,10 +52,25 @@ class NotApplicable(Exception):
 class Sampler:
     """`shapes-flux` in one configuration: ``sampler(prompts, seeds)`` -> uint8 pictures (n, 64, 64, 3)."""
 
-    def __init__(self, pipe, args, call_kwargs: dict):
-        self.pipe, self.args, self.call_kwargs = pipe, args, call_kwargs
+    def __init__(self, pipe, args, call_kwargs: dict, cache=None):
+        self.pipe, self.args, self.call_kwargs, self.cache = pipe, args, call_kwargs, cache
+        self.steps = {"computed": 0, "cached": 0}
 
     def __call__(self, prompts, seeds) -> np.ndarray:
+        if self.cache is None:
+            return self._call(prompts, seeds)
+        # step caching decides per request: one prompt a call, so each picture's steps are its own
+        from bcg.diffusers.step_cache import step_cache_of
+
+        hook, out = step_cache_of(self.pipe), []
+        for prompt, seed in zip(prompts, seeds):
+            with hook.plain_request(self.cache) as counts:
+                out.append(self._call([prompt], [seed]))
+            for k in self.steps:
+                self.steps[k] += counts[k]
+        return np.concatenate(out)
+
+    def _call(self, prompts, seeds) -> np.ndarray:
         import torch
 
         gens = [torch.Generator(self.args.device).manual_seed(int(s)) for s in seeds]
@@ -79,24 +97,44 @@ class Sampler:
 
         transformer = unwrap_runner(self.pipe.transformer)
         report = quantize_report(transformer)
-        return {"quantize": report.as_dict() if report is not None else None,
+        info = {"quantize": report.as_dict() if report is not None else None,
                 "attention": attention_stats(transformer)}
+        if self.cache is not None:
+            total = sum(self.steps.values())
+            info["cache"] = {"config": dataclasses.asdict(self.cache), **self.steps,
+                             "cached_share": round(self.steps["cached"] / total, 4) if total else None}
+        return info
 
 
-def accelerated(args, dtype, config=None, **call_kwargs) -> Sampler:
-    """`shapes-flux` in `dtype` through `bcg.diffusers.accelerate` with `config` (default: SDPA attention).
-    Calls run eagerly through the runners unless the variant warms them (`Sampler.warm`): quality does not
-    depend on graphs, whose replay equals eager bit for bit. `call_kwargs` go to every pipeline call."""
+def accelerated(args, dtype, config=None, cache=None, **call_kwargs) -> Sampler:
+    """`shapes-flux` in `dtype` through `bcg.diffusers.accelerate` with `config` (default: SDPA attention),
+    with step caching (`bcg.diffusers.enable_step_cache`) when `cache` is a `StepCacheConfig`. Calls run
+    eagerly through the runners unless the variant warms them (`Sampler.warm`): quality does not depend on
+    graphs, whose replay equals eager bit for bit. `call_kwargs` go to every pipeline call."""
     import torch
 
-    from bcg.diffusers import accelerate
+    from bcg.diffusers import accelerate, enable_step_cache
     from bcg.diffusers.models import load_pipeline
     from bcg.runtime.config import RunnerConfig
 
+    if dtype is None:  # the reference's dtype: a lever measured alone
+        dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
     if dtype != torch.float32 and not args.device.startswith("cuda"):
         raise NotApplicable(f"{dtype} is a GPU path; the exact path on {args.device} is float32")
     pipe = load_pipeline("shapes-flux", device=args.device, dtype=dtype)
-    return Sampler(accelerate(pipe, config=config or RunnerConfig(attention_backend="sdpa")), args, call_kwargs)
+    if cache is not None:
+        enable_step_cache(pipe)
+    pipe = accelerate(pipe, config=config or RunnerConfig(attention_backend="sdpa"))
+    return Sampler(pipe, args, call_kwargs, cache=cache)
+
+
+def _cached(method: str, **fields):
+    """A step-caching builder: `shapes-flux` in the reference's dtype, each prompt its own request."""
+    def build(args) -> Sampler:
+        from bcg.diffusers.step_cache import StepCacheConfig
+
+        return accelerated(args, None, cache=StepCacheConfig(method=method, **fields))
+    return build
 
 
 def _needs_fp8(args) -> None:
@@ -144,6 +182,13 @@ VARIANTS = {
     "fa3_fp8": _variant("bfloat16", checks=(_needs_hopper,), attention_backend="fa3_fp8"),
     "fp8+fa3_fp8": _variant("bfloat16", checks=(_needs_fp8, _needs_hopper), quantize="fp8",
                             attention_backend="fa3_fp8"),
+    # step caching (bcg.diffusers.step_cache), in the reference's dtype: First-Block Cache by threshold,
+    # and a fixed schedule computing 16 of 28 steps (benchmarks/run_step_cache_gpu.sh's)
+    "first_block_0.05": _cached("first_block", threshold=0.05),
+    "first_block_0.1": _cached("first_block", threshold=0.1),
+    "first_block_0.2": _cached("first_block", threshold=0.2),
+    "schedule_16of28": _cached("schedule", warmup_steps=0, schedule=(0, 1, 2, 3, 5, 7, 9, 11, 13, 15, 17, 19,
+                                                                      21, 23, 25, 27)),
 }
 
 
@@ -257,23 +302,28 @@ def plot(result: dict, png: str) -> bool:
         return False
     ran = {n: v for n, v in result["variants"].items() if v.get("applies")}
     names = list(ran)
-    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
+
+    def label(n):
+        share = (ran[n].get("cache") or {}).get("cached_share")
+        return n if share is None else f"{n}\n{share:.0%} cached"
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
     adh = [ran[n]["adherence"]["colour_shape"] * 100 for n in names]
     allk = [ran[n]["adherence"]["all"] * 100 for n in names]
     xs = np.arange(len(names))
     axes[0].bar(xs - 0.2, adh, 0.4, label="colour and shape")
     axes[0].bar(xs + 0.2, allk, 0.4, label="every attribute")
     axes[0].set(title="caption adherence (%)", ylim=(0, 100), xticks=xs)
-    axes[0].set_xticklabels(names, rotation=20)
+    axes[0].set_xticklabels([label(n) for n in names], rotation=30, fontsize=7)
     axes[0].legend(fontsize=7)
     others = [n for n in names if "psnr_db" in ran[n]]
-    for ax, key, label in ((axes[1], "psnr_db", "PSNR against %s (dB)"), (axes[2], "ssim", "SSIM against %s")):
+    for ax, key, title in ((axes[1], "psnr_db", "PSNR against %s (dB)"), (axes[2], "ssim", "SSIM against %s")):
         med = [ran[n][key]["median"] if ran[n][key]["median"] != "inf" else np.nan for n in others]
         low = [ran[n][key]["min"] if ran[n][key]["min"] != "inf" else np.nan for n in others]
         ax.bar(np.arange(len(others)), med, 0.5, label="median")
         ax.scatter(np.arange(len(others)), low, color="k", marker="_", s=200, label="worst picture")
-        ax.set(title=label % result["reference"], xticks=np.arange(len(others)))
-        ax.set_xticklabels(others, rotation=20)
+        ax.set(title=title % result["reference"], xticks=np.arange(len(others)))
+        ax.set_xticklabels([label(n) for n in others], rotation=30, fontsize=7)
         ax.legend(fontsize=7)
     skipped = [f"{n}: {v['reason']}" for n, v in result["variants"].items() if not v.get("applies")]
     machine = result["machine"].get("gpu") or "CPU"

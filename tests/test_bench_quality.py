@@ -34,13 +34,19 @@ def test_ssim_and_psnr_are_one_and_inf_for_equal_pictures_and_fall_with_damage()
 
 def test_quality_bench_on_cpu_runs_the_exact_path_and_says_why_the_levers_do_not(tmp_path, saved_figures):
     out = tmp_path / "q.json"
-    assert bench_quality.main(["--allow-cpu", "--prompts", "2", "--steps", "1", "--out", str(out)]) == 0
+    names = "fp32,bf16,bf16_graphs,fp8,fa3_fp8,fp8+fa3_fp8,schedule_16of28"
+    assert bench_quality.main(["--allow-cpu", "--prompts", "2", "--steps", "6", "--variants", names,
+                               "--out", str(out)]) == 0
     result = json.loads(out.read_text())
     assert result["reference"] == "fp32" and result["prompts"] == 2
     variants = result["variants"]
     assert variants["fp32"]["applies"] and set(variants["fp32"]["adherence"]) >= {"colour_shape", "all"}
-    for name in ("bf16", "fp8", "fa3_fp8", "fp8+fa3_fp8"):
+    for name in ("bf16", "bf16_graphs", "fp8", "fa3_fp8", "fp8+fa3_fp8"):
         assert variants[name]["applies"] is False and variants[name]["reason"], name
+    # step caching runs on a CPU too, against fp32: steps 0-3 and 5 of 6 computed for each of the 2 prompts
+    cached = variants["schedule_16of28"]
+    assert cached["applies"] and (cached["cache"]["computed"], cached["cache"]["cached"]) == (10, 2)
+    assert cached["psnr_db"]["identical"] == 0 and 15 < cached["psnr_db"]["median"] < 80
     assert result["truth_adherence"]["all"] == 1.0
     assert len(saved_figures) == 1
 
