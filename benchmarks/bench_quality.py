@@ -40,7 +40,7 @@ sys.path.insert(1, os.path.dirname(HERE))
 
 import numpy as np  # noqa: E402
 
-from _common import add_plot_only, machine_info, pyplot, run_or_plot, save_figure  # noqa: E402
+from _common import add_plot_only, machine_info, pyplot, run_or_plot, save_figure, write_json  # noqa: E402
 
 EVAL_SEED = 10_000_000
 
@@ -289,6 +289,9 @@ def run(args) -> dict:
         del sampler
         if cuda:
             torch.cuda.empty_cache()
+        # rewritten after every variant: a run cut off by its timeout keeps the variants it finished
+        write_json(args.out, {**result, "variants": {n: {k: v for k, v in e.items() if k != "_colour_shape"}
+                                                     for n, e in result["variants"].items()}})
     for entry in result["variants"].values():
         entry.pop("_colour_shape", None)
     if args.samples:

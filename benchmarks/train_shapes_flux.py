@@ -281,6 +281,26 @@ class TextIds:
         return embeds, pooled, text_ids
 
 
+SEED = 20240607  # bcg.diffusers.builtin_models' seed: the text encoders start where tiny-flux's do
+
+
+def untrained_shapes_flux():
+    """The pipeline training starts from: seeded random weights, the built-in tiny text encoders (frozen
+    there) and offline tokenizers."""
+    import torch
+
+    from bcg.diffusers.builtin_models import clip_text, t5_encoder
+    from bcg.diffusers.builtin_tokenizers import build_tokenizer
+    from bcg.diffusers.shapes.model import TOKENIZERS, assemble_shapes_flux, shapes_transformer, shapes_vae
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(SEED)
+        text_encoder, text_encoder_2 = clip_text(32), t5_encoder(64)
+        transformer, vae = shapes_transformer(), shapes_vae()
+    tokenizers = {name: build_tokenizer(style, length) for name, (style, length) in TOKENIZERS.items()}
+    return assemble_shapes_flux(transformer, vae, text_encoder, text_encoder_2, **tokenizers)
+
+
 def _mu(pipe, image_seq_len: int) -> float:
     c = pipe.scheduler.config
     m = (c.max_shift - c.base_shift) / (c.max_image_seq_len - c.base_image_seq_len)
@@ -356,7 +376,7 @@ def run(args) -> dict:
     import torch
     from diffusers.utils import logging as diffusers_logging
 
-    from bcg.diffusers.shapes.model import build_shapes_flux, untrained_shapes_flux
+    from bcg.diffusers.shapes.model import build_shapes_flux
 
     diffusers_logging.set_verbosity_error()  # empty captions would warn of truncation at every step
     torch.manual_seed(0)

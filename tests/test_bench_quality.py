@@ -52,9 +52,7 @@ def test_quality_bench_on_cpu_runs_the_exact_path_and_says_why_the_levers_do_not
 
 
 def test_training_text_ids_encode_as_the_pipeline_does():
-    from bcg.diffusers.shapes.model import untrained_shapes_flux
-
-    pipe = untrained_shapes_flux()
+    pipe = train_shapes_flux.untrained_shapes_flux()
     _, captions, _ = make_batch(0, 30)
     text = train_shapes_flux.TextIds(pipe, captions, "cpu")
     for length in (32, 64, 512):

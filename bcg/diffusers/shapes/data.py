@@ -117,7 +117,7 @@ def contrast(colour: str, background: Sequence[str]) -> float:
     return _segment_distance(c, ends[0], ends[-1])
 
 
-def _placements(rng: np.random.Generator, scene: Scene, side: float = 1.0, tries: int = 200):
+def _placements(rng: np.random.Generator, scene: Scene, tries: int = 200):
     """Centres (fraction of the side) for the scene's shapes, or None when none were found in `tries`."""
     d = SIZES[scene.size]
     lo, hi = _MARGIN + d / 2, 1 - _MARGIN - d / 2
@@ -125,7 +125,7 @@ def _placements(rng: np.random.Generator, scene: Scene, side: float = 1.0, tries
     x0, x1, y0, y1 = {"left": (lo, 0.4, lo, hi), "right": (0.6, hi, lo, hi), "top": (lo, hi, lo, 0.4),
                       "bottom": (lo, hi, 0.6, hi), "center": (0.3, 0.7, 0.3, 0.7)}[scene.position]
     for _ in range(tries):
-        centres = rng.uniform((min(x0, x1), min(y0, y1)), (max(x0, x1), max(y0, y1)), size=(scene.count, 2))
+        centres = rng.uniform((x0, y0), (x1, y1), size=(scene.count, 2))
         gaps_ok = all(np.abs(centres[i] - centres[j]).max() >= d + _GAP
                       for i in range(scene.count) for j in range(i))
         # the region must not change when the shapes move by 1.5 pixels at 64x64 (pixel rounding)

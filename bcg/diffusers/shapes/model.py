@@ -7,8 +7,9 @@ version cannot change what the transformer was trained on); an `AutoencoderKL` (
 channels, as FLUX's) and a `FluxTransformer2DModel` (2 double + 4 single blocks, 256 wide, no guidance
 embedding) trained by `benchmarks/train_shapes_flux.py`. Its default size is the trained 64x64.
 
-`build_shapes_flux(weights_dir)` loads the shipped weights (a clear error when they are missing);
-`untrained_shapes_flux()` is the same pipeline with the seeded random weights training starts from.
+`build_shapes_flux(weights_dir)` loads the shipped weights (a clear error when they are missing), the text
+encoders rebuilt from the configs saved beside them; `benchmarks/train_shapes_flux.py` assembles the
+untrained pipeline from `shapes_transformer`, `shapes_vae` and the built-in tiny text encoders.
 """
 from __future__ import annotations
 
@@ -18,16 +19,17 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["SIZE", "WEIGHTS_DIR", "build_shapes_flux", "save_shapes_flux", "untrained_shapes_flux"]
+__all__ = ["SIZE", "TOKENIZERS", "WEIGHTS_DIR", "assemble_shapes_flux", "build_shapes_flux", "save_shapes_flux",
+           "shapes_transformer", "shapes_vae"]
 
 WEIGHTS_DIR = Path(__file__).with_name("weights")
 SIZE = 64          # the trained size (pixels, square)
-_SEED = 20240607   # bcg.diffusers.builtin_models' seed: the text encoders start where tiny-flux's do
 _COMPONENTS = ("transformer", "vae", "text_encoder", "text_encoder_2")
-_TOKENIZERS = {"tokenizer": ("clip", 77), "tokenizer_2": ("t5", 512)}
+TOKENIZERS = {"tokenizer": ("clip", 77), "tokenizer_2": ("t5", 512)}  # built-in tokenizer style, length
 
 
-def _transformer():
+def shapes_transformer():
+    """The transformer's architecture (seeded by the caller)."""
     from diffusers import FluxTransformer2DModel
 
     return FluxTransformer2DModel(
@@ -37,7 +39,8 @@ def _transformer():
     )
 
 
-def _vae(scaling_factor: float = 1.0, shift_factor: float = 0.0):
+def shapes_vae(scaling_factor: float = 1.0, shift_factor: float = 0.0):
+    """The VAE's architecture; the latents' scaling and shift are measured after its training."""
     from diffusers import AutoencoderKL
 
     return AutoencoderKL(
@@ -58,7 +61,8 @@ def _scheduler():
     )
 
 
-def _assemble(transformer, vae, text_encoder, text_encoder_2, tokenizer, tokenizer_2):
+def assemble_shapes_flux(transformer, vae, text_encoder, text_encoder_2, tokenizer, tokenizer_2):
+    """The FluxPipeline of these parts, with the scheduler and the default size of `shapes-flux`."""
     from diffusers import FluxPipeline
 
     pipe = FluxPipeline(
@@ -68,19 +72,6 @@ def _assemble(transformer, vae, text_encoder, text_encoder_2, tokenizer, tokeniz
     pipe.default_sample_size = SIZE // pipe.vae_scale_factor  # FluxPipeline: default size = this x 8
     pipe.set_progress_bar_config(disable=True)
     return pipe
-
-
-def untrained_shapes_flux():
-    """The pipeline training starts from: seeded random weights, the built-in tokenizers."""
-    from bcg.diffusers.builtin_models import clip_text, t5_encoder
-    from bcg.diffusers.builtin_tokenizers import build_tokenizer
-
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(_SEED)
-        text_encoder, text_encoder_2 = clip_text(32), t5_encoder(64)
-        transformer, vae = _transformer(), _vae()
-    tokenizers = {name: build_tokenizer(style, length) for name, (style, length) in _TOKENIZERS.items()}
-    return _assemble(transformer, vae, text_encoder, text_encoder_2, **tokenizers)
 
 
 def save_shapes_flux(pipe, directory, dtype: torch.dtype = torch.bfloat16, record: dict | None = None) -> dict:
@@ -102,14 +93,32 @@ def save_shapes_flux(pipe, directory, dtype: torch.dtype = torch.bfloat16, recor
         path = directory / f"{name}.safetensors"
         save_file(state, str(path))
         sizes[path.name] = path.stat().st_size
-    for name in _TOKENIZERS:
+    for name in TOKENIZERS:
         path = directory / f"{name}.json"
         getattr(pipe, name).backend_tokenizer.save(str(path))
         sizes[path.name] = path.stat().st_size
     meta = {"size": SIZE, "scaling_factor": float(pipe.vae.config.scaling_factor),
-            "shift_factor": float(pipe.vae.config.shift_factor), "record": record or {}}
+            "shift_factor": float(pipe.vae.config.shift_factor), "record": record or {},
+            "text_encoders": {name: _text_config(getattr(pipe, name)) for name in ("text_encoder", "text_encoder_2")}}
     (directory / "shapes_flux.json").write_text(json.dumps(meta, indent=1, sort_keys=True) + "\n")
     return sizes
+
+
+def _text_config(encoder) -> dict:
+    """The class and the architecture fields of a text encoder's config (what `_text_encoder` rebuilds)."""
+    config = encoder.config.to_diff_dict()
+    config.pop("transformers_version", None)
+    return {"class": type(encoder).__name__, "config": config}
+
+
+def _text_encoder(spec: dict):
+    import transformers
+
+    classes = {"CLIPTextModel": "CLIPTextConfig", "T5EncoderModel": "T5Config"}
+    if spec["class"] not in classes:
+        raise ValueError(f"shapes-flux text encoder must be one of {sorted(classes)}, got {spec['class']!r}")
+    config = getattr(transformers, classes[spec["class"]]).from_dict(spec["config"])
+    return getattr(transformers, spec["class"])(config).eval()
 
 
 def _tokenizer(path: Path, model_max_length: int):
@@ -135,12 +144,11 @@ def build_shapes_flux(weights_dir: "str | os.PathLike | None" = None):
         )
     meta = json.loads(meta_path.read_text())
     with torch.random.fork_rng(devices=[]):  # the modules' own init is overwritten; keep the caller's RNG
-        from bcg.diffusers.builtin_models import clip_text, t5_encoder
-
-        modules = {"transformer": _transformer(), "vae": _vae(meta["scaling_factor"], meta["shift_factor"]),
-                   "text_encoder": clip_text(32), "text_encoder_2": t5_encoder(64)}
+        modules = {"transformer": shapes_transformer(),
+                   "vae": shapes_vae(meta["scaling_factor"], meta["shift_factor"]),
+                   **{name: _text_encoder(spec) for name, spec in meta["text_encoders"].items()}}
     for name, module in modules.items():
         state = load_file(str(directory / f"{name}.safetensors"))
         module.load_state_dict({k: v.float() for k, v in state.items()}, strict=True)
-    tokenizers = {name: _tokenizer(directory / f"{name}.json", length) for name, (_, length) in _TOKENIZERS.items()}
-    return _assemble(**modules, **tokenizers)
+    tokenizers = {name: _tokenizer(directory / f"{name}.json", length) for name, (_, length) in TOKENIZERS.items()}
+    return assemble_shapes_flux(**modules, **tokenizers)
