@@ -228,7 +228,7 @@ def main(argv=None):
 
     probe = build()
     key, planned = plan_request(probe, args.prompt, size=args.size, steps=args.steps, seed=0,
-                                output_type=args.output_type)
+                                output_type=args.output_type, prompt_buckets=True)
     planned.pop("generator")
     results["shape_key"] = key.key
     results["call"] = {k: v for k, v in planned.items()} | {"generator": "torch.Generator('cpu').manual_seed(0)"}

@@ -165,7 +165,9 @@ def check_request(req: ImageGenerationRequest, limits: RequestLimits, served_mod
 
     The key is `request_shape_key` of the request on the model `info` describes, with the
     deployment's `default_size` (None: the model's) when the request gives none: the one place a
-    served request's key is computed; the replica runs the request at it.
+    served request's key is computed; the replica runs the request at it. Its text length follows
+    `request_prompt_bucket`, the library's rule too: the model's default (no ``.p``), so `generate`
+    gives the image the server does.
     """
     if req.response_format != "b64_json":
         raise FieldError("response_format", "only 'b64_json' is supported; 'url' is not "

@@ -13,12 +13,19 @@ that length per request as the smallest bucket that holds the prompt (`prompt_bu
 different lengths share one graph; the bucket then is the ``max_sequence_length`` passed to the
 pipeline. Prompts longer than the largest bucket are truncated by the pipeline, as they would be anyway.
 
+A request's text length follows one rule, `request_prompt_bucket`, inside `request_shape_key`, which the
+library (`plan_request`, `generate`) and the server's ingress both call: the pipeline's default length
+(no ``.p``) unless the caller names a bucket or asks for bucketing by token count. The padding length
+changes the image (the text tokens are attention keys), so the same request gives the same image from
+the library and from the server only because both take the default; the server's ingress has no
+tokenizer, so it never buckets.
+
 Validation helpers raise ``ValueError`` whose message names the fix.
 """
 from __future__ import annotations
 
 import logging
-from typing import Iterable, Mapping
+from typing import Callable, Iterable, Mapping
 
 from bcg.diffusers.families import family_named
 from bcg.diffusers.shape_key import ShapeKey, parse_size
@@ -26,7 +33,7 @@ from bcg.diffusers.shape_key import ShapeKey, parse_size
 logger = logging.getLogger(__name__)
 
 __all__ = ["PROMPT_BUCKETS", "ShapeKey", "buckets_up_to", "check_shape", "parse_plan", "parse_size", "prompt_bucket",
-           "request_shape_key"]
+           "request_prompt_bucket", "request_shape_key"]
 
 PROMPT_BUCKETS = (32, 64, 128, 256, 512)
 
@@ -46,6 +53,9 @@ def prompt_bucket(num_tokens: int, buckets: Iterable[int] = PROMPT_BUCKETS) -> i
             return bucket
     logger.debug("prompt of %d tokens exceeds the largest bucket %d; it will be truncated", num_tokens, ordered[-1])
     return ordered[-1]
+
+
+_smallest_bucket = prompt_bucket  # for `request_prompt_bucket`, whose argument of that name shadows it
 
 
 def check_shape(key: ShapeKey, size_multiple: int, *, frame_multiple: int | None = None) -> ShapeKey:
@@ -73,6 +83,30 @@ def check_shape(key: ShapeKey, size_multiple: int, *, frame_multiple: int | None
     return key
 
 
+def request_prompt_bucket(
+    info: Mapping,
+    *,
+    prompt_bucket: int | None = None,
+    prompt_buckets: bool | Iterable[int] = False,
+    count_tokens: Callable[[], int | None] | None = None,
+) -> int | None:
+    """The text length a request's prompt is padded to: the one rule, for the library and the server.
+
+    None (the pipeline's default ``max_sequence_length``, a key without ``.p``) unless the caller names a
+    `prompt_bucket`, or asks for bucketing (`prompt_buckets` True: the pipeline's buckets; an iterable:
+    those below its limit), which picks the smallest bucket holding ``count_tokens()`` tokens. A pipeline
+    without prompt buckets (no ``max_sequence_length``) keeps its default.
+    """
+    if prompt_bucket is not None:
+        return prompt_bucket
+    if not prompt_buckets or not info["prompt_buckets"] or count_tokens is None:
+        return None
+    allowed = info["prompt_buckets"] if prompt_buckets is True else \
+        buckets_up_to(info["max_prompt_tokens"], prompt_buckets)
+    tokens = count_tokens()
+    return None if tokens is None else _smallest_bucket(tokens, allowed)
+
+
 def request_shape_key(
     info: Mapping,
     *,
@@ -82,14 +116,17 @@ def request_shape_key(
     negative_prompt: str | None = None,
     num_frames: int | None = None,
     prompt_bucket: int | None = None,
+    prompt_buckets: bool | Iterable[int] = False,
+    count_tokens: Callable[[], int | None] | None = None,
 ) -> ShapeKey:
     """The shape key of a request to a pipeline that `info` describes (``bcg.diffusers.pipeline_info``).
 
     Computed once where a request enters (the serving layer's ingress, `bcg.diffusers.plan_request` for
     direct callers) and carried with the request from there. Size defaults to the pipeline's, frames to
-    the pipeline's for video (1 for images); CFG follows the family's `CfgRule`; the prompt bucket is
-    the one given (None: the pipeline's default length). Nothing is checked against the pipeline's
-    multiples here (`check_shape` does that); a size that is not ``"WxH"`` or a bad `n` raise.
+    the pipeline's for video (1 for images); CFG follows the family's `CfgRule`; the prompt bucket
+    follows `request_prompt_bucket` (by default none: the pipeline's default length). Nothing is
+    checked against the pipeline's multiples here (`check_shape` does that); a size that is not
+    ``"WxH"`` or a bad `n` raise.
     """
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ValueError(f"n must be a positive int, got {n!r}")
@@ -97,8 +134,10 @@ def request_shape_key(
     if num_frames is None:
         num_frames = info["default_frames"] if info["is_video"] else 1
     cfg = family_named(info["family"]).cfg.runs_cfg(guidance, negative_prompt, info["default_guidance"])
+    bucket = request_prompt_bucket(info, prompt_bucket=prompt_bucket, prompt_buckets=prompt_buckets,
+                                   count_tokens=count_tokens)
     return ShapeKey(height=height, width=width, num_frames=num_frames, batch_size=n, cfg=cfg,
-                    prompt_bucket=prompt_bucket)
+                    prompt_bucket=bucket)
 
 
 def parse_plan(items: Iterable[str | ShapeKey] | str) -> list[ShapeKey]:

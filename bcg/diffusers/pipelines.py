@@ -20,7 +20,6 @@ import torch
 
 from bcg.diffusers.accelerated import pipeline_runners
 from bcg.diffusers.buckets import ShapeKey, buckets_up_to, check_shape, parse_plan, parse_size, request_shape_key
-from bcg.diffusers.buckets import prompt_bucket as _bucket_for
 from bcg.diffusers.call_args import call_defaults, call_parameters
 from bcg.diffusers.families import family_named, family_of
 from bcg.runtime.proxy import unwrap_runner
@@ -138,7 +137,7 @@ def plan_request(
     guidance: float | None = None,
     seed: int | None = None,
     negative_prompt: str | None = None,
-    prompt_buckets: bool | Iterable[int] = True,
+    prompt_buckets: bool | Iterable[int] = False,
     prompt_bucket: int | None = None,
     output_type: str = "pil",
     info: dict | None = None,
@@ -150,9 +149,11 @@ def plan_request(
     prompt bucket and CFG come from it and are not derived or checked again; in debug runs (``assert``
     on, Python's default) the fields the call gives as well, its guidance's CFG and the pipeline's
     multiples are asserted to agree with it. Without a key, the key is computed and checked here: size
-    is ``"WxH"`` (default: the pipeline's); prompt buckets (on by default) set ``max_sequence_length`` to
-    the smallest bucket holding the prompt, `prompt_bucket` forces one, ``prompt_buckets=False`` keeps
-    the pipeline's default length (key without ``.p``); ``ValueError`` names what is wrong.
+    is ``"WxH"`` (default: the pipeline's); the text length follows `request_prompt_bucket`, the rule the
+    server's ingress follows too, so a request gives the same image here and over HTTP: the pipeline's
+    default length (key without ``.p``) unless `prompt_bucket` names one, or ``prompt_buckets=True`` (or
+    the buckets allowed) sets ``max_sequence_length`` to the smallest bucket holding the prompt (faster
+    for short prompts, a slightly different image); ``ValueError`` names what is wrong.
 
     guidance is the model's guidance knob, read by the family's `CfgRule`: the CFG scale (CFG runs
     when > 1) for SD3/PixArt/Sana/Wan and Qwen-Image (its ``true_cfg_scale``; the negative prompt
@@ -165,13 +166,9 @@ def plan_request(
     if not isinstance(prompt, str) or not prompt:
         raise ValueError("prompt must be a non-empty string")
     if key is None:
-        if prompt_bucket is None and prompt_buckets and info["prompt_buckets"]:
-            allowed = info["prompt_buckets"] if prompt_buckets is True else \
-                buckets_up_to(info["max_prompt_tokens"], prompt_buckets)
-            tokens = count_prompt_tokens(pipe, prompt, info)
-            prompt_bucket = _bucket_for(tokens, allowed) if tokens is not None else None
         key = request_shape_key(info, size=size, n=1 if n is None else n, guidance=guidance,
-                                negative_prompt=negative_prompt, num_frames=num_frames, prompt_bucket=prompt_bucket)
+                                negative_prompt=negative_prompt, num_frames=num_frames, prompt_bucket=prompt_bucket,
+                                prompt_buckets=prompt_buckets, count_tokens=lambda: count_prompt_tokens(pipe, prompt, info))
         check_shape(key, info["size_multiple"], frame_multiple=info["frame_multiple"] if info["is_video"] else None)
         _, guidance_kwargs = family.cfg.call_kwargs(guidance, negative_prompt, info["default_guidance"])
     else:

@@ -135,6 +135,32 @@ def test_http_round_trip_returns_png_of_requested_size(serve_app):
     assert stats["attention"] == {"choices": {}, "disagreements": []}   # CPU replicas route no attention
 
 
+def _pixels(image) -> np.ndarray:
+    return np.asarray(image.convert("RGB"), np.int16)
+
+
+def test_http_and_generate_give_the_same_image_for_the_same_request(serve_app):
+    # One rule for a request's text length (`bcg.diffusers.buckets.request_prompt_bucket`): the library's
+    # `generate` and the server both run the pipeline's default length, so the same request (float32 on
+    # CPU, as the app's replicas) gives the same image, up to the batcher's float rounding.
+    from bcg.diffusers import generate, load_pipeline
+
+    url, _ = serve_app
+    request = dict(size="64x64", steps=2, seed=11)
+    body = {"prompt": "a red boat", "size": request["size"], "num_inference_steps": request["steps"],
+            "seed": request["seed"]}
+    r = httpx.post(f"{url}/v1/images/generations", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    assert r.json()["bcg"]["shape_key"] == "64x64"
+    served = _pixels(Image.open(io.BytesIO(base64.b64decode(r.json()["data"][0]["b64_json"]))))
+    pipe = load_pipeline("tiny-flux", device="cpu")
+    library = _pixels(generate(pipe, "a red boat", **request)[0])
+    assert np.abs(served - library).max() <= 3
+    # what the test tells apart: the same request at another text length (a 32-token prompt bucket)
+    bucketed = _pixels(generate(pipe, "a red boat", prompt_buckets=True, **request)[0])
+    assert np.abs(served - bucketed).max() > 3
+
+
 @pytest.mark.parametrize("output_format, quality, pil_format", [("jpeg", 90, "JPEG"), ("webp", None, "WEBP")])
 def test_http_returns_jpeg_and_webp_of_the_same_image(serve_app, output_format, quality, pil_format):
     url, _ = serve_app

@@ -235,7 +235,7 @@ def test_max_batch_size_counts_image_rows_and_the_rest_waits(flux):
     batcher = StepBatcher(flux, max_batch_size=3, batch_buckets=(1, 2, 3))
     futures = [_submit(batcher, r) for r in requests]
     batcher.step()
-    assert batcher.load() == {"64x64.p32": {"running_rows": 3, "queued_rows": 1, "free_rows": 0}}
+    assert batcher.load() == {"64x64": {"running_rows": 3, "queued_rows": 1, "free_rows": 0}}
     _drain(batcher, futures)
     assert max(_diff(f, _alone(flux, r)) for f, r in zip(futures, requests)) <= BATCH_TOLERANCE
     assert len(futures[0].result()) == 2
@@ -364,7 +364,7 @@ def test_groups_of_different_keys_take_turns(sd3):
     futures = [_submit(batcher, r) for r in requests]
     batcher.step()
     batcher.step()
-    assert batcher.stats()["running_requests"] == {"64x64.cfg.p32": 1, "64x64.p32": 1}
+    assert batcher.stats()["running_requests"] == {"64x64.cfg": 1, "64x64": 1}
     _drain(batcher, futures)
     assert max(_diff(f, _alone(sd3, r)) for f, r in zip(futures, requests)) == 0.0  # each ran alone: bitwise
 
@@ -416,8 +416,8 @@ def test_close_fails_what_is_left_and_cancelled_requests_are_skipped(flux):
 
 def test_warmup_runs_the_bucket_plan_on_the_loop_thread(flux):
     with StepBatcher(flux, max_batch_size=2, batch_buckets=(1, 2)) as batcher:
-        report = batcher.warmup(["64x64.p32"], num_inference_steps=1)
-    assert [k["key"] for k in report["keys"]] == ["64x64.p32", "64x64.b2.p32"]
+        report = batcher.warmup(["64x64"], num_inference_steps=1)
+    assert [k["key"] for k in report["keys"]] == ["64x64", "64x64.b2"]
     assert all(k["error"] is None for k in report["keys"])
 
 
@@ -433,7 +433,7 @@ def test_warmup_captures_the_text_encoders_at_every_bucket_so_joint_encodes_repl
             runner._recorder = _RerunRecorder()
             runner._off = runner._off_reason()
         batcher = StepBatcher(pipe, max_batch_size=4, batch_buckets=(1, 2, 4))
-        report = batcher.warmup(["64x64.p32"], num_inference_steps=1)
+        report = batcher.warmup(["64x64"], num_inference_steps=1)
         assert report["failed"] == 0, report
         # buckets 1, 2 and 4: one graph each, the text encoders' at a batch of 1, 2 and 4 prompts
         assert {name: len(r.warm_signatures()) for name, r in runners.items()} == {name: 3 for name in runners}

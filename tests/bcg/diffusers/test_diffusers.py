@@ -391,16 +391,17 @@ def test_textual_inversion_shortcut_and_image_ids_cache_match_diffusers():
 
 def test_plan_request_keys_and_kwargs_per_family():
     flux = load_pipeline("tiny-flux")
-    key, kwargs = plan_request(flux, "a cat", size="128x64", n=2, steps=3, guidance=5.0, seed=1)
+    key, kwargs = plan_request(flux, "a cat", size="128x64", n=2, steps=3, guidance=5.0, seed=1, prompt_buckets=True)
     assert key == ShapeKey(height=64, width=128, batch_size=2, prompt_bucket=32)
     assert (kwargs["width"], kwargs["height"], kwargs["num_images_per_prompt"]) == (128, 64, 2)
     assert kwargs["guidance_scale"] == 5.0 and kwargs["max_sequence_length"] == 32
     assert kwargs["num_inference_steps"] == 3 and "negative_prompt" not in kwargs
-    key, kwargs = plan_request(flux, "a cat", negative_prompt="", size="64x64", prompt_buckets=False)
+    # by default the pipeline's own text length, as the server's requests (no .p, no max_sequence_length)
+    key, kwargs = plan_request(flux, "a cat", negative_prompt="", size="64x64")
     assert key.key == "64x64.cfg" and kwargs["true_cfg_scale"] == 4.0 and "max_sequence_length" not in kwargs
 
     wan = load_pipeline("tiny-wan")
-    key, kwargs = plan_request(wan, "a fox", size="64x32", num_frames=9)
+    key, kwargs = plan_request(wan, "a fox", size="64x32", num_frames=9, prompt_buckets=True)
     assert key.key == "64x32.f9.cfg.p32" and kwargs["num_frames"] == 9 and kwargs["num_videos_per_prompt"] == 1
     key, _ = plan_request(wan, "a fox", size="64x32", num_frames=9, guidance=1.0)
     assert not key.cfg
@@ -417,16 +418,20 @@ def test_plan_request_keys_and_kwargs_per_family():
 
 def test_prompt_buckets_follow_token_counts():
     pipe = load_pipeline("tiny-pixart")
-    short, _ = plan_request(pipe, "a cat", size="64x64")
-    longer, _ = plan_request(pipe, "a cat " * 12, size="64x64")
-    long, kwargs = plan_request(pipe, "a photo of a cat " * 20, size="64x64")
-    huge, _ = plan_request(pipe, "a photo of a cat " * 200, size="64x64")
+    short, _ = plan_request(pipe, "a cat", size="64x64", prompt_buckets=True)
+    longer, _ = plan_request(pipe, "a cat " * 12, size="64x64", prompt_buckets=True)
+    long, kwargs = plan_request(pipe, "a photo of a cat " * 20, size="64x64", prompt_buckets=True)
+    huge, _ = plan_request(pipe, "a photo of a cat " * 200, size="64x64", prompt_buckets=True)
     assert count_prompt_tokens(pipe, "a cat") < count_prompt_tokens(pipe, "a cat " * 12) <= 32
     assert 64 < count_prompt_tokens(pipe, "a photo of a cat " * 20) <= 128
     assert (short.prompt_bucket, longer.prompt_bucket, long.prompt_bucket, huge.prompt_bucket) == (32, 32, 128, 300)
     assert kwargs["max_sequence_length"] == 128
     forced, kwargs = plan_request(pipe, "a cat", size="64x64", prompt_bucket=64)
     assert forced.prompt_bucket == 64 == kwargs["max_sequence_length"]
+    chosen, _ = plan_request(pipe, "a photo of a cat " * 20, size="64x64", prompt_buckets=(32, 256))
+    assert chosen.prompt_bucket == 256
+    default, kwargs = plan_request(pipe, "a cat", size="64x64")  # no bucket asked for: the pipeline's length
+    assert default.prompt_bucket is None and "max_sequence_length" not in kwargs
 
 
 def test_prompts_in_one_bucket_reach_the_transformer_with_one_shape():
@@ -435,7 +440,7 @@ def test_prompts_in_one_bucket_reach_the_transformer_with_one_shape():
     pipe.transformer.register_forward_pre_hook(
         lambda m, args, kwargs: seen.append(tuple(kwargs["encoder_hidden_states"].shape)), with_kwargs=True)
     for prompt in ("a cat", "a photo of a cat sitting on a red chair in a sunny room"):
-        _run(pipe, "tiny-flux", prompt=prompt)
+        _run(pipe, "tiny-flux", prompt=prompt, prompt_buckets=True)
     assert seen == [(1, 32, 64), (1, 32, 64)]
 
 

@@ -93,7 +93,7 @@ def assert_served_by_replay(pipe, name, requests, expected, note=""):
 def test_prompts_in_one_bucket_replay_one_graph(name):
     pipe = accelerate(load_pipeline(name, device="cuda"), config=CONFIG)
     runner = pipeline_runners(pipe)["transformer"]
-    req = dict(size="64x64", steps=STEPS, seed=5, output_type="np")
+    req = dict(size="64x64", steps=STEPS, seed=5, output_type="np", prompt_buckets=True)
     short_key, _ = plan_request(pipe, "a cat", **req)
     long_key, _ = plan_request(pipe, "a photo of a cat sitting on a red chair in a sunny room", **req)
     assert short_key == long_key and short_key.prompt_bucket == 32

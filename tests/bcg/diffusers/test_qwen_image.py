@@ -75,10 +75,10 @@ def test_pipeline_info_and_requests_follow_true_cfg(pipe):
     assert (info["family"], info["size_multiple"], info["default_size"]) == ("qwen-image", 16, "1024x1024")
     assert (info["cfg_calls"], info["default_guidance"]) == ("separate", 4.0)  # true_cfg_scale's default
     assert info["prompt_buckets"] == [32, 64, 128, 256, 512]
-    key, kwargs = plan_request(pipe, SHORT, size="64x32", guidance=1.0)
+    key, kwargs = plan_request(pipe, SHORT, size="64x32", guidance=1.0, prompt_buckets=True)
     assert key.key == "64x32.p32" and kwargs["true_cfg_scale"] == 1.0 and "negative_prompt" not in kwargs
     assert "guidance_scale" not in kwargs and kwargs["max_sequence_length"] == 32
-    key, kwargs = plan_request(pipe, SHORT, size="64x32")  # the pipeline's default scale runs CFG
+    key, kwargs = plan_request(pipe, SHORT, size="64x32", prompt_buckets=True)  # the default scale runs CFG
     assert key.key == "64x32.cfg.p32" and kwargs["true_cfg_scale"] == 4.0 and kwargs["negative_prompt"] == " "
     _, kwargs = plan_request(pipe, SHORT, size="64x32", guidance=3.0, negative_prompt="blurry")
     assert kwargs["negative_prompt"] == "blurry"
@@ -99,7 +99,8 @@ def test_warmup_reproduces_its_keys_without_cuda():
 def test_prompts_of_one_bucket_give_one_transformer_signature(pipe, guidance):
     signatures = {}
     for prompt in (SHORT, LONG):
-        key, kwargs = plan_request(pipe, prompt, size="64x64", steps=1, seed=0, guidance=guidance, output_type="np")
+        key, kwargs = plan_request(pipe, prompt, size="64x64", steps=1, seed=0, guidance=guidance, output_type="np",
+                                   prompt_buckets=True)
         assert key.prompt_bucket == 32
         seen, _ = _transformer_signatures(pipe, kwargs)
         assert len(seen) == (2 if guidance > 1 else 1)  # CFG: a second call, same shapes
@@ -112,7 +113,7 @@ def test_prompts_of_one_bucket_give_one_transformer_signature(pipe, guidance):
 
 
 def test_requests_without_a_bucket_pad_to_the_pipelines_length(pipe):
-    key, kwargs = plan_request(pipe, SHORT, size="64x64", steps=1, guidance=1.0, prompt_buckets=False)
+    key, kwargs = plan_request(pipe, SHORT, size="64x64", steps=1, guidance=1.0)  # no bucket asked for
     assert key.prompt_bucket is None and "max_sequence_length" not in kwargs
     seen = []
     hook = pipe.transformer.register_forward_pre_hook(
@@ -148,7 +149,8 @@ def test_padded_image_equals_unpadded_within_the_measured_tolerance(guidance):
     mask (all ones) must be far off, so the test shows that the mask is what hides the padded positions.
     """
     plain, padded = load_pipeline("tiny-qwen-image"), load_pipeline("tiny-qwen-image")
-    _, kwargs = plan_request(padded, LONG, size="64x64", steps=2, seed=5, guidance=guidance, output_type="np")
+    _, kwargs = plan_request(padded, LONG, size="64x64", steps=2, seed=5, guidance=guidance, output_type="np",
+                             prompt_buckets=True)
     assert kwargs["max_sequence_length"] == 32 > count_prompt_tokens(padded, LONG)
     seen, got = _transformer_signatures(padded, kwargs)
     unpadded = {**kwargs, "generator": torch.Generator("cpu").manual_seed(5)}
