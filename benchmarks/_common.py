@@ -1,6 +1,7 @@
 """Small helpers shared by the benchmark scripts: machine facts, CUDA-event timing, JSON output.
 
-Stable on purpose (every benchmark imports it): ``machine_info() -> dict``,
+Stable on purpose (every benchmark imports it): ``machine_info() -> dict`` (with the source's ``commit`` and
+``dirty``: ``source_state(repo) -> dict``),
 ``time_cuda(fn, iters=50, warmup=10) -> float`` (median milliseconds), ``write_json(path, obj)``,
 ``sync(device)``, ``pick_device(args, say) -> bool``, ``runner_fields(text) -> dict`` (``--runner k=v,...``), ``save_figure(fig, path, dpi=120) -> True`` (the CUDA-or-``--allow-cpu`` rule of the end-to-end
 benchmarks), ``time_interleaved(variants, rounds=3, measure=...) -> dict`` and ``ratio(result, a, b)``: figures
@@ -13,15 +14,37 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import time
 
 import torch
 
 
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def source_state(repo: str = REPO) -> dict:
+    """The code a result was measured with: ``{"commit": HEAD's hash, "dirty": whether tracked files differ
+    from it}`` (``git rev-parse HEAD``, ``git status --porcelain``); both None where there is no git or no
+    repository (a copied tree). Untracked files (results being written) do not make the tree dirty."""
+    def git(*cmd) -> str:
+        return subprocess.run(["git", *cmd], cwd=repo, capture_output=True, text=True, timeout=30,
+                              check=True).stdout
+
+    try:
+        commit = git("rev-parse", "HEAD").strip()
+        changed = git("status", "--porcelain", "--untracked-files=no").strip()
+    except (OSError, subprocess.SubprocessError):
+        return {"commit": None, "dirty": None}
+    return {"commit": commit, "dirty": bool(changed)}
+
+
 def machine_info() -> dict:
-    """Where a result was measured: GPU, library versions, host basics (no secrets, no environment dump)."""
+    """Where a result was measured: GPU, library versions, host basics (no secrets, no environment dump), and
+    the commit it was measured at (`source_state`)."""
     info = {
+        **source_state(),
         "python": platform.python_version(),
         "platform": platform.platform(),
         "cpu_count": os.cpu_count(),

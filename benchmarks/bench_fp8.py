@@ -269,7 +269,7 @@ def _attention_of(module):
     from bcg.diffusers import attention_stats
 
     stats = attention_stats(module)
-    keep = ("backend", "candidates", "choices", "unavailable", "fallbacks")
+    keep = ("backend", "candidates", "choices", "unavailable", "fallbacks", "calls")
     return None if stats is None else {k: stats[k] for k in keep}
 
 

@@ -273,7 +273,8 @@ def main(argv=None) -> int:
 
         tmp = tempfile.mkdtemp(prefix="bench_served_variants_")
         mpd.make_pipeline_dir(args.model, tmp, device="cpu", dtype="float32", tiny=True)
-        args.pipelines_dir, args.sizes, args.steps, args.rounds, args.warmup_iters = tmp, ["64x64"], 2, 1, 0
+        # two rounds: enough to show that each round's ratio pairs that round's own times
+        args.pipelines_dir, args.sizes, args.steps, args.rounds, args.warmup_iters = tmp, ["64x64"], 2, 2, 0
     args.model_dir = os.path.join(args.pipelines_dir, args.model)
     if not os.path.isfile(os.path.join(args.model_dir, "model_index.json")):
         p.error(f"no pipeline directory at {args.model_dir}: write it with benchmarks/make_pipeline_dirs.py "

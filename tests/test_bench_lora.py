@@ -21,7 +21,10 @@ def test_smoke_run_switches_adapters_and_batches_four_adapters_in_one_step(tmp_p
     assert result["lora"]["adapters"].keys() == {"a0", "a1", "a2"} and result["lora"]["max_lora_rank"] == 4
     switches = result["switches"]
     assert [r["lora"] for r in switches["requests"]] == [None, "a0", "a1", "a2", "a0", None, "a2"]
-    assert switches["captures"] == 0 and switches["compiled_graphs"] == 0
+    # on CPU every call is eager (captures are the GPU run's to count; `targets` is tested below): each
+    # switch made the same calls as the base request, and the runners' totals are the requests' own records
+    eager = [r["eager_calls"] for r in switches["requests"]]
+    assert eager[0] > 0 and set(eager) == {eager[0]} and switches["eager_calls"] == sum(eager)
     assert set(result["interleaved"]["ms"]) == {"base", "adapter"}
     assert len(result["interleaved"]["adapter_over_base"]["rounds"]) == 3
     batch = result["batch"]
@@ -33,7 +36,10 @@ def test_smoke_run_switches_adapters_and_batches_four_adapters_in_one_step(tmp_p
     assert all(r["max_abs_diff_8bit"] <= rows["tolerance_8bit"] for r in rows["per_row"])
     assert [c["met"] for c in result["targets"]][0] is True and len(result["targets"]) == 4
     plain = result["no_lora_layers"]  # the same base request on an engine without LoRA layers
-    assert len(plain["base_ms"]["rounds"]) == 3 and plain["lora_layers_base_over_plain_base"] > 0
+    assert len(plain["base_ms"]["rounds"]) == 3
+    # the ratio is of the two measured medians: the LoRA engine's base requests over the plain engine's
+    lora_base, plain_base = result["interleaved"]["ms"]["base"]["median"], plain["base_ms"]["median"]
+    assert plain["lora_layers_base_over_plain_base"] == round(lora_base / plain_base, 4)
 
 
 def test_targets_flag_a_switch_that_captured_and_a_slow_mixed_batch():

@@ -175,17 +175,48 @@ def test_fp8_smoke_run_reports_why_fp8_is_off_and_times_both_variants_interleave
     assert row["rounds_done"] == 3 and set(row["ms"]) == {"bf16", "fp8"}
     pairs = zip(row["ms"]["bf16"]["rounds"], row["ms"]["fp8"]["rounds"])
     assert row["fp8_speedup"]["rounds"] == pytest.approx([a / b for a, b in pairs], rel=1e-3)  # per round, A over B
-    assert row["bf16"]["vs_bf16_eager"]["cosine"] > 0.9999       # fp8 off on CPU: the same module's output
+    # fp8 off on CPU: both variants' runners (eager here) compute the bf16 module's own output, exactly
+    assert row["bf16"]["vs_bf16_eager"]["max_abs"] == row["fp8"]["vs_bf16_eager"]["max_abs"] == 0.0
+    assert row["bf16"]["vs_bf16_eager"]["ref_max_abs"] > 0                # of a real output, not of zeros
     assert row["bf16"]["warmup_profile"] and row["bf16"]["warmup_profile"][0]["cumulative_s"] > 0
     kernels = tmp_path / "kernels.json"  # a variant naming its attention kernel: a copy of its own
     assert bench_fp8.main(["--allow-cpu", "--num-layers", "1", "--models", "flux.1-dev", "--sizes", "32",
                            "--iters", "1", "--variants", "fp8,fp8+fa3_fp8", "--out", str(kernels)]) == 0
     (kernel_row,) = json.loads(kernels.read_text())["timing"]
     assert set(kernel_row["speedup_vs_fp8"]) == {"fp8+fa3_fp8"}
-    assert kernel_row["fp8+fa3_fp8"]["attention"]["backend"] == "fa3_fp8"
-    assert "CUDA" in kernel_row["fp8+fa3_fp8"]["attention"]["unavailable"]["fa3_fp8"]
+    attention = kernel_row["fp8+fa3_fp8"]["attention"]
+    assert attention["backend"] == "fa3_fp8" and "CUDA" in attention["unavailable"]["fa3_fp8"]
+    assert set(attention["calls"]) == {"sdpa"}  # what ran: the fallback, reported as such
     errors = tmp_path / "errors.json"
     assert bench_fp8.main(["--allow-cpu", "--errors-only", "--num-layers", "1", "--models", "flux.1-dev",
                            "--sizes", "32", "--out", str(errors)]) == 0
     (error_row,) = json.loads(errors.read_text())["errors"]
     assert "fp8_eager_vs_bf16" not in error_row and error_row["quantize"]["mode"] == "fp8"
+
+
+def test_machine_info_records_the_commit_and_whether_the_tree_was_dirty(tmp_path, monkeypatch):
+    import subprocess
+
+    import _common
+
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    git = ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run([*git, "init", "-q"], check=True)
+    (repo / "a.py").write_text("x = 1\n")
+    subprocess.run([*git, "add", "a.py"], check=True)
+    subprocess.run([*git, "commit", "-qm", "a"], check=True)
+    head = subprocess.run([*git, "rev-parse", "HEAD"], check=True, capture_output=True, text=True).stdout.strip()
+    assert _common.source_state(str(repo)) == {"commit": head, "dirty": False}
+    (repo / "result.json").write_text("{}")   # untracked: a result being written leaves it clean
+    assert _common.source_state(str(repo))["dirty"] is False
+    (repo / "a.py").write_text("x = 2\n")
+    assert _common.source_state(str(repo)) == {"commit": head, "dirty": True}
+    plain = tmp_path / "copy"  # a copied tree without .git
+    plain.mkdir()
+    assert _common.source_state(str(plain)) == {"commit": None, "dirty": None}
+    monkeypatch.setenv("PATH", str(tmp_path / "nothing"))  # no git at all
+    assert _common.source_state(str(repo)) == {"commit": None, "dirty": None}
+    monkeypatch.undo()
+    info = _common.machine_info()   # the benchmarks' own checkout (None in a copy without .git)
+    assert {k: info[k] for k in ("commit", "dirty")} == _common.source_state(_common.REPO)

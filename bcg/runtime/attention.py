@@ -17,7 +17,9 @@ warm-up run before each capture is one. In code that dynamo compiles, the dispat
 (one compiled graph serves every shape under automatic dynamic shapes), and the op chooses when it first
 runs on real tensors. A shape first seen inside a capture runs the first kernel that takes it, untimed, and
 says so in `stats()`. A kernel that is missing or refuses a shape (a mask, a dtype, a head dim) is never an error:
-the call runs ``"sdpa"`` and the reason is logged once and counted.
+the call runs ``"sdpa"`` and the reason is logged once and counted. `stats()` ``"calls"`` counts the calls each
+kernel ran (eager runs, warm-up runs and captures; a graph replay runs its captured kernel without a call),
+so what ran is read there, not from the configured name.
 
 Layouts: ``"bhsd"`` (batch, heads, sequence, head dim: SDPA's) or ``"bshd"`` (diffusers' dispatcher and
 FlashAttention's); each kernel takes either through views, no copies.
@@ -136,6 +138,7 @@ class AttentionDispatch:
         self._lock = threading.Lock()
         self._choices: dict[_Shape, dict] = {}
         self._fallbacks: dict[str, int] = {}
+        self._calls: dict[str, int] = {}  # kernel -> calls it ran
         self._warned: set = set()
         self.id = next(_IDS)
         _DISPATCHES[self.id] = self  # the compiled op finds its dispatch by id (weakly held)
@@ -153,6 +156,8 @@ class AttentionDispatch:
     def run(self, query, key, value, attn_mask=None, is_causal=False, scale=None, layout="bhsd"):
         """The call on concrete tensors: choose the kernel for this shape (first time: timed), run it."""
         name = self.choose(_shape_of(query, key, layout), attn_mask is not None, is_causal)
+        with self._lock:
+            self._calls[name] = self._calls.get(name, 0) + 1
         return KERNELS[name](query, key, value, attn_mask, is_causal, scale, layout)
 
     def _casts_to_fp8(self, query, key, attn_mask, layout) -> bool:
@@ -204,9 +209,9 @@ class AttentionDispatch:
     def stats(self) -> dict:
         with self._lock:
             choices = [dict(r) for r in self._choices.values()]
-            fallbacks = dict(self._fallbacks)
+            fallbacks, calls = dict(self._fallbacks), dict(self._calls)
         return {"backend": self.backend, "candidates": list(self.candidates), "unavailable": dict(self.unavailable),
-                "choices": choices, "fallbacks": fallbacks}
+                "choices": choices, "fallbacks": fallbacks, "calls": calls}
 
     def _fallback(self, reason: str) -> None:
         with self._lock:

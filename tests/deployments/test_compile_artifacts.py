@@ -50,11 +50,13 @@ def test_artifacts_travel_from_the_compiling_replica_to_the_others_and_persist(r
         assert arts[taker]["load_errors"] == 0 and arts[taker]["mismatches"] == 0
         held = st["compile_artifacts"]["held"][KEY]
         assert st["compile_artifacts"]["offers"] == 1 and held["origin"]["replica"] == maker
-        # where the second replica's warmup went: its artifacts were a hit, and the split adds up
+        # where the second replica's warmup went: its artifacts were a hit; no part is counted twice (the
+        # remainder, other_s, would go negative), and it handed nothing over (test_replica checks the split)
         timing = st["replicas"][taker]["cold_start"]["warmup"]
         assert timing["artifacts"] == {KEY: "hit"}
         parts = ("wait_for_compile_s", "load_artifacts_s", "compile_s", "capture_s", "hand_off_s", "other_s")
-        assert abs(sum(timing[p] for p in parts) - timing["seconds"]) < 0.01 and timing["hand_off_s"] == 0
+        assert all(timing[p] >= 0 for p in parts) and timing["capture_s"] > 0, timing
+        assert timing["hand_off_s"] == 0
         assert st["replicas"][maker]["cold_start"]["warmup"]["artifacts"] == {KEY: "miss"}
         assert st["replicas"][taker]["compiled_while_serving"] == 0
         # persisted whole, made by the compiling replica

@@ -167,3 +167,16 @@ def test_held_gpu_names_torchs_device_and_rays_assignment(monkeypatch):
     assert describe_gpu(gpu) == "GPU 0 (NVIDIA H100 80GB HBM3; CUDA_VISIBLE_DEVICES=3,5)"
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
     assert describe_gpu(held_gpu("cuda:0")).endswith("CUDA_VISIBLE_DEVICES=unset)")
+
+
+def test_warmup_timing_splits_a_warmup_into_its_measured_parts():
+    from deployments.replica import _warmup_timing
+
+    # a key's `load_artifacts_s` holds its wait for another replica's compile, its `seconds` its compile
+    results = [{"key": "64x64", "artifacts": "hit", "wait_for_compile_s": 1.0, "load_artifacts_s": 3.0,
+                "compile_s": 2.0, "seconds": 5.0, "hand_off_s": 0.5, "graphs_compiled": 2},
+               {"key": "64x128", "artifacts": "miss", "load_artifacts_s": 0.25, "compile_s": 0.0, "seconds": 1.0}]
+    timing = _warmup_timing(results, seconds=12.0)
+    assert timing == {"seconds": 12.0, "wait_for_compile_s": 1.0, "load_artifacts_s": 2.25, "compile_s": 2.0,
+                      "capture_s": 4.0, "hand_off_s": 0.5, "other_s": 2.25, "graphs_compiled": 2,
+                      "artifacts": {"64x64": "hit", "64x128": "miss"}}

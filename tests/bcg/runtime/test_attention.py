@@ -29,6 +29,8 @@ def test_fa3_without_cuda_falls_back_to_sdpa_with_a_reason():
     assert dispatch.candidates == ["sdpa"] and "CUDA" in dispatch.unavailable["fa3"]
     q, k, v = _qkv()
     assert torch.equal(dispatch(q, k, v), F.scaled_dot_product_attention(q, k, v))
+    stats = dispatch.stats()
+    assert stats["backend"] == "fa3" and stats["calls"] == {"sdpa": 1}  # the configured name, what ran
     assert "CUDA" in backend_unavailable_reason("fa3", torch.device("cpu"))
     assert "unknown attention backend" in backend_unavailable_reason("fastest")
 
@@ -44,6 +46,7 @@ def test_a_mask_and_grouped_heads_go_through_sdpa():
     mask = torch.rand(2, 1, 24, 24) > 0.3
     expected = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
     assert torch.allclose(dispatch(q, k, v, attn_mask=mask), expected, atol=1e-5)
+    assert dispatch.stats()["calls"] == {"math": 1}
 
 
 def test_choices_are_recorded_per_shape():
@@ -53,7 +56,7 @@ def test_choices_are_recorded_per_shape():
     dispatch(*_qkv(s=40))
     choices = dispatch.stats()["choices"]
     assert [c["shape"] for c in choices] == ["2x4x24x24x16 float32", "2x4x40x40x16 float32"]
-    assert {c["backend"] for c in choices} == {"math"}
+    assert {c["backend"] for c in choices} == {"math"} and dispatch.stats()["calls"] == {"math": 3}
 
 
 def test_fa3_refuses_what_it_cannot_run():
