@@ -168,7 +168,8 @@ def plan_request(
     if key is None:
         key = request_shape_key(info, size=size, n=1 if n is None else n, guidance=guidance,
                                 negative_prompt=negative_prompt, num_frames=num_frames, prompt_bucket=prompt_bucket,
-                                prompt_buckets=prompt_buckets, count_tokens=lambda: count_prompt_tokens(pipe, prompt, info))
+                                prompt_buckets=prompt_buckets,
+                                count_tokens=lambda: count_prompt_tokens(pipe, prompt, info))
         check_shape(key, info["size_multiple"], frame_multiple=info["frame_multiple"] if info["is_video"] else None)
         _, guidance_kwargs = family.cfg.call_kwargs(guidance, negative_prompt, info["default_guidance"])
     else:

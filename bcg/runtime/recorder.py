@@ -1,17 +1,70 @@
-"""The CUDA side of a runner's capture: the warm-up run and the capture into the runner's one graph
-pool (`CudaRecorder.record`), the pool handle and capture stream each capture uses, the pool bytes it
-added, and the stream order between replays from different caller streams.
+"""How a runner's capture is recorded: `record_entry` turns one call into a `CaptureEntry` (static input
+buffers, the warm-up run and the capture), through the CUDA side, `CudaRecorder.record`: the capture into
+the runner's one graph pool, the pool handle and capture stream each capture uses, the pool bytes it
+added, and the stream order between replays from different caller streams. `whole_forward_break` is the
+module call as one eager break (``RunnerConfig.debug_single_break``).
 """
 import contextlib
+import time
 
 import torch
+import torch.utils._pytree as pytree
 
 from bcg.graphs import capture as _capture
-from bcg.graphs.capture import BreakableCUDAGraph, replay_token_scope
+from bcg.graphs.capture import BreakableCUDAGraph, eager_on_graph, replay_token_scope
 from bcg.graphs.streams import CaptureStream
 from bcg.runtime.config import RunnerConfig
+from bcg.runtime.entries import CaptureEntry
+from bcg.runtime.signature import ARGS_KEY, call_arguments, rebuild_kwargs
 
-__all__ = ["CudaRecorder", "current_stream_id"]
+__all__ = ["CudaRecorder", "current_stream_id", "record_entry", "whole_forward_break"]
+
+
+def record_entry(recorder, fn, signature, args, kwargs, leaves, token, device, warmup_runs, live_pools=()):
+    """Static buffers, warm-up, capture of ``fn(*args, **kwargs)`` (whose tensor `leaves` make
+    `signature`): a new `CaptureEntry`. Every tensor input gets a static device buffer, CPU inputs too
+    (their indices are the entry's ``host_inputs``), so the graph only reads device memory. Raises
+    whatever the capture raises; `live_pools` as for `CudaRecorder.record`."""
+    static_inputs, host_inputs = [], []
+    with torch.no_grad():
+        for i, t in enumerate(leaves):
+            buffer = torch.empty(t.shape, dtype=t.dtype, device=device)
+            buffer.copy_(t)
+            static_inputs.append(buffer)
+            if t.device != device:
+                host_inputs.append(i)
+    static = rebuild_kwargs(call_arguments(args, kwargs), static_inputs)
+    static_args = static.pop(ARGS_KEY, ())
+    # Autocast caches its casts of weights until its context closes; a graph captured with the cache
+    # on would read a cast that is freed by then (make_graphed_callables refuses the cache for the
+    # same reason), so the capture casts inside the graph instead.
+    autocast_cache = torch.is_autocast_cache_enabled()
+    torch.set_autocast_cache_enabled(False)
+    try:
+        graph, output, capture_ms, pool_bytes = recorder.record(fn, static_args, static, warmup_runs, token,
+                                                                live_pools=live_pools)
+    finally:
+        torch.set_autocast_cache_enabled(autocast_cache)
+    return CaptureEntry(signature=signature, graph=graph, static_inputs=static_inputs, output=output,
+                        capture_ms=capture_ms, pool_bytes=pool_bytes, host_inputs=tuple(host_inputs),
+                        last_used=time.time())
+
+
+def whole_forward_break(module):
+    """``module(...)`` as one eager break. Its output crosses the break as a flat list of leaves (what a
+    break may return) and is rebuilt around the refreshed leaves, so any pytree round-trips."""
+    spec_box = [None]
+
+    def whole_forward(*args, **kwargs):
+        leaves, spec_box[0] = pytree.tree_flatten(module(*args, **kwargs))
+        return leaves
+
+    single_break = eager_on_graph(whole_forward)
+
+    def call(*args, **kwargs):
+        return pytree.tree_unflatten(single_break(*args, **kwargs), spec_box[0])
+
+    return call
 
 
 class CudaRecorder:

@@ -74,16 +74,15 @@ import time
 import typing
 
 import torch
-import torch.utils._pytree as pytree
 
-from bcg.graphs.capture import BreakOutputMismatchError, eager_on_graph, replay_token_scope
+from bcg.graphs.capture import BreakOutputMismatchError, replay_token_scope
 from bcg.runtime.call_record import active_records, note_capture, note_eager, note_replay
 from bcg.runtime.compile import compiled_in_capture
 from bcg.runtime.config import RunnerConfig
 from bcg.runtime.entries import CaptureEntry, EntryCache
 from bcg.runtime.proxy import ModuleProxy
-from bcg.runtime.recorder import CudaRecorder
-from bcg.runtime.signature import ARGS_KEY, call_arguments, call_context, rebuild_kwargs, signature_with_leaves
+from bcg.runtime.recorder import CudaRecorder, record_entry, whole_forward_break
+from bcg.runtime.signature import call_arguments, call_context, signature_with_leaves
 
 logger = logging.getLogger(__name__)
 
@@ -406,7 +405,9 @@ class BreakableGraphRunner(ModuleProxy):
         uses what is compiled and never stalls on a new compilation; the module's own code when not
         `compiled` (a capture whose compiled code recompiled inside it)."""
         if capture and self._runner_config.debug_single_break:
-            return self._whole_forward_fn()
+            if self._whole_forward is None:
+                self._whole_forward = whole_forward_break(self._module)
+            return self._whole_forward
         if self._compiled is None or not compiled:
             return self._module
         return self._compiled if capture or self._warming else self._compiled.run_cached
@@ -560,54 +561,12 @@ class BreakableGraphRunner(ModuleProxy):
         return True
 
     def _record(self, signature, args, kwargs, leaves, token, compiled):
-        """Static buffers, warm-up, capture: a new CaptureEntry (not yet in the cache); of the module's own
-        code when not `compiled`."""
-        device = self._device
-        static_inputs, host_inputs = [], []
-        with torch.no_grad():
-            for i, t in enumerate(leaves):
-                buffer = torch.empty(t.shape, dtype=t.dtype, device=device)
-                buffer.copy_(t)
-                static_inputs.append(buffer)
-                if t.device != device:
-                    host_inputs.append(i)
-        static = rebuild_kwargs(call_arguments(args, kwargs), static_inputs)
-        static_args = static.pop(ARGS_KEY, ())
-        fn = self._forward(capture=True, compiled=compiled)
-        # Autocast caches its casts of weights until its context closes; a graph captured with the cache
-        # on would read a cast that is freed by then (make_graphed_callables refuses the cache for the
-        # same reason), so the capture casts inside the graph instead.
-        autocast_cache = torch.is_autocast_cache_enabled()
-        torch.set_autocast_cache_enabled(False)
-        try:
-            graph, output, capture_ms, pool_bytes = self._recorder.record(
-                fn, static_args, static, self._runner_config.capture_warmup_runs, token,
-                live_pools={tuple(e.graph.pool) for e in self._entries.entries()
-                            if getattr(e.graph, "pool", None) is not None})
-        finally:
-            torch.set_autocast_cache_enabled(autocast_cache)
-        return CaptureEntry(signature=signature, graph=graph, static_inputs=static_inputs, output=output,
-                            capture_ms=capture_ms, pool_bytes=pool_bytes, host_inputs=tuple(host_inputs),
-                            last_used=time.time())
-
-    def _whole_forward_fn(self):
-        """The module call as one eager break. Its output crosses the break as a flat list of leaves
-        (what a break may return) and is rebuilt around the refreshed leaves, so any pytree round-trips."""
-        if self._whole_forward is None:
-            module, spec_box = self._module, [None]
-
-            def whole_forward(*args, **kwargs):
-                leaves, spec_box[0] = pytree.tree_flatten(module(*args, **kwargs))
-                return leaves
-
-            single_break = eager_on_graph(whole_forward)
-
-            def call(*args, **kwargs):
-                leaves = single_break(*args, **kwargs)
-                return pytree.tree_unflatten(leaves, spec_box[0])
-
-            self._whole_forward = call
-        return self._whole_forward
+        """A new CaptureEntry (not yet in the cache) of `signature`; of the module's own code when not
+        `compiled`. The pools of live entries may be shared."""
+        live_pools = {tuple(e.graph.pool) for e in self._entries.entries()
+                      if getattr(e.graph, "pool", None) is not None}
+        return record_entry(self._recorder, self._forward(capture=True, compiled=compiled), signature, args, kwargs,
+                            leaves, token, self._device, self._runner_config.capture_warmup_runs, live_pools)
 
     def _break_mismatch_locked(self, signature, entry, exc):
         """A replay stopped at a break whose output differs from capture (see the module docstring)."""
