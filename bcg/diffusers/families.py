@@ -36,9 +36,13 @@ DEFAULT_CFG_SCALE = 4.0
 class CfgRule:
     """How a request's ``guidance`` (and negative prompt) turn into classifier-free guidance.
 
-    Without `embedded_arg`, CFG runs when the scale (the request's, else the pipeline's default) is
-    above 1. With it (Flux), ``guidance`` is the transformer's embedded guidance, and CFG runs only when
-    the request brings a negative prompt, with ``guidance`` (default `DEFAULT_CFG_SCALE`) as its scale.
+    Whether CFG runs is decided by one rule, `runs`, on the pipeline call's arguments (as the family's
+    pipeline decides it): the CFG scale above 1 and, where the family's CFG needs one, a negative prompt.
+    The request's shape key (`bcg.diffusers.buckets.request_shape_key`), its call (`call_kwargs`) and the
+    step-wise batching hooks (`bcg.diffusers.steps`) all ask it. Without `embedded_arg`, ``guidance`` is the
+    CFG scale (None: the pipeline's default). With it (Flux), ``guidance`` is the transformer's embedded
+    guidance, unless the request brings a negative prompt: then it is the CFG scale (default
+    `DEFAULT_CFG_SCALE`).
     """
 
     scale_arg: str = "guidance_scale"             # the call argument that is the CFG scale
@@ -46,24 +50,31 @@ class CfgRule:
     default_negative_prompt: Optional[str] = None # the negative prompt CFG uses when a request has none
     separate_calls: bool = False                  # the negative branch is a second transformer call
 
+    @property
+    def needs_negative(self) -> bool:
+        """The pipeline runs CFG only with a negative prompt (true CFG: Flux, Qwen-Image)."""
+        return self.embedded_arg is not None or self.default_negative_prompt is not None
+
+    def runs(self, call: Mapping[str, Any], default_scale: Optional[float] = None) -> bool:
+        """The one CFG rule: whether a pipeline call with arguments `call` runs CFG (a scale `call` does
+        not give is `default_scale`, the pipeline's)."""
+        scale = call.get(self.scale_arg, default_scale)
+        return scale is not None and scale > 1 and (not self.needs_negative or call.get("negative_prompt") is not None)
+
     def call_kwargs(self, guidance: Optional[float], negative_prompt: Optional[str],
                     default_scale: Optional[float]) -> tuple[bool, dict]:
-        """``(cfg, kwargs)``: whether the request runs CFG, and the guidance arguments of its call."""
-        if self.embedded_arg is not None:
-            cfg = negative_prompt is not None and (guidance is None or guidance > 1)
-            if not cfg:
-                return False, ({} if guidance is None else {self.embedded_arg: float(guidance)})
-            scale = guidance or DEFAULT_CFG_SCALE
-        else:
-            scale = guidance if guidance is not None else default_scale
-            cfg = scale is not None and scale > 1
-            if scale is None:
-                return False, {}
+        """``(cfg, kwargs)``: the guidance arguments of the request's call, and whether it runs CFG (`runs`)."""
+        if self.embedded_arg is not None and (negative_prompt is None or (guidance is not None and guidance <= 1)):
+            return False, ({} if guidance is None else {self.embedded_arg: float(guidance)})  # embedded only
+        scale = (guidance or DEFAULT_CFG_SCALE) if self.embedded_arg is not None else \
+            (guidance if guidance is not None else default_scale)
+        if scale is None:
+            return False, {}
         kwargs: dict = {self.scale_arg: float(scale)}
         negative = negative_prompt if negative_prompt is not None else self.default_negative_prompt
-        if cfg and negative is not None:
+        if negative is not None and scale > 1:  # passed where the negative branch uses it
             kwargs["negative_prompt"] = negative
-        return cfg, kwargs
+        return self.runs(kwargs), kwargs
 
     def runs_cfg(self, guidance: Optional[float], negative_prompt: Optional[str],
                  default_scale: Optional[float]) -> bool:

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from bcg.diffusers.call_args import call_defaults
+from bcg.diffusers.families import family_named
 from bcg.diffusers.steps.postprocess import postprocess_async
 from bcg.diffusers.steps.scheduler import scheduler_step, shallow_copyable
 from bcg.diffusers.steps.state import RequestState, cat_rows
@@ -155,8 +156,8 @@ class StepFamily:
         raise NotImplementedError
 
     def _cfg(self, a: dict) -> bool:
-        """Whether the request runs a negative branch."""
-        raise NotImplementedError
+        """Whether the request runs a negative branch: the family's one CFG rule (`CfgRule.runs`)."""
+        return family_named(self.name).cfg.runs(a)
 
     def _encode_settings(self, a: dict) -> tuple:
         """What requests must share to share an encode (sequence length, CFG, ...)."""

@@ -36,9 +36,6 @@ class FluxStepFamily(StepFamily):
                           negative_prompt=a.get("negative_prompt"), negative_prompt_2=a.get("negative_prompt_2"),
                           max_sequence_length=a["max_sequence_length"])
 
-    def _cfg(self, a):
-        return a["true_cfg_scale"] > 1 and a.get("negative_prompt") is not None
-
     def _encode_settings(self, a):
         return ("flux", a["max_sequence_length"], self._cfg(a))
 

@@ -40,9 +40,6 @@ class SD3StepFamily(StepFamily):
                           negative_prompt=a.get("negative_prompt"), negative_prompt_2=a.get("negative_prompt_2"),
                           negative_prompt_3=a.get("negative_prompt_3"), max_sequence_length=a["max_sequence_length"])
 
-    def _cfg(self, a):
-        return a["guidance_scale"] > 1
-
     def _encode_settings(self, a):
         return ("sd3", a["max_sequence_length"], a.get("clip_skip"), self._cfg(a))
 

@@ -73,3 +73,19 @@ def test_batching_hooks_are_found_through_the_family_record():
         assert type(hooks) is type(family.batching_hooks())
         assert hooks is None or isinstance(hooks, BatchingHooks)
         assert type(StepBatcher(pipe).family) is type(hooks)
+
+
+@pytest.mark.parametrize("name", ["tiny-flux", "tiny-sd3"])
+def test_the_step_hooks_run_cfg_exactly_when_the_request_key_does(name):
+    # one CFG rule (`CfgRule.runs`): the key a request is planned at and the step hooks that batch it agree
+    from bcg.diffusers.call_args import call_defaults
+
+    pipe = load_pipeline(name)
+    hooks = family_of(pipe).batching_hooks()
+    seen = set()
+    for guidance in (None, 0.5, 1.0, 3.0):
+        for negative in (None, "", "blurry"):
+            key, kwargs = plan_request(pipe, "a cat", size="64x64", guidance=guidance, negative_prompt=negative)
+            assert hooks._cfg(call_defaults(pipe) | kwargs) is key.cfg, (guidance, negative)
+            seen.add(key.cfg)
+    assert seen == {False, True}
