@@ -89,6 +89,7 @@ def run(args) -> dict:
     import torch
 
     from deployments.engine import ReplicaEngine
+    from deployments.lora import LoraChoice
     from deployments.schemas import ImageGenerationRequest, RequestLimits, check_request
 
     result = {"benchmark": "bench_lora", "command": " ".join(sys.argv), "machine": machine_info(),
@@ -119,8 +120,11 @@ def run(args) -> dict:
     result["warmup"].pop("memory", None)
     save()
 
+    def choice(lora):  # what the ingress decides for a request naming adapter `lora` (None: the base model)
+        return None if lora is None else LoraChoice(lora, 1.0)
+
     def answer(lora, seed=1):
-        return engine.submit(request(seed), key, args.steps, lora=lora).result()
+        return engine.submit(request(seed), key, args.steps, lora=choice(lora)).result()
 
     def serve(lora, seed=1):
         return answer(lora, seed)["images"][0]
@@ -156,7 +160,8 @@ def run(args) -> dict:
 
     def batch(loras):
         def queue_all():  # one task on the loop thread: all four are queued before the next step
-            return [engine.submit(request(seed), key, args.steps, lora=lora) for seed, lora in enumerate(loras, 1)]
+            return [engine.submit(request(seed), key, args.steps, lora=choice(lora))
+                    for seed, lora in enumerate(loras, 1)]
         return [np.asarray(f.result()["images"][0]) for f in engine.call(queue_all).result()]
 
     stats_before = engine.batcher.stats()

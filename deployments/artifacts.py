@@ -201,7 +201,7 @@ class ReplicaArtifacts:
         self.load_s = 0.0
         self.loaded_from: Dict[str, str] = {}  # shape key -> the replica whose artifacts were loaded
 
-    async def prepare(self, shape_key: str) -> dict:
+    async def prepare(self, shape_key) -> dict:
         """Before warming `shape_key`: load the fleet's artifacts for it if any. Returns what happened
         (``status``: "off" when nothing here compiles, "hit", "miss" or "mismatch"; ``load_s``: the
         whole time, ``waited_s`` of it waiting for another replica's compile)."""

@@ -14,6 +14,7 @@ from typing import Dict, List, Optional
 from bcg.diffusers.buckets import ShapeKey
 from bcg.runtime.call_record import CallRecord
 from deployments.encoding import encode_images
+from deployments.lora import LoraChoice
 from deployments.memory import ReplicaMemory, format_bytes, plan_fits
 from deployments.schemas import ImageGenerationRequest
 
@@ -457,16 +458,15 @@ class ReplicaEngine:
         return {**self.memory.report(self._used_bytes, self._stranded_bytes), "key_bytes": dict(self._key_bytes)}
 
     def submit(self, request: ImageGenerationRequest, key: ShapeKey, default_steps: int,
-               lora: Optional[str] = None) -> concurrent.futures.Future:
-        """Queue one request at its shape key (any thread), with LoRA adapter `lora` (the ingress decided
-        it from the request's ``model``; None: the base model) at the request's ``lora_scale`` (1.0 unless
-        given). The future's result: ``{"images": [PIL images], "replays", "eager_calls", "steps_computed",
+               lora: Optional[LoraChoice] = None) -> concurrent.futures.Future:
+        """Queue one request at its shape key (any thread), with the LoRA adapter and scale `lora` (the
+        ingress decided both from the request: `deployments.lora.lora_choice`; None: the base model). The
+        future's result: ``{"images": [PIL images], "replays", "eager_calls", "steps_computed",
         "steps_cached"}``, from the
         request's own call record: the runner calls made for it (a batched call it shared with its
         neighbours counts for each of them). An adapter this replica does not hold fails the future with
         `bcg.lora.UnknownAdapterError`."""
         answer: concurrent.futures.Future = concurrent.futures.Future()
-        choice = None if lora is None else (lora, 1.0 if request.lora_scale is None else request.lora_scale)
 
         def plan_and_queue():
             # on the loop thread: planning counts prompt tokens with the pipeline's tokenizers, which the
@@ -477,7 +477,7 @@ class ReplicaEngine:
                 steps=request.num_inference_steps or default_steps, guidance=request.guidance_scale,
                 seed=request.seed, info=self.info)
             record = CallRecord()
-            queued = self.batcher.submit_planned(key, kwargs, records=(record, self._serving), lora=choice,
+            queued = self.batcher.submit_planned(key, kwargs, records=(record, self._serving), lora=lora,
                                                  cache=None if request.cache is None else request.cache.config())
             with self._submit_lock:
                 answer.queued = queued  # what `cancel` drops from now on
@@ -518,7 +518,7 @@ class ReplicaEngine:
             pass  # cancelled by its caller meanwhile
 
     def generate(self, request: ImageGenerationRequest, key: ShapeKey, default_steps: int,
-                 lora: Optional[str] = None) -> dict:
+                 lora: Optional[LoraChoice] = None) -> dict:
         """`submit` and wait: the encoded images (the request's ``output_format``) and the runners'
         replays/eager calls for the request."""
         out = self.submit(request, key, default_steps, lora=lora).result()

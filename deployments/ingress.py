@@ -10,7 +10,8 @@ response names as OpenAI's does, and the response adds ``bcg: {replica, warm, sh
 
 LoRA adapters: a request whose ``model`` names an adapter runs with it (``lora_scale``, default 1.0);
 the ingress knows the adapters from the coordinator (asked again when a request names one it does not
-know), and passes the adapter to the replica as the ``lora`` kwarg. An adapter unloaded meanwhile gets
+know), decides the adapter and its scale (`deployments.lora.lora_choice`) and passes them to the replica
+as the ``lora`` kwarg, a `LoraChoice`. An adapter unloaded meanwhile gets
 a 404 from the replica's answer.
 
 Warm before traffic: ``POST /v1/warmup`` (and ``Ingress.warmup``) answers only once every ingress
@@ -66,8 +67,8 @@ from deployments.schemas import (
     check_request,
     check_warmup,
 )
-from deployments.lora import (RUNTIME_LORA_OFF, LoadLoraAdapterRequest, RuntimeLoraUpdatingOffError,
-                              UnloadLoraAdapterRequest, lora_message, lora_status)
+from deployments.lora import (RUNTIME_LORA_OFF, LoadLoraAdapterRequest, LoraChoice, RuntimeLoraUpdatingOffError,
+                              UnloadLoraAdapterRequest, lora_choice, lora_message, lora_status)
 from deployments.security import API_KEY_ENV, RequestGuard, api_key_from_env
 from deployments.serve_internals import handle_queue
 
@@ -193,7 +194,8 @@ class Ingress:
             self._adapters_at = time.monotonic()
         return self._adapters
 
-    async def _call_replica(self, request: ImageGenerationRequest, key: ShapeKey, lora: Optional[str] = None) -> dict:
+    async def _call_replica(self, request: ImageGenerationRequest, key: ShapeKey,
+                            lora: Optional[LoraChoice] = None) -> dict:
         """One replica answer; re-sent when its replica dies, all within ``request_timeout_s``."""
         deadline = time.monotonic() + self.request_timeout_s
         for attempt in range(self.max_retries + 1):
@@ -223,8 +225,7 @@ class Ingress:
         info = await self._model_info()
         adapters = await self._lora_adapters(request.model)
         key = check_request(request, self.limits, self.model, info, self.default_size, adapters=adapters)
-        lora = request.model if request.model in adapters and request.model != self.model else None
-        out = await self._call_replica(request, key, lora)
+        out = await self._call_replica(request, key, lora_choice(request, self.model))
         data = [ImageData(b64_json=base64.b64encode(image).decode("ascii")) for image in out["images"]]
         return ImageGenerationResponse(
             created=int(time.time()), data=data, output_format=request.output_format,

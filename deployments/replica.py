@@ -62,11 +62,11 @@ from typing import Dict, List, Optional
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
-from bcg.diffusers.buckets import ShapeKey
+from bcg.diffusers.buckets import ShapeKey, parse_plan
 from deployments.artifacts import ReplicaArtifacts
 from deployments.encoding import encode_images, encoding_threads
 from deployments.engine import ReplicaEngine, _release_cached_memory, cuda_memory, describe_gpu
-from deployments.lora import LoraPaths
+from deployments.lora import LoraChoice, LoraPaths
 from deployments.metrics import ReplicaMetrics
 from deployments.router import (BATCH_FREE_ROWS, LORA_ADAPTERS, POOL_BYTES, QUEUE_LEN, WARM_BATCH_KEYS, WARM_KEYS,
                                 ShapeAffinityRouter)
@@ -217,18 +217,20 @@ class Replica:
 
     # -- control plane -----------------------------------------------------------------------------
     async def _warmup(self, keys: List[str]) -> dict:
+        keys = parse_plan(keys)  # parsed once here; the engine, its batcher and the artifacts take the objects
         self._ongoing += 1
         n, results = len(keys), []
         try:
             async with self._lock:
                 t0 = time.perf_counter()
-                self._progress = {"replica": self.replica_id, "keys": list(keys), "i": 0, "n": n, "done": False,
+                self._progress = {"replica": self.replica_id, "keys": [k.key for k in keys], "i": 0, "n": n,
+                                  "done": False,
                                   "started_at": time.time(), "elapsed_s": 0.0, "remaining_s": None, "failed": {}}
                 await self._push_progress()
                 for i, key in enumerate(keys, 1):
                     prepared = await self._artifacts.prepare(key)
                     if prepared["status"] != "off":
-                        self.metrics.record_artifacts(ShapeKey.parse(key).key, prepared["status"])
+                        self.metrics.record_artifacts(key.key, prepared["status"])
                     r = await self._in_thread(self.engine.warmup_key, key)
                     self._compiled_outside_warmups += r["graphs_compiled"]
                     t_hand = time.perf_counter()
@@ -368,11 +370,11 @@ class Replica:
 
     # -- serving -----------------------------------------------------------------------------------
     async def generate(self, request, shape_key, target_replica: Optional[str] = None,
-                       lora: Optional[str] = None) -> dict:
+                       lora: Optional[LoraChoice] = None) -> dict:
         """Run one image request at ``shape_key``, the `ShapeKey` the ingress computed and checked for it
-        (``check_request``; a key string is parsed), trusted from here on, with LoRA adapter ``lora`` (the
-        ingress's reading of ``model``; None: the base model); the router reads ``shape_key`` and
-        ``target_replica``."""
+        (``check_request``; a key string is parsed), trusted from here on, with the LoRA adapter and scale
+        ``lora`` the ingress decided (`deployments.lora.lora_choice`; None: the base model); the router reads
+        ``shape_key``, ``lora`` and ``target_replica``."""
         if isinstance(request, dict):
             request = ImageGenerationRequest.model_validate(request)
         key = ShapeKey.parse(shape_key)

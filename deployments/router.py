@@ -193,9 +193,10 @@ class ShapeAffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
                         pending_request: Optional[PendingRequest]) -> List[RunningReplica]:
         """The candidates that hold the request's LoRA adapter (kwarg ``lora``), when any says it does;
         else all of them (a replica without it answers 404)."""
-        adapter = (pending_request.kwargs if pending_request is not None else {}).get(self.lora_kwarg)
-        if not adapter:
+        choice = (pending_request.kwargs if pending_request is not None else {}).get(self.lora_kwarg)
+        if not choice:
             return candidate_replicas
+        adapter = choice.adapter  # a `deployments.lora.LoraChoice`, as the ingress sends it
         return [r for r in candidate_replicas if adapter in replica_adapters(r)] or candidate_replicas
 
     async def choose_replicas(

@@ -13,7 +13,6 @@ keys and warmup plan keys alike. Every error names the field it is about.
 """
 from __future__ import annotations
 
-import dataclasses
 from typing import Annotated, Dict, Iterable, List, Literal, Optional, get_args
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
@@ -140,8 +139,8 @@ def check_shape_limits(key: ShapeKey, limits: RequestLimits) -> ShapeKey:
     if key.prompt_bucket is not None:
         raise FieldError("size", f"no prompt bucket ('.p{key.prompt_bucket}'): requests run at the model's "
                                  "default prompt length, so no request has one")
-    try:
-        check_shape(dataclasses.replace(key, num_frames=1), limits.size_multiple)
+    try:  # the size alone (any frame count passes a frame multiple of 1): frames are checked below
+        check_shape(key, limits.size_multiple, frame_multiple=1)
     except ValueError as exc:
         raise FieldError("size", str(exc)) from None
     if key.num_frames > limits.max_frames:

@@ -9,10 +9,15 @@
 e.g. ``"768x512.f17.b2.cfg.p128"``. Sizes are written **width x height**, as in the OpenAI Images API
 ``size`` field ("1792x1024" is landscape). `ShapeKey.parse` is the inverse and also accepts a bare
 ``"WxH"``. `ShapeKey.group` and `ShapeKey.with_batch` are its batch-free and per-bucket forms.
+
+A served request's key is built once, at the ingress, and the object travels with the request (its
+``.key`` string and ``.group`` are computed once per object and travel with it when it is pickled); a
+string is parsed only where a key arrives as text (warmup plans, configuration).
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 
 __all__ = ["ShapeKey", "parse_size"]
@@ -59,8 +64,11 @@ class ShapeKey:
         """``"WxH"``, the OpenAI-style size string."""
         return f"{self.width}x{self.height}"
 
-    @property
+    @functools.cached_property
     def key(self) -> str:
+        return self._text()
+
+    def _text(self) -> str:
         parts = [self.size]
         if self.num_frames != 1:
             parts.append(f"f{self.num_frames}")
@@ -75,7 +83,7 @@ class ShapeKey:
     def __str__(self) -> str:
         return self.key
 
-    @property
+    @functools.cached_property
     def group(self) -> "ShapeKey":
         """The key with one image per prompt: requests of one group can share a step batch, whatever
         their image counts (``ShapeKey.batch_size`` is images per prompt, not the batcher's rows)."""
@@ -91,6 +99,10 @@ class ShapeKey:
         """Inverse of `.key`; a bare ``"WxH"`` is a plain key of that size."""
         if isinstance(text, ShapeKey):
             return text
+        return cls._from_text(text)
+
+    @classmethod
+    def _from_text(cls, text) -> "ShapeKey":
         if not isinstance(text, str) or not text.strip():
             raise ValueError(f"shape key must be a string like '1024x768' or '768x512.f17.b2.cfg.p128', got {text!r}")
         size, *suffixes = text.strip().split(".")

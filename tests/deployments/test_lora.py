@@ -7,8 +7,8 @@ import pytest
 
 from bcg.lora.bank import AdapterConflictError, AdapterFileError, UnknownAdapterError
 from deployments.app import parse_args
-from deployments.lora import (RUNTIME_LORA_OFF, AdapterRegistry, LoraPaths, RuntimeLoraUpdatingOffError,
-                              lora_status)
+from deployments.lora import (RUNTIME_LORA_OFF, AdapterRegistry, LoraChoice, LoraPaths, RuntimeLoraUpdatingOffError,
+                              lora_choice, lora_status)
 from deployments.schemas import FieldError, ImageGenerationRequest, RequestLimits, check_request
 from tests.deployments.test_schemas import FLUX  # what a replica's model_info says of tiny-flux
 
@@ -26,6 +26,18 @@ def test_model_may_name_an_adapter_and_lora_scale_needs_one():
     with pytest.raises(FieldError) as scale:
         _check(["style"], model="tiny-flux", lora_scale=0.5)
     assert scale.value.field == "lora_scale" and scale.value.status_code == 422
+
+
+def test_the_ingress_decides_the_adapter_and_its_scale():
+    def choice(**fields):
+        request = ImageGenerationRequest(prompt="a cat", size="64x64", **fields)
+        check_request(request, RequestLimits(), "tiny-flux", FLUX, adapters=["style"])
+        return lora_choice(request, "tiny-flux")
+
+    assert choice() is None and choice(model="tiny-flux") is None
+    assert choice(model="style") == LoraChoice("style", 1.0)   # the scale's default, decided here
+    assert choice(model="style", lora_scale=0.25) == LoraChoice("style", 0.25)
+    assert choice(model="style", lora_scale=0.0).scale == 0.0   # 0 is a scale, not "unset"
 
 
 def test_lora_app_args_parse_and_are_checked():

@@ -180,3 +180,39 @@ def test_warmup_timing_splits_a_warmup_into_its_measured_parts():
     assert timing == {"seconds": 12.0, "wait_for_compile_s": 1.0, "load_artifacts_s": 2.25, "compile_s": 2.0,
                       "capture_s": 4.0, "hand_off_s": 0.5, "other_s": 2.25, "graphs_compiled": 2,
                       "artifacts": {"64x64": "hit", "64x128": "miss"}}
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_a_served_request_builds_its_shape_key_once_and_never_parses_one(monkeypatch, n):
+    # the ingress builds the key (check_request); its router reads it, Ray pickles it to the replica, and the
+    # replica, its engine and batcher take the object: nothing parses a string or rebuilds the key's text
+    import collections
+    import pickle
+
+    from deployments import routing_view
+    from deployments.schemas import RequestLimits, check_request
+
+    engine = ReplicaEngine("tiny-flux", device="cpu", cpu_threads=1, warmup_steps=1, components=["transformer"])
+    assert engine.warmup_key(SMALL)["ok"]
+    engine.warm_set()  # worked out when the warm keys change, not per request
+    counts = collections.Counter()
+    built, text, parse = ShapeKey.__post_init__, ShapeKey._text, ShapeKey._from_text.__func__
+
+    def counted(name, fn):
+        def wrapper(*args):
+            counts[name] += 1
+            return fn(*args)
+        return wrapper
+
+    monkeypatch.setattr(ShapeKey, "__post_init__", counted("built", built))
+    monkeypatch.setattr(ShapeKey, "_text", counted("text", text))
+    monkeypatch.setattr(ShapeKey, "_from_text", classmethod(counted("parsed", parse)))
+    request = ImageGenerationRequest(prompt="a cat", size=SMALL, n=n, num_inference_steps=1, seed=1)
+    key = check_request(request, RequestLimits(), "tiny-flux", engine.info)          # the ingress
+    assert str(key) == key.key and routing_view.batch_group(key) == (SMALL, n)       # its router
+    key = pickle.loads(pickle.dumps(key))                                             # to the replica
+    warm = key.key in engine.warm_set()
+    out = engine.generate(request, ShapeKey.parse(key), default_steps=1)
+    assert len(out["images"]) == n and warm is (n == 1)
+    # one key (and for n images its group, the batch it joins), each written out once
+    assert counts == {"built": n, "text": n}, counts

@@ -10,6 +10,7 @@ from ray.serve._private.common import DeploymentHandleSource, DeploymentID, Repl
 from ray.serve.request_router import PendingRequest
 
 from deployments import routing_view
+from deployments.lora import LoraChoice
 from deployments.router import ShapeAffinityRouter, replica_warm_keys, warm_set
 
 _LOOP = asyncio.new_event_loop()
@@ -336,9 +337,9 @@ def test_a_request_with_a_lora_adapter_goes_to_the_replicas_holding_it():
     a, b = FakeReplica("a", ("64x64",), 0), FakeReplica("b", ("64x64",), 1, lora=("style",))
     c = FakeReplica("c", ("32x32",), 0, lora=("style",))
     router = make_router([a, b, c])
-    ranks, _ = choose(router, [a, b, c], shape_key="64x64", lora="style")
+    ranks, _ = choose(router, [a, b, c], shape_key="64x64", lora=LoraChoice("style", 1.0))
     assert [uids(r) for r in ranks] == [["b"]]            # warm and holding it, though busier than a
     ranks, _ = choose(router, [a, b, c], shape_key="64x64")
     assert [uids(r) for r in ranks] == [["a", "b"]]       # the base model: every warm replica
-    ranks, _ = choose(router, [a, b, c], shape_key="64x64", lora="other")
+    ranks, _ = choose(router, [a, b, c], shape_key="64x64", lora=LoraChoice("other", 0.5))
     assert [uids(r) for r in ranks] == [["a", "b"]]       # nobody says it holds it: as without one
