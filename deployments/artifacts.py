@@ -1,6 +1,6 @@
 """Compile artifacts across the fleet: the coordinator holds them, replicas load them before they compile.
 
-Contract (``bcg.runtime.compile_cache`` defines the artifacts, their key and file format):
+Contract (``deployments.compile_cache`` defines the artifacts, their key and file format):
 
 * `ArtifactRegistry` lives in the coordinator. ``fetch(key)`` answers a replica about to warm a shape
   key with compile on: a *hit* (an ObjectRef, in a list so Serve passes the reference and not the
@@ -12,7 +12,7 @@ Contract (``bcg.runtime.compile_cache`` defines the artifacts, their key and fil
   replica's artifacts (checked whole and for the key), keeps them and, with a ``compile_cache``
   store, writes them there (atomically, off the event loop); ``release`` gives a lease back (a failed
   warmup). A lease whose holder neither offers nor releases (a crash) lapses after ``lease_s``.
-* With a store (`bcg.runtime.compile_cache.ArtifactStore`: a directory or an fsspec URI), a key the
+* With a store (`deployments.compile_cache.ArtifactStore`: a directory or an fsspec URI), a key the
   registry does not hold is looked up there first, so a new cluster or a redeploy starts warm.
 * `ReplicaArtifacts` is the replica's side: ``prepare(key)`` before a key's warmup (fetch and load;
   a bad or refused artifact is a mismatch with its reason, and the key compiles afresh), then
@@ -34,7 +34,7 @@ from typing import Dict, List, Optional
 
 import ray
 
-from bcg.runtime.compile_cache import ArtifactFormatError, ArtifactKey, decode, encode, open_store
+from deployments.compile_cache import ArtifactFormatError, ArtifactKey, decode, encode, open_store
 
 logger = logging.getLogger(__name__)
 
@@ -115,7 +115,7 @@ class ArtifactRegistry:
                 continue
             if lease is None:
                 self._leases[key.digest] = _Lease(replica_id, time.time(), asyncio.Event())
-            reasons = stored_reasons or self._nearest_reasons(key)
+            reasons = stored_reasons or key.nearest_diff(h.key for h in self._held.values())
             self.counts["mismatches" if reasons else "misses"] += 1
             return {"status": "mismatch" if reasons else "miss", "reasons": reasons, "lease": not busy,
                     "waited_s": waited_s}
@@ -170,14 +170,6 @@ class ArtifactRegistry:
         self.counts["store_hits"] += 1
         return held, []
 
-    def _nearest_reasons(self, key: ArtifactKey) -> List[str]:
-        best: Optional[List[str]] = None
-        for held in self._held.values():
-            if held.key.slot == key.slot:
-                differences = key.diff(held.key)
-                if best is None or len(differences) < len(best):
-                    best = differences
-        return best or []
 
     def stats(self) -> dict:
         return {"store": self.store.root if self.store is not None else None, **self.counts,

@@ -181,7 +181,7 @@ class ReplicaEngine:
             self.step_cache = enable_step_cache(pipe, StepCacheConfig.from_any(step_cache))
         self.pipe = accelerate(pipe, config=self.config, components=pipeline_components(pipe, components))
         # what this replica's compiled code is shared through (None: nothing here compiles)
-        from bcg.runtime.compile_cache import ARTIFACTS_ATTR, CompileArtifacts
+        from deployments.compile_cache import ARTIFACTS_ATTR, CompileArtifacts
         self.compile_artifacts = getattr(pipe, ARTIFACTS_ATTR, None) or (CompileArtifacts() if self.config.compile
                                                                          else None)
         self.pipe.set_progress_bar_config(disable=True)
@@ -388,7 +388,7 @@ class ReplicaEngine:
     def artifact_key(self, key: str):
         """The `ArtifactKey` of the compile artifacts warming shape key `key` makes; None when nothing
         compiles here."""
-        from bcg.runtime.compile_cache import artifact_key
+        from deployments.compile_cache import artifact_key
         if self.compile_artifacts is None:
             return None
         modules = {name: runner.module for name, runner in self.runners.items()}
@@ -397,13 +397,13 @@ class ReplicaEngine:
 
     def load_artifacts(self, blob: bytes, key) -> dict:
         """Load encoded artifacts made for `key` (raises ArtifactFormatError when they are not)."""
-        from bcg.runtime.compile_cache import decode
+        from deployments.compile_cache import decode
         artifact = decode(blob, expected=key)
         return self.compile_artifacts.load(artifact.payload)
 
     def save_artifacts(self, key, origin: dict) -> Optional[bytes]:
         """This process's compiled code, encoded for `key` (None when nothing was compiled)."""
-        from bcg.runtime.compile_cache import encode
+        from deployments.compile_cache import encode
         payload = self.compile_artifacts.save()
         return encode(key, payload, origin) if payload else None
 

@@ -4,7 +4,6 @@
 - `bcg.runtime.signature`: `Signature`, `signature_of`, `call_context`;
 - `bcg.runtime.entries`: the signature-keyed cache of captures;
 - `bcg.runtime.recorder`: how a runner captures (on the capture stream, in the shared pool);
-- `bcg.runtime.compile_cache`: compiled artifacts keyed by what makes them valid, their file format and stores;
 - `bcg.runtime.config`: `RunnerConfig` and its ``BCG_*`` environment variables;
 - `bcg.runtime.compile`: compiled segments (`RunnerConfig(compile=True)`);
 

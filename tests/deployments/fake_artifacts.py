@@ -2,12 +2,12 @@
 without compiling: tiny-flux compiled by inductor on two CPU cores takes about a minute per replica.
 
 ``fake_compile_artifacts`` sets `FakeCompileArtifacts` as the pipeline's artifact source
-(``bcg.runtime.compile_cache.ARTIFACTS_ATTR``): ``save`` returns bytes that name the process that
+(``deployments.compile_cache.ARTIFACTS_ATTR``): ``save`` returns bytes that name the process that
 made them, ``load`` refuses anything else.
 """
 import os
 
-from bcg.runtime.compile_cache import ARTIFACTS_ATTR
+from deployments.compile_cache import ARTIFACTS_ATTR
 
 PREFIX = b"fake-compiled-code:"
 

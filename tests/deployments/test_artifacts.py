@@ -7,7 +7,7 @@ import asyncio
 import pytest
 import ray
 
-from bcg.runtime.compile_cache import ArtifactKey, encode
+from deployments.compile_cache import ArtifactKey, encode
 from deployments.artifacts import ArtifactRegistry, ReplicaArtifacts, store_root
 
 

@@ -4,14 +4,14 @@ redeployed app, and refused with the reason when the compile settings differ.
 
 The payload is fake (``tests.deployments.fake_artifacts``: tiny-flux compiled by inductor takes about a
 minute per CPU replica here); the artifacts' key, file format, hand-off and store are the real ones.
-bcg/runtime/test_compile_cache.py loads real inductor artifacts in a fresh process.
+tests/deployments/test_compile_cache.py loads real inductor artifacts in a fresh process.
 """
 import time
 
 import httpx
 import ray
 
-from bcg.runtime.compile_cache import decode
+from deployments.compile_cache import decode
 from tests.deployments.conftest import http_app
 
 APP, PREFIX = "bcg_artifacts", "/artifacts"

@@ -1,4 +1,4 @@
-"""bcg.runtime.compile_cache: artifact keys, the file format (torn, foreign, corrupted), stores (local
+"""deployments.compile_cache: artifact keys, the file format (torn, foreign, corrupted), stores (local
 directory, fsspec URI) and a real inductor round trip between two processes (~15 s: C++ builds)."""
 import dataclasses
 import logging
@@ -12,12 +12,12 @@ import pytest
 import torch
 from torch import nn
 
-from bcg.runtime import compile_cache as cc
-from bcg.runtime.compile_cache import (ArtifactFormatError, ArtifactKey, ArtifactStore, artifact_key, decode,
-                                       encode)
 from bcg.runtime.config import RunnerConfig
+from deployments import compile_cache as cc
+from deployments.compile_cache import (ArtifactFormatError, ArtifactKey, ArtifactStore, artifact_key, decode,
+                                       encode)
 
-REPO = Path(__file__).resolve().parents[3]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _modules(width=8):
@@ -199,8 +199,8 @@ def test_uri_without_fsspec_names_the_extra(monkeypatch):
 _ROUND_TRIP = textwrap.dedent("""
     import json, sys, torch
     from torch._dynamo.utils import counters
-    from bcg.runtime.compile_cache import ArtifactStore, CompileArtifacts, artifact_key, encode
     from bcg.runtime.config import RunnerConfig
+    from deployments.compile_cache import ArtifactStore, CompileArtifacts, artifact_key, encode
     module = torch.nn.Linear(8, 8)
     key = artifact_key({"m": module}, RunnerConfig(compile=True), name="roundtrip")
     store, artifacts = ArtifactStore(sys.argv[2]), CompileArtifacts()
@@ -229,3 +229,13 @@ def test_inductor_artifacts_skip_the_compile_in_a_fresh_process(tmp_path):
     second = run("load", "inductor-b")   # a fresh inductor cache: only the artifacts can make it hit
     assert second["loaded"] >= 1
     assert second.get("fxgraph_cache_hit", 0) >= 1 and second.get("fxgraph_cache_miss", 0) == 0
+
+
+def test_nearest_diff_names_the_fewest_differences_among_keys_of_the_same_model_and_shape():
+    key = ArtifactKey.make("flux", "64x64", {"torch": "2.13", "mode": "default", "dynamic": False})
+    one_off = ArtifactKey.make("flux", "64x64", {"torch": "2.11", "mode": "default", "dynamic": False})
+    two_off = ArtifactKey.make("flux", "64x64", {"torch": "2.11", "mode": "max-autotune", "dynamic": False})
+    other_shape = ArtifactKey.make("flux", "128x128", {"torch": "2.13", "mode": "default", "dynamic": False})
+    assert key.nearest_diff([two_off, one_off, other_shape]) == ["torch: '2.13' here, '2.11' there"]
+    assert key.nearest_diff([other_shape]) == [] and key.nearest_diff([]) == []
+    assert key.nearest_diff([key, two_off]) == key.diff(two_off)  # an equal key is no mismatch

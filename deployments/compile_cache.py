@@ -39,7 +39,7 @@ import sys
 import tempfile
 import time
 import uuid
-from typing import List, Mapping, Optional
+from typing import Iterable, Iterator, List, Mapping, Optional
 
 logger = logging.getLogger(__name__)
 
@@ -113,6 +113,11 @@ class ArtifactKey:
     @property
     def path(self) -> str:
         return f"{self.slot}/{self.digest}{ARTIFACT_SUFFIX}"
+
+    def nearest_diff(self, others: Iterable["ArtifactKey"]) -> List[str]:
+        """How this key differs from the nearest of `others` made for the same model and shape (`slot`):
+        the `diff` with the fewest differences; [] when none differs (or there are none)."""
+        return min((d for d in (self.diff(o) for o in others if o.slot == self.slot) if d), key=len, default=[])
 
     def diff(self, other: "ArtifactKey") -> List[str]:
         """Readable differences, ``"torch: '2.11.0' here, '2.13.0' there"``; [] when equal."""
@@ -381,21 +386,20 @@ class ArtifactStore:
 
     def mismatch_reasons(self, key: ArtifactKey) -> List[str]:
         """How the artifacts stored for `key`'s model and shape differ from `key`: the fields of the
-        nearest one (fewest differences), read from headers only."""
-        best: Optional[List[str]] = None
+        nearest one (`ArtifactKey.nearest_diff`), read from headers only."""
+        return key.nearest_diff(self._stored_keys(key))
+
+    def _stored_keys(self, key: ArtifactKey) -> Iterator[ArtifactKey]:
+        """The keys of the other artifacts stored for `key`'s model and shape (at most `max_candidates`
+        files; unreadable headers are warned about and skipped)."""
         for path in self._files.list(key.slot)[: self.max_candidates]:
             if path == key.path:
                 continue
             prefix = self._files.read(path, _HEADER.size)
             try:
-                other = read_key(self._files.read(path, header_bytes(prefix or b"")) or b"")
+                yield read_key(self._files.read(path, header_bytes(prefix or b"")) or b"")
             except ArtifactFormatError as exc:
                 self._warn(path, exc)
-                continue
-            differences = key.diff(other)
-            if differences and (best is None or len(differences) < len(best)):
-                best = differences
-        return best or []
 
     def _warn(self, path: str, exc: Exception) -> None:
         if path not in self._warned:  # one warning per file
