@@ -66,7 +66,6 @@ valid. Replacing tensors (``module.weight = nn.Parameter(...)``, ``load_state_di
 on every capture, on ``warmup()`` entry, and on every call when ``debug=True``, and resets when it changed.
 """
 import contextlib
-import inspect
 import itertools
 import logging
 import threading
@@ -82,7 +81,8 @@ from bcg.runtime.config import RunnerConfig
 from bcg.runtime.entries import CaptureEntry, EntryCache
 from bcg.runtime.proxy import ModuleProxy
 from bcg.runtime.recorder import CudaRecorder, record_entry, whole_forward_break
-from bcg.runtime.signature import call_arguments, call_context, signature_with_leaves
+from bcg.runtime.signature import (bind_positional, call_arguments, call_context, positional_names,
+                                   signature_with_leaves)
 
 logger = logging.getLogger(__name__)
 
@@ -414,26 +414,9 @@ class BreakableGraphRunner(ModuleProxy):
 
     def _bind(self, args, kwargs):
         """Name positional arguments after the module's forward parameters where they have names."""
-        names = self._positional_names
-        if names is None:
-            forward = getattr(self._module, "forward", self._module)
-            names = []
-            try:
-                for p in inspect.signature(forward).parameters.values():
-                    if p.kind is not inspect.Parameter.POSITIONAL_OR_KEYWORD:
-                        break
-                    names.append(p.name)
-            except (TypeError, ValueError):  # no introspectable signature: keep arguments positional
-                pass
-            self._positional_names = names = tuple(names)
-        count = min(len(args), len(names))
-        bound = dict(zip(names, args[:count]))
-        for name in bound:
-            if name in kwargs:
-                raise TypeError(f"{type(self._module).__name__}.forward got multiple values for argument "
-                                f"{name!r}: pass it either positionally or by keyword")
-        bound.update(kwargs)
-        return args[count:], bound
+        if self._positional_names is None:
+            self._positional_names = positional_names(self._module)
+        return bind_positional(self._positional_names, args, kwargs, type(self._module).__name__)
 
     def _weights_fingerprint(self):
         module = self._module

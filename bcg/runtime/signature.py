@@ -34,6 +34,7 @@ as `_rebuild` consumes them, so a runner can swap leaves for its static buffers.
 import collections
 import enum
 import hashlib
+import inspect
 import logging
 
 import torch
@@ -41,8 +42,8 @@ import torch.utils._pytree as pytree
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ARGS_KEY", "Signature", "call_arguments", "call_context", "rebuild_kwargs", "signature_of",
-           "signature_with_leaves"]
+__all__ = ["ARGS_KEY", "Signature", "bind_positional", "call_arguments", "call_context", "positional_names",
+           "rebuild_kwargs", "signature_of", "signature_with_leaves"]
 
 ARGS_KEY = "*args"  # where a call's positional arguments go among its keyword arguments (no name has a '*')
 
@@ -364,3 +365,32 @@ class Signature:
             if mine.get(name, default) != theirs.get(name, default):
                 out.append(f"{name} {mine.get(name, default)} != {theirs.get(name, default)}")
         return out
+
+
+def positional_names(module) -> tuple:
+    """The names of `module`'s forward parameters that may be passed positionally, in order (none when its
+    forward has no introspectable signature: its arguments stay positional)."""
+    forward = getattr(module, "forward", module)
+    names = []
+    try:
+        for p in inspect.signature(forward).parameters.values():
+            if p.kind is not inspect.Parameter.POSITIONAL_OR_KEYWORD:
+                break
+            names.append(p.name)
+    except (TypeError, ValueError):
+        pass
+    return tuple(names)
+
+
+def bind_positional(names: tuple, args: tuple, kwargs: dict, owner: str = "module") -> tuple:
+    """``(args left, kwargs)``: positional `args` named after `names` where they have names (a call's
+    signature then does not depend on how its arguments were passed); TypeError when one is given both
+    ways."""
+    count = min(len(args), len(names))
+    bound = dict(zip(names, args[:count]))
+    for name in bound:
+        if name in kwargs:
+            raise TypeError(f"{owner}.forward got multiple values for argument {name!r}: pass it either "
+                            "positionally or by keyword")
+    bound.update(kwargs)
+    return args[count:], bound
