@@ -6,7 +6,8 @@
 
 Every variant makes the pictures of the same ``--prompts`` held-out captions (seeds from 10,000,000 of
 `bcg.diffusers.shapes.data`), each from a generator seeded with its index, at 64x64, ``--steps`` steps,
-``max_sequence_length`` ``--text-tokens`` (the prompt bucket a served request of these captions gets).
+``max_sequence_length`` ``--text-tokens`` (64: the text length the model was trained at; a served request
+runs the pipeline's default length instead).
 Against the reference variant (``bf16`` on CUDA, ``fp32`` on a CPU) each gets PSNR and SSIM per picture
 (median, mean, min; SSIM with an 11x11 Gaussian window of sigma 1.5 over RGB in 0-255, as Wang et al.),
 and every variant its caption adherence (`bcg.diffusers.shapes.score`) and its agreement with the
