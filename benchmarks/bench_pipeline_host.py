@@ -21,7 +21,7 @@ import sys
 import time
 
 
-def _one(calls: int, warm: int) -> list[float]:
+def _one(calls: int, warm: int, components: list[str]) -> list[float]:
     import torch
 
     from bcg.diffusers import accelerate
@@ -30,7 +30,7 @@ def _one(calls: int, warm: int) -> list[float]:
     torch.manual_seed(0)
     torch.set_num_threads(1)
     pipe = load_pipeline("tiny-flux", device="cpu", dtype=torch.float32)
-    accelerate(pipe)
+    accelerate(pipe, components=components)
     kwargs = dict(prompt="a red cube", height=64, width=64, num_inference_steps=2, guidance_scale=3.5,
                   max_sequence_length=32, output_type="latent")
     for _ in range(warm):
@@ -49,11 +49,13 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--calls", type=int, default=40)
     p.add_argument("--warm", type=int, default=5)
+    p.add_argument("--components", default="transformer,text_encoder,text_encoder_2,vae_decoder",
+                   help="what accelerate(pipe, components=...) gets (default: the server's)")
     p.add_argument("--out", default=None)
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
-        print(json.dumps(_one(args.calls, args.warm)))
+        print(json.dumps(_one(args.calls, args.warm, args.components.split(","))))
         return
     per_round: dict[str, list[float]] = {t: [] for t in args.trees}
     every: dict[str, list[float]] = {t: [] for t in args.trees}
@@ -61,14 +63,15 @@ def main() -> None:
         for tree in args.trees:
             env = {**os.environ, "PYTHONPATH": os.path.abspath(tree)}
             out = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", "--calls", str(args.calls),
-                                  "--warm", str(args.warm)], env=env, cwd=os.path.abspath(tree),
+                                  "--warm", str(args.warm), "--components", args.components], env=env, cwd=os.path.abspath(tree),
                                  capture_output=True, text=True, check=True)
             times = json.loads(out.stdout.strip().splitlines()[-1])
             per_round[tree].append(statistics.median(times))
             every[tree].extend(times)
     result = {
         "what": "tiny-flux float32 CPU pipe() call, 64x64, 2 steps, max_sequence_length=32, output_type=latent, "
-                "after accelerate(pipe); one thread",
+                "after accelerate(pipe, components=...); one thread",
+        "components": args.components.split(","),
         "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
         "rounds": args.rounds, "calls_per_round": args.calls,
         "trees": {t: {"median_ms": round(statistics.median(every[t]), 3),

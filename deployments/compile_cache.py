@@ -187,12 +187,15 @@ def _dtype_of(modules: Mapping[str, object]) -> Optional[str]:
 
 
 def artifact_key(modules: Mapping[str, object], config, *, name: str, shape_key: Optional[str] = None,
-                 device=None, dtype=None) -> ArtifactKey:
+                 device=None, dtype=None, options=None) -> ArtifactKey:
     """The key of the artifacts compiling `modules` (name -> module) under `config` (a `RunnerConfig`)
-    produces; `shape_key` when they are kept per shape. `dtype` defaults to the parameters' dtypes."""
+    and `options` (the transformers' `TransformerOptions`: float8 and the attention kernel change the
+    compiled code) produces; `shape_key` when they are kept per shape. `dtype` defaults to the
+    parameters' dtypes."""
     fields = {**environment_fields(device), "model": module_fingerprint(modules),
               "dtype": str(dtype) if dtype is not None else _dtype_of(modules),
-              **{f"runner.{k}": v for k, v in compile_fields(config).items()}}
+              **{f"runner.{k}": v for k, v in compile_fields(config).items()},
+              **{f"transformer.{k}": v for k, v in (options.as_dict() if options is not None else {}).items()}}
     return ArtifactKey.make(name, shape_key, fields)
 
 

@@ -24,7 +24,7 @@ from bcg.runtime.runner import CAPTURE_FAILED_ATTR
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["PLACEMENT_ATTR", "core_of", "has_processor", "remove_breaks", "with_globals", "wrap_forward",
+__all__ = ["PLACEMENT_ATTR", "core_of", "has_processor", "is_break_processor", "remove_breaks", "with_globals", "wrap_forward",
            "wrap_method", "wrap_method_for_capture", "wrap_processor"]
 
 _BREAK_MARK = "__bcg_break__"
@@ -146,6 +146,11 @@ def _breaking_class(base: type, whole: bool) -> type:
 def has_processor(module) -> bool:
     """True for an attention layer: its processor call is where a break goes."""
     return hasattr(module, "set_processor") and getattr(module, "processor", None) is not None
+
+
+def is_break_processor(processor) -> bool:
+    """True for a processor that `wrap_processor` or the compiled breaks put in place."""
+    return getattr(type(processor), "__bcg_base__", None) is not None
 
 
 def wrap_processor(module, whole: bool) -> bool:
