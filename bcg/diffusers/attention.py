@@ -22,7 +22,7 @@ import logging
 
 import torch
 
-from bcg.diffusers.wrapping import core_of, has_processor, is_break_processor, with_globals
+from bcg.diffusers.wrapping import breaks_hook, core_of, has_processor, with_globals
 from bcg.runtime.attention import AttentionDispatch
 from bcg.runtime.hooks import HookRegistry, ModelHook
 
@@ -116,8 +116,11 @@ def set_attention_backend(transformer: torch.nn.Module, backend: str = "auto", d
 
 
 def _refuse_under_breaks(transformer, fix: str) -> None:
+    hook = breaks_hook(transformer)
+    if hook is None:
+        return
     for name, module in transformer.named_modules():
-        if has_processor(module) and is_break_processor(module.processor):
+        if has_processor(module) and hook.is_break_processor(module):
             raise ValueError(f"{name or type(transformer).__name__} has a break installed over its processor; {fix}")
 
 

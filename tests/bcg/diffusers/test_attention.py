@@ -9,6 +9,7 @@ from bcg.diffusers import (accelerate, attention_stats, install_breaks, pipeline
                            unaccelerate)
 from bcg.diffusers.models import load_pipeline
 from bcg.runtime.compile import compile_for_segments
+from bcg.diffusers.placement import placement_of
 from bcg.runtime.config import RunnerConfig, TransformerOptions
 
 
@@ -140,7 +141,7 @@ def test_regional_compile_under_automatic_placement_compiles_in_the_first_call()
         after_first = compiled.stats()["graphs_compiled"]
         compiled(**inputs)
         assert after_first >= 2 and compiled.stats()["graphs_compiled"] == after_first
-        assert transformer._bcg_placement.probes == 1
+        assert placement_of(transformer).probes == 1
     finally:
         for block in [*transformer.transformer_blocks, *transformer.single_transformer_blocks]:
             block._compiled_call_impl = None

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import bcg.graphs.capture as capture_mod
-from bcg.runtime.hooks import HookRegistry
+from bcg.runtime.hooks import HookRegistry, bcg_hooks_on
 from bcg.diffusers.buckets import ShapeKey
 from bcg.diffusers import (
     COMPONENTS, accelerate, count_prompt_tokens, generate, install_breaks, pipeline_info, pipeline_runners, plan_request,
@@ -136,7 +136,9 @@ def test_install_breaks_is_idempotent_and_removable():
     assert install_breaks(transformer, "attention") == 6
     wrapped = [m.processor for m in _attention_modules(transformer)]
     assert install_breaks(transformer, "attention") == 6
-    assert all(type(p).__bcg_base__ is type(o) for p, o in zip(wrapped, originals))
+    assert all(type(p) is not type(o) and isinstance(p, type(o)) and p.__dict__ is o.__dict__
+               for p, o in zip(wrapped, originals))
+    assert HookRegistry.of(transformer).names() == ["bcg_breaks"]
     assert remove_breaks(transformer) == 6
     assert [m.processor for m in _attention_modules(transformer)] == originals
     assert remove_breaks(transformer) == 0
@@ -233,7 +235,7 @@ def test_accelerate_keeps_config_to_and_unaccelerate():
     assert [im.size for im in images] == [(64, 32), (64, 32)]
     unaccelerate(pipe)
     assert pipe.transformer is module and "to" not in pipe.__dict__ and "decode" not in pipe.vae.__dict__
-    assert not any(getattr(type(m.processor), "__bcg_base__", None) for m in _attention_modules(module))
+    assert list(bcg_hooks_on(module)) == []
     with pytest.raises(ValueError, match="unknown components"):
         accelerate(pipe, components=("unet",))
 

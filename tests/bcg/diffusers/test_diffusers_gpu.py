@@ -136,17 +136,17 @@ def test_flux_all_components_match_eager_bitwise(output_type):
 def test_accelerated_device_answers_are_diffusers_answers_on_cuda():
     from diffusers.utils.torch_utils import get_module_execution_device
 
-    from bcg.diffusers.accelerated import _device_facts
-
     pipe = load_pipeline("tiny-flux", device="cuda")
-    plain = (pipe.device, pipe._execution_device, get_module_execution_device(pipe.text_encoder),
-             get_module_execution_device(pipe.vae))
+
+    def answers():
+        return (pipe.device, pipe._execution_device, get_module_execution_device(pipe.text_encoder),
+                get_module_execution_device(pipe.vae))
+
+    plain = answers()
     accelerate(pipe, config=CONFIG, options=OPTIONS, components=("transformer", "text_encoder", "text_encoder_2", "vae_decoder"))
-    facts = _device_facts(pipe)
-    assert (facts.device, facts.execution_device, facts.modules[id(pipe.text_encoder)],
-            facts.modules[id(pipe.vae)]) == plain
-    assert plain[1].type == "cuda"
-    pipe.to("cpu")  # moved through the pipeline: new answers
-    assert _device_facts(pipe).execution_device == torch.device("cpu")
+    assert answers() == plain and plain[1].type == "cuda"
+    pipe.to("cpu")  # moved through the pipeline: the runners' modules too
+    assert pipe._execution_device == torch.device("cpu") and pipe.transformer.module.device.type == "cpu"
+    assert get_module_execution_device(pipe.text_encoder) == torch.device("cpu")
     pipe.to("cuda")
-    assert _device_facts(pipe).execution_device == plain[1]
+    assert answers() == plain
