@@ -184,8 +184,8 @@ class ReplicaEngine:
         self.pipe = accelerate(pipe, config=self.config, components=pipeline_components(pipe, components),
                                options=self.options)
         # what this replica's compiled code is shared through (None: nothing here compiles)
-        from deployments.compile_cache import ARTIFACTS_ATTR, CompileArtifacts
-        self.compile_artifacts = getattr(pipe, ARTIFACTS_ATTR, None) or (CompileArtifacts() if self.config.compile
+        from deployments.compile_cache import CompileArtifacts, pipeline_artifacts
+        self.compile_artifacts = pipeline_artifacts(pipe) or (CompileArtifacts() if self.config.compile
                                                                          else None)
         self.pipe.set_progress_bar_config(disable=True)
         self.runners = pipeline_runners(self.pipe)

@@ -20,10 +20,10 @@ from typing import Any, Iterable
 import torch
 
 from bcg.diffusers.attention import attention_stats, set_attention_backend
-from bcg.diffusers.breaks import install_breaks, remove_breaks, unwrap_runner
+from bcg.diffusers.breaks import install_breaks, unwrap_runner
 from bcg.runtime.attention import AUTO_CANDIDATES, backend_unavailable_reason
 from bcg.runtime.config import TransformerOptions
-from bcg.runtime.hooks import HookRegistry, ModelHook, remove_bcg_hooks
+from bcg.runtime.hooks import HookRegistry, ModelHook, bcg_hooks_on
 from bcg.runtime.quantize import quantize_module, quantize_report
 from bcg.diffusers.tokenizers import TokenizersHook
 from bcg.diffusers.placement import placement_stats
@@ -82,6 +82,12 @@ class VaeDecodeHook(ModelHook):
 def _hook(obj, name):
     registry = HookRegistry.of(obj)
     return registry.get_hook(name) if registry is not None else None
+
+
+def _hooks_of(module) -> list[tuple]:
+    """(object, name, hook) of every hook in `module`'s registries and its submodules'."""
+    return [(sub, name, HookRegistry.of(sub).get_hook(name)) for _, sub, names in bcg_hooks_on(module)
+            for name in names]
 
 
 def pipeline_runners(pipe) -> dict:
@@ -177,6 +183,8 @@ class PipelineHook(ModelHook):
         self.runners: dict = {}     # component name -> runner ("vae_decoder" for the VAE's)
         self.originals: dict = {}   # component name -> the module its slot held
         self.image_ids: dict = {}
+        # the hooks accelerate registered on other objects, in order: (object, name, hook)
+        self.installed: list[tuple] = []
         self._installed: list[str] = []
 
     def add_runner(self, pipe, name: str, runner) -> None:
@@ -314,7 +322,8 @@ def accelerate(pipe, config=None, policy: Any = "auto", components: Iterable[str
             if vae is None or not hasattr(vae, "decode"):
                 raise ValueError(f"{type(pipe).__name__} has no VAE with decode(); drop 'vae_decoder' from components")
             runner = BreakableGraphRunner(_VaeDecode(vae), config=other_config)
-            HookRegistry.check_if_exists_or_initialize(vae).register_hook(VaeDecodeHook(runner), "bcg_vae_decode")
+            decode = HookRegistry.check_if_exists_or_initialize(vae).register_hook(VaeDecodeHook(runner), "bcg_vae_decode")
+            hook.installed.append((vae, "bcg_vae_decode", decode))
         else:
             module = getattr(pipe, name, None)
             if module is None:
@@ -326,7 +335,9 @@ def accelerate(pipe, config=None, policy: Any = "auto", components: Iterable[str
                 hook.runners[name] = module
                 continue
             if name in _TRANSFORMERS:
+                before = {id(h) for _, _, h in _hooks_of(module)}
                 prepare_transformer(module, options, policy, compile=config.compile)
+                hook.installed.extend(entry for entry in _hooks_of(module) if id(entry[2]) not in before)
             runner = BreakableGraphRunner(module, config=config if name in _TRANSFORMERS else other_config)
             if name in _TRANSFORMERS:
                 attach_step_cache(module, runner)
@@ -339,20 +350,24 @@ def accelerate(pipe, config=None, policy: Any = "auto", components: Iterable[str
 
 
 def unaccelerate(pipe):
-    """Undo `accelerate`: every ``bcg_*`` hook it installed is removed, last first (the original modules
-    back in their slots, the tokenizers', the VAE's ``decode``, the transformers' breaks, attention
-    processors and quantization report) and the progress bar setting restored; returns `pipe`.
+    """Undo `accelerate`: every hook it registered is removed, last first (the original modules back in
+    their slots, the tokenizers', the VAE's ``decode``, the transformers' breaks, attention processors and
+    quantization report, step caching's) and the progress bar setting restored; returns `pipe`. Hooks
+    others registered (a LoRA bank, compile artifacts) stay.
 
     Float8 weights stay float8 (`bcg.runtime.quantize`: undoing would need a copy of every weight)."""
     hook = _hook(pipe, PipelineHook.NAME)
     if hook is None:
         return pipe
-    modules = [*hook.originals.values(), *(r.module.vae for n, r in hook.runners.items() if n == "vae_decoder")]
+    installed = list(hook.installed)
     progress_bar_config = hook.progress_bar_config
-    remove_bcg_hooks(pipe)  # the slots first: the modules are plain modules again
-    for module in modules:
-        remove_breaks(module)  # breaks before the attention processors they wrap
-        remove_bcg_hooks(module)
+    registry = HookRegistry.of(pipe)
+    registry.remove_hook(TokenizersHook.NAME, recurse=False)
+    registry.remove_hook(PipelineHook.NAME, recurse=False)  # the slots: the modules are plain modules again
+    for obj, name, installed_hook in reversed(installed):
+        other = HookRegistry.of(obj)
+        if other is not None and other.get_hook(name) is installed_hook:
+            other.remove_hook(name, recurse=False)
     if progress_bar_config is None:
         pipe.__dict__.pop("_progress_bar_config", None)
     else:

@@ -51,14 +51,13 @@ import torch
 from bcg.graphs.capture import eager_on_graph, is_capturing
 from bcg.diffusers.hostops import HostOp, HostOpProbe, Place, device_of
 from bcg.diffusers.wrapping import BREAKS_HOOK, PlacementHook, breaks_hook, has_processor, with_globals
-from bcg.runtime.hooks import HookRegistry
+from bcg.runtime.hooks import HookRegistry, class_memory
 from bcg.runtime.proxy import unwrap_runner
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["AutoPlacement", "auto_placement", "forget", "placement_stats"]
 
-_MEMORY_ATTR = "__bcg_auto_placements__"  # on the model class: (config, device type) -> _Remembered
 # CUDA's (and torch's) answers to an operation a capture cannot hold, raised at that operation. Not
 # "operation failed due to a previous error during capture": that names a later op, not the culprit.
 _CAPTURE_ILLEGAL = re.compile(
@@ -96,11 +95,8 @@ def _config_key(module) -> str | None:
 
 
 def _memory(cls) -> dict:
-    memory = cls.__dict__.get(_MEMORY_ATTR)
-    if memory is None:
-        memory = {}
-        setattr(cls, _MEMORY_ATTR, memory)
-    return memory
+    """On the model class (`class_memory`): (config, device type) -> `_Remembered`."""
+    return class_memory(cls, "auto_placements", dict)
 
 
 def _function_of(module, method: str, name: str):

@@ -1,9 +1,12 @@
 """What bcg installs on objects it does not own, in one registry per object: `HookRegistry`.
 
 The registry is diffusers' ``diffusers.hooks.HookRegistry`` in shape (the same names and calls), kept
-torch-only so the runner's layer can read it, and open to any object, not only modules: a tokenizer's
-fast tensors and a pipeline's device facts install through it too. The object carries one attribute,
-``_bcg_hooks`` (`REGISTRY_ATTR`), the registry; removing its last hook removes the attribute.
+free of diffusers (and of torch imports) so the runner's layer can read it, and open to any object, not
+only modules: a pipeline's runners and tokenizers, a VAE's decode install through it too. The object
+carries one attribute, ``_bcg_hooks`` (`REGISTRY_ATTR`), the registry; removing its last hook removes the
+attribute. What bcg remembers per *class* of someone else's (what a placement probe found for a model
+class and config, a pipeline class's call defaults) is one dict under one class attribute too:
+`class_memory`.
 
 - ``HookRegistry.check_if_exists_or_initialize(obj)`` returns the object's registry (made on first use);
   ``HookRegistry.of(obj)`` returns it or None.
@@ -39,12 +42,25 @@ from __future__ import annotations
 import functools
 from typing import Any, Iterator
 
-import torch
-
-__all__ = ["HookRegistry", "ModelHook", "REGISTRY_ATTR", "bcg_hooks_on", "remove_bcg_hooks"]
+__all__ = ["CLASS_MEMORY_ATTR", "HookRegistry", "ModelHook", "REGISTRY_ATTR", "bcg_hooks_on", "class_memory",
+           "remove_bcg_hooks"]
 
 #: The one attribute a registry puts on the object it serves.
 REGISTRY_ATTR = "_bcg_hooks"
+#: The one attribute bcg puts on a class it does not own: `class_memory`.
+CLASS_MEMORY_ATTR = "__bcg_class_memory__"
+
+
+def class_memory(cls: type, name: str, make):
+    """What bcg remembers about class `cls` under `name` (made by ``make()`` the first time), kept in one
+    dict on the class itself (not its bases): facts about a class live and die with it."""
+    memory = cls.__dict__.get(CLASS_MEMORY_ATTR)
+    if memory is None:
+        memory = {}
+        setattr(cls, CLASS_MEMORY_ATTR, memory)
+    if name not in memory:
+        memory[name] = make()
+    return memory[name]
 
 
 class ModelHook:
@@ -88,6 +104,11 @@ class _ForwardRef:
     def __init__(self, pre_forward, post_forward, forward, original_forward=None):
         self.pre_forward, self.post_forward = pre_forward, post_forward
         self.forward, self.original_forward = forward, original_forward
+
+
+def _is_module(obj) -> bool:
+    """A torch module (without importing torch: this module serves torch-free code too)."""
+    return callable(getattr(type(obj), "named_modules", None))
 
 
 def _wraps_forward(hook: ModelHook) -> bool:
@@ -172,7 +193,7 @@ class HookRegistry:
             del self.hooks[name]
             self._hook_order.remove(name)
             hook.fn_ref = None
-        if recurse and isinstance(self._obj, torch.nn.Module):
+        if recurse and _is_module(self._obj):
             for sub_name, sub in self._obj.named_modules():
                 registry = HookRegistry.of(sub) if sub_name else None
                 if registry is not None:
@@ -203,7 +224,7 @@ class HookRegistry:
             hook = self.hooks[name]
             if hook._is_stateful:
                 hook.reset_state(self._obj)
-        if recurse and isinstance(self._obj, torch.nn.Module):
+        if recurse and _is_module(self._obj):
             for sub_name, sub in self._obj.named_modules():
                 registry = HookRegistry.of(sub) if sub_name else None
                 if registry is not None:
@@ -215,7 +236,7 @@ class HookRegistry:
 
 def bcg_hooks_on(obj) -> Iterator[tuple[str, Any, list[str]]]:
     """(qualified name, object, hook names) of every registry on `obj` and, for a module, its submodules."""
-    items = obj.named_modules() if isinstance(obj, torch.nn.Module) else [("", obj)]
+    items = obj.named_modules() if _is_module(obj) else [("", obj)]
     for name, sub in items:
         registry = HookRegistry.of(sub)
         if registry is not None:
