@@ -123,6 +123,8 @@ def prepare_transformer(module, options: TransformerOptions, policy: Any = "auto
                            "kernels, slower than bf16 (0.82x on FLUX.1-dev 1024^2, one H200); set compile=True",
                            options.quantize)
     _set_attention(module, options.attention_backend)
+    # step caching (options.step_cache) registers its hooks here: after the attention kernel, before breaks
+    # (the order and why: bcg.runtime.hooks)
     install_breaks(module, policy)
     return module
 

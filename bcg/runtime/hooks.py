@@ -24,18 +24,26 @@ class and config, a pipeline class's call defaults) is one dict under one class 
 
 Names and order of what bcg installs (a new installer picks a ``bcg_`` name and its place here):
 
+0. Before `bcg.diffusers.accelerate`, by their own calls: ``bcg_lora`` (`bcg.lora.LoraBank.install`: LoRA
+   layers in place of linear layers; removing the hook puts them back) and ``bcg_compile_artifacts`` (a
+   pipeline's artifact source, `bcg.runtime.compile_cache`). ``unaccelerate`` leaves them.
 1. ``bcg_quantize`` (the transformer): float8 linears, before anything is timed, compiled or captured.
 2. ``bcg_attention`` (the transformer): the attention kernel per shape (processors routed to one
    `AttentionDispatch`); before breaks, so a break at the attention core wraps the chosen kernel.
 3. Step caching (``bcg_step_cache``, next): hooks on the transformer and on its blocks
-   (``transformer_blocks[i]``, ``single_transformer_blocks[i]``); registered after the attention kernel
-   and *before* breaks, so that the placement's probe sees the cache's host work and makes it a break, and
-   regional compilation (the runner's, at the first warm-up) compiles the blocks with their hooks.
-4. ``bcg_breaks`` (the transformer, and the submodules made breaks): the break placement
-   (`bcg.diffusers.breaks.install_breaks`); last of the transformer's, so its forward is the outermost.
-5. ``bcg_tokenizers``, ``bcg_pipeline`` and ``bcg_vae_decode`` (the pipeline, the VAE): `bcg.diffusers.accelerate`.
+   (``transformer_blocks[i]``, ``single_transformer_blocks[i]``), registered by ``prepare_transformer``
+   (`bcg.diffusers.accelerated`) from a `TransformerOptions` field, after the attention kernel and
+   *before* breaks: the placement's probe then sees the cache's host work (and makes it a break), and the
+   placement's forward (``bcg_breaks``' ``new_forward``) wraps the cache's. Regional compilation (the
+   runner's, at the first warm-up) compiles each block's call with its hooks inside: work that must stay
+   eager is an ``eager_on_graph`` break.
+4. ``bcg_breaks`` (the transformer): every break placed in it (`bcg.diffusers.wrapping.BreaksHook`); last
+   of the transformer's, so its forward is the outermost. `bcg.diffusers.install_breaks` replaces it.
+5. ``bcg_pipeline`` and ``bcg_tokenizers`` (the pipeline), ``bcg_vae_decode`` (the VAE): `accelerate`.
 
-`bcg.diffusers.unaccelerate` removes every ``bcg_*`` hook (``remove_bcg_hooks``), last first.
+`bcg.diffusers.unaccelerate` removes exactly the hooks `accelerate` registered, last first. A hook is
+registered with ``HookRegistry.check_if_exists_or_initialize(obj).register_hook(MyHook(...), "bcg_my")``
+and found with ``HookRegistry.of(obj).get_hook("bcg_my")``.
 """
 from __future__ import annotations
 
