@@ -7,8 +7,8 @@ tree once in a fresh process (``--calls`` timed calls after ``--warm`` untimed o
 machine load falls on every tree alike. Reports each tree's per-round medians (median, min, max in
 ms per call) as JSON.
 
-    python benchmarks/bench_pipeline_host.py --trees /work/main . --rounds 7 --calls 40 \\
-        --out benchmarks/results/bench_pipeline_host.json
+    python benchmarks/bench_pipeline_host.py --trees ../before . --labels class_swap hooks --rounds 9 \\
+        --calls 40 --out benchmarks/results/bench_pipeline_host.json
 """
 from __future__ import annotations
 
@@ -46,6 +46,7 @@ def _one(calls: int, warm: int, components: list[str]) -> list[float]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--trees", nargs="+", default=["."], help="checkouts to time (their PYTHONPATH)")
+    p.add_argument("--labels", nargs="+", default=None, help="a name per tree in the JSON (default: the paths)")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--calls", type=int, default=40)
     p.add_argument("--warm", type=int, default=5)
@@ -57,6 +58,7 @@ def main() -> None:
     if args.child:
         print(json.dumps(_one(args.calls, args.warm, args.components.split(","))))
         return
+    labels = dict(zip(args.trees, args.labels or args.trees))
     per_round: dict[str, list[float]] = {t: [] for t in args.trees}
     every: dict[str, list[float]] = {t: [] for t in args.trees}
     for _ in range(args.rounds):
@@ -74,10 +76,14 @@ def main() -> None:
         "components": args.components.split(","),
         "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
         "rounds": args.rounds, "calls_per_round": args.calls,
-        "trees": {t: {"median_ms": round(statistics.median(every[t]), 3),
+        "trees": {labels[t]: {"median_ms": round(statistics.median(every[t]), 3),
                       "round_medians_ms": [round(v, 3) for v in per_round[t]],
                       "min_ms": round(min(every[t]), 3), "max_ms": round(max(every[t]), 3)} for t in args.trees},
     }
+    first, *others = args.trees
+    result["median_ratio_to_first"] = {labels[t]: round(statistics.median(every[t]) / statistics.median(every[first]), 4)
+                                       for t in others}
+    result["min_ratio_to_first"] = {labels[t]: round(min(every[t]) / min(every[first]), 4) for t in others}
     print(json.dumps(result, indent=1))
     if args.out:
         with open(args.out, "w") as f:
