@@ -30,13 +30,14 @@ Names and order of what bcg installs (a new installer picks a ``bcg_`` name and 
 1. ``bcg_quantize`` (the transformer): float8 linears, before anything is timed, compiled or captured.
 2. ``bcg_attention`` (the transformer): the attention kernel per shape (processors routed to one
    `AttentionDispatch`); before breaks, so a break at the attention core wraps the chosen kernel.
-3. Step caching (``bcg_step_cache``, next): hooks on the transformer and on its blocks
-   (``transformer_blocks[i]``, ``single_transformer_blocks[i]``), registered by ``prepare_transformer``
-   (`bcg.diffusers.accelerated`) from a `TransformerOptions` field, after the attention kernel and
-   *before* breaks: the placement's probe then sees the cache's host work (and makes it a break), and the
-   placement's forward (``bcg_breaks``' ``new_forward``) wraps the cache's. Regional compilation (the
-   runner's, at the first warm-up) compiles each block's call with its hooks inside: work that must stay
-   eager is an ``eager_on_graph`` break.
+3. Step caching (`bcg.diffusers.step_cache`, ``enable_step_cache`` before `accelerate`): a hook in
+   diffusers' *own* registry of the transformer (``_diffusers_hook``), because diffusers' pipelines drive
+   it there (``cache_context`` sets its context, ``maybe_free_model_hooks`` resets it). It comes after the
+   attention kernel and *before* breaks: the placement's probe sees the cache's host work, and the
+   placement's forward (``bcg_breaks``' ``new_forward``) wraps the cache's. The two registries compose
+   through the forward: each wraps what it finds, and a bcg hook removed from under diffusers' wrapper
+   passes calls through. Regional compilation (the runner's, at the first warm-up) compiles each block's
+   call with what is installed on it: work that must stay eager is an ``eager_on_graph`` break.
 4. ``bcg_breaks`` (the transformer): every break placed in it (`bcg.diffusers.wrapping.BreaksHook`); last
    of the transformer's, so its forward is the outermost. `bcg.diffusers.install_breaks` replaces it.
 5. ``bcg_pipeline`` and ``bcg_tokenizers`` (the pipeline), ``bcg_vae_decode`` (the VAE): `accelerate`.
@@ -107,11 +108,20 @@ class ModelHook:
 class _ForwardRef:
     """The mutable links of one hook's place in the forward chain (diffusers' ``HookFunctionReference``)."""
 
-    __slots__ = ("pre_forward", "post_forward", "forward", "original_forward")
+    __slots__ = ("pre_forward", "post_forward", "forward", "original_forward", "wrapper")
 
     def __init__(self, pre_forward, post_forward, forward, original_forward=None):
         self.pre_forward, self.post_forward = pre_forward, post_forward
         self.forward, self.original_forward = forward, original_forward
+        self.wrapper = None  # the function put in the object's ``forward``
+
+
+def _pass_args(module, *args, **kwargs):
+    return args, kwargs
+
+
+def _pass_output(module, output):
+    return output
 
 
 def _is_module(obj) -> bool:
@@ -186,7 +196,8 @@ class HookRegistry:
             args, kwargs = ref.pre_forward(obj, *args, **kwargs)
             return ref.post_forward(obj, ref.forward(*args, **kwargs))
 
-        object.__setattr__(obj, "forward", functools.update_wrapper(hooked, forward))
+        ref.wrapper = functools.update_wrapper(hooked, forward)
+        object.__setattr__(obj, "forward", ref.wrapper)
         hook.fn_ref = ref
         self._fn_refs[name] = ref
 
@@ -213,7 +224,12 @@ class HookRegistry:
         below = ref.original_forward if ref.original_forward is not None else ref.forward
         wrapping = [n for n in self._hook_order if n in self._fn_refs or n == name]
         index = wrapping.index(name)
-        if index + 1 < len(wrapping):  # a hook above: it now calls what this one called
+        if index + 1 == len(wrapping) and self._obj.__dict__.get("forward") is not ref.wrapper:
+            # someone else (diffusers' own registry) wrapped the forward after this hook: its wrapper calls
+            # this one's, so this one stays in place, passing calls straight through
+            ref.pre_forward, ref.post_forward, ref.forward = _pass_args, _pass_output, below
+            ref.original_forward = None
+        elif index + 1 < len(wrapping):  # a hook above: it now calls what this one called
             above = self._fn_refs[wrapping[index + 1]]
             if above.original_forward is not None:  # its new_forward reaches down through original_forward
                 above.original_forward = below

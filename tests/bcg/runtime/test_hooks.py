@@ -152,3 +152,23 @@ def test_stateful_hooks_reset_last_first():
     HookRegistry.check_if_exists_or_initialize(module[0]).register_hook(Stateful("c"), "c")
     HookRegistry.of(module).reset_stateful_hooks()
     assert order == ["b", "a", "c"]
+
+
+def test_a_wrapper_installed_above_by_someone_else_survives_removal():
+    """diffusers' own registry (step caching) may wrap the forward after a bcg hook: removing the bcg hook
+    leaves diffusers' wrapper in place, and the removed hook no longer acts."""
+    from diffusers.hooks import HookRegistry as DiffusersRegistry
+    from diffusers.hooks import ModelHook as DiffusersHook
+
+    class Triple(DiffusersHook):
+        def new_forward(self, module, x):
+            return 3 * self.fn_ref.original_forward(x)
+
+    module = torch.nn.Identity()
+    HookRegistry.check_if_exists_or_initialize(module).register_hook(Replace(), "bcg_double")
+    DiffusersRegistry.check_if_exists_or_initialize(module).register_hook(Triple(), "triple")
+    assert module(torch.tensor(1.0)).item() == 6.0
+    HookRegistry.of(module).remove_hook("bcg_double")
+    assert module(torch.tensor(1.0)).item() == 3.0 and HookRegistry.of(module) is None
+    DiffusersRegistry.check_if_exists_or_initialize(module).remove_hook("triple")
+    assert module(torch.tensor(1.0)).item() == 1.0
