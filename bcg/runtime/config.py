@@ -164,7 +164,8 @@ class TransformerOptions:
         (PyTorch's own choice), "cudnn", "flash", "efficient", "math", "fa3" (FlashAttention-3, the
         ``fa3-fwd`` package), "fa3_fp8" (FA3 on float8 inputs: faster, less exact; never chosen by
         "auto"). A kernel that is missing or refuses a shape falls back to "sdpa" with a one-line reason.
-    step_cache: reserved for step caching (None: off).
+    step_cache: reserved (None): step caching is enabled by ``bcg.diffusers.enable_step_cache`` before
+        `accelerate` (a hook in diffusers' own registry of the transformer; see ``bcg.runtime.hooks``).
 
     Regional compilation stays the runner's (``RunnerConfig.compile_regional``: how a runner compiles);
     `accelerate` asks it of the transformers' runners only.

@@ -81,3 +81,32 @@ def test_unaccelerate_leaves_what_others_installed():
     HookRegistry.of(pipe.transformer).remove_hook("bcg_lora")  # and the bank is undone by its own hook
     assert not any(type(m).__name__ == "LoraLinear" for m in pipe.transformer.modules())
     assert HookRegistry.of(pipe.transformer) is None
+
+
+@pytest.mark.parametrize("enabled", ["before", "after"])
+def test_step_caching_in_diffusers_registry_survives_unaccelerate(enabled):
+    """Step caching is a hook in diffusers' own registry: enabled before or after accelerate, it keeps
+    caching through unaccelerate, and bcg's hooks leave with unaccelerate."""
+    from bcg.diffusers.step_cache import StepCacheConfig, disable_step_cache, enable_step_cache, step_cache_of
+
+    def cached_counts(pipe):
+        _, kwargs = plan_request(pipe, "a red circle", size="64x64", steps=4, seed=11, output_type="np")
+        with step_cache_of(pipe).plain_request(StepCacheConfig(method="schedule", schedule=[0, 2], warmup_steps=0)) \
+                as counts:
+            image = np.asarray(pipe(**kwargs).images)
+        return image, dict(counts)
+
+    pipe = load_pipeline("tiny-flux")
+    if enabled == "before":
+        enable_step_cache(pipe, None)
+    accelerate(pipe)
+    if enabled == "after":
+        enable_step_cache(pipe, None)
+    image, counts = cached_counts(pipe)
+    assert counts == {"computed": 2, "cached": 2}
+    unaccelerate(pipe)
+    assert list(bcg_hooks_on(pipe.transformer)) == []
+    again, counts = cached_counts(pipe)
+    assert counts == {"computed": 2, "cached": 2} and np.array_equal(again, image)
+    disable_step_cache(pipe)
+    assert np.array_equal(_run(pipe), _run(load_pipeline("tiny-flux")))  # the plain transformer again
