@@ -26,7 +26,7 @@ Names and order of what bcg installs (a new installer picks a ``bcg_`` name and 
 
 0. Before `bcg.diffusers.accelerate`, by their own calls: ``bcg_lora`` (`bcg.lora.LoraBank.install`: LoRA
    layers in place of linear layers; removing the hook puts them back) and ``bcg_compile_artifacts`` (a
-   pipeline's artifact source, `bcg.runtime.compile_cache`). ``unaccelerate`` leaves them.
+   pipeline's artifact source, `deployments.compile_cache`). ``unaccelerate`` leaves them.
 1. ``bcg_quantize`` (the transformer): float8 linears, before anything is timed, compiled or captured.
 2. ``bcg_attention`` (the transformer): the attention kernel per shape (processors routed to one
    `AttentionDispatch`); before breaks, so a break at the attention core wraps the chosen kernel.
