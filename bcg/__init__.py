@@ -24,6 +24,8 @@ _EXPORTS = {
     "signature_of": "bcg.runtime.signature",
     "call_context": "bcg.runtime.signature",
     "RunnerConfig": "bcg.runtime.config",
+    "TransformerOptions": "bcg.runtime.config",
+    "HookRegistry": "bcg.runtime.hooks",
     "BreakableGraphRunner": "bcg.runtime.runner",
     # diffusers integration and built-in models
     "ShapeKey": "bcg.diffusers.shape_key",

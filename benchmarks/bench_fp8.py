@@ -137,7 +137,7 @@ def model_section(args, result, out_path, model):
     import torch
 
     from bcg.diffusers import prepare_transformer
-    from bcg.runtime.config import RunnerConfig
+    from bcg.runtime.config import RunnerConfig, TransformerOptions
     from bcg.runtime.quantize import quantize_module
     from bcg.runtime.runner import BreakableGraphRunner
 
@@ -174,9 +174,11 @@ def model_section(args, result, out_path, model):
     for variant in args.variants:
         weights, _, attention = variant.partition("+")
         own = owned.pop(variant)
-        config = RunnerConfig(**{**args.runner, "quantize": "fp8" if weights == "fp8" else None,
-                                 "attention_backend": attention or args.attention})
-        runners[variant] = BreakableGraphRunner(prepare_transformer(own, config), config=config)
+        config = RunnerConfig(**args.runner)
+        options = TransformerOptions(quantize="fp8" if weights == "fp8" else None,
+                                     attention_backend=attention or args.attention)
+        runners[variant] = BreakableGraphRunner(prepare_transformer(own, options, compile=config.compile),
+                                                config=config)
     for size in args.sizes:
         row, inputs = rows[size], _inputs(args, model, size)
         warm = {}

@@ -107,8 +107,8 @@ class Sampler:
         return info
 
 
-def accelerated(args, dtype, config=None, cache=None, **call_kwargs) -> Sampler:
-    """`shapes-flux` in `dtype` through `bcg.diffusers.accelerate` with `config` (default: SDPA attention),
+def accelerated(args, dtype, config=None, cache=None, options=None, **call_kwargs) -> Sampler:
+    """`shapes-flux` in `dtype` through `bcg.diffusers.accelerate` with `config` and `options` (default: SDPA attention),
     with step caching (`bcg.diffusers.enable_step_cache`) when `cache` is a `StepCacheConfig`. Calls run
     eagerly through the runners unless the variant warms them (`Sampler.warm`): quality does not depend on
     graphs, whose replay equals eager bit for bit. `call_kwargs` go to every pipeline call."""
@@ -116,7 +116,7 @@ def accelerated(args, dtype, config=None, cache=None, **call_kwargs) -> Sampler:
 
     from bcg.diffusers import accelerate, enable_step_cache
     from bcg.diffusers.models import load_pipeline
-    from bcg.runtime.config import RunnerConfig
+    from bcg.runtime.config import RunnerConfig, TransformerOptions
 
     if dtype is None:  # the reference's dtype: a lever measured alone
         dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
@@ -125,7 +125,8 @@ def accelerated(args, dtype, config=None, cache=None, **call_kwargs) -> Sampler:
     pipe = load_pipeline("shapes-flux", device=args.device, dtype=dtype)
     if cache is not None:
         enable_step_cache(pipe)
-    pipe = accelerate(pipe, config=config or RunnerConfig(attention_backend="sdpa"))
+    pipe = accelerate(pipe, config=config or RunnerConfig(),
+                      options=options or TransformerOptions(attention_backend="sdpa"))
     return Sampler(pipe, args, call_kwargs, cache=cache)
 
 
@@ -159,16 +160,17 @@ def _needs_hopper(args) -> None:
 
 
 def _variant(dtype_name: str, checks=(), warm: bool = False, **config):
-    """A builder: `shapes-flux` in that dtype with those RunnerConfig fields, after `checks` pass."""
+    """A builder: `shapes-flux` in that dtype with those RunnerConfig and TransformerOptions fields, after
+    `checks` pass."""
     def build(args) -> Sampler:
         import torch
 
-        from bcg.runtime.config import RunnerConfig
+        from bcg.runtime.config import RunnerConfig, TransformerOptions
 
         for check in checks:
             check(args)
-        sampler = accelerated(args, getattr(torch, dtype_name), RunnerConfig(**{"attention_backend": "sdpa",
-                                                                                **config}))
+        options, runner = TransformerOptions.split({"attention_backend": "sdpa", **config})
+        sampler = accelerated(args, getattr(torch, dtype_name), RunnerConfig(**runner), options=options)
         sampler.warm_first = warm
         return sampler
     return build

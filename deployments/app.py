@@ -98,10 +98,10 @@ class AppArgs(BaseModel):
     spill_threshold: Optional[int] = Field(DEFAULT_SPILL_THRESHOLD, ge=1)
     routing_stats_period_s: float = Field(1.0, gt=0)
     runner: Dict[str, Union[int, float, bool, str, None]] = Field(default_factory=dict)
-    # the transformers' kernels (RunnerConfig fields, here for their own line in a config): "fp8" runs the
-    # linear layers as float8 GEMMs (torchao; Ada/Hopper GPUs, else bf16 with the reason in the log and
+    # the transformers' kernels (bcg.TransformerOptions fields, validated there): "fp8" runs the linear
+    # layers as float8 GEMMs (torchao; Ada/Hopper GPUs, else bf16 with the reason in the log and
     # /v1/stats); the attention kernel per shape ("auto" times SDPA against FlashAttention-3 where installed)
-    quantize: Optional[Literal["fp8"]] = None
+    quantize: Optional[str] = None
     attention_backend: str = "auto"
     components: Union[Literal["all"], List[str]] = "all"      # accelerated pipeline parts (bcg.diffusers.COMPONENTS)
     warmup_steps: int = Field(2, ge=1)
@@ -357,24 +357,15 @@ class AppArgs(BaseModel):
             raise ValueError(f"runner: {exc} (fields are those of bcg.RunnerConfig)") from None
         return v
 
-    @field_validator("attention_backend")
-    @classmethod
-    def _attention_backend(cls, v):
-        from bcg.runtime.attention import ATTENTION_BACKENDS
-        if v not in ATTENTION_BACKENDS:
-            raise ValueError(f"attention_backend must be one of {list(ATTENTION_BACKENDS)}, got {v!r}")
-        return v
-
     @model_validator(mode="after")
-    def _kernels_once(self):
-        for name in ("quantize", "attention_backend"):
-            if name in self.runner and self.runner[name] != getattr(self, name):
-                raise ValueError(f"{name} is set twice, as {name}={getattr(self, name)!r} and runner.{name}="
-                                 f"{self.runner[name]!r}; set it once (the top-level arg)")
+    def _transformer_options(self):
+        from bcg.runtime.config import TransformerOptions
+        TransformerOptions(quantize=self.quantize, attention_backend=self.attention_backend)  # the one check
         return self
 
     def runner_config(self) -> dict:
-        """The replicas' RunnerConfig fields: ``runner`` with ``quantize`` and ``attention_backend``."""
+        """The replicas' settings: ``runner`` (RunnerConfig fields) with ``quantize`` and ``attention_backend``
+        (TransformerOptions fields; the engine splits them, `TransformerOptions.split`)."""
         return {**self.runner, "quantize": self.quantize, "attention_backend": self.attention_backend}
 
     def served_default_size(self) -> str:

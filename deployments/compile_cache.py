@@ -41,14 +41,34 @@ import time
 import uuid
 from typing import Iterable, Iterator, List, Mapping, Optional
 
+from bcg.runtime.hooks import HookRegistry, ModelHook
+
 logger = logging.getLogger(__name__)
 
-#: A pipeline may carry, under this attribute, the `CompileArtifacts` a replica shares its compiled code
-#: through instead of torch's mega cache (tests; a custom cache). Its presence turns the sharing on.
-ARTIFACTS_ATTR = "__bcg_compile_artifacts__"
+#: A pipeline may carry, as the hook of this name in its registry (`bcg.runtime.hooks`, an `ArtifactsHook`),
+#: the `CompileArtifacts` a replica shares its compiled code through instead of torch's mega cache (tests;
+#: a custom cache). Its presence turns the sharing on: `pipeline_artifacts(pipe)`.
+ARTIFACTS_HOOK = "bcg_compile_artifacts"
 
-__all__ = ["ARTIFACTS_ATTR", "ARTIFACT_SUFFIX", "Artifact", "ArtifactFormatError", "ArtifactKey", "ArtifactStore", "CompileArtifacts",
-           "FORMAT_VERSION", "Lookup", "NOT_COMPILE_FIELDS", "artifact_key", "decode", "encode", "open_store"]
+
+class ArtifactsHook(ModelHook):
+    """The hook ``bcg_compile_artifacts``: what a pipeline's compiled code is shared through."""
+
+    def __init__(self, artifacts):
+        super().__init__()
+        self.artifacts = artifacts
+
+
+def pipeline_artifacts(pipe):
+    """The artifacts object a pipeline carries (`ARTIFACTS_HOOK`), or None."""
+    registry = HookRegistry.of(pipe)
+    hook = registry.get_hook(ARTIFACTS_HOOK) if registry is not None else None
+    return hook.artifacts if hook is not None else None
+
+
+__all__ = ["ARTIFACTS_HOOK", "ARTIFACT_SUFFIX", "ArtifactsHook", "Artifact", "ArtifactFormatError", "ArtifactKey", "ArtifactStore", "CompileArtifacts",
+           "FORMAT_VERSION", "Lookup", "NOT_COMPILE_FIELDS", "artifact_key", "decode", "encode", "open_store",
+           "pipeline_artifacts"]
 
 MAGIC = b"BCGCART\n"
 FORMAT_VERSION = 1
@@ -187,12 +207,15 @@ def _dtype_of(modules: Mapping[str, object]) -> Optional[str]:
 
 
 def artifact_key(modules: Mapping[str, object], config, *, name: str, shape_key: Optional[str] = None,
-                 device=None, dtype=None) -> ArtifactKey:
+                 device=None, dtype=None, options=None) -> ArtifactKey:
     """The key of the artifacts compiling `modules` (name -> module) under `config` (a `RunnerConfig`)
-    produces; `shape_key` when they are kept per shape. `dtype` defaults to the parameters' dtypes."""
+    and `options` (the transformers' `TransformerOptions`: float8 and the attention kernel change the
+    compiled code) produces; `shape_key` when they are kept per shape. `dtype` defaults to the
+    parameters' dtypes."""
     fields = {**environment_fields(device), "model": module_fingerprint(modules),
               "dtype": str(dtype) if dtype is not None else _dtype_of(modules),
-              **{f"runner.{k}": v for k, v in compile_fields(config).items()}}
+              **{f"runner.{k}": v for k, v in compile_fields(config).items()},
+              **{f"transformer.{k}": v for k, v in (options.as_dict() if options is not None else {}).items()}}
     return ArtifactKey.make(name, shape_key, fields)
 
 

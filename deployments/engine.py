@@ -149,7 +149,7 @@ class ReplicaEngine:
                  memory_budget_bytes: Optional[int] = None, lora: Optional[dict] = None,
                  step_cache: Optional[dict] = None):
         import torch
-        from bcg.runtime.config import RunnerConfig
+        from bcg.runtime.config import RunnerConfig, TransformerOptions
         from bcg.diffusers import accelerate, pipeline_info, pipeline_runners
         from bcg.diffusers.batching import BatcherConfig, StepBatcher
         from bcg.diffusers.models import load_pipeline
@@ -163,7 +163,9 @@ class ReplicaEngine:
             torch.cuda.set_per_process_memory_fraction(float(gpu_memory_fraction))
         self.model = model
         self.gpu = held_gpu(self.device)  # which GPU, for the start line and stats
-        config = RunnerConfig(**runner_config) if isinstance(runner_config, dict) else runner_config
+        # the app's replica settings: the runner's (RunnerConfig) and the transformers' (TransformerOptions)
+        self.options, runner_fields = TransformerOptions.split(runner_config if isinstance(runner_config, dict) else {})
+        config = RunnerConfig(**runner_fields) if isinstance(runner_config, dict) else runner_config
         self.config = config if config is not None else RunnerConfig.from_env()
         pipe = load_pipeline(model, device=self.device, dtype=getattr(torch, dtype) if dtype else None)
         if pipeline_hook:
@@ -179,10 +181,11 @@ class ReplicaEngine:
             if not supports_step_cache(pipe):
                 raise ValueError(f"step_cache: {model!r}'s transformer does not support step caching (Flux only)")
             self.step_cache = enable_step_cache(pipe, StepCacheConfig.from_any(step_cache))
-        self.pipe = accelerate(pipe, config=self.config, components=pipeline_components(pipe, components))
+        self.pipe = accelerate(pipe, config=self.config, components=pipeline_components(pipe, components),
+                               options=self.options)
         # what this replica's compiled code is shared through (None: nothing here compiles)
-        from deployments.compile_cache import ARTIFACTS_ATTR, CompileArtifacts
-        self.compile_artifacts = getattr(pipe, ARTIFACTS_ATTR, None) or (CompileArtifacts() if self.config.compile
+        from deployments.compile_cache import CompileArtifacts, pipeline_artifacts
+        self.compile_artifacts = pipeline_artifacts(pipe) or (CompileArtifacts() if self.config.compile
                                                                          else None)
         self.pipe.set_progress_bar_config(disable=True)
         self.runners = pipeline_runners(self.pipe)
@@ -190,7 +193,7 @@ class ReplicaEngine:
             # the transformer's middle blocks, replayed per row bucket inside its step-cache break: a
             # component like the others (stats, metrics, the graphs a key's warmup needs)
             self.runners["middle_blocks"] = self.step_cache.inner
-        self._log_kernels(config)
+        self._log_kernels(self.options)
         self.info = {**pipeline_info(self.pipe), "model": model, "device": self.device,
                      "components": sorted(self.runners), "step_cache": self.step_cache is not None}
         self.warmup_steps = warmup_steps
@@ -247,12 +250,12 @@ class ReplicaEngine:
                          "attention": attention_stats(runner.module)}
         return out
 
-    def _log_kernels(self, config) -> None:
+    def _log_kernels(self, options) -> None:
         """One line at start: float8 on or why not, and the attention backend asked for."""
         for name, kernels in self.kernel_stats().items():
             q = kernels["quantize"]
             fp8 = ("off" if q is None else f"on ({q['layers']} linear layers, {q['scheme']})" if q["applied"]
-                   else f"OFF, serving {str(config.quantize)!r} as the model's dtype: {q['reason']}")
+                   else f"OFF, serving {str(options.quantize)!r} as the model's dtype: {q['reason']}")
             attention = kernels["attention"]
             kernel = ("sdpa (the only kernel here)" if attention is None else
                       f"{attention['backend']} over {attention['candidates']}"
@@ -393,7 +396,7 @@ class ReplicaEngine:
             return None
         modules = {name: runner.module for name, runner in self.runners.items()}
         return artifact_key(modules, self.config, name=type(self.pipe).__name__, shape_key=ShapeKey.parse(key).key,
-                            device=self.device)
+                            device=self.device, options=self.options)
 
     def load_artifacts(self, blob: bytes, key) -> dict:
         """Load encoded artifacts made for `key` (raises ArtifactFormatError when they are not)."""

@@ -6,7 +6,7 @@ import torch
 
 # Tests that compare accelerated pipelines with diffusers' own need the same attention kernel on both
 # sides: runners made from the environment here (and in Ray workers started by the tests) use PyTorch's
-# SDPA. Tests of the kernel choice set RunnerConfig.attention_backend themselves.
+# SDPA. Tests of the kernel choice set TransformerOptions.attention_backend themselves.
 os.environ.setdefault("BCG_ATTENTION_BACKEND", "sdpa")
 
 

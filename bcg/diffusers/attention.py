@@ -11,8 +11,10 @@ keeps it, and calls with context parallelism or dropout go to diffusers' dispatc
 call ``F.scaled_dot_product_attention`` themselves (SD3, PixArt) or no attention core (Sana's linear
 attention) are left as they are: SDPA picks among its own kernels there.
 
+Installed as the hook ``bcg_attention`` in the transformer's registry (`bcg.runtime.hooks`), which holds
+the dispatch and the original processors; removing the hook (`remove_attention_backend`) puts them back.
 Set it before `install_breaks` (``accelerate`` does): a break at the attention core then wraps the chosen
-kernel. `attention_stats(transformer)` reports the choices per shape; `remove_attention_backend` undoes it.
+kernel. `attention_stats(transformer)` reports the choices per shape.
 """
 from __future__ import annotations
 
@@ -20,15 +22,15 @@ import logging
 
 import torch
 
-from bcg.diffusers.wrapping import core_of, has_processor, with_globals
+from bcg.diffusers.wrapping import breaks_hook, core_of, has_processor, with_globals
 from bcg.runtime.attention import AttentionDispatch
+from bcg.runtime.hooks import HookRegistry, ModelHook
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["attention_stats", "dispatch_attention_fn", "remove_attention_backend", "set_attention_backend"]
 
-_DISPATCH_ATTR = "_bcg_attention"
-_ORIGINAL_ATTR = "_bcg_attention_original_processor"
+HOOK_NAME = "bcg_attention"
 
 
 def dispatch_attention_fn(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
@@ -58,9 +60,41 @@ def _dispatching_class(base: type, classes: dict) -> type | None:
         call = with_globals(base.__call__, {"dispatch_attention_fn": dispatch_attention_fn})
         if call is not None:
             cls = type(base.__name__, (base,), {"__call__": call, "__module__": base.__module__,
-                                                 "__doc__": base.__doc__, "__bcg_attention_base__": base})
+                                                 "__doc__": base.__doc__})
     classes[base] = cls
     return cls
+
+
+class AttentionHook(ModelHook):
+    """The hook ``bcg_attention``: the transformer's processors routed through one `AttentionDispatch`."""
+
+    def __init__(self, dispatch: AttentionDispatch):
+        super().__init__()
+        self.dispatch = dispatch
+        self.originals: dict = {}  # attention module -> its processor before
+
+    def initialize_hook(self, transformer):
+        classes: dict = {}
+        for module in transformer.modules():
+            if not has_processor(module):
+                continue
+            processor = module.processor
+            if getattr(processor, "_attention_backend", "missing") is not None:
+                continue  # a diffusers backend chosen for this processor (or none it would read): keep it
+            cls = _dispatching_class(type(processor), classes)
+            if cls is None:
+                continue
+            wrapper = object.__new__(cls)
+            wrapper.__dict__ = dict(processor.__dict__, _attention_backend=self.dispatch)
+            self.originals[module] = processor
+            module.processor = wrapper
+        return transformer
+
+    def deinitialize_hook(self, transformer):
+        for module, processor in self.originals.items():
+            module.processor = processor
+        self.originals.clear()
+        return transformer
 
 
 def set_attention_backend(transformer: torch.nn.Module, backend: str = "auto", device=None) -> AttentionDispatch:
@@ -74,46 +108,36 @@ def set_attention_backend(transformer: torch.nn.Module, backend: str = "auto", d
         first = next(transformer.parameters(), None)
         device = first.device if first is not None else None
     dispatch = AttentionDispatch(backend, device=device)
-    classes: dict = {}
-    routed = 0
-    for name, module in transformer.named_modules():
-        if not has_processor(module):
-            continue
-        processor = module.processor
-        if getattr(processor, "_attention_backend", "missing") is not None:
-            continue  # a diffusers backend chosen for this processor (or none it would read): keep it
-        cls = _dispatching_class(type(processor), classes)
-        if cls is None:
-            continue
-        wrapper = object.__new__(cls)
-        wrapper.__dict__ = dict(processor.__dict__, _attention_backend=dispatch)
-        object.__setattr__(module, _ORIGINAL_ATTR, processor)
-        module.processor = wrapper
-        routed += 1
-    object.__setattr__(transformer, _DISPATCH_ATTR, dispatch)
+    hook = HookRegistry.check_if_exists_or_initialize(transformer).register_hook(AttentionHook(dispatch), HOOK_NAME)
     logger.info("%s: attention backend %s on %d attention layers (candidates %s%s)", type(transformer).__name__,
-                backend, routed, dispatch.candidates,
+                backend, len(hook.originals), dispatch.candidates,
                 f"; unavailable: {dispatch.unavailable}" if dispatch.unavailable else "")
     return dispatch
 
 
 def _refuse_under_breaks(transformer, fix: str) -> None:
+    hook = breaks_hook(transformer)
+    if hook is None:
+        return
     for name, module in transformer.named_modules():
-        if has_processor(module) and getattr(type(module.processor), "__bcg_base__", None) is not None:
+        if has_processor(module) and hook.is_break_processor(module):
             raise ValueError(f"{name or type(transformer).__name__} has a break installed over its processor; {fix}")
+
+
+def _hook(transformer) -> AttentionHook | None:
+    registry = HookRegistry.of(transformer)
+    return registry.get_hook(HOOK_NAME) if registry is not None else None
 
 
 def remove_attention_backend(transformer: torch.nn.Module) -> None:
     """Put the original processors back (remove breaks first: they wrap the routed processors)."""
+    if _hook(transformer) is None:
+        return
     _refuse_under_breaks(transformer, "call remove_breaks first")
-    for module in transformer.modules():
-        original = module.__dict__.pop(_ORIGINAL_ATTR, None)
-        if original is not None:
-            module.processor = original
-    transformer.__dict__.pop(_DISPATCH_ATTR, None)
+    HookRegistry.of(transformer).remove_hook(HOOK_NAME, recurse=False)
 
 
 def attention_stats(transformer) -> dict | None:
     """`AttentionDispatch.stats()` of the backend set on `transformer` (None when none is set)."""
-    dispatch = getattr(transformer, "__dict__", {}).get(_DISPATCH_ATTR)
-    return dispatch.stats() if dispatch is not None else None
+    hook = _hook(transformer) if isinstance(transformer, torch.nn.Module) else None
+    return hook.dispatch.stats() if hook is not None else None

@@ -27,7 +27,9 @@ without patching anything global. Policies:
   ``"name:method/function"``, as `auto_placement` returns them) are pinned breaks.
 
 `install_breaks` returns the number of break points installed now, replaces breaks installed earlier
-(so it is idempotent), and `remove_breaks` restores the original processors, forwards and methods.
+(so it is idempotent), and `remove_breaks` restores the original processors, forwards and methods. What
+it installs is recorded by the hook ``bcg_breaks`` of the module's registry (`bcg.runtime.hooks`,
+`bcg.diffusers.wrapping.BreaksHook`), registered after the attention kernel's (``bcg_attention``).
 
 Checked with diffusers 0.42 on Flux, SD3, PixArt-Sigma, Sana and Wan 2.1 (the built-ins of `bcg.diffusers.models`):
 on CPU, outputs are identical with and without breaks, a recorded capture breaks exactly at each
@@ -45,9 +47,8 @@ from bcg.diffusers.compiled_breaks import install_compiled_breaks
 from bcg.diffusers.hostops import Place
 from bcg.diffusers.placement import install_placement
 from bcg.diffusers.wrapping import (  # noqa: F401 -- core_of, with_globals: their import path here stays
-    core_of, has_processor, remove_breaks, with_globals, wrap_forward, wrap_processor,
+    breaks_hook, core_of, has_processor, remove_breaks, with_globals,
 )
-from bcg.runtime.compile import COMPILED_BREAKS_ATTR
 from bcg.runtime.proxy import unwrap_runner
 
 logger = logging.getLogger(__name__)
@@ -104,25 +105,29 @@ def install_breaks(module, policy: Any = "auto") -> int:
         count = len(install_placement(module, probing=True).installed_places())
         logger.info("auto break placement in %s: %d breaks remembered for its config", type(module).__name__, count)
         return count
+    items = [] if isinstance(policy, str) and policy in ("attention", "processor") else _policy_items(policy)
+    places = [i for i in items if _is_place(i)]
+    selection = [i for i in items if not _is_place(i)]
+    selected = _selector(selection) if selection else None  # a bad item is an error before anything is placed
+    # pinned places: a placement (its forward runs their function breaks during captures) holds every break
+    placement = install_placement(module, probing=False) if places else None
+    hook = breaks_hook(module, create=True)
     # Breaks placed below act only while a capture is open, which compiled code cannot follow: tell
     # compile_for_segments how to make them visible to dynamo.
-    module.__dict__[COMPILED_BREAKS_ATTR] = install_compiled_breaks
+    hook.compiled_breaks = install_compiled_breaks
     count = 0
-    if isinstance(policy, str) and policy in ("attention", "processor"):
+    if not items:
         for sub in module.modules():
             if has_processor(sub):
-                count += wrap_processor(sub, whole=policy == "processor")
-    else:
-        items = _policy_items(policy)
-        places = [i for i in items if _is_place(i)]
-        selection = [i for i in items if not _is_place(i)]
-        if selection:
-            selected = _selector(selection)
-            for name, sub in module.named_modules():
-                if name and selected(name, sub):
-                    count += wrap_processor(sub, whole=True) if has_processor(sub) else wrap_forward(sub)
-        if places:
-            count += len(install_placement(module, probing=False, places=places).installed_places())
+                count += hook.wrap_processor(sub, whole=policy == "processor")
+    if selected is not None:
+        for name, sub in module.named_modules():
+            if name and selected(name, sub):
+                count += hook.wrap_processor(sub, whole=True) if has_processor(sub) else hook.wrap_forward(sub)
+    if placement is not None:
+        for place in places:
+            placement.add(place if isinstance(place, Place) else Place.parse(place), (), "pinned")
+        count += len(placement.installed_places())
     if count == 0:
         logger.warning("install_breaks(policy=%r) found nothing to break in %s", policy, type(module).__name__)
     logger.info("installed %d breaks in %s (policy=%r)", count, type(module).__name__, policy)

@@ -1,25 +1,24 @@
-"""A pipeline class's ``__call__`` arguments and their defaults, read once per class (cached on the class
-under one attribute), not per request."""
+"""A pipeline class's ``__call__`` arguments and their defaults, read once per class (in the class's
+`bcg.runtime.hooks.class_memory`), not per request."""
 from __future__ import annotations
 
 import inspect
 from types import MappingProxyType
 from typing import Any, Mapping
 
+from bcg.runtime.hooks import class_memory
+
 __all__ = ["call_defaults", "call_parameters"]
-
-_CACHE_ATTR = "__bcg_call_args__"
-
 
 def _read(pipe) -> tuple[Mapping[str, Any], frozenset]:
     cls = pipe if isinstance(pipe, type) else type(pipe)
-    cached = cls.__dict__.get(_CACHE_ATTR)
-    if cached is None:
+
+    def make():
         params = inspect.signature(cls.__call__).parameters
         defaults = {name: p.default for name, p in params.items() if p.default is not inspect.Parameter.empty}
-        cached = (MappingProxyType(defaults), frozenset(params))
-        setattr(cls, _CACHE_ATTR, cached)
-    return cached
+        return MappingProxyType(defaults), frozenset(params)
+
+    return class_memory(cls, "call_args", make)
 
 
 def call_defaults(pipe) -> Mapping[str, Any]:

@@ -1,6 +1,6 @@
 """Breaks for compiled segments: the attention core of every attention processor as an eager break
-that dynamo sees on every call (`install_compiled_breaks`). `bcg.diffusers.install_breaks` leaves it on
-the module for `bcg.runtime.compile.compile_for_segments` to call (``COMPILED_BREAKS_ATTR``).
+that dynamo sees on every call (`install_compiled_breaks`). `bcg.diffusers.install_breaks` leaves it in
+the module's ``bcg_breaks`` hook for `bcg.runtime.compile.compile_for_segments` to call (``BREAKS_HOOK``).
 
 `bcg.diffusers.install_breaks` turns the attention core into a break only while a capture is open
 (the processor then calls a copy of its code whose attention core is a break). Compiled code cannot
@@ -18,16 +18,13 @@ import types
 
 import torch
 
-from bcg.diffusers.wrapping import with_globals
+from bcg.diffusers.wrapping import breaks_hook, has_processor, with_globals
 from bcg.graphs.capture import eager_on_graph
 from bcg.runtime.proxy import unwrap_runner
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["install_compiled_breaks"]
-
-_BREAK_CLASS_ATTR = "__bcg_compiled_break_class__"
-
 
 # Host cost of this break, measured on an H200 (torch 2.11, 9.17 M Flux at 256²): SDPA picks cuDNN attention
 # for bf16 there, and a replayed break (cuDNN attention + bridge copy) costs about 48 µs of host time for
@@ -93,22 +90,14 @@ def _with_core_break(call):
     return with_globals(func, replacements) if replacements else None
 
 
-def _compiled_break_class(base: type, whole: bool) -> type:
-    key = f"{_BREAK_CLASS_ATTR}{'whole' if whole else 'core'}__"
-    cached = base.__dict__.get(key)
-    if cached is not None:
-        return cached
+def _compiled_break_class(base: type, whole: bool) -> tuple[type, bool]:
     original_call = base.__call__
     call = None if whole else _with_core_break(original_call)
     breaks_core = call is not None
     if call is None:  # no attention core we can name: the whole processor call is the break
         call = eager_on_graph(original_call)
-    cls = type(base.__name__, (base,), {
-        "__call__": call, "__module__": base.__module__, "__doc__": base.__doc__,
-        "__bcg_base__": base, "__bcg_breaks_core__": breaks_core, "__bcg_compiled__": True,
-    })
-    setattr(base, key, cls)
-    return cls
+    cls = type(base.__name__, (base,), {"__call__": call, "__module__": base.__module__, "__doc__": base.__doc__})
+    return cls, breaks_core
 
 
 def install_compiled_breaks(module) -> int:
@@ -116,29 +105,30 @@ def install_compiled_breaks(module) -> int:
 
     Replaces breaks that `bcg.diffusers.install_breaks` placed (those act only during a capture, which
     compiled code cannot follow); a processor it made a whole-call break stays a whole-call break.
-    `bcg.diffusers.remove_breaks` restores the original processors. Returns the number of processors.
+    Recorded in the module's ``bcg_breaks`` hook: `bcg.diffusers.remove_breaks` restores the original
+    processors. Returns the number of processors.
     """
     module = unwrap_runner(module)
+    hook = breaks_hook(module, create=True)
     count = 0
     for sub in module.modules():
-        processor = getattr(sub, "processor", None)
-        if processor is None or not hasattr(sub, "set_processor"):
+        if not has_processor(sub):
             continue
-        current = type(processor)
-        if getattr(current, "__bcg_compiled__", False):
+        kind = hook.processor_kind(sub)
+        if kind is not None and kind.startswith("compiled"):
             count += 1
             continue
-        original = sub.__dict__.get("_bcg_original_processor", processor)
-        whole = getattr(current, "__bcg_base__", None) is not None and not getattr(current, "__bcg_breaks_core__", True)
+        original = hook.original_processor(sub)
         try:
-            wrapper = object.__new__(_compiled_break_class(type(original), whole))
+            cls, breaks_core = hook.subclass(type(original), "compiled whole" if kind == "whole" else "compiled core",
+                                             lambda base, k: _compiled_break_class(base, k == "compiled whole"))
+            wrapper = object.__new__(cls)
             wrapper.__dict__ = original.__dict__  # one state, as install_breaks does
         except (TypeError, AttributeError) as exc:
             logger.warning("cannot place a compiled break in %s's processor %s (%s); attention stays compiled",
                            type(sub).__name__, type(original).__name__, exc)
             continue
-        object.__setattr__(sub, "_bcg_original_processor", original)
-        sub.processor = wrapper
+        hook.put_processor(sub, wrapper, "compiled core" if breaks_core else "compiled whole")
         count += 1
     logger.info("compiled breaks in %d attention processors of %s", count, type(module).__name__)
     return count

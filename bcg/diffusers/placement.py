@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import inspect
 import json
 import logging
@@ -51,17 +50,14 @@ import torch
 
 from bcg.graphs.capture import eager_on_graph, is_capturing
 from bcg.diffusers.hostops import HostOp, HostOpProbe, Place, device_of
-from bcg.diffusers.wrapping import (
-    PLACEMENT_ATTR, has_processor, with_globals, wrap_forward, wrap_method, wrap_method_for_capture, wrap_processor,
-)
+from bcg.diffusers.wrapping import BREAKS_HOOK, PlacementHook, breaks_hook, has_processor, with_globals
+from bcg.runtime.hooks import HookRegistry, class_memory
 from bcg.runtime.proxy import unwrap_runner
-from bcg.runtime.runner import CAPTURE_FAILED_ATTR
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["AutoPlacement", "auto_placement", "forget", "placement_stats"]
 
-_MEMORY_ATTR = "__bcg_auto_placements__"  # on the model class: (config, device type) -> _Remembered
 # CUDA's (and torch's) answers to an operation a capture cannot hold, raised at that operation. Not
 # "operation failed due to a previous error during capture": that names a later op, not the culprit.
 _CAPTURE_ILLEGAL = re.compile(
@@ -83,12 +79,12 @@ class _ModuleWithEagerFunctions(types.ModuleType):
 
     def __init__(self, original, names):
         super().__init__(original.__name__)
-        self.__bcg_original__ = original
+        self._original = original
         for name in names:
             setattr(self, name, eager_on_graph(getattr(original, name)))
 
     def __getattr__(self, name):
-        return getattr(self.__bcg_original__, name)
+        return getattr(self._original, name)
 
 
 def _config_key(module) -> str | None:
@@ -99,11 +95,8 @@ def _config_key(module) -> str | None:
 
 
 def _memory(cls) -> dict:
-    memory = cls.__dict__.get(_MEMORY_ATTR)
-    if memory is None:
-        memory = {}
-        setattr(cls, _MEMORY_ATTR, memory)
-    return memory
+    """On the model class (`class_memory`): (config, device type) -> `_Remembered`."""
+    return class_memory(cls, "auto_placements", dict)
 
 
 def _function_of(module, method: str, name: str):
@@ -121,12 +114,13 @@ def _function_of(module, method: str, name: str):
 
 
 class AutoPlacement:
-    """The break placement of one module under policy ``"auto"`` (``probing``) or pinned places."""
+    """The break placement of one module under policy ``"auto"`` (``probing``) or pinned places; its
+    breaks are recorded by `hook` (the module's ``bcg_breaks``, whose forward calls `_call`)."""
 
-    def __init__(self, module: torch.nn.Module, probing: bool):
+    def __init__(self, module: torch.nn.Module, probing: bool, hook: PlacementHook):
         self.module = module
         self.probing = probing
-        self.original = module.forward
+        self.hook = hook
         self.places: dict[Place, dict[str, Any]] = {}  # place -> {"ops": [...], "source": ..., "installed": bool}
         self.unplaced: list[HostOp] = []
         self.probes = 0
@@ -138,12 +132,10 @@ class AutoPlacement:
         self._lock = threading.RLock()
         self._config = _config_key(module)
 
-        @functools.wraps(self.original)
-        def forward(*args, **kwargs):
-            return self._call(args, kwargs)
-
-        forward.__bcg_placement__ = self
-        self.forward = forward
+    @property
+    def original(self):
+        """The forward below the placement's (the module's own, or the hooks' registered before it)."""
+        return self.hook.fn_ref.original_forward
 
     # -- calls ------------------------------------------------------------------------------------
 
@@ -211,11 +203,11 @@ class AutoPlacement:
             raise ValueError(f"place {str(place)!r} names no submodule of {type(self.module).__name__}; use a "
                              "name from named_modules() or from auto_placement()") from None
         if not place.method:
-            return wrap_processor(sub, whole=True) if has_processor(sub) else wrap_forward(sub)
+            return self.hook.wrap_processor(sub, whole=True) if has_processor(sub) else self.hook.wrap_forward(sub)
         if not place.function:
             if not callable(getattr(sub, place.method, None)):
                 raise ValueError(f"place {str(place)!r}: {type(sub).__name__} has no method {place.method!r}")
-            return wrap_method(sub, place.method)
+            return self.hook.wrap_method(sub, place.method)
         head, _, attr = place.function.partition(".")
         if _function_of(sub, place.method, head) is None:
             logger.warning("break placement in %s: cannot find global %r of %s.%s; %s stays in the graph",
@@ -245,7 +237,7 @@ class AutoPlacement:
         if sub is self.module and method == "forward":  # the placement's own forward calls it
             self._capture_forward = capture
             return True
-        return wrap_method_for_capture(sub, method, capture)
+        return self.hook.wrap_method_for_capture(sub, method, capture)
 
     def _remember(self, device_type: str, structure=None) -> None:
         """Remember the places for this class, config and device type (and `structure` as probed)."""
@@ -368,7 +360,7 @@ def _eager_global(attrs, current):
 
 
 def placement_of(module) -> AutoPlacement | None:
-    return unwrap_runner(module).__dict__.get(PLACEMENT_ATTR)
+    return getattr(breaks_hook(module), "placement", None)
 
 
 def auto_placement(module) -> list[str]:
@@ -395,13 +387,13 @@ def forget(module) -> None:
 
 
 def install_placement(module: torch.nn.Module, probing: bool, places: Iterable = ()) -> AutoPlacement:
-    """Put an `AutoPlacement` on `module` (breaks removed before): probing (``"auto"``) or pinned `places`."""
-    state = AutoPlacement(module, probing)
-    object.__setattr__(module, "forward", state.forward)
-    module.__dict__[PLACEMENT_ATTR] = state
+    """Put an `AutoPlacement` on `module` (breaks removed before) as its ``bcg_breaks`` hook (a
+    `PlacementHook`): probing (``"auto"``) or pinned `places`."""
+    hook = PlacementHook(lambda m, h: AutoPlacement(m, probing, h), probing)
+    HookRegistry.check_if_exists_or_initialize(module).register_hook(hook, BREAKS_HOOK)
+    state = hook.placement
     for place in places:
         state.add(place if isinstance(place, Place) else Place.parse(place), (), "pinned")
     if probing:
         state.adopt_remembered()
-        module.__dict__[CAPTURE_FAILED_ATTR] = state.capture_failed  # pinned places stay as pinned
     return state

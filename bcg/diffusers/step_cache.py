@@ -306,8 +306,7 @@ class _StepCacheLogic:
         from bcg.runtime.runner import BreakableGraphRunner
 
         if self.inner is None:
-            inner_config = dataclasses.replace(config, compile=bool(config.compile and not config.compile_regional),
-                                               quantize=None)
+            inner_config = dataclasses.replace(config, compile=bool(config.compile and not config.compile_regional))
             self.inner = BreakableGraphRunner(self.middle, config=inner_config)
 
     # -- rows ------------------------------------------------------------------------------------

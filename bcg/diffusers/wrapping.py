@@ -1,12 +1,15 @@
-"""The wrapping that makes a place of a diffusers module an eager break, and its undoing.
+"""The wrapping that makes a place of a diffusers module an eager break, and its undoing: `BreaksHook`.
 
-A processor call (or only its attention core), a submodule's forward, a method, or a method whose
-calls of one global function are breaks: each is an instance attribute (a processor: an instance of a
-small subclass of its own class sharing the original's ``__dict__``), so the class and every other
-instance stay as they are and `remove_breaks` deletes them. `with_globals` rebuilds a function over a
+Every break placed in a module is recorded by one hook, ``bcg_breaks`` in the module's registry
+(`bcg.runtime.hooks`), and undone by removing it (`remove_breaks`). A processor call (or only its
+attention core) becomes a break by putting an instance of a small subclass of the processor's own class,
+sharing the original's ``__dict__``, in the attention module's ``processor``; a submodule's forward, a
+method, or a method whose calls of one global function are breaks, by an instance attribute of that
+name. The classes and every other instance stay as they are. `with_globals` rebuilds a function over a
 copy of its module globals, which is how a global the code calls becomes a break for its own callers
-only. What to wrap is decided elsewhere: the policies in `bcg.diffusers.breaks`, the automatic
-placement in `bcg.diffusers.placement`, the compiled-segment breaks in `bcg.diffusers.compiled_breaks`.
+only. What to wrap is decided elsewhere: the policies in `bcg.diffusers.breaks`, the automatic placement
+in `bcg.diffusers.placement` (whose forward is this hook's ``new_forward``), the compiled-segment breaks in
+`bcg.diffusers.compiled_breaks`.
 """
 from __future__ import annotations
 
@@ -18,18 +21,15 @@ import types
 import torch
 
 from bcg.graphs.capture import eager_on_graph, is_capturing
-from bcg.runtime.compile import COMPILED_BREAKS_ATTR
+from bcg.runtime.compile import BREAKS_HOOK
+from bcg.runtime.hooks import HookRegistry, ModelHook
 from bcg.runtime.proxy import unwrap_runner
 from bcg.runtime.runner import CAPTURE_FAILED_ATTR
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["PLACEMENT_ATTR", "core_of", "has_processor", "remove_breaks", "with_globals", "wrap_forward",
-           "wrap_method", "wrap_method_for_capture", "wrap_processor"]
-
-_BREAK_MARK = "__bcg_break__"
-#: Where a module keeps its automatic (or pinned) placement: a `bcg.diffusers.placement.AutoPlacement`.
-PLACEMENT_ATTR = "_bcg_placement"
+__all__ = ["BREAKS_HOOK", "BreaksHook", "PlacementHook", "breaks_hook", "core_of", "has_processor",
+           "remove_breaks", "with_globals"]
 
 
 class _FunctionalWithEagerAttention(types.ModuleType):
@@ -37,11 +37,11 @@ class _FunctionalWithEagerAttention(types.ModuleType):
 
     def __init__(self, original):
         super().__init__(original.__name__)
-        self.__bcg_original__ = original
+        self._original = original
         self.scaled_dot_product_attention = eager_on_graph(original.scaled_dot_product_attention)
 
     def __getattr__(self, name):
-        return getattr(self.__bcg_original__, name)
+        return getattr(self._original, name)
 
 
 def with_globals(func, replacements: dict):
@@ -110,15 +110,9 @@ def _eager_core(current):
     return _FunctionalWithEagerAttention(current) if current is torch.nn.functional else eager_on_graph(current)
 
 
-def _breaking_class(base: type, whole: bool) -> type:
-    """A subclass of processor class `base` whose calls are (or contain) an eager break during capture.
-
-    Cached on `base` itself; ``functools.wraps`` keeps ``inspect.signature(proc.__call__)`` intact.
-    """
-    attr = "__bcg_whole_break_class__" if whole else "__bcg_core_break_class__"
-    cached = base.__dict__.get(attr)
-    if cached is not None:
-        return cached
+def _breaking_class(base: type, whole: bool) -> tuple[type, bool]:
+    """A subclass of processor class `base` whose calls are (or contain) an eager break during capture, and
+    whether only its attention core is the break. ``functools.wraps`` keeps ``inspect.signature(proc.__call__)``."""
     original_call = base.__call__
     core = None if whole else core_of(original_call)
     # during a capture: the same code with its attention core as an eager break (see with_globals)
@@ -135,12 +129,8 @@ def _breaking_class(base: type, whole: bool) -> type:
     __call__.__wrapped__ = original_call
     __call__.__name__, __call__.__qualname__ = "__call__", f"{base.__qualname__}.__call__"
     __call__.__doc__ = original_call.__doc__
-    cls = type(base.__name__, (base,), {
-        "__call__": __call__, "__module__": base.__module__, "__bcg_base__": base,
-        "__bcg_breaks_core__": breaks_core, "__doc__": base.__doc__,
-    })
-    setattr(base, attr, cls)
-    return cls
+    cls = type(base.__name__, (base,), {"__call__": __call__, "__module__": base.__module__, "__doc__": base.__doc__})
+    return cls, breaks_core
 
 
 def has_processor(module) -> bool:
@@ -148,55 +138,156 @@ def has_processor(module) -> bool:
     return hasattr(module, "set_processor") and getattr(module, "processor", None) is not None
 
 
-def wrap_processor(module, whole: bool) -> bool:
-    """Make `module`'s processor call a break during captures (the whole call, or its attention core)."""
-    processor = module.processor
-    if getattr(type(processor), "__bcg_base__", None) is not None:
+class BreaksHook(ModelHook):
+    """The hook ``bcg_breaks``: every break placed in one module (the root of a transformer) and its undo.
+
+    processors: attention module -> (original processor, kind): ``"core"`` / ``"whole"`` (during captures),
+    ``"compiled core"`` / ``"compiled whole"`` (on every call, for compiled segments). methods: (submodule,
+    name) -> (the function put there, ``"whole"`` or ``"during capture"``, what the instance held before).
+    ``compiled_breaks``: what `bcg.runtime.compile.compile_for_segments` calls to make the breaks visible to
+    dynamo (None: nothing needed).
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.processors: dict = {}
+        self.methods: dict = {}
+        self.compiled_breaks = None
+        self._classes: dict = {}  # (processor class, kind) -> (subclass, breaks core)
+
+    # -- processors ---------------------------------------------------------------------------------
+
+    def processor_kind(self, module) -> str | None:
+        entry = self.processors.get(module)
+        return entry[1] if entry is not None and module.processor is not entry[0] else None
+
+    def original_processor(self, module):
+        entry = self.processors.get(module)
+        return entry[0] if entry is not None else module.processor
+
+    def is_break_processor(self, module) -> bool:
+        return self.processor_kind(module) is not None
+
+    def subclass(self, base: type, kind: str, make) -> tuple[type, bool]:
+        key = (base, kind)
+        if key not in self._classes:
+            self._classes[key] = make(base, kind)
+        return self._classes[key]
+
+    def put_processor(self, module, wrapper, kind: str) -> None:
+        original = self.original_processor(module)
+        self.processors[module] = (original, kind)
+        module.processor = wrapper
+
+    def wrap_processor(self, module, whole: bool) -> bool:
+        """Make `module`'s processor call a break during captures (the whole call, or its attention core)."""
+        if self.is_break_processor(module):
+            return True
+        processor = module.processor
+        try:
+            cls, breaks_core = self.subclass(type(processor), "whole" if whole else "core",
+                                             lambda base, kind: _breaking_class(base, kind == "whole"))
+            wrapper = object.__new__(cls)
+            wrapper.__dict__ = processor.__dict__  # one state: backend/parallel settings apply to both
+        except (TypeError, AttributeError) as exc:
+            logger.warning("cannot place a break in %s's processor %s (%s); it stays in the graph",
+                           type(module).__name__, type(processor).__name__, exc)
+            return False
+        self.put_processor(module, wrapper, "core" if breaks_core else "whole")
         return True
-    try:
-        wrapper = object.__new__(_breaking_class(type(processor), whole))
-        wrapper.__dict__ = processor.__dict__  # one state: backend/parallel settings apply to both
-    except (TypeError, AttributeError) as exc:
-        logger.warning("cannot place a break in %s's processor %s (%s); it stays in the graph",
-                       type(module).__name__, type(processor).__name__, exc)
-        return False
-    object.__setattr__(module, "_bcg_original_processor", processor)
-    module.processor = wrapper
-    return True
 
+    # -- methods ------------------------------------------------------------------------------------
 
-def wrap_forward(module) -> bool:
-    """Make `module`'s forward an eager break (an instance attribute; `remove_breaks` deletes it)."""
-    return wrap_method(module, "forward")
+    def _put_method(self, module, name: str, method, mark: str) -> None:
+        before = self.methods.get((module, name), (None, None, module.__dict__.get(name, _ABSENT)))[2]
+        object.__setattr__(module, name, method)
+        self.methods[(module, name)] = (method, mark, before)
 
+    def _mark(self, module, name: str) -> str | None:
+        entry = self.methods.get((module, name))
+        return entry[1] if entry is not None and module.__dict__.get(name) is entry[0] else None
 
-def wrap_method(module, name: str) -> bool:
-    """Make the method `name` of `module` an eager break (an instance attribute; `remove_breaks` deletes it)."""
-    if getattr(module.__dict__.get(name), _BREAK_MARK, False) is True:
+    def wrap_forward(self, module) -> bool:
+        """Make `module`'s forward an eager break."""
+        return self.wrap_method(module, "forward")
+
+    def wrap_method(self, module, name: str) -> bool:
+        """Make the method `name` of `module` an eager break."""
+        if self._mark(module, name) == "whole":
+            return True
+        self._put_method(module, name, eager_on_graph(getattr(module, name)), "whole")
         return True
-    method = eager_on_graph(getattr(module, name))
-    setattr(method, _BREAK_MARK, True)
-    object.__setattr__(module, name, method)
-    return True
 
+    def wrap_method_for_capture(self, module, name: str, capture) -> bool:
+        """Make `module`'s method `name` call `capture` instead while a capture is open (not in compiled
+        code); the class's method otherwise. A method that is a whole break already stays one."""
+        if self._mark(module, name) == "whole":
+            return True
+        original = inspect.getattr_static(type(module), name).__get__(module, type(module))
 
-def wrap_method_for_capture(module, name: str, capture) -> bool:
-    """Make `module`'s method `name` call `capture` instead while a capture is open (not in compiled
-    code); the class's method otherwise. An instance attribute (`remove_breaks` deletes it); a method
-    that is a whole break already stays one."""
-    if getattr(module.__dict__.get(name), _BREAK_MARK, False) is True:
+        def method(*args, **kwargs):
+            if torch.compiler.is_compiling() or not is_capturing():
+                return original(*args, **kwargs)
+            return capture(*args, **kwargs)
+
+        functools.update_wrapper(method, original)
+        self._put_method(module, name, method, "during capture")
         return True
-    original = inspect.getattr_static(type(module), name).__get__(module, type(module))
 
-    def method(*args, **kwargs):
-        if torch.compiler.is_compiling() or not is_capturing():
-            return original(*args, **kwargs)
-        return capture(*args, **kwargs)
+    # -- undo ---------------------------------------------------------------------------------------
 
-    functools.update_wrapper(method, original)
-    setattr(method, _BREAK_MARK, "during capture")
-    object.__setattr__(module, name, method)
-    return True
+    def count(self) -> int:
+        return len(self.processors) + len(self.methods)
+
+    def deinitialize_hook(self, module):
+        for sub, (original, _) in self.processors.items():
+            sub.processor = original
+        for (sub, name), (_, _, before) in self.methods.items():
+            if before is _ABSENT:
+                sub.__dict__.pop(name, None)
+            else:
+                object.__setattr__(sub, name, before)
+        self.processors.clear()
+        self.methods.clear()
+        return module
+
+
+class PlacementHook(BreaksHook):
+    """``bcg_breaks`` of the automatic (or pinned) placement: its forward is the placement's
+    (`bcg.diffusers.placement.AutoPlacement`), and with ``"auto"`` its capture-failure answer is the
+    runner's hook (`bcg.runtime.runner.CAPTURE_FAILED_ATTR`)."""
+
+    def __init__(self, placement_factory, probing: bool):
+        super().__init__()
+        self._factory = placement_factory
+        self.probing = probing
+        self.placement = None
+
+    def initialize_hook(self, module):
+        self.placement = self._factory(module, self)
+        if self.probing:
+            module.__dict__[CAPTURE_FAILED_ATTR] = self.placement.capture_failed
+        return module
+
+    def new_forward(self, module, *args, **kwargs):
+        return self.placement._call(args, kwargs)
+
+    def deinitialize_hook(self, module):
+        module.__dict__.pop(CAPTURE_FAILED_ATTR, None)
+        return super().deinitialize_hook(module)
+
+
+_ABSENT = object()
+
+
+def breaks_hook(module, create: bool = False) -> BreaksHook | None:
+    """The ``bcg_breaks`` hook of `module` (or a runner's module); with `create`, a new `BreaksHook` when none."""
+    module = unwrap_runner(module)
+    registry = HookRegistry.of(module)
+    hook = registry.get_hook(BREAKS_HOOK) if registry is not None else None
+    if hook is None and create:
+        hook = HookRegistry.check_if_exists_or_initialize(module).register_hook(BreaksHook(), BREAKS_HOOK)
+    return hook
 
 
 def remove_breaks(module) -> int:
@@ -205,18 +296,9 @@ def remove_breaks(module) -> int:
     Automatic and pinned placements are removed too (their forward, function breaks and memory of what
     this instance probed; what the class remembers stays)."""
     module = unwrap_runner(module)
-    module.__dict__.pop(COMPILED_BREAKS_ATTR, None)
-    module.__dict__.pop(CAPTURE_FAILED_ATTR, None)
-    removed = 0
-    for sub in module.modules():
-        if sub.__dict__.pop(PLACEMENT_ATTR, None) is not None:
-            sub.__dict__.pop("forward", None)  # the placement's forward: not a break itself
-        original = sub.__dict__.get("_bcg_original_processor")
-        if original is not None:
-            sub.processor = original
-            del sub.__dict__["_bcg_original_processor"]
-            removed += 1
-        for name in [n for n, v in sub.__dict__.items() if getattr(v, _BREAK_MARK, False)]:
-            del sub.__dict__[name]
-            removed += 1
+    hook = breaks_hook(module)
+    if hook is None:
+        return 0
+    removed = hook.count()
+    HookRegistry.of(module).remove_hook(BREAKS_HOOK, recurse=False)
     return removed

@@ -24,14 +24,31 @@ import torch
 from torch import nn
 
 from bcg.lora.layers import LoraLinear, LoraRows
+from bcg.runtime.hooks import HookRegistry, ModelHook
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["AdapterConflictError", "AdapterFileError", "AdapterUnreadableError", "AdapterWeights", "LORA_ATTR", "LoraBank",
+__all__ = ["AdapterConflictError", "AdapterFileError", "AdapterUnreadableError", "AdapterWeights", "LORA_HOOK",
+           "LoraBank", "LoraHook",
            "UnknownAdapterError", "lora_bank", "target_names"]
 
-# where a transformer holds its bank (a plain attribute, not a submodule)
-LORA_ATTR = "_bcg_lora_bank"
+# the hook (bcg.runtime.hooks) that holds a transformer's bank; removing it puts the linear layers back
+LORA_HOOK = "bcg_lora"
+
+
+class LoraHook(ModelHook):
+    """The hook ``bcg_lora``: a transformer's `LoraBank`, and the linear layers its LoRA layers replaced."""
+
+    def __init__(self, bank: "LoraBank", replaced: dict):
+        super().__init__()
+        self.bank = bank
+        self.replaced = replaced  # name -> (parent module, attribute, base linear layer)
+
+    def deinitialize_hook(self, transformer):
+        for parent, child, base in self.replaced.values():
+            setattr(parent, child, base)
+        self.replaced = {}
+        return transformer
 
 
 class AdapterFileError(ValueError):
@@ -89,7 +106,9 @@ def target_names(module: nn.Module, targets: Iterable[str]) -> list[str]:
 def lora_bank(module) -> Optional["LoraBank"]:
     """The bank installed in `module` (a transformer, or a runner wrapping one); None without one."""
     from bcg.runtime.proxy import unwrap_runner
-    return getattr(unwrap_runner(module), LORA_ATTR, None) if module is not None else None
+    registry = HookRegistry.of(unwrap_runner(module)) if module is not None else None
+    hook = registry.get_hook(LORA_HOOK) if registry is not None else None
+    return hook.bank if hook is not None else None
 
 
 class LoraBank:
@@ -109,7 +128,7 @@ class LoraBank:
                 max_rows: int = 64) -> "LoraBank":
         """Replace the linear layers `names` of `transformer` (see `target_names`) with LoRA layers.
         Call before the transformer is accelerated: its graphs and compiled code must see these layers."""
-        if getattr(transformer, LORA_ATTR, None) is not None:
+        if lora_bank(transformer) is not None:
             raise ValueError("this transformer already has LoRA layers installed")
         if not names:
             raise ValueError("no linear layers to hold LoRA adapters: the targets select none")
@@ -133,7 +152,7 @@ class LoraBank:
             layers[name] = LoraLinear(base, rows, max_loras + 1, max_rank)
             setattr(parent, child, layers[name])
         bank = cls(layers, rows, max_loras, max_rank)
-        object.__setattr__(transformer, LORA_ATTR, bank)
+        HookRegistry.check_if_exists_or_initialize(transformer).register_hook(LoraHook(bank, bases), LORA_HOOK)
         logger.info("LoRA: %d layers hold %d adapters of rank <= %d (%s)", len(layers), max_loras, max_rank,
                     _format_bytes(bank.slot_bytes() * (max_loras + 1)))
         return bank

@@ -4,7 +4,9 @@
 - `bcg.runtime.signature`: `Signature`, `signature_of`, `call_context`;
 - `bcg.runtime.entries`: the signature-keyed cache of captures;
 - `bcg.runtime.recorder`: how a runner captures (on the capture stream, in the shared pool);
-- `bcg.runtime.config`: `RunnerConfig` and its ``BCG_*`` environment variables;
+- `bcg.runtime.config`: `RunnerConfig` (the runner's settings), `TransformerOptions` (what `accelerate`
+  does to a transformer), their ``BCG_*`` environment variables;
+- `bcg.runtime.hooks`: `HookRegistry`, the one registry per object of everything bcg installs;
 - `bcg.runtime.compile`: compiled segments (`RunnerConfig(compile=True)`);
 
 Builds on `bcg.graphs`; knows nothing of diffusers.

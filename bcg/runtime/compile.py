@@ -41,22 +41,24 @@ from typing import Any, Callable, Mapping
 
 import torch
 
+from bcg.runtime.hooks import HookRegistry
 from bcg.runtime.proxy import ModuleProxy
 from bcg.runtime.signature import call_arguments, signature_of
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["COMPILED_BREAKS_ATTR", "CompileEvent", "CompiledForward", "DEFAULT_INDUCTOR_OPTIONS",
+__all__ = ["BREAKS_HOOK", "CompileEvent", "CompiledForward", "DEFAULT_INDUCTOR_OPTIONS",
            "compile_for_segments", "repeated_blocks"]
 
 #: Inductor without its own CUDA graphs: the breakable capture records the kernels instead.
 DEFAULT_INDUCTOR_OPTIONS = {"triton.cudagraphs": False}
 
-#: A module may carry, under this instance attribute, ``make_visible(module)``: what turns the breaks placed
-#: in it into breaks that dynamo sees on every call. Breaks that act only while a capture is open (so a
-#: compiled warm-up call would trace without them) need it; the code that placed them sets it, and
-#: `compile_for_segments` calls it. The core knows no kind of break placement itself.
-COMPILED_BREAKS_ATTR = "__bcg_compiled_breaks__"
+#: The name of the hook (`bcg.runtime.hooks`) that holds a module's breaks. Its ``compiled_breaks``, when
+#: not None, is ``make_visible(module)``: what turns the breaks placed in it into breaks that dynamo sees on
+#: every call. Breaks that act only while a capture is open (so a compiled warm-up call would trace without
+#: them) need it; the code that placed them sets it, and `compile_for_segments` calls it. The core knows no
+#: kind of break placement itself.
+BREAKS_HOOK = "bcg_breaks"
 
 _MAX_EVENTS = 512    # compile events kept for stats(); counters keep counting past it
 
@@ -456,7 +458,7 @@ def compile_for_segments(module, *, backend="inductor", mode=None, options=None,
     dynamic: None (automatic dynamic), True (dynamic from the first compile) or False (static per size).
     mark_dynamic: ``{input name: dim or dims}`` marked dynamic before each call (a hint, never an error).
     breaks: ``"installed"`` (default) makes the breaks placed in the module visible to dynamo with the
-        function their placement left on it (`COMPILED_BREAKS_ATTR`; ``bcg.diffusers.install_breaks``
+        function their placement left in its ``bcg_breaks`` hook (`BREAKS_HOOK`; ``bcg.diffusers.install_breaks``
         leaves one that makes every attention core a break), if any; a callable ``breaks(module)`` does
         that instead; None leaves the module as it is (its own ``eager_on_graph`` calls still break).
     inference: run calls under ``torch.no_grad()`` (a grad-mode change would recompile every frame).
@@ -466,7 +468,9 @@ def compile_for_segments(module, *, backend="inductor", mode=None, options=None,
         when it has none.
     """
     if breaks == "installed":
-        breaks = module.__dict__.get(COMPILED_BREAKS_ATTR) if isinstance(module, torch.nn.Module) else None
+        registry = HookRegistry.of(module)
+        hook = registry.get_hook(BREAKS_HOOK) if registry is not None else None
+        breaks = getattr(hook, "compiled_breaks", None)
     elif breaks is not None and not callable(breaks):
         raise ValueError(f"breaks must be 'installed', a callable breaks(module) or None, got {breaks!r}")
     if breaks is not None:

@@ -1,4 +1,10 @@
-"""Runner configuration: one frozen dataclass, read from ``BCG_*`` environment variables in one place.
+"""Runner settings and the transformer's optimizations: two frozen dataclasses, read from ``BCG_*``
+environment variables in one place.
+
+`RunnerConfig` says how a runner captures, pools, replays and compiles (any module). `TransformerOptions`
+says what `bcg.diffusers.accelerate` does to a pipeline's transformers before their runners wrap them
+(float8 linears, the attention kernel, step caching next); it is validated here, once, and applied once,
+through the transformer's hook registry (`bcg.runtime.hooks`).
 
 `RunnerConfig()` holds the defaults; `RunnerConfig.from_env()` overrides each field from the variable
 ``BCG_<FIELD NAME IN CAPITALS>`` (``BCG_MAX_ENTRIES=8``, ``BCG_COPY_OUTPUTS=0``, ...). A value that does
@@ -18,7 +24,7 @@ from bcg.runtime.quantize import QUANTIZE_MODES
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["RunnerConfig"]
+__all__ = ["RunnerConfig", "TransformerOptions"]
 
 _ENV_PREFIX = "BCG_"
 _TRUE = {"1", "true", "yes", "on"}
@@ -76,16 +82,9 @@ class RunnerConfig:
         (embeddings, final norm) uncompiled inside the same graph segments: the compile takes a fraction
         of a whole-module compile for the same kernels where the time is spent (see
         ``bcg.runtime.compile``).
-    quantize: None, or "fp8": the module's linear layers become float8 GEMMs (torchao, dynamic per-row
-        activation scales, per-row weight scales; ``bcg.runtime.quantize``) before anything is captured
-        or compiled. Where float8 cannot run the runner says why once and keeps the module's dtype.
-    attention_backend: the attention kernel of diffusers transformers (applied by
-        ``bcg.diffusers.accelerate``; see ``bcg.runtime.attention``): "auto" (default) times the
-        available kernels per attention shape at warmup and keeps the fastest, or one of "sdpa"
-        (PyTorch's own choice), "cudnn", "flash", "efficient", "math", "fa3" (FlashAttention-3, the
-        ``fa3-fwd`` package), "fa3_fp8" (FA3 on float8 inputs: faster, less exact; never chosen by
-        "auto"). A kernel that is missing or refuses a shape falls back to "sdpa" with
-        a one-line reason.
+    quantize, attention_backend: the transformer's, not the runner's: `TransformerOptions`. Passing them
+        here is an error that says so (``BCG_QUANTIZE`` / ``BCG_ATTENTION_BACKEND`` still work: they set
+        `TransformerOptions.from_env()`).
     """
 
     enabled: bool = True
@@ -104,10 +103,18 @@ class RunnerConfig:
     compile_dynamic: Optional[bool] = None
     compile_mode: Optional[str] = None
     compile_regional: bool = False
-    quantize: Optional[str] = None
-    attention_backend: str = "auto"
+    # not fields: moved to TransformerOptions; accepted only to say so (their class attributes read None/"auto")
+    quantize: dataclasses.InitVar[Optional[str]] = None
+    attention_backend: dataclasses.InitVar[str] = "auto"
 
-    def __post_init__(self):
+    def __post_init__(self, quantize=None, attention_backend="auto"):
+        moved = {k: v for k, v in (("quantize", quantize), ("attention_backend", attention_backend))
+                 if v != TransformerOptions.__dataclass_fields__[k].default}
+        if moved:
+            args = ", ".join(f"{k}={v!r}" for k, v in moved.items())
+            raise ValueError(f"{', '.join(moved)} is a transformer option, not a runner setting: pass "
+                             f"bcg.TransformerOptions({args}) as accelerate(pipe, options=...) (the app: its own "
+                             f"args {', '.join(moved)}=..., not runner=)")
         if self.max_entries < 1:
             raise ValueError(f"max_entries must be >= 1, got {self.max_entries}; "
                              "use enabled=False to turn graphs off")
@@ -128,12 +135,6 @@ class RunnerConfig:
             raise ValueError("compile=True needs capture_warmup_runs >= 1: compilation must happen "
                              "before the capture")
 
-        if self.quantize is not None and self.quantize not in QUANTIZE_MODES:
-            raise ValueError(f"quantize must be one of {list(QUANTIZE_MODES)} or None, got {self.quantize!r}")
-        if self.attention_backend not in ATTENTION_BACKENDS:
-            raise ValueError(f"attention_backend must be one of {list(ATTENTION_BACKENDS)}, "
-                             f"got {self.attention_backend!r}")
-
     @classmethod
     def env_var(cls, field_name):
         """The environment variable that sets `field_name`."""
@@ -143,31 +144,92 @@ class RunnerConfig:
     def from_env(cls, environ=None, **overrides):
         """Defaults, overridden by ``BCG_*`` variables of `environ` (default os.environ), then by
         `overrides`. Bad environment values warn and keep the default; bad overrides raise."""
-        environ = os.environ if environ is None else environ
-        values = {}
-        defaults = cls()
-        for field in dataclasses.fields(cls):
-            name = cls.env_var(field.name)
-            raw = environ.get(name)
-            if raw is None:
-                continue
-            try:
-                value = _parse(raw, field.type)
-                dataclasses.replace(defaults, **{field.name: value})  # validates this field alone
-            except ValueError as exc:
-                logger.warning("ignoring %s=%r: %s; keeping the default %r",
-                               name, raw, exc, getattr(defaults, field.name))
-                continue
-            values[field.name] = value
-        try:
-            config = cls(**values)
-        except ValueError as exc:  # fields valid alone but not together
-            logger.warning("ignoring BCG_* settings %s: %s; using the defaults", values, exc)
-            config = defaults
-        return dataclasses.replace(config, **overrides) if overrides else config
+        return _from_env(cls, environ, overrides)
 
     def as_dict(self):
         return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class TransformerOptions:
+    """What `bcg.diffusers.accelerate` does to a pipeline's transformers, once, before their runners wrap
+    them; each is a hook in the transformer's registry (`bcg.runtime.hooks`), removed by ``unaccelerate``.
+
+    quantize: None, or "fp8": the linear layers become float8 GEMMs (torchao, dynamic per-row activation
+        scales, per-row weight scales; ``bcg.runtime.quantize``) before anything is captured or compiled.
+        Where float8 cannot run, the report says why once and the module keeps its dtype. Compile it
+        (``RunnerConfig(compile=True)``): uncompiled, float8 is slower than bf16.
+    attention_backend: the attention kernel (see ``bcg.runtime.attention``): "auto" (default) times the
+        available kernels per attention shape at warmup and keeps the fastest, or one of "sdpa"
+        (PyTorch's own choice), "cudnn", "flash", "efficient", "math", "fa3" (FlashAttention-3, the
+        ``fa3-fwd`` package), "fa3_fp8" (FA3 on float8 inputs: faster, less exact; never chosen by
+        "auto"). A kernel that is missing or refuses a shape falls back to "sdpa" with a one-line reason.
+    step_cache: reserved (None): step caching is enabled by ``bcg.diffusers.enable_step_cache`` before
+        `accelerate` (a hook in diffusers' own registry of the transformer; see ``bcg.runtime.hooks``).
+
+    Regional compilation stays the runner's (``RunnerConfig.compile_regional``: how a runner compiles);
+    `accelerate` asks it of the transformers' runners only.
+    """
+
+    quantize: Optional[str] = None
+    attention_backend: str = "auto"
+    step_cache: Optional[typing.Any] = None
+
+    def __post_init__(self):
+        if self.quantize is not None and self.quantize not in QUANTIZE_MODES:
+            raise ValueError(f"quantize must be one of {list(QUANTIZE_MODES)} or None, got {self.quantize!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {list(ATTENTION_BACKENDS)}, "
+                             f"got {self.attention_backend!r}")
+        if self.step_cache is not None:
+            raise ValueError("step_cache is not available yet; leave it None")
+
+    env_var = RunnerConfig.env_var
+
+    @classmethod
+    def from_env(cls, environ=None, **overrides):
+        """Defaults, overridden by ``BCG_QUANTIZE`` / ``BCG_ATTENTION_BACKEND`` of `environ` (default
+        os.environ), then by `overrides`; a bad environment value warns and keeps the default."""
+        return _from_env(cls, environ, overrides)
+
+    @classmethod
+    def split(cls, settings: typing.Mapping | None) -> tuple["TransformerOptions", dict]:
+        """``(TransformerOptions, the rest)`` of one settings dict that holds both (the app's replica
+        settings: ``runner`` plus ``quantize`` / ``attention_backend``); options not named come from the
+        environment. Raises ValueError (naming the field) for a bad value."""
+        settings = dict(settings or {})
+        names = [f.name for f in dataclasses.fields(cls)]
+        mine = {k: settings.pop(k) for k in names if k in settings}
+        return cls.from_env(**mine), settings
+
+    def as_dict(self):
+        return dataclasses.asdict(self)
+
+
+def _from_env(cls, environ, overrides):
+    environ = os.environ if environ is None else environ
+    values = {}
+    defaults = cls()
+    hints = typing.get_type_hints(cls)
+    for field in dataclasses.fields(cls):
+        name = cls.env_var(field.name)
+        raw = environ.get(name)
+        if raw is None or hints[field.name] is typing.Optional[typing.Any]:
+            continue
+        try:
+            value = _parse(raw, hints[field.name])
+            dataclasses.replace(defaults, **{field.name: value})  # validates this field alone
+        except ValueError as exc:
+            logger.warning("ignoring %s=%r: %s; keeping the default %r",
+                           name, raw, exc, getattr(defaults, field.name))
+            continue
+        values[field.name] = value
+    try:
+        config = cls(**values)
+    except ValueError as exc:  # fields valid alone but not together
+        logger.warning("ignoring BCG_* settings %s: %s; using the defaults", values, exc)
+        config = defaults
+    return dataclasses.replace(config, **overrides) if overrides else config
 
 
 def _parse(raw, annotation):

@@ -15,6 +15,10 @@ Ada and Hopper), torchao not installed, a layer torchao refuses -- nothing is ch
 `QuantizeReport` says why (``applied=False``, ``reason``) and one warning is logged. A caller serves the
 module in its own dtype then; a request never fails because of it.
 
+The report is kept in the module's hook registry (`bcg.runtime.hooks`, hook ``bcg_quantize``), which is
+what makes a second call a no-op. Removing that hook forgets the report but does not undo the float8
+weights: that would need a second copy of every weight kept for it (a fresh module is the undo).
+
 Layers whose input or output features are not multiples of 16 (float8 GEMMs need that), layers whose
 weights are not bf16 (the per-row scheme takes bf16 only; e.g. the modules a model keeps in fp32, such as
 Wan's ``_keep_in_fp32_modules``), and the layers a caller names in ``skip`` (fnmatch patterns on qualified
@@ -29,14 +33,16 @@ from typing import Iterable
 
 import torch
 
+from bcg.runtime.hooks import HookRegistry, ModelHook
+
 logger = logging.getLogger(__name__)
 
 __all__ = ["QUANTIZE_MODES", "QuantizeReport", "fp8_unavailable_reason", "quantize_module", "quantize_report"]
 
-#: What `RunnerConfig.quantize` accepts (None: no quantization).
+#: What `TransformerOptions.quantize` accepts (None: no quantization).
 QUANTIZE_MODES = ("fp8",)
 _FP8_MIN_CAPABILITY = (8, 9)
-_REPORT_ATTR = "_bcg_quantize"
+HOOK_NAME = "bcg_quantize"
 
 
 @dataclasses.dataclass
@@ -78,12 +84,12 @@ def fp8_unavailable_reason(device: torch.device | str | None = None) -> str | No
 def quantize_module(module: torch.nn.Module, mode: str | None, *, skip: Iterable[str] = (),
                     device=None) -> QuantizeReport:
     """Quantize `module`'s linear layers in place (see the module docstring); returns the report, which
-    is also kept on the module (``quantize_report(module)``). Quantizing twice is a no-op."""
+    is also kept in the module's hook registry (``quantize_report(module)``). Quantizing twice is a no-op."""
     if mode is None:
         return QuantizeReport(mode=None)
     if mode not in QUANTIZE_MODES:
         raise ValueError(f"quantize must be one of {list(QUANTIZE_MODES)} or None, got {mode!r}")
-    done = module.__dict__.get(_REPORT_ATTR)
+    done = quantize_report(module)
     if done is not None:
         return done
     if device is None:
@@ -124,11 +130,21 @@ def quantize_module(module: torch.nn.Module, mode: str | None, *, skip: Iterable
 
 def quantize_report(module) -> QuantizeReport | None:
     """The report of the `quantize_module` call that changed (or declined to change) `module`, if any."""
-    return getattr(module, "__dict__", {}).get(_REPORT_ATTR)
+    registry = HookRegistry.of(module)
+    hook = registry.get_hook(HOOK_NAME) if registry is not None else None
+    return hook.report if hook is not None else None
+
+
+class QuantizeHook(ModelHook):
+    """The report of the quantization of a module, in its registry (installs nothing of its own)."""
+
+    def __init__(self, report: QuantizeReport):
+        super().__init__()
+        self.report = report
 
 
 def _keep(module, report):
-    object.__setattr__(module, _REPORT_ATTR, report)
+    HookRegistry.check_if_exists_or_initialize(module).register_hook(QuantizeHook(report), HOOK_NAME)
     return report
 
 

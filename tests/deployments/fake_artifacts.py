@@ -2,12 +2,13 @@
 without compiling: tiny-flux compiled by inductor on two CPU cores takes about a minute per replica.
 
 ``fake_compile_artifacts`` sets `FakeCompileArtifacts` as the pipeline's artifact source
-(``deployments.compile_cache.ARTIFACTS_ATTR``): ``save`` returns bytes that name the process that
+(the pipeline's hook ``deployments.compile_cache.ARTIFACTS_HOOK``): ``save`` returns bytes that name the process that
 made them, ``load`` refuses anything else.
 """
 import os
 
-from deployments.compile_cache import ARTIFACTS_ATTR
+from bcg.runtime.hooks import HookRegistry
+from deployments.compile_cache import ARTIFACTS_HOOK, ArtifactsHook
 
 PREFIX = b"fake-compiled-code:"
 
@@ -23,4 +24,4 @@ class FakeCompileArtifacts:
 
 
 def fake_compile_artifacts(pipe):
-    setattr(pipe, ARTIFACTS_ATTR, FakeCompileArtifacts())
+    HookRegistry.check_if_exists_or_initialize(pipe).register_hook(ArtifactsHook(FakeCompileArtifacts()), ARTIFACTS_HOOK)

@@ -57,7 +57,7 @@ def test_batching_settings_default_to_no_wait_and_a_batch_the_replica_can_fill()
     ({"join_policy": "sometimes"}, "join_policy"),
     ({"quantize": "int8"}, "quantize"),
     ({"attention_backend": "fastest"}, "attention_backend must be one of"),
-    ({"quantize": "fp8", "runner": {"quantize": None}}, "quantize is set twice"),
+    ({"quantize": "fp8", "runner": {"quantize": "fp8"}}, r"quantize is a transformer option.*not runner="),
     ({"autoscaling": {"max_replicas": 2, "target_ongoing_requests": 8}},
      r"target_ongoing_requests \(8\) must be <= max_ongoing_requests \(4\)"),
 ])

@@ -32,8 +32,8 @@ def _key(config=None, shape="512x512", **kwargs):
 
 @dataclasses.dataclass(frozen=True)
 class _LaterConfig(RunnerConfig):
-    """RunnerConfig with a field added later (as quantize or compile_regional are)."""
-    quantize: str = None
+    """RunnerConfig with a field added later (as compile_regional was)."""
+    fuse_norms: bool = False
 
 
 def test_key_holds_versions_device_model_dtype_and_runner_fields():
@@ -57,9 +57,21 @@ def test_key_is_stable_and_changes_with_what_compiles():
 def test_capture_only_fields_leave_the_key_alone_and_new_fields_count():
     base = _key()
     assert _key(RunnerConfig(compile=True, max_entries=3, copy_outputs=False)).digest == base.digest
-    later = _key(_LaterConfig(compile=True, quantize="fp8"))
+    later = _key(_LaterConfig(compile=True, fuse_norms=True))
     assert later.digest != base.digest
-    assert any(line.startswith("runner.quantize:") for line in base.diff(later))
+    assert any(line.startswith("runner.fuse_norms:") for line in base.diff(later))
+
+
+def test_transformer_options_count_in_the_key():
+    from bcg.runtime.config import TransformerOptions
+
+    def key(options):
+        return artifact_key(_modules(), RunnerConfig(compile=True), name="TinyPipeline", shape_key="512x512",
+                            options=options)
+
+    plain, fp8 = key(TransformerOptions()), key(TransformerOptions(quantize="fp8"))
+    assert fp8.digest != plain.digest
+    assert any(line.startswith("transformer.quantize:") for line in plain.diff(fp8))
 
 
 def test_diff_names_each_field_that_differs():

@@ -9,7 +9,8 @@ from bcg.diffusers import (accelerate, attention_stats, install_breaks, pipeline
                            unaccelerate)
 from bcg.diffusers.models import load_pipeline
 from bcg.runtime.compile import compile_for_segments
-from bcg.runtime.config import RunnerConfig
+from bcg.diffusers.placement import placement_of
+from bcg.runtime.config import RunnerConfig, TransformerOptions
 
 
 def _run(pipe, prompt="a photo of a cat"):
@@ -93,12 +94,12 @@ def test_compile_through_the_dispatch_matches_eager_for_every_shape(flux, region
 
 
 def test_accelerate_routes_the_transformer_only_where_there_is_a_choice():
-    pipe = accelerate(load_pipeline("tiny-flux"), config=RunnerConfig(attention_backend="auto"))
+    pipe = accelerate(load_pipeline("tiny-flux"), options=TransformerOptions(attention_backend="auto"))
     try:  # on CPU SDPA is the only kernel: diffusers' processors stay
         assert pipeline_stats(pipe)["transformer"]["attention"] is None
     finally:
         unaccelerate(pipe)
-    pipe = accelerate(load_pipeline("tiny-flux"), config=RunnerConfig(attention_backend="math", quantize="fp8"),
+    pipe = accelerate(load_pipeline("tiny-flux"), options=TransformerOptions(attention_backend="math", quantize="fp8"),
                       components=("transformer", "vae_decoder"))
     try:
         _run(pipe)
@@ -140,7 +141,7 @@ def test_regional_compile_under_automatic_placement_compiles_in_the_first_call()
         after_first = compiled.stats()["graphs_compiled"]
         compiled(**inputs)
         assert after_first >= 2 and compiled.stats()["graphs_compiled"] == after_first
-        assert transformer._bcg_placement.probes == 1
+        assert placement_of(transformer).probes == 1
     finally:
         for block in [*transformer.transformer_blocks, *transformer.single_transformer_blocks]:
             block._compiled_call_impl = None

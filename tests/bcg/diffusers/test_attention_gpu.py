@@ -8,7 +8,7 @@ from bcg.diffusers import accelerate, pipeline_stats, plan_request, warmup_pipel
 from bcg.diffusers.models import load_pipeline
 from bcg.runtime import attention as attention_module
 from bcg.runtime.attention import AttentionDispatch, backend_unavailable_reason
-from bcg.runtime.config import RunnerConfig
+from bcg.runtime.config import RunnerConfig, TransformerOptions
 
 pytestmark = pytest.mark.gpu
 
@@ -75,7 +75,7 @@ def test_pipeline_replays_with_the_chosen_kernel_as_its_eager_runs(backend):
     if backend == "fa3" and backend_unavailable_reason("fa3", torch.device("cuda")):
         pytest.skip(backend_unavailable_reason("fa3", torch.device("cuda")))
     pipe = accelerate(load_pipeline("tiny-flux", device="cuda", dtype=torch.bfloat16),
-                      config=RunnerConfig(attention_backend=backend))
+                      options=TransformerOptions(attention_backend=backend))
     def request():  # a fresh generator each time
         return plan_request(pipe, "a cat", size="128x128", steps=2, seed=5, output_type="np")
 

@@ -345,8 +345,9 @@ def test_an_accelerated_pipeline_batches_in_its_call_scope_with_the_same_images(
         assert facts is None  # a plain pipeline: nothing changes
     pipe = accelerate(flux, components=("transformer", "text_encoder", "text_encoder_2", "vae_decoder"))
     try:
-        with pipeline_call_scope(pipe) as facts:
-            assert facts is not None and facts.execution_device == torch.device("cpu")
+        with pipeline_call_scope(pipe) as hook:
+            assert hook is not None and set(hook.runners) == {"transformer", "text_encoder", "text_encoder_2",
+                                                              "vae_decoder"}
         batcher = StepBatcher(pipe)
         futures = [_submit(batcher, r) for r in REQUESTS[:2]]
         _drain(batcher, futures)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from bcg.runtime.config import RunnerConfig
+from bcg.runtime.config import RunnerConfig, TransformerOptions
 from bcg.diffusers import accelerate, pipeline_runners, plan_request, warmup_pipeline
 from bcg.diffusers.models import BUILTIN_MODELS, load_pipeline
 
@@ -24,7 +24,8 @@ ATTENTION_BREAKS = {"tiny-flux": 6, "tiny-sd3": 2, "tiny-pixart": 4, "tiny-sana"
 ATTENTION_CAPTURES = [name for name in FAMILIES if name in ATTENTION_BREAKS]
 SEPARATE_CFG_CALLS = {"tiny-flux", "tiny-wan", "tiny-qwen-image"}
 STEPS = 2
-CONFIG = RunnerConfig(max_entries=32, attention_backend="sdpa")  # compared with diffusers own kernels
+CONFIG = RunnerConfig(max_entries=32)
+OPTIONS = TransformerOptions(attention_backend="sdpa")  # compared with diffusers own kernels
 
 
 def _requests(name):
@@ -64,7 +65,7 @@ def test_bcg_pipeline_matches_eager_bitwise(name):
     keys = [key for key, _ in expected.values()]
     assert len(set(keys)) == 4
 
-    accelerate(pipe, config=CONFIG, policy="attention")
+    accelerate(pipe, config=CONFIG, options=OPTIONS, policy="attention")
     runner = pipeline_runners(pipe)["transformer"]
     report = warmup_pipeline(pipe, keys, num_inference_steps=STEPS)
     assert report["failed"] == 0, report
@@ -91,7 +92,7 @@ def assert_served_by_replay(pipe, name, requests, expected, note=""):
 
 @pytest.mark.parametrize("name", ["tiny-flux", "tiny-pixart", "tiny-qwen-image"])
 def test_prompts_in_one_bucket_replay_one_graph(name):
-    pipe = accelerate(load_pipeline(name, device="cuda"), config=CONFIG)
+    pipe = accelerate(load_pipeline(name, device="cuda"), config=CONFIG, options=OPTIONS)
     runner = pipeline_runners(pipe)["transformer"]
     req = dict(size="64x64", steps=STEPS, seed=5, output_type="np", prompt_buckets=True)
     short_key, _ = plan_request(pipe, "a cat", **req)
@@ -117,7 +118,7 @@ def test_flux_all_components_match_eager_bitwise(output_type):
     req = dict(size="256x256", steps=4, seed=3, output_type=output_type)
     key, expected = _run(pipe, req)
     components = ("transformer", "text_encoder", "text_encoder_2", "vae_decoder")
-    accelerate(pipe, config=CONFIG, components=components)
+    accelerate(pipe, config=CONFIG, options=OPTIONS, components=components)
     report = warmup_pipeline(pipe, [key], num_inference_steps=STEPS)
     assert report["keys"][0]["error"] is None, report
     runners = pipeline_runners(pipe)
@@ -135,17 +136,17 @@ def test_flux_all_components_match_eager_bitwise(output_type):
 def test_accelerated_device_answers_are_diffusers_answers_on_cuda():
     from diffusers.utils.torch_utils import get_module_execution_device
 
-    from bcg.diffusers.accelerated import _device_facts
-
     pipe = load_pipeline("tiny-flux", device="cuda")
-    plain = (pipe.device, pipe._execution_device, get_module_execution_device(pipe.text_encoder),
-             get_module_execution_device(pipe.vae))
-    accelerate(pipe, config=CONFIG, components=("transformer", "text_encoder", "text_encoder_2", "vae_decoder"))
-    facts = _device_facts(pipe)
-    assert (facts.device, facts.execution_device, facts.modules[id(pipe.text_encoder)],
-            facts.modules[id(pipe.vae)]) == plain
-    assert plain[1].type == "cuda"
-    pipe.to("cpu")  # moved through the pipeline: new answers
-    assert _device_facts(pipe).execution_device == torch.device("cpu")
+
+    def answers():
+        return (pipe.device, pipe._execution_device, get_module_execution_device(pipe.text_encoder),
+                get_module_execution_device(pipe.vae))
+
+    plain = answers()
+    accelerate(pipe, config=CONFIG, options=OPTIONS, components=("transformer", "text_encoder", "text_encoder_2", "vae_decoder"))
+    assert answers() == plain and plain[1].type == "cuda"
+    pipe.to("cpu")  # moved through the pipeline: the runners' modules too
+    assert pipe._execution_device == torch.device("cpu") and pipe.transformer.module.device.type == "cpu"
+    assert get_module_execution_device(pipe.text_encoder) == torch.device("cpu")
     pipe.to("cuda")
-    assert _device_facts(pipe).execution_device == plain[1]
+    assert answers() == plain

@@ -15,7 +15,8 @@ import torch
 from torch import nn
 
 from bcg.diffusers import accelerate, auto_placement, install_breaks, placement_stats, remove_breaks
-from bcg.diffusers.wrapping import PLACEMENT_ATTR
+from bcg.diffusers.wrapping import breaks_hook
+from bcg.runtime.hooks import HookRegistry
 from bcg.diffusers.placement import forget
 from bcg.diffusers.hostops import HostOpProbe, Place, classify
 from bcg.diffusers.models import BUILTIN_MODELS, load_pipeline
@@ -360,7 +361,7 @@ def test_remove_breaks_undoes_auto_placement():
     install_breaks(model, "auto")
     model(rows())
     assert remove_breaks(model) == len(SYNC_PLACES)
-    assert PLACEMENT_ATTR not in model.__dict__ and "forward" not in model.__dict__
+    assert HookRegistry.of(model) is None and "forward" not in model.__dict__
     assert not any("_offset" in m.__dict__ or "forward" in m.__dict__ for m in model.modules())
     with recording_capture() as rec:
         model(rows())
@@ -463,13 +464,12 @@ def test_qwen_image_on_a_device_gets_breaks_at_its_two_host_to_device_helpers():
 
 def test_compiled_segments_get_attention_breaks_only_from_an_explicit_policy():
     # under "auto" a compiled runner breaks where the placement found something, not at every attention core
-    from bcg.runtime.compile import COMPILED_BREAKS_ATTR
-
     transformer = load_pipeline("tiny-flux").transformer
     install_breaks(transformer, "auto")
-    assert COMPILED_BREAKS_ATTR not in transformer.__dict__
+    assert breaks_hook(transformer).compiled_breaks is None
     install_breaks(transformer, "attention")
-    assert transformer.__dict__[COMPILED_BREAKS_ATTR].__name__ == "install_compiled_breaks"
+    assert breaks_hook(transformer).compiled_breaks.__name__ == "install_compiled_breaks"
     install_breaks(transformer, "auto")
-    assert COMPILED_BREAKS_ATTR not in transformer.__dict__
+    assert breaks_hook(transformer).compiled_breaks is None
     remove_breaks(transformer)
+    assert breaks_hook(transformer) is None

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from bcg.runtime.config import RunnerConfig
+from bcg.runtime.config import RunnerConfig, TransformerOptions
 from bcg.diffusers import (
     accelerate, auto_placement, install_breaks, pipeline_runners, pipeline_stats, placement_stats, warmup_pipeline,
 )
@@ -23,7 +23,8 @@ from tests.bcg.diffusers.test_placement import (
 
 pytestmark = pytest.mark.gpu
 
-CONFIG = RunnerConfig(max_entries=32, attention_backend="sdpa")  # compared with diffusers own kernels
+CONFIG = RunnerConfig(max_entries=32)
+OPTIONS = TransformerOptions(attention_backend="sdpa")  # compared with diffusers own kernels
 # every planted op on CUDA: the syncs, the host data made device tensors, and the CPU round trip
 ALL_PLACES = {**SYNC_PLACES, **H2D_PLACES, "blocks.5": "aten._to_copy.default"}
 # RoundTrip: to the host, host work, back; HostToDevice: torch.as_tensor, Tensor.new_tensor, torch.tensor
@@ -104,7 +105,7 @@ def test_builtin_pipelines_capture_with_auto_placement_and_match_eager_bitwise(n
     requests = _requests(name)
     expected = {label: _run(pipe, req) for label, req in requests}
     keys = [key for key, _ in expected.values()]
-    accelerate(pipe, config=CONFIG)  # policy="auto" by default
+    accelerate(pipe, config=CONFIG, options=OPTIONS)  # policy="auto" by default
     runner = pipeline_runners(pipe)["transformer"]
     report = warmup_pipeline(pipe, keys, num_inference_steps=STEPS)
     placement = pipeline_stats(pipe)["transformer"]["placement"]

@@ -16,13 +16,14 @@ from bcg.diffusers.batching import StepBatcher
 from bcg.diffusers.models import load_pipeline
 from bcg.diffusers.step_cache import StepCacheConfig, disable_step_cache, enable_step_cache, step_cache_of
 from bcg.runtime.call_record import CallRecord
-from bcg.runtime.config import RunnerConfig
+from bcg.runtime.config import RunnerConfig, TransformerOptions
 
 pytestmark = pytest.mark.gpu
 
 SIZE = "128x128"
 STEPS = 8
-CONFIG = RunnerConfig(max_entries=32, attention_backend="sdpa")
+CONFIG = RunnerConfig(max_entries=32)
+OPTIONS = TransformerOptions(attention_backend="sdpa")
 CACHES = [StepCacheConfig(threshold=0.0), StepCacheConfig(threshold=0.05), StepCacheConfig(threshold=0.3),
           StepCacheConfig(method="schedule", schedule=[0, 1, 3, 6], warmup_steps=0)]
 TOLERANCE = 3 / 255
@@ -54,7 +55,7 @@ def test_cached_requests_replay_only_and_equal_their_eager_runs_bitwise():
     assert np.array_equal(eager[0][0], expected)                       # threshold 0: uncached, bit for bit
     assert eager[3][1] == {"computed": 4, "cached": 4}
 
-    accelerate(pipe, config=CONFIG)
+    accelerate(pipe, config=CONFIG, options=OPTIONS)
     hook = step_cache_of(pipe)
     assert hook.inner is not None
     report = warmup_pipeline(pipe, [key], num_inference_steps=2)
@@ -83,7 +84,7 @@ def test_cached_requests_replay_only_and_equal_their_eager_runs_bitwise():
 def test_a_mixed_step_batch_gives_each_request_its_alone_image_and_cached_steps():
     pipe = load_pipeline("tiny-flux", device="cuda")
     enable_step_cache(pipe, None)
-    accelerate(pipe, config=CONFIG)
+    accelerate(pipe, config=CONFIG, options=OPTIONS)
     batcher = StepBatcher(pipe, max_batch_size=4, batch_buckets=(1, 2, 4))
     key, _ = plan_request(pipe, "a cat", size=SIZE, steps=STEPS)
     assert batcher.warmup([key])["failed"] == 0

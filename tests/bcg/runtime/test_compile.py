@@ -165,8 +165,10 @@ def test_flux_compiled_with_attention_breaks_matches_eager_and_breaks_every_atte
         expected = module(**inputs).sample
     assert install_breaks(module, "attention") == 2  # capture-only breaks at every attention core
     compiled = compile_for_segments(module, backend="eager")  # ... made visible to dynamo
-    processors = [m.processor for m in module.modules() if hasattr(m, "set_processor")]
-    assert all(getattr(type(p), "__bcg_compiled__", False) for p in processors)
+    from bcg.diffusers.wrapping import breaks_hook
+    attention = [m for m in module.modules() if hasattr(m, "set_processor")]
+    originals = [breaks_hook(module).original_processor(m) for m in attention]
+    assert all(breaks_hook(module).processor_kind(m).startswith("compiled") for m in attention)
 
     torch.testing.assert_close(compiled(**inputs).sample, expected, rtol=0, atol=0)
     stats = compiled.stats()
@@ -176,8 +178,7 @@ def test_flux_compiled_with_attention_breaks_matches_eager_and_breaks_every_atte
     assert stats["recompiles_after_first_signature"] == 0
 
     assert remove_breaks(module) == 2            # bcg.diffusers can still restore the originals
-    assert not any(getattr(type(m.processor), "__bcg_base__", None) for m in module.modules()
-                   if hasattr(m, "set_processor"))
+    assert breaks_hook(module) is None and [m.processor for m in attention] == originals
 
 
 def test_install_compiled_breaks_is_idempotent_and_keeps_processor_state():
@@ -186,5 +187,6 @@ def test_install_compiled_breaks_is_idempotent_and_keeps_processor_state():
     processor = module.transformer_blocks[0].attn.processor
     assert install_compiled_breaks(module) == first == 2
     assert module.transformer_blocks[0].attn.processor is processor
-    original = module.transformer_blocks[0].attn._bcg_original_processor
+    from bcg.diffusers.wrapping import breaks_hook
+    original = breaks_hook(module).original_processor(module.transformer_blocks[0].attn)
     assert processor.__dict__ is original.__dict__ and isinstance(processor, type(original))

@@ -32,8 +32,8 @@ def test_fp8_replay_equals_fp8_eager_and_is_close_to_bf16():
     with torch.no_grad():
         reference = reference_model(x)
     model = _model()
-    runner = BreakableGraphRunner(model, config=RunnerConfig(quantize="fp8"))
-    report = runner.stats()["quantize"]
+    report = quantize_module(model, "fp8").as_dict()
+    runner = BreakableGraphRunner(model, config=RunnerConfig())
     assert report["applied"] and report["layers"] == 2 and report["skipped"] == 1  # 24 outputs: not a multiple of 16
     assert report["weight_bytes_after"] < report["weight_bytes_before"]
     with torch.no_grad():
@@ -89,7 +89,8 @@ def test_fp8_compiled_regional_segments_are_close_to_fp8_eager():
     quantize_module(eager_model, "fp8")
     with torch.no_grad():
         expected = eager_model(x)
-    runner = BreakableGraphRunner(model, config=RunnerConfig(quantize="fp8", compile=True, compile_regional=True))
+    quantize_module(model, "fp8")
+    runner = BreakableGraphRunner(model, config=RunnerConfig(compile=True, compile_regional=True))
     with torch.no_grad():
         with runner.warmup():
             runner(x)

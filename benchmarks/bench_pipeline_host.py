@@ -1,0 +1,94 @@
+"""Host cost of an accelerated pipeline call on the CPU: tiny-flux, float32, 64x64, 2 steps, one prompt.
+
+On the CPU nothing is captured, so a call is eager compute plus the pipeline's host work (device
+lookups, tokenizing, scheduler): the part `accelerate` changes besides graphs. ``--trees A B ...``
+times the same call with the code of each checkout (PYTHONPATH), interleaved: each round runs every
+tree once in a fresh process (``--calls`` timed calls after ``--warm`` untimed ones), so a change in
+machine load falls on every tree alike. Reports each tree's per-round medians (median, min, max in
+ms per call) as JSON.
+
+    python benchmarks/bench_pipeline_host.py --trees ../before . --labels class_swap hooks --rounds 9 \\
+        --calls 40 --out benchmarks/results/bench_pipeline_host.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+
+def _one(calls: int, warm: int, components: list[str]) -> list[float]:
+    import torch
+
+    from bcg.diffusers import accelerate
+    from bcg.diffusers.models import load_pipeline
+
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    pipe = load_pipeline("tiny-flux", device="cpu", dtype=torch.float32)
+    accelerate(pipe, components=components)
+    kwargs = dict(prompt="a red cube", height=64, width=64, num_inference_steps=2, guidance_scale=3.5,
+                  max_sequence_length=32, output_type="latent")
+    for _ in range(warm):
+        pipe(**kwargs, generator=torch.Generator().manual_seed(0))
+    times = []
+    for _ in range(calls):
+        start = time.perf_counter()
+        pipe(**kwargs, generator=torch.Generator().manual_seed(0))
+        times.append((time.perf_counter() - start) * 1e3)
+    return times
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--trees", nargs="+", default=["."], help="checkouts to time (their PYTHONPATH)")
+    p.add_argument("--labels", nargs="+", default=None, help="a name per tree in the JSON (default: the paths)")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--calls", type=int, default=40)
+    p.add_argument("--warm", type=int, default=5)
+    p.add_argument("--components", default="transformer,text_encoder,text_encoder_2,vae_decoder",
+                   help="what accelerate(pipe, components=...) gets (default: the server's)")
+    p.add_argument("--out", default=None)
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.child:
+        print(json.dumps(_one(args.calls, args.warm, args.components.split(","))))
+        return
+    labels = dict(zip(args.trees, args.labels or args.trees))
+    per_round: dict[str, list[float]] = {t: [] for t in args.trees}
+    every: dict[str, list[float]] = {t: [] for t in args.trees}
+    for _ in range(args.rounds):
+        for tree in args.trees:
+            env = {**os.environ, "PYTHONPATH": os.path.abspath(tree)}
+            out = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", "--calls", str(args.calls),
+                                  "--warm", str(args.warm), "--components", args.components], env=env, cwd=os.path.abspath(tree),
+                                 capture_output=True, text=True, check=True)
+            times = json.loads(out.stdout.strip().splitlines()[-1])
+            per_round[tree].append(statistics.median(times))
+            every[tree].extend(times)
+    result = {
+        "what": "tiny-flux float32 CPU pipe() call, 64x64, 2 steps, max_sequence_length=32, output_type=latent, "
+                "after accelerate(pipe, components=...); one thread",
+        "components": args.components.split(","),
+        "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
+        "rounds": args.rounds, "calls_per_round": args.calls,
+        "trees": {labels[t]: {"median_ms": round(statistics.median(every[t]), 3),
+                      "round_medians_ms": [round(v, 3) for v in per_round[t]],
+                      "min_ms": round(min(every[t]), 3), "max_ms": round(max(every[t]), 3)} for t in args.trees},
+    }
+    first, *others = args.trees
+    result["median_ratio_to_first"] = {labels[t]: round(statistics.median(every[t]) / statistics.median(every[first]), 4)
+                                       for t in others}
+    result["min_ratio_to_first"] = {labels[t]: round(min(every[t]) / min(every[first]), 4) for t in others}
+    print(json.dumps(result, indent=1))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
