@@ -192,6 +192,12 @@ VARIANTS = {
     "first_block_0.2": _cached("first_block", threshold=0.2),
     "schedule_16of28": _cached("schedule", warmup_steps=0, schedule=(0, 1, 2, 3, 5, 7, 9, 11, 13, 15, 17, 19,
                                                                       21, 23, 25, 27)),
+    "first_block_0.3": _cached("first_block", threshold=0.3),
+    "first_block_0.5": _cached("first_block", threshold=0.5),
+    # TaylorSeer's first-order forecast of a cached step's residual, at the same decisions
+    "first_block_0.2+ts1": _cached("first_block", threshold=0.2, taylorseer_order=1),
+    "schedule_16of28+ts1": _cached("schedule", warmup_steps=0, taylorseer_order=1,
+                                   schedule=(0, 1, 2, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27)),
 }
 
 
