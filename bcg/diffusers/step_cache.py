@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import math
 import threading
@@ -645,14 +646,11 @@ class _StepCacheLogic:
         return reordered()
 
 
-_HOOK_CLASS = None
-
-
+@functools.cache
 def _hook_class():
-    global _HOOK_CLASS
-    if _HOOK_CLASS is None:
-        _HOOK_CLASS = _make_hook_class()
-    return _HOOK_CLASS
+    """`StepCacheHook`: a diffusers `ModelHook`, defined on first use so importing this module does not
+    import diffusers."""
+    return _make_hook_class()
 
 
 def __getattr__(name):
