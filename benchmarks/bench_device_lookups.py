@@ -24,6 +24,8 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
+from _common import machine_info, write_json  # noqa: E402
+
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -72,10 +74,10 @@ def main() -> None:
         "lookups": rows,
         "per_request_ms_median": round(sum(r["median_ms"] * r["calls_per_request"] for r in rows.values()), 3),
     }
+    result["machine"] = machine_info()
     print(json.dumps(result, indent=1))
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
+        write_json(args.out, result)
 
 
 if __name__ == "__main__":

@@ -159,17 +159,9 @@ class AppArgs(BaseModel):
             text = v.strip()
             if text.startswith("{"):
                 return json.loads(text)
-            out = {}
-            for name, value in _pairs(text):
-                if name == "schedule":
-                    out[name] = [int(s) for s in value.split(":") if s]
-                elif name == "threshold":
-                    out[name] = float(value)
-                elif name == "warmup_steps":
-                    out[name] = int(value)
-                else:
-                    out[name] = value
-            return out
+            # a schedule's steps are colon-separated (commas separate the fields)
+            return {name: [int(s) for s in value.split(":") if s] if name == "schedule" else _scalar(value)
+                    for name, value in _pairs(text)}
         return v
 
     @field_validator("warmup", mode="before")

@@ -240,11 +240,6 @@ class BreakableGraphRunner(ModuleProxy):
             with self._lock:
                 self._warming -= 1
 
-    @property
-    def warming(self) -> bool:
-        """True inside ``warmup()``: an unseen signature is captured, not run eagerly."""
-        return self._warming > 0
-
     def nest(self, runner) -> None:
         """Enter ``runner.warmup()`` whenever this runner warms up: a runner (or anything with a ``warmup()``
         context) that this one's break functions call, whose graphs replay between this one's segments."""

@@ -3,7 +3,7 @@
 The transformer's runner captures [embeddings + first block] -> the step-cache break -> [head]; the
 middle blocks replay a graph of their own per row bucket (captured in the same warmup). Checked: with
 threshold 0 the image is the eager uncached image bit for bit; a cached request (any threshold or
-schedule) runs on replays alone — no capture, no compile, no eager call — and its image is its own eager
+schedule) runs on replays alone — no capture, no eager call — and its image is its own eager
 run's bit for bit; in a step batch of requests caching differently, each image and its cached steps are
 those it gets alone (within 3/255).
 """
@@ -72,8 +72,6 @@ def test_cached_requests_replay_only_and_equal_their_eager_runs_bitwise():
     for name in after:
         assert after[name]["captures"] == before[name]["captures"], name       # thresholds never capture
         assert after[name]["eager_calls_total"] == before[name]["eager_calls_total"], name
-        compiled = after[name].get("compile")
-        assert compiled is None
     assert after["transformer"]["replays"] - before["transformer"]["replays"] == STEPS * len(CACHES)
     computed = sum(c["computed"] for _, c in eager.values())
     assert after["middle"]["replays"] - before["middle"]["replays"] == computed
