@@ -74,6 +74,11 @@ def parse_variants(text: str) -> dict[str, dict]:
     return variants
 
 
+def _key(args, size: str) -> str:
+    """The warmup key of a size: ``WxH``, or ``WxH.f<frames>`` for a video model (``--frames``)."""
+    return f"{size}.f{args.frames}" if getattr(args, "frames", None) else size
+
+
 def app_args(args, name: str, fields: dict, share: float) -> dict:
     """``build_app`` args of one variant: one replica with `share` of the GPU, every size warm at start."""
     cuda = args.device == "cuda"
@@ -83,7 +88,7 @@ def app_args(args, name: str, fields: dict, share: float) -> dict:
         **({"step_cache": {"method": "first_block", "threshold": 0.0}} if caching else {}),
         "model": args.model_dir, "num_replicas": 1, "num_gpus_per_replica": share if cuda else 0,
         "num_cpus_per_replica": 0, "device": args.device, "cpu_threads": None if cuda else 1,
-        "warmup": list(args.sizes), "placement": "all", "warmup_steps": 2, "default_steps": args.steps,
+        "warmup": [_key(args, s) for s in args.sizes], "placement": "all", "warmup_steps": 2, "default_steps": args.steps,
         "default_size": args.sizes[0], "max_ongoing_requests": 1, "max_batch_size": 1, "runner": runner,
         "max_steps": max(50, args.steps), "max_pixels": 4096 * 4096, "request_timeout_s": args.timeout_s,
         **{k: fields[k] for k in APP_FIELDS if k in fields},
@@ -156,6 +161,8 @@ def run(args, result: dict, save) -> None:
         def post(name, size, seed, cache=None):
             body = {"prompt": PROMPT, "size": size, "num_inference_steps": args.steps,
                     "output_format": args.output_format, "seed": seed}
+            if getattr(args, "frames", None):
+                body["num_frames"] = args.frames
             if caches.get(cache) is not None:
                 body["cache"] = caches[cache]
             begin = time.perf_counter()
@@ -253,6 +260,7 @@ def main(argv=None) -> int:
                    help='request caches timed on each variant, e.g. \'{"uncached": null, "sched": {"method": '
                         '"schedule", "schedule": [0, 1, 2]}}\'')
     p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--frames", type=int, default=None, help="video models: frames per request (Wan: 33)")
     p.add_argument("--warmup-iters", type=int, default=1, help="untimed requests per size and variant")
     p.add_argument("--output-format", default="png")
     p.add_argument("--timeout-s", type=float, default=600.0)

@@ -1,19 +1,45 @@
 #!/usr/bin/env bash
-# Step caching on the GPU host, one device call: the GPU tests, then FLUX.1-dev 1024² served with FP8 +
-# fa3_fp8 + regional compile, uncached and with a fixed schedule (16 of 28 steps computed: 43% cached),
-# interleaved on one app. Writes under $R (run_gpu.sh steps) or out/gpu.
-#   bash benchmarks/run_gpu.sh steps 'bash benchmarks/run_step_cache_gpu.sh'
+# Step caching on the GPU host. Writes under $R (run_gpu.sh steps) or out/gpu.
+#   bash benchmarks/run_gpu.sh steps 'bash benchmarks/run_step_cache_gpu.sh tests wan'
+# Parts (any of, in order given):
+#   tests  the step-cache GPU tests (tiny Flux and Wan: replays only, equality with eager, a mixed batch)
+#   flux   FLUX.1-dev 1024², 28 steps, FP8 + fa3_fp8 + regional compile, served: uncached against a schedule
+#          computing 16 of 28 steps (43% cached), interleaved on one app
+#   wan    Wan2.1-1.3B 832x480, 33 frames, 50 steps, CFG, FP8 + fa3_fp8 + regional compile, served: uncached
+#          against schedules computing 25 (50% cached) and 20 (60% cached) of 50 steps, interleaved on one app
+#   batch  FLUX.1-dev 1024², 28 steps, bf16 plain graphs, served with step batches of 4: four requests caching
+#          differently (one uncached) sent together against the same four uncached, and each one alone
 set -uo pipefail
 cd "$(dirname "$0")/.."
 R=${R:-out/gpu}; mkdir -p "$R"
-timeout ${BCG_TEST_TIMEOUT:-150} python3 -m pytest -m gpu -q -p no:cacheprovider -o addopts= -x \
-  --junitxml="$R/step-cache-gpu-tests.xml" tests/bcg/diffusers/test_step_cache_gpu.py 2>&1 | tee "$R/step-cache-gpu-tests.log" | tail -25
-[ "${PIPESTATUS[0]}" = 0 ] || { echo "GPU tests failed: no benchmark"; exit 1; }
-[ -f /tmp/pipelines/flux.1-dev/model_index.json ] || \
-  timeout 150 python3 benchmarks/make_pipeline_dirs.py --out /tmp/pipelines --models flux.1-dev --device cuda 2>&1 | tail -3
-SCHEDULE='{"uncached": null, "sched43": {"method": "schedule", "warmup_steps": 0, "schedule": [0, 1, 2, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27]}}'
-timeout ${BCG_BENCH_TIMEOUT:-400} python3 benchmarks/bench_served_variants.py --pipelines-dir /tmp/pipelines \
-  --model flux.1-dev --sizes 1024x1024 --rounds ${ROUNDS:-3} \
-  --variants 'fp8_attn:compile=true,compile_regional=true,quantize=fp8,attention_backend=fa3_fp8' \
-  --caches "$SCHEDULE" --out "$R/bench_served_step_cache.json" 2>&1 | tail -30
-ray stop --force >/dev/null 2>&1 || true
+dirs() { [ -f /tmp/pipelines/$1/model_index.json ] || \
+  timeout 200 python3 benchmarks/make_pipeline_dirs.py --out /tmp/pipelines --models $1 --device cuda 2>&1 | tail -3; }
+FP8='fp8_attn:compile=true,compile_regional=true,quantize=fp8,attention_backend=fa3_fp8'
+for part in "${@:-tests flux}"; do
+  echo "== $part (t=${SECONDS}s)"
+  case $part in
+  tests)
+    timeout ${BCG_TEST_TIMEOUT:-200} python3 -m pytest -m gpu -q -p no:cacheprovider -o addopts= \
+      --junitxml="$R/step-cache-gpu-tests.xml" tests/bcg/diffusers/test_step_cache_gpu.py 2>&1 \
+      | tee "$R/step-cache-gpu-tests.log" | tail -25 ;;
+  flux)
+    dirs flux.1-dev
+    timeout ${BCG_BENCH_TIMEOUT:-400} python3 benchmarks/bench_served_variants.py --pipelines-dir /tmp/pipelines \
+      --model flux.1-dev --sizes 1024x1024 --rounds ${ROUNDS:-3} --variants "$FP8" \
+      --caches '{"uncached": null, "sched43": {"method": "schedule", "warmup_steps": 0, "schedule": [0, 1, 2, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27]}}' \
+      --out "$R/bench_served_step_cache.json" 2>&1 | tail -30 ;;
+  wan)
+    dirs wan2.1-1.3b
+    timeout ${BCG_BENCH_TIMEOUT:-420} python3 benchmarks/bench_served_variants.py --pipelines-dir /tmp/pipelines \
+      --model wan2.1-1.3b --sizes 832x480 --frames 33 --steps 50 --rounds ${ROUNDS:-3} --variants "$FP8" \
+      --caches '{"uncached": null, "sched50": {"method": "schedule", "warmup_steps": 0, "schedule": [0, 1, 2, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31, 33, 35, 37, 39, 41, 43, 45, 48]}, "sched60": {"method": "schedule", "warmup_steps": 0, "schedule": [0, 1, 2, 5, 8, 11, 14, 17, 20, 23, 26, 29, 32, 35, 38, 41, 44, 47, 48, 49]}}' \
+      --out "$R/bench_served_step_cache_wan.json" 2>&1 | tail -30 ;;
+  batch)
+    dirs flux.1-dev
+    timeout ${BCG_BENCH_TIMEOUT:-420} python3 benchmarks/bench_served_variants.py --pipelines-dir /tmp/pipelines \
+      --model flux.1-dev --sizes 1024x1024 --rounds ${ROUNDS:-3} --variants 'bf16:compile=false' \
+      --batch-caches '[null, {"method": "schedule", "warmup_steps": 0, "schedule": [0, 1, 2, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27]}, {"method": "schedule", "warmup_steps": 0, "schedule": [0, 1, 2, 4, 7, 10, 13, 16, 19, 22, 25, 27]}, {"method": "first_block", "threshold": 0.3, "warmup_steps": 3}]' \
+      --out "$R/bench_served_step_cache_batch.json" 2>&1 | tail -30 ;;
+  esac
+  ray stop --force >/dev/null 2>&1 || true
+done

@@ -32,8 +32,9 @@ with the installed default config, its step counted per cache context (``"cond"`
 Graphs: inside a breakable capture the break runs a stub (outputs of the right shapes); at replay the real
 decision runs. With `attach_runner` (``accelerate`` calls it) the middle blocks run in a runner of their
 own (`BreakableGraphRunner`, its own pool), captured per row bucket while the transformer's runner warms
-up: a cached request replays graphs only. Supported transformers: `FluxTransformer2DModel` (and classes
-with its forward: ``x_embedder``, ``transformer_blocks``, ``single_transformer_blocks``).
+up: a cached request replays graphs only. Supported transformers (`FAMILIES`): `FluxTransformer2DModel` and
+`WanTransformer3DModel` (Wan 2.1 and 2.2), each run by its own forward, op for op, with the middle blocks
+behind the break.
 """
 from __future__ import annotations
 
@@ -57,7 +58,7 @@ __all__ = ["CacheRow", "HOOK_NAME", "METHODS", "StepCacheConfig", "StepCacheHook
 
 METHODS = ("first_block", "schedule")
 HOOK_NAME = "bcg_step_cache"
-_DEFAULT_BUCKETS = (1, 2, 4, 8)
+_DEFAULT_BUCKETS = (1, 2, 3, 4, 8)   # 3: where the computing rows follow the rows (large sizes), 3 padded to 4 costs a row
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,16 +139,163 @@ class CacheRow:
 class _MiddleBlocks(nn.Module):
     """The middle blocks as one module (shared with the transformer): what a row that computes runs."""
 
-    def __init__(self, blocks: Sequence[nn.Module]):
+    def __init__(self, blocks: Sequence[nn.Module], family: "_Family"):
         super().__init__()
         self.blocks = nn.ModuleList(blocks)
+        self.family = family
 
     def forward(self, hidden_states, encoder_hidden_states, temb, image_rotary_emb):
         for block in self.blocks:
-            encoder_hidden_states, hidden_states = block(
-                hidden_states=hidden_states, encoder_hidden_states=encoder_hidden_states, temb=temb,
-                image_rotary_emb=image_rotary_emb, joint_attention_kwargs=None)
+            encoder_hidden_states, hidden_states = self.family.block(
+                block, hidden_states, encoder_hidden_states, temb, image_rotary_emb)
         return encoder_hidden_states, hidden_states
+
+
+class _Family:
+    """How step caching runs one family's transformer: its blocks in order, one block's call, and the
+    forward (the family's own, op for op, with the middle blocks behind the hook's `_middle`). ``block``
+    returns ``(encoder_hidden_states, hidden_states)`` for every family (Wan's text stream is not changed
+    by its blocks: it is passed through)."""
+
+    name = ""
+    needs: tuple = ()
+
+    def matches(self, module) -> bool:
+        return all(hasattr(module, n) for n in self.needs)
+
+    def blocks(self, module) -> list:
+        raise NotImplementedError
+
+    @staticmethod
+    def block(block, h, e, temb, rot):
+        raise NotImplementedError
+
+    def forward(self, hook, module, *args, **kwargs):
+        raise NotImplementedError
+
+
+class _Flux(_Family):
+    """`FluxTransformer2DModel` (diffusers 0.42): double-stream then single-stream blocks."""
+
+    name = "flux"
+    needs = ("x_embedder", "transformer_blocks", "single_transformer_blocks", "pos_embed", "context_embedder",
+             "time_text_embed")
+
+    def blocks(self, module) -> list:
+        return [*module.transformer_blocks, *module.single_transformer_blocks]
+
+    @staticmethod
+    def block(block, h, e, temb, rot):
+        return block(hidden_states=h, encoder_hidden_states=e, temb=temb, image_rotary_emb=rot,
+                     joint_attention_kwargs=None)
+
+    def forward(self, hook, module, hidden_states, encoder_hidden_states=None, pooled_projections=None,
+                timestep=None, img_ids=None, txt_ids=None, guidance=None, joint_attention_kwargs=None,
+                controlnet_block_samples=None, controlnet_single_block_samples=None, return_dict=True,
+                controlnet_blocks_repeat=False):
+        """`FluxTransformer2DModel.forward`, op for op; ControlNet residuals and IP-Adapter embeddings run the
+        original forward (uncached)."""
+        if controlnet_block_samples is not None or controlnet_single_block_samples is not None or \
+                joint_attention_kwargs:
+            hook._counts["bypassed"] += 1
+            return hook.fn_ref.original_forward(
+                hidden_states, encoder_hidden_states=encoder_hidden_states, pooled_projections=pooled_projections,
+                timestep=timestep, img_ids=img_ids, txt_ids=txt_ids, guidance=guidance,
+                joint_attention_kwargs=joint_attention_kwargs, controlnet_block_samples=controlnet_block_samples,
+                controlnet_single_block_samples=controlnet_single_block_samples, return_dict=return_dict,
+                controlnet_blocks_repeat=controlnet_blocks_repeat)
+        from diffusers.models.modeling_outputs import Transformer2DModelOutput
+
+        hidden_states = module.x_embedder(hidden_states)
+        timestep = timestep.to(hidden_states.dtype) * 1000
+        if guidance is not None:
+            guidance = guidance.to(hidden_states.dtype) * 1000
+        temb = (module.time_text_embed(timestep, pooled_projections) if guidance is None
+                else module.time_text_embed(timestep, guidance, pooled_projections))
+        encoder_hidden_states = module.context_embedder(encoder_hidden_states)
+        if txt_ids.ndim == 3:
+            txt_ids = txt_ids[0]
+        if img_ids.ndim == 3:
+            img_ids = img_ids[0]
+        ids = torch.cat((txt_ids, img_ids), dim=0)
+        image_rotary_emb = module.pos_embed(ids)
+
+        encoder_hidden_states, hidden_states = hook._blocks(hidden_states, encoder_hidden_states, temb,
+                                                            image_rotary_emb)
+        hidden_states = module.norm_out(hidden_states, temb)
+        output = module.proj_out(hidden_states)
+        if not return_dict:
+            return (output,)
+        return Transformer2DModelOutput(sample=output)
+
+
+class _Wan(_Family):
+    """`WanTransformer3DModel` (diffusers 0.42; Wan 2.1 and 2.2): one stream of blocks with cross-attention
+    to the text, which the blocks leave unchanged."""
+
+    name = "wan"
+    needs = ("patch_embedding", "condition_embedder", "rope", "blocks", "norm_out", "proj_out",
+             "scale_shift_table")
+
+    def blocks(self, module) -> list:
+        return list(module.blocks)
+
+    @staticmethod
+    def block(block, h, e, temb, rot):
+        return e, block(h, e, temb, rot)
+
+    def forward(self, hook, module, hidden_states, timestep, encoder_hidden_states,
+                encoder_hidden_states_image=None, return_dict=True, attention_kwargs=None):
+        """`WanTransformer3DModel.forward`, op for op; ``attention_kwargs`` (a LoRA scale) runs the original
+        forward (uncached)."""
+        if attention_kwargs:
+            hook._counts["bypassed"] += 1
+            return hook.fn_ref.original_forward(
+                hidden_states, timestep, encoder_hidden_states,
+                encoder_hidden_states_image=encoder_hidden_states_image, return_dict=return_dict,
+                attention_kwargs=attention_kwargs)
+        from diffusers.models.modeling_outputs import Transformer2DModelOutput
+
+        batch_size, _, num_frames, height, width = hidden_states.shape
+        p_t, p_h, p_w = module.config.patch_size
+        frames, rows, cols = num_frames // p_t, height // p_h, width // p_w
+        rotary_emb = module.rope(hidden_states)
+        hidden_states = module.patch_embedding(hidden_states)
+        hidden_states = hidden_states.flatten(2).transpose(1, 2).contiguous()
+        if timestep.ndim == 2:   # Wan 2.2 ti2v: a timestep per token
+            ts_seq_len = timestep.shape[1]
+            timestep = timestep.flatten()
+        else:
+            ts_seq_len = None
+        temb, timestep_proj, encoder_hidden_states, encoder_hidden_states_image = module.condition_embedder(
+            timestep, encoder_hidden_states, encoder_hidden_states_image, timestep_seq_len=ts_seq_len)
+        timestep_proj = timestep_proj.unflatten(2 if ts_seq_len is not None else 1, (6, -1))
+        if encoder_hidden_states_image is not None:
+            encoder_hidden_states = torch.concat([encoder_hidden_states_image, encoder_hidden_states], dim=1)
+
+        _, hidden_states = hook._blocks(hidden_states, encoder_hidden_states, timestep_proj, rotary_emb)
+
+        if temb.ndim == 3:
+            shift, scale = (module.scale_shift_table.unsqueeze(0).to(temb.device) + temb.unsqueeze(2)).chunk(2, dim=2)
+            shift, scale = shift.squeeze(2), scale.squeeze(2)
+        else:
+            shift, scale = (module.scale_shift_table.to(temb.device) + temb.unsqueeze(1)).chunk(2, dim=1)
+        shift, scale = shift.to(hidden_states.device), scale.to(hidden_states.device)
+        hidden_states = (module.norm_out(hidden_states.float()) * (1 + scale) + shift).type_as(hidden_states)
+        hidden_states = module.proj_out(hidden_states)
+        hidden_states = hidden_states.reshape(batch_size, frames, rows, cols, p_t, p_h, p_w, -1)
+        hidden_states = hidden_states.permute(0, 7, 1, 4, 2, 5, 3, 6)
+        output = hidden_states.flatten(6, 7).flatten(4, 5).flatten(2, 3)
+        if not return_dict:
+            return (output,)
+        return Transformer2DModelOutput(sample=output)
+
+
+FAMILIES = (_Flux(), _Wan())
+
+
+def _family_of(module) -> "_Family | None":
+    return next((f for f in FAMILIES if f.matches(module)), None)
 
 
 class _Store:
@@ -284,18 +432,18 @@ class _StepCacheLogic:
     # -- install ---------------------------------------------------------------------------------
 
     def _bind(self, module) -> None:
-        missing = [n for n in ("x_embedder", "transformer_blocks", "single_transformer_blocks", "pos_embed")
-                   if not hasattr(module, n)]
-        if missing:
-            raise ValueError(f"step caching supports Flux-style transformers; {type(module).__name__} has no "
-                             f"{missing}")
-        blocks = [*module.transformer_blocks, *module.single_transformer_blocks]
+        family = _family_of(module)
+        if family is None:
+            raise ValueError(f"step caching supports the transformers of {[f.name for f in FAMILIES]}; "
+                             f"{type(module).__name__} is not one of them")
+        blocks = family.blocks(module)
         if self.first_blocks + self.last_blocks >= len(blocks):
             raise ValueError(f"first_blocks + last_blocks must leave middle blocks: {len(blocks)} blocks, "
                              f"{self.first_blocks} + {self.last_blocks}")
+        self.family = family
         self._first = blocks[:self.first_blocks]
         self._last_blocks = blocks[len(blocks) - self.last_blocks:]
-        self.middle = _MiddleBlocks(blocks[self.first_blocks:len(blocks) - self.last_blocks])
+        self.middle = _MiddleBlocks(blocks[self.first_blocks:len(blocks) - self.last_blocks], family)
 
     def _unbind(self) -> None:
         self.inner = None
@@ -375,53 +523,19 @@ class _StepCacheLogic:
 
     # -- the forward -----------------------------------------------------------------------------
 
-    def _forward(self, module, hidden_states, encoder_hidden_states=None, pooled_projections=None,
-                 timestep=None, img_ids=None, txt_ids=None, guidance=None, joint_attention_kwargs=None,
-                 controlnet_block_samples=None, controlnet_single_block_samples=None, return_dict=True,
-                 controlnet_blocks_repeat=False):
-        """`FluxTransformer2DModel.forward` (diffusers 0.42), op for op, with the middle blocks behind
-        `_middle`; ControlNet residuals and IP-Adapter embeddings run the original forward (uncached)."""
-        if controlnet_block_samples is not None or controlnet_single_block_samples is not None or \
-                joint_attention_kwargs:
-            self._counts["bypassed"] += 1
-            return self.fn_ref.original_forward(
-                hidden_states, encoder_hidden_states=encoder_hidden_states, pooled_projections=pooled_projections,
-                timestep=timestep, img_ids=img_ids, txt_ids=txt_ids, guidance=guidance,
-                joint_attention_kwargs=joint_attention_kwargs, controlnet_block_samples=controlnet_block_samples,
-                controlnet_single_block_samples=controlnet_single_block_samples, return_dict=return_dict,
-                controlnet_blocks_repeat=controlnet_blocks_repeat)
-        from diffusers.models.modeling_outputs import Transformer2DModelOutput
+    def _forward(self, module, *args, **kwargs):
+        return self.family.forward(self, module, *args, **kwargs)
 
-        hidden_states = module.x_embedder(hidden_states)
-        timestep = timestep.to(hidden_states.dtype) * 1000
-        if guidance is not None:
-            guidance = guidance.to(hidden_states.dtype) * 1000
-        temb = (module.time_text_embed(timestep, pooled_projections) if guidance is None
-                else module.time_text_embed(timestep, guidance, pooled_projections))
-        encoder_hidden_states = module.context_embedder(encoder_hidden_states)
-        if txt_ids.ndim == 3:
-            txt_ids = txt_ids[0]
-        if img_ids.ndim == 3:
-            img_ids = img_ids[0]
-        ids = torch.cat((txt_ids, img_ids), dim=0)
-        image_rotary_emb = module.pos_embed(ids)
-
+    def _blocks(self, hidden_states, encoder_hidden_states, temb, rot):
+        """Every block of a step: the first blocks, the middle ones behind the break (`_middle`), the last."""
+        block = self.family.block
         first_in = hidden_states
-        for block in self._first:
-            encoder_hidden_states, hidden_states = block(
-                hidden_states=hidden_states, encoder_hidden_states=encoder_hidden_states, temb=temb,
-                image_rotary_emb=image_rotary_emb, joint_attention_kwargs=None)
-        encoder_hidden_states, hidden_states = self._middle(
-            first_in, hidden_states, encoder_hidden_states, temb, image_rotary_emb)
-        for block in self._last_blocks:
-            encoder_hidden_states, hidden_states = block(
-                hidden_states=hidden_states, encoder_hidden_states=encoder_hidden_states, temb=temb,
-                image_rotary_emb=image_rotary_emb, joint_attention_kwargs=None)
-        hidden_states = module.norm_out(hidden_states, temb)
-        output = module.proj_out(hidden_states)
-        if not return_dict:
-            return (output,)
-        return Transformer2DModelOutput(sample=output)
+        for b in self._first:
+            encoder_hidden_states, hidden_states = block(b, hidden_states, encoder_hidden_states, temb, rot)
+        encoder_hidden_states, hidden_states = self._middle(first_in, hidden_states, encoder_hidden_states, temb, rot)
+        for b in self._last_blocks:
+            encoder_hidden_states, hidden_states = block(b, hidden_states, encoder_hidden_states, temb, rot)
+        return encoder_hidden_states, hidden_states
 
     # -- the break -------------------------------------------------------------------------------
 
@@ -708,13 +822,13 @@ def attach_step_cache(module, runner) -> None:
 
 
 def supports_step_cache(target) -> bool:
-    """Whether `target`'s transformer (a pipeline's, or a transformer) has the forward step caching runs."""
+    """Whether `target`'s transformer (a pipeline's, or a transformer) is of a family step caching runs
+    (`FAMILIES`: Flux, Wan)."""
     try:
         module = _transformer(target)
     except ValueError:
         return False
-    return all(hasattr(module, n) for n in ("x_embedder", "transformer_blocks", "single_transformer_blocks",
-                                            "pos_embed", "context_embedder", "time_text_embed"))
+    return _family_of(module) is not None
 
 
 def step_cache_of(target):
