@@ -54,6 +54,9 @@ DEFAULT_OUT = os.path.join(HERE, "results", "bench_served_variants.json")
 _T0 = time.perf_counter()
 
 
+BY_LABEL = object()   # `post`: the request's cache is its label's (``--caches``)
+
+
 def _say(msg: str) -> None:
     print(f"[bench_served_variants {time.strftime('%H:%M:%S')} +{time.perf_counter() - _T0:.0f}s] {msg}", flush=True)
 
@@ -75,15 +78,17 @@ def parse_variants(text: str) -> dict[str, dict]:
 
 
 def _key(args, size: str) -> str:
-    """The warmup key of a size: ``WxH``, or ``WxH.f<frames>`` for a video model (``--frames``)."""
-    return f"{size}.f{args.frames}" if getattr(args, "frames", None) else size
+    """The warmup key of a size: ``WxH``, or ``WxH.f<frames>.cfg`` for a video model (``--frames``; Wan's
+    default guidance runs CFG, and the key a request is routed by names it)."""
+    return f"{size}.f{args.frames}.cfg" if getattr(args, "frames", None) else size
 
 
 def app_args(args, name: str, fields: dict, share: float) -> dict:
     """``build_app`` args of one variant: one replica with `share` of the GPU, every size warm at start."""
     cuda = args.device == "cuda"
     runner = {k: v for k, v in fields.items() if k not in APP_FIELDS}
-    caching = any(c is not None for c in (getattr(args, "caches", None) or {}).values())
+    caching = any(c is not None for c in [*(getattr(args, "caches", None) or {}).values(),
+                                          *(getattr(args, "batch_caches", None) or [])])
     return {
         **({"step_cache": {"method": "first_block", "threshold": 0.0}} if caching else {}),
         "model": args.model_dir, "num_replicas": 1, "num_gpus_per_replica": share if cuda else 0,
@@ -92,7 +97,17 @@ def app_args(args, name: str, fields: dict, share: float) -> dict:
         "default_size": args.sizes[0], "max_ongoing_requests": 1, "max_batch_size": 1, "runner": runner,
         "max_steps": max(50, args.steps), "max_pixels": 4096 * 4096, "request_timeout_s": args.timeout_s,
         **{k: fields[k] for k in APP_FIELDS if k in fields},
+        **_batching(args),
     }
+
+
+def _batching(args) -> dict:
+    """With ``--batch-caches``: step batches of that many requests (buckets up to it)."""
+    n = len(getattr(args, "batch_caches", None) or [])
+    if n < 2:
+        return {}
+    return {"max_batch_size": n, "max_ongoing_requests": n,
+            "batch_buckets": sorted({b for b in (1, 2, 4, 8) if b < n} | {n})}
 
 
 def _summary(values: list[float]) -> dict:
@@ -118,7 +133,7 @@ def _app_stats(stats: dict) -> dict:
             "warm_requests": replica.get("warm_requests"), "cold_requests": replica.get("cold_requests"),
             "replays": replica.get("replays"), "eager_calls": replica.get("eager_calls"),
             "kernels": replica.get("kernels"), "memory": replica.get("memory"),
-            "runners": runners}
+            "runners": runners, "batcher": replica.get("batcher")}
 
 
 def run(args, result: dict, save) -> None:
@@ -157,20 +172,25 @@ def run(args, result: dict, save) -> None:
     with contextlib.ExitStack() as stack:
         clients = {n: stack.enter_context(httpx.Client(base_url=f"http://127.0.0.1:{port}/{apps[n]}",
                                                        timeout=args.timeout_s)) for n in running}
+        args.base_urls = {n: f"http://127.0.0.1:{port}/{apps[n]}" for n in running}
 
-        def post(name, size, seed, cache=None):
+        def post(name, size, seed, cache=None, request_cache=BY_LABEL, client=None, image=False):
             body = {"prompt": PROMPT, "size": size, "num_inference_steps": args.steps,
                     "output_format": args.output_format, "seed": seed}
             if getattr(args, "frames", None):
                 body["num_frames"] = args.frames
-            if caches.get(cache) is not None:
-                body["cache"] = caches[cache]
+            request_cache = caches.get(cache) if request_cache is BY_LABEL else request_cache
+            if request_cache is not None:
+                body["cache"] = request_cache
             begin = time.perf_counter()
-            r = clients[name].post("/v1/images/generations", json=body)
+            r = (client or clients[name]).post("/v1/images/generations", json=body)
             ms = (time.perf_counter() - begin) * 1e3
             if r.status_code != 200:
                 raise RuntimeError(f"HTTP {r.status_code}: {r.text[:300]}")
-            return ms, r.json()["bcg"]
+            answer = r.json()
+            if image:
+                return ms, answer["bcg"], answer["data"][0]["b64_json"]
+            return ms, answer["bcg"]
 
         rows = result["rows"] = [{"size": size, "steps": args.steps, "ms": {}, "answers": {}, "errors": {}}
                                  for size in args.sizes]
@@ -196,6 +216,9 @@ def run(args, result: dict, save) -> None:
                 f"{r['size']} " + ", ".join(f"{n} {r['summary'][n]['median']:.0f} ms" for n in r["summary"])
                 for r in rows))
             save()
+        if getattr(args, "batch_caches", None):
+            result["batches"] = [run_batches(args, post, name, size, save, result)
+                                 for size in args.sizes for name in running]
         for name in running:
             try:
                 result["variants"][name]["stats"] = _app_stats(clients[name].get("/v1/stats").json())
@@ -205,6 +228,75 @@ def run(args, result: dict, save) -> None:
         with contextlib.suppress(Exception):
             serve.delete(apps[name])
     save()
+
+
+def _pixels(b64: str) -> np.ndarray:
+    import base64
+    import io
+
+    from PIL import Image
+
+    return np.asarray(Image.open(io.BytesIO(base64.b64decode(b64))).convert("RGB"), dtype=np.int16)
+
+
+def run_batches(args, post, name: str, size: str, save, result: dict) -> dict:
+    """``--batch-caches``: per round, the N requests (seeds 0..N-1, each with its cache) sent together, then
+    the same N uncached sent together (interleaved rounds); first, each request alone (untimed), whose image
+    the batched one must equal within 3/255. Wall time from the first send to the last answer."""
+    import concurrent.futures
+
+    import httpx
+
+    caches = list(args.batch_caches)
+    n = len(caches)
+    out = {"variant": name, "size": size, "caches": caches, "ms": {"mixed": [], "uncached": []},
+           "answers": {"mixed": [], "uncached": []}, "errors": []}
+    result.setdefault("batches_partial", []).append(out)
+    clients = [httpx.Client(base_url=args.base_urls[name], timeout=args.timeout_s) for _ in range(n)]
+    try:
+        alone = []
+        for i, cache in enumerate(caches):
+            ms, info, b64 = post(name, size, 100 + i, request_cache=cache, image=True)
+            alone.append((_pixels(b64), info))
+        out["alone"] = [{"ms": None, "steps_cached": a[1].get("steps_cached")} for a in alone]
+
+        def together(with_caches):
+            with concurrent.futures.ThreadPoolExecutor(n) as pool:
+                begin = time.perf_counter()
+                futures = [pool.submit(post, name, size, 100 + i, None, c, clients[i], True)
+                           for i, c in enumerate(with_caches)]
+                answers = [f.result() for f in futures]
+                return (time.perf_counter() - begin) * 1e3, answers
+
+        for index in range(args.rounds):
+            for label, with_caches in (("mixed", caches), ("uncached", [None] * n)):
+                try:
+                    ms, answers = together(with_caches)
+                except Exception as exc:  # noqa: BLE001 -- recorded; the run goes on
+                    out["errors"].append(f"round {index} {label}: {exc}"[:500])
+                    continue
+                out["ms"][label].append(ms)
+                out["answers"][label].append([a[1] for a in answers])
+                if label == "mixed":
+                    diffs = [int(np.abs(_pixels(a[2]) - p).max()) for a, (p, _) in zip(answers, alone)]
+                    out.setdefault("max_abs_diff_to_alone_255", []).append(diffs)
+                    out.setdefault("steps_cached_equal_alone", []).append(
+                        [a[1].get("steps_cached") == info.get("steps_cached") for a, (_, info) in zip(answers, alone)])
+            done = {k: v for k, v in out["ms"].items() if v}
+            _say(f"batch round {index + 1}/{args.rounds} {name} {size}: " +
+                 ", ".join(f"{k} {v[-1]:.0f} ms" for k, v in done.items()))
+            save()
+        if out["ms"]["mixed"] and len(out["ms"]["mixed"]) == len(out["ms"]["uncached"]):
+            out["images_per_s"] = {k: _summary([n * 1e3 / t for t in v]) for k, v in out["ms"].items()}
+            out["speedup_mixed_over_uncached"] = _summary(
+                [u / m for m, u in zip(out["ms"]["mixed"], out["ms"]["uncached"])])
+    except Exception as exc:  # noqa: BLE001
+        out["errors"].append(f"{type(exc).__name__}: {exc}"[:500])
+    finally:
+        for c in clients:
+            c.close()
+        result["batches_partial"].remove(out)
+    return out
 
 
 def _summarize(row: dict, names: list[str]) -> None:
@@ -260,6 +352,9 @@ def main(argv=None) -> int:
                    help='request caches timed on each variant, e.g. \'{"uncached": null, "sched": {"method": '
                         '"schedule", "schedule": [0, 1, 2]}}\'')
     p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--batch-caches", type=json.loads, default=None,
+                   help='a JSON list of request caches (null: uncached) sent together as one step batch, timed '
+                        'against the same requests uncached, e.g. \'[null, {"method": "schedule", ...}]\'')
     p.add_argument("--frames", type=int, default=None, help="video models: frames per request (Wan: 33)")
     p.add_argument("--warmup-iters", type=int, default=1, help="untimed requests per size and variant")
     p.add_argument("--output-format", default="png")
@@ -291,7 +386,8 @@ def main(argv=None) -> int:
     result = {"benchmark": "bench_served_variants",
               "command": " ".join([os.path.basename(sys.argv[0])] + (sys.argv[1:] if argv is None else list(argv))),
               "machine": machine_info(), "model": args.model, "sizes": args.sizes, "steps": args.steps,
-              "rounds": args.rounds, "caches": args.caches, "rows": []}
+              "rounds": args.rounds, "caches": args.caches, "frames": args.frames, "batch_caches": args.batch_caches,
+              "rows": []}
 
     def save():
         write_json(args.out, {**result, "elapsed_s": round(time.perf_counter() - started, 1)})
