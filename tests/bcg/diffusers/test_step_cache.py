@@ -122,14 +122,15 @@ REQUESTS = [
 ]
 
 
-def _batched(pipe, requests, join_after=None):
+def run_batched(pipe, requests, join_after=None, **fields):
     """Each request's (image, record) through one StepBatcher; requests from index `join_after` on are
-    submitted after two steps (they join a running batch)."""
+    submitted after two steps (they join a running batch). `fields`: `plan_request`'s (size, steps, ...)."""
     batcher = StepBatcher(pipe, max_batch_size=4, batch_buckets=(1, 2, 4))
     futures, records = [], []
+    fields = {"size": SIZE, "steps": STEPS, **fields}
 
     def submit(prompt, seed, cache):
-        key, kwargs = plan_request(pipe, prompt, size=SIZE, steps=STEPS, seed=seed)
+        key, kwargs = plan_request(pipe, prompt, seed=seed, **fields)
         kwargs["output_type"] = "np"
         record = CallRecord()
         futures.append(batcher.submit_planned(key, kwargs, records=(record,), cache=cache))
@@ -151,8 +152,8 @@ def _batched(pipe, requests, join_after=None):
 
 @pytest.mark.parametrize("join_after", [None, 2])
 def test_a_row_decides_alone_in_a_mixed_batch(cached, join_after):
-    alone = [_batched(cached, [r])[0][0] for r in REQUESTS]
-    together, batcher = _batched(cached, REQUESTS, join_after=join_after)
+    alone = [run_batched(cached, [r])[0][0] for r in REQUESTS]
+    together, batcher = run_batched(cached, REQUESTS, join_after=join_after)
     for (image, record), (image_alone, record_alone), request in zip(together, alone, REQUESTS):
         assert np.abs(image - image_alone).max() <= BATCH_TOLERANCE, request
         assert (record.steps_computed, record.steps_cached) == (record_alone.steps_computed,

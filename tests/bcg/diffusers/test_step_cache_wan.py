@@ -8,12 +8,11 @@ step batch (also joining a running one), and its state is freed when it leaves.
 import numpy as np
 import pytest
 
-from bcg.diffusers.batching import StepBatcher
 from bcg.diffusers.models import load_pipeline
 from bcg.diffusers.pipelines import plan_request
 from bcg.diffusers.step_cache import (StepCacheConfig, disable_step_cache, enable_step_cache, step_cache_of,
                                       supports_step_cache)
-from bcg.runtime.call_record import CallRecord
+from tests.bcg.diffusers.test_step_cache import run_batched
 
 STEPS = 6
 REQUEST = dict(size="64x32", num_frames=5, steps=STEPS)
@@ -71,36 +70,12 @@ REQUESTS = [
 ]
 
 
-def _batched(pipe, requests, join_after=None):
-    batcher = StepBatcher(pipe, max_batch_size=4, batch_buckets=(1, 2, 4))
-    futures, records = [], []
-
-    def submit(prompt, seed, cache):
-        key, kwargs = plan_request(pipe, prompt, seed=seed, **REQUEST)
-        kwargs["output_type"] = "np"
-        record = CallRecord()
-        futures.append(batcher.submit_planned(key, kwargs, records=(record,), cache=cache))
-        records.append(record)
-
-    for r in requests if join_after is None else requests[:join_after]:
-        submit(*r)
-    steps = 0
-    while not all(f.done() for f in futures) or len(futures) < len(requests):
-        batcher.step()
-        steps += 1
-        if join_after is not None and steps == 2 and len(futures) < len(requests):
-            for r in requests[join_after:]:
-                submit(*r)
-        assert steps < 200
-    return [(np.asarray(f.result(timeout=0)), rec) for f, rec in zip(futures, records)]
-
-
 @pytest.mark.parametrize("join_after", [None, 1])
 def test_a_wan_row_decides_alone_in_a_mixed_batch(wan, join_after):
     hook = enable_step_cache(wan, None)
     try:
-        alone = [_batched(wan, [r])[0] for r in REQUESTS]
-        together = _batched(wan, REQUESTS, join_after=join_after)
+        alone = [run_batched(wan, [r], **REQUEST)[0][0] for r in REQUESTS]
+        together, _ = run_batched(wan, REQUESTS, join_after=join_after, **REQUEST)
         for (video, record), (video_alone, record_alone), request in zip(together, alone, REQUESTS):
             assert np.abs(video - video_alone).max() <= BATCH_TOLERANCE, request
             assert (record.steps_computed, record.steps_cached) == (record_alone.steps_computed,
