@@ -179,7 +179,7 @@ class ReplicaEngine:
         if step_cache is not None:
             from bcg.diffusers.step_cache import StepCacheConfig, enable_step_cache, supports_step_cache
             if not supports_step_cache(pipe):
-                raise ValueError(f"step_cache: {model!r}'s transformer does not support step caching (Flux and Wan do)")
+                raise ValueError(f"step_cache: {model!r}'s transformer does not support step caching (Flux, Wan, SD3 and Qwen-Image do)")
             self.step_cache = enable_step_cache(pipe, StepCacheConfig.from_any(step_cache))
         self.pipe = accelerate(pipe, config=self.config, components=pipeline_components(pipe, components),
                                options=self.options)

@@ -331,7 +331,7 @@ class StepBatcher:
                 self.lora.set_rows([batch[i].lora for i in owners])
                 self._count_adapters(batch)
             if self.step_cache is not None:
-                self.step_cache.set_rows(self._cache_rows(batch, owners, rows))
+                self.step_cache.set_rows(self._cache_rows(batch, owners, rows, bucket))
             try:
                 with _recording_for(batch):
                     preds = self.family.forward(self.pipe, states, bucket)
@@ -344,13 +344,15 @@ class StepBatcher:
 
         return self._isolated(requests, forward, "step")
 
-    def _cache_rows(self, batch: list[QueuedRequest], owners: list[int], rows: int) -> list:
-        """A `CacheRow` per row of a step (None for padding): each request's rows keyed by its id and row."""
+    def _cache_rows(self, batch: list[QueuedRequest], owners: list[int], rows: int, bucket: int) -> list:
+        """A `CacheRow` per row of a step (None for padding): each request's rows keyed by its id and row.
+        `owners` may hold the `bucket` rows twice (CFG in one call, SD3's ``[negatives; positives]``): each copy
+        has its padding after its `rows` real rows."""
         default = self.step_cache.config
         seen: collections.Counter = collections.Counter()
         out = []
         for position, owner in enumerate(owners):
-            if position >= rows:
+            if position % bucket >= rows:
                 out.append(None)
                 continue
             request = batch[owner]

@@ -22,8 +22,11 @@ signature: changing them never captures or compiles.
 
 State: per row of a request (its key) in slot-indexed buffers per activation shape: the middle residual of
 its last computed step and that step's first-blocks residual. A request starts clean (no slot yet) and its
-slots are freed by `StepCacheHook.release` (the step batcher calls it when the request leaves) or by
-`reset_state` (diffusers' pipelines reset stateful hooks at the end of ``pipe(...)``).
+slots are freed by `StepCacheHook.release` (the step batcher calls it when the request leaves), by
+`StepCacheHook.plain_request` (around one ``pipe(...)``) or by `reset_state` (diffusers' pipelines reset
+stateful hooks at the end of ``pipe(...)``, where the transformer has diffusers' ``CacheMixin``: Flux, Wan,
+Qwen-Image; SD3's has not, so a bare ``pipe(...)`` there goes in ``plain_request`` or is followed by
+``hook.reset()``).
 
 Rows: the step batcher says whose each row is before each call (`StepCacheHook.set_rows`: a `CacheRow`
 per row, None for a padding row). Without that (a plain ``pipe(...)``), every row belongs to one request
@@ -32,9 +35,9 @@ with the installed default config, its step counted per cache context (``"cond"`
 Graphs: inside a breakable capture the break runs a stub (outputs of the right shapes); at replay the real
 decision runs. With `attach_runner` (``accelerate`` calls it) the middle blocks run in a runner of their
 own (`BreakableGraphRunner`, its own pool), captured per row bucket while the transformer's runner warms
-up: a cached request replays graphs only. Supported transformers (`FAMILIES`): `FluxTransformer2DModel` and
-`WanTransformer3DModel` (Wan 2.1 and 2.2), each run by its own forward, op for op, with the middle blocks
-behind the break.
+up: a cached request replays graphs only. Supported transformers (`FAMILIES`): `FluxTransformer2DModel`,
+`WanTransformer3DModel` (Wan 2.1 and 2.2), `SD3Transformer2DModel` and `QwenImageTransformer2DModel` (and
+their subclasses), each run by its own forward, op for op, with the middle blocks behind the break.
 """
 from __future__ import annotations
 
@@ -144,30 +147,30 @@ class _MiddleBlocks(nn.Module):
         self.blocks = nn.ModuleList(blocks)
         self.family = family
 
-    def forward(self, hidden_states, encoder_hidden_states, temb, image_rotary_emb):
+    def forward(self, hidden_states, encoder_hidden_states, temb, image_rotary_emb, encoder_hidden_states_mask=None):
         for block in self.blocks:
             encoder_hidden_states, hidden_states = self.family.block(
-                block, hidden_states, encoder_hidden_states, temb, image_rotary_emb)
+                block, hidden_states, encoder_hidden_states, temb, image_rotary_emb, encoder_hidden_states_mask)
         return encoder_hidden_states, hidden_states
 
 
 class _Family:
-    """How step caching runs one family's transformer: its blocks in order, one block's call, and the
-    forward (the family's own, op for op, with the middle blocks behind the hook's `_middle`). ``block``
-    returns ``(encoder_hidden_states, hidden_states)`` for every family (Wan's text stream is not changed
-    by its blocks: it is passed through)."""
+    """How step caching runs one family's transformer (its diffusers class, or a subclass): its blocks in
+    order, one block's call, and the forward (the family's own, op for op, with the middle blocks behind the
+    hook's `_middle`). ``block`` returns ``(encoder_hidden_states, hidden_states)`` for every family (a text
+    stream a block leaves alone is passed through); ``mask`` is the text mask per row (Qwen-Image's) or None."""
 
     name = ""
-    needs: tuple = ()
+    classes: tuple = ()
 
     def matches(self, module) -> bool:
-        return all(hasattr(module, n) for n in self.needs)
+        return any(c.__name__ in self.classes for c in type(module).__mro__)
 
     def blocks(self, module) -> list:
         raise NotImplementedError
 
     @staticmethod
-    def block(block, h, e, temb, rot):
+    def block(block, h, e, temb, rot, mask=None):
         raise NotImplementedError
 
     def forward(self, hook, module, *args, **kwargs):
@@ -178,14 +181,13 @@ class _Flux(_Family):
     """`FluxTransformer2DModel` (diffusers 0.42): double-stream then single-stream blocks."""
 
     name = "flux"
-    needs = ("x_embedder", "transformer_blocks", "single_transformer_blocks", "pos_embed", "context_embedder",
-             "time_text_embed")
+    classes = ("FluxTransformer2DModel",)
 
     def blocks(self, module) -> list:
         return [*module.transformer_blocks, *module.single_transformer_blocks]
 
     @staticmethod
-    def block(block, h, e, temb, rot):
+    def block(block, h, e, temb, rot, mask=None):
         return block(hidden_states=h, encoder_hidden_states=e, temb=temb, image_rotary_emb=rot,
                      joint_attention_kwargs=None)
 
@@ -234,14 +236,13 @@ class _Wan(_Family):
     to the text, which the blocks leave unchanged."""
 
     name = "wan"
-    needs = ("patch_embedding", "condition_embedder", "rope", "blocks", "norm_out", "proj_out",
-             "scale_shift_table")
+    classes = ("WanTransformer3DModel",)
 
     def blocks(self, module) -> list:
         return list(module.blocks)
 
     @staticmethod
-    def block(block, h, e, temb, rot):
+    def block(block, h, e, temb, rot, mask=None):
         return e, block(h, e, temb, rot)
 
     def forward(self, hook, module, hidden_states, timestep, encoder_hidden_states,
@@ -291,7 +292,101 @@ class _Wan(_Family):
         return Transformer2DModelOutput(sample=output)
 
 
-FAMILIES = (_Flux(), _Wan())
+class _SD3(_Family):
+    """`SD3Transformer2DModel` (diffusers 0.42): joint blocks; the last one updates the image stream only."""
+
+    name = "sd3"
+    classes = ("SD3Transformer2DModel",)
+
+    def blocks(self, module) -> list:
+        return list(module.transformer_blocks)
+
+    @staticmethod
+    def block(block, h, e, temb, rot, mask=None):
+        out_e, out_h = block(hidden_states=h, encoder_hidden_states=e, temb=temb, joint_attention_kwargs=None)
+        return (e if out_e is None else out_e), out_h
+
+    def forward(self, hook, module, hidden_states, encoder_hidden_states=None, pooled_projections=None,
+                timestep=None, block_controlnet_hidden_states=None, joint_attention_kwargs=None,
+                return_dict=True, skip_layers=None):
+        """`SD3Transformer2DModel.forward`, op for op; ControlNet residuals, IP-Adapter embeddings, a LoRA
+        scale and skipped layers run the original forward (uncached)."""
+        if block_controlnet_hidden_states is not None or joint_attention_kwargs or skip_layers:
+            hook._counts["bypassed"] += 1
+            return hook.fn_ref.original_forward(
+                hidden_states, encoder_hidden_states=encoder_hidden_states, pooled_projections=pooled_projections,
+                timestep=timestep, block_controlnet_hidden_states=block_controlnet_hidden_states,
+                joint_attention_kwargs=joint_attention_kwargs, return_dict=return_dict, skip_layers=skip_layers)
+        from diffusers.models.modeling_outputs import Transformer2DModelOutput
+
+        height, width = hidden_states.shape[-2:]
+        hidden_states = module.pos_embed(hidden_states).contiguous()
+        temb = module.time_text_embed(timestep, pooled_projections)
+        encoder_hidden_states = module.context_embedder(encoder_hidden_states)
+        _, hidden_states = hook._blocks(hidden_states, encoder_hidden_states, temb, None)
+        hidden_states = module.norm_out(hidden_states, temb)
+        hidden_states = module.proj_out(hidden_states)
+        p = module.config.patch_size
+        height, width = height // p, width // p
+        hidden_states = hidden_states.reshape(shape=(hidden_states.shape[0], height, width, p, p, module.out_channels))
+        hidden_states = torch.einsum("nhwpqc->nchpwq", hidden_states)
+        output = hidden_states.reshape(shape=(hidden_states.shape[0], module.out_channels, height * p, width * p))
+        if not return_dict:
+            return (output,)
+        return Transformer2DModelOutput(sample=output)
+
+
+class _QwenImage(_Family):
+    """`QwenImageTransformer2DModel` (diffusers 0.42): joint blocks with a text mask per row."""
+
+    name = "qwen-image"
+    classes = ("QwenImageTransformer2DModel",)
+
+    def blocks(self, module) -> list:
+        return list(module.transformer_blocks)
+
+    @staticmethod
+    def block(block, h, e, temb, rot, mask=None):
+        return block(hidden_states=h, encoder_hidden_states=e, encoder_hidden_states_mask=mask, temb=temb,
+                     image_rotary_emb=rot, joint_attention_kwargs=None, modulate_index=None)
+
+    def forward(self, hook, module, hidden_states, encoder_hidden_states=None, encoder_hidden_states_mask=None,
+                timestep=None, img_shapes=None, guidance=None, attention_kwargs=None, controlnet_block_samples=None,
+                additional_t_cond=None, return_dict=True):
+        """`QwenImageTransformer2DModel.forward`, op for op; ControlNet residuals, a LoRA scale and the edit
+        models' ``zero_cond_t`` (their timestep embedding has two rows per image) run the original forward
+        (uncached)."""
+        if controlnet_block_samples is not None or attention_kwargs or module.zero_cond_t:
+            hook._counts["bypassed"] += 1
+            return hook.fn_ref.original_forward(
+                hidden_states, encoder_hidden_states=encoder_hidden_states,
+                encoder_hidden_states_mask=encoder_hidden_states_mask, timestep=timestep, img_shapes=img_shapes,
+                guidance=guidance, attention_kwargs=attention_kwargs,
+                controlnet_block_samples=controlnet_block_samples, additional_t_cond=additional_t_cond,
+                return_dict=return_dict)
+        from diffusers.models.modeling_outputs import Transformer2DModelOutput
+        from diffusers.models.transformers.transformer_qwenimage import compute_text_seq_len_from_mask
+
+        hidden_states = module.img_in(hidden_states)
+        timestep = timestep.to(hidden_states.dtype)
+        encoder_hidden_states = module.txt_in(module.txt_norm(encoder_hidden_states))
+        text_seq_len, _, encoder_hidden_states_mask = compute_text_seq_len_from_mask(
+            encoder_hidden_states, encoder_hidden_states_mask)
+        if guidance is not None:
+            guidance = guidance.to(hidden_states.dtype) * 1000
+        temb = (module.time_text_embed(timestep, hidden_states, additional_t_cond) if guidance is None
+                else module.time_text_embed(timestep, guidance, hidden_states, additional_t_cond))
+        image_rotary_emb = module.pos_embed(img_shapes, max_txt_seq_len=text_seq_len, device=hidden_states.device)
+        _, hidden_states = hook._blocks(hidden_states, encoder_hidden_states, temb, image_rotary_emb,
+                                        encoder_hidden_states_mask)
+        hidden_states = module.norm_out(hidden_states, temb)
+        output = module.proj_out(hidden_states)
+        if not return_dict:
+            return (output,)
+        return Transformer2DModelOutput(sample=output)
+
+
+FAMILIES = (_Flux(), _Wan(), _SD3(), _QwenImage())
 
 
 def _family_of(module) -> "_Family | None":
@@ -506,11 +601,17 @@ class _StepCacheLogic:
         with self._lock:
             previous = self._plain_config, self._plain_counts
             self._plain_config, self._plain_counts = ((config,) if config is not None else ()), counts
+            self._reset_plain()   # a plain request starts clean, also where diffusers resets no hooks (SD3)
         try:
             yield counts
         finally:
             with self._lock:
                 self._plain_config, self._plain_counts = previous
+                self._reset_plain()
+
+    def _reset_plain(self) -> None:
+        self._plain_steps.clear()
+        self.release("plain")
 
     def _plain_rows(self, batch: int) -> list[CacheRow]:
         branch = self.context.name
@@ -526,29 +627,31 @@ class _StepCacheLogic:
     def _forward(self, module, *args, **kwargs):
         return self.family.forward(self, module, *args, **kwargs)
 
-    def _blocks(self, hidden_states, encoder_hidden_states, temb, rot):
+    def _blocks(self, hidden_states, encoder_hidden_states, temb, rot, mask=None):
         """Every block of a step: the first blocks, the middle ones behind the break (`_middle`), the last."""
         block = self.family.block
         first_in = hidden_states
         for b in self._first:
-            encoder_hidden_states, hidden_states = block(b, hidden_states, encoder_hidden_states, temb, rot)
-        encoder_hidden_states, hidden_states = self._middle(first_in, hidden_states, encoder_hidden_states, temb, rot)
+            encoder_hidden_states, hidden_states = block(b, hidden_states, encoder_hidden_states, temb, rot, mask)
+        encoder_hidden_states, hidden_states = self._middle(first_in, hidden_states, encoder_hidden_states, temb, rot,
+                                                            mask)
         for b in self._last_blocks:
-            encoder_hidden_states, hidden_states = block(b, hidden_states, encoder_hidden_states, temb, rot)
+            encoder_hidden_states, hidden_states = block(b, hidden_states, encoder_hidden_states, temb, rot, mask)
         return encoder_hidden_states, hidden_states
 
     # -- the break -------------------------------------------------------------------------------
 
     @staticmethod
-    def _middle_stub(first_in, hidden_states, encoder_hidden_states, temb, image_rotary_emb):
+    def _middle_stub(first_in, hidden_states, encoder_hidden_states, temb, image_rotary_emb, mask=None):
         return torch.empty_like(encoder_hidden_states), torch.empty_like(hidden_states)
 
-    def _run_middle(self, h, e, temb, rot):
+    def _run_middle(self, h, e, temb, rot, mask=None):
         self._counts["middle_calls"] += 1
         self._buckets_used[h.shape[0]] = self._buckets_used.get(h.shape[0], 0) + 1
+        masked = {} if mask is None else {"encoder_hidden_states_mask": mask}
         if self.inner is not None:
-            return self.inner(hidden_states=h, encoder_hidden_states=e, temb=temb, image_rotary_emb=rot)
-        return self.middle(h, e, temb, rot)
+            return self.inner(hidden_states=h, encoder_hidden_states=e, temb=temb, image_rotary_emb=rot, **masked)
+        return self.middle(h, e, temb, rot, **masked)
 
     def _warming(self) -> bool:
         return self._warmups > 0
@@ -579,7 +682,7 @@ class _StepCacheLogic:
     def _bucket(self, rows: int, batch: int) -> int:
         return next((b for b in self.buckets if rows <= b < batch), batch)
 
-    def _middle_impl(self, first_in, hidden_states, encoder_hidden_states, temb, image_rotary_emb):
+    def _middle_impl(self, first_in, hidden_states, encoder_hidden_states, temb, image_rotary_emb, mask=None):
         h, e = hidden_states, encoder_hidden_states
         batch = h.shape[0]
         with self._lock:
@@ -592,15 +695,17 @@ class _StepCacheLogic:
                     if key not in self._pending:
                         self._pending[key] = (grad, {
                             "hidden_states": h[:b].clone(), "encoder_hidden_states": e[:b].clone(),
-                            "temb": temb[:b].clone(), "image_rotary_emb": image_rotary_emb})
-                return self.middle(h, e, temb, image_rotary_emb)
+                            "temb": temb[:b].clone(), "image_rotary_emb": image_rotary_emb,
+                            **({} if mask is None else {"encoder_hidden_states_mask": mask[:b].clone()})})
+                return self.middle(h, e, temb, image_rotary_emb, **({} if mask is None else
+                                                                   {"encoder_hidden_states_mask": mask}))
             rows = self._rows if self._rows is not None else self._plain_rows(batch)
             if all(r is None or r.config is None for r in rows):
                 # nobody in this step caches (nor ever will: a request's config is fixed): no state to keep
                 self._counts["calls"] += 1
                 self._counts["rows_computed"] += sum(r is not None for r in rows)
                 self._last = {r.group: True for r in rows if r is not None}
-                return self._run_middle(h, e, temb, image_rotary_emb)
+                return self._run_middle(h, e, temb, image_rotary_emb, mask)
             if len(rows) < batch:  # rows the caller did not describe: padding
                 rows = rows + [None] * (batch - len(rows))
             store = self._store(h, e)
@@ -612,7 +717,7 @@ class _StepCacheLogic:
             slots = [0 if r is None else store.slot(self._state_key(r))[0] for r in rows[:batch]]
             bucket = self._bucket(len(index), batch) if index else 0
             if bucket == batch:  # every row runs the middle blocks: no gather (padding rows are discarded)
-                me, mh = self._run_middle(h, e, temb, image_rotary_emb)
+                me, mh = self._run_middle(h, e, temb, image_rotary_emb, mask)
                 self._remember(store, slots, index, h, e, mh, me, first_in, rows)
                 if len(index) == batch:
                     return me, mh
@@ -629,7 +734,8 @@ class _StepCacheLogic:
             rows_index = torch.tensor(index + index[-1:] * (bucket - len(index)), device=h.device)
             with self._lora_rows(rows_index):
                 me, mh = self._run_middle(h.index_select(0, rows_index), e.index_select(0, rows_index),
-                                          temb.index_select(0, rows_index), image_rotary_emb)
+                                          temb.index_select(0, rows_index), image_rotary_emb,
+                                          None if mask is None else mask.index_select(0, rows_index))
             mh, me = mh[:len(index)], me[:len(index)]
             out_h.index_copy_(0, real, mh)
             out_e.index_copy_(0, real, me)
@@ -823,7 +929,7 @@ def attach_step_cache(module, runner) -> None:
 
 def supports_step_cache(target) -> bool:
     """Whether `target`'s transformer (a pipeline's, or a transformer) is of a family step caching runs
-    (`FAMILIES`: Flux, Wan)."""
+    (`FAMILIES`: Flux, Wan, SD3, Qwen-Image)."""
     try:
         module = _transformer(target)
     except ValueError:

@@ -1,4 +1,5 @@
-"""GPU: step caching inside the graphs (`bcg.diffusers.step_cache`) on the built-in tiny Flux and Wan pipelines.
+"""GPU: step caching inside the graphs (`bcg.diffusers.step_cache`) on the built-in tiny Flux pipeline (and
+Wan, SD3 and Qwen-Image).
 
 The transformer's runner captures [embeddings + first block] -> the step-cache break -> [head]; the
 middle blocks replay a graph of their own per row bucket (captured in the same warmup). Checked: with
@@ -123,10 +124,20 @@ def test_a_mixed_step_batch_gives_each_request_its_alone_image_and_cached_steps(
     assert batcher.stats()["step_cache"]["middle_buckets"].keys() - {4} != set()  # gathered to smaller buckets
 
 
-def test_wan_cached_requests_replay_only_and_equal_their_eager_runs_bitwise():
-    """The tiny Wan pipeline (text to video, CFG as two calls a step): the same contract as Flux's."""
-    pipe = load_pipeline("tiny-wan", device="cuda")
-    request = dict(size="64x32", num_frames=5, steps=STEPS, seed=7)
+# per model: its request's fields, its output's attribute and the transformer calls of one step (CFG)
+FAMILIES = {
+    "tiny-wan": (dict(size="64x32", num_frames=5), "frames", 2),
+    "tiny-sd3": (dict(size="64x64"), "images", 1),          # CFG as two rows of one call
+    "tiny-qwen-image": (dict(size="64x64"), "images", 2),
+}
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_other_families_replay_only_and_equal_their_eager_runs_bitwise(name):
+    """Wan, SD3 and Qwen-Image: the same contract as Flux's."""
+    fields, output, calls = FAMILIES[name]
+    pipe = load_pipeline(name, device="cuda")
+    request = dict(**fields, steps=STEPS, seed=7)
     key, _ = plan_request(pipe, "a red fox running", **request)
 
     def planned():   # a fresh seeded generator each run
@@ -135,30 +146,29 @@ def test_wan_cached_requests_replay_only_and_equal_their_eager_runs_bitwise():
     caches = [StepCacheConfig(threshold=0.0), StepCacheConfig(threshold=0.3),
               StepCacheConfig(method="schedule", schedule=[0, 1, 3, 6], warmup_steps=0)]
     with torch.no_grad():
-        expected = np.asarray(pipe(**planned()).frames)
+        expected = np.asarray(getattr(pipe(**planned()), output))
     enable_step_cache(pipe, None)
 
     def run(cache):
         with torch.no_grad(), step_cache_of(pipe).plain_request(cache) as counts:
-            video = np.asarray(pipe(**planned()).frames)
+            out = np.asarray(getattr(pipe(**planned()), output))
         torch.cuda.synchronize()
-        return video, dict(counts)
+        return out, dict(counts)
 
     eager = [run(cache) for cache in caches]
     assert np.array_equal(eager[0][0], expected) and eager[2][1] == {"computed": 4, "cached": 4}
     accelerate(pipe, config=CONFIG, options=OPTIONS)
     assert warmup_pipeline(pipe, [key], num_inference_steps=2)["failed"] == 0
     before = _totals(pipe)
-    for cache, (video, counts) in zip(caches, eager):
+    for cache, (out, counts) in zip(caches, eager):
         got, got_counts = run(cache)
-        assert np.array_equal(got, video), f"{cache}: replay differs from its eager run"
+        assert np.array_equal(got, out), f"{cache}: replay differs from its eager run"
         assert got_counts == counts, cache
     after = _totals(pipe)
-    for name in after:
-        assert after[name]["captures"] == before[name]["captures"], name
-        assert after[name]["eager_calls_total"] == before[name]["eager_calls_total"], name
-    # CFG: two transformer calls a step, the middle blocks only on computed steps
-    assert after["transformer"]["replays"] - before["transformer"]["replays"] == 2 * STEPS * len(caches)
+    for component in after:
+        assert after[component]["captures"] == before[component]["captures"], component
+        assert after[component]["eager_calls_total"] == before[component]["eager_calls_total"], component
+    assert after["transformer"]["replays"] - before["transformer"]["replays"] == calls * STEPS * len(caches)
     computed = sum(c["computed"] for _, c in eager)
-    assert after["middle"]["replays"] - before["middle"]["replays"] == 2 * computed
+    assert after["middle"]["replays"] - before["middle"]["replays"] == calls * computed
     disable_step_cache(pipe)

@@ -1,0 +1,96 @@
+"""Step caching on the built-in tiny pipelines of the other families, CPU float32: Wan (text to video, one
+stream of blocks with cross-attention, CFG as two transformer calls a step), SD3 (joint blocks, CFG as
+two rows of one call, a last block that leaves the text alone) and Qwen-Image (joint blocks with a text
+mask per row). The same per-row rules as Flux's (`test_step_cache.py`) hold: threshold 0 is the
+pipeline's own output bit for bit, a schedule computes exactly its steps, a row decides alone in a mixed
+step batch (also joining a running one), and its state is freed when it leaves.
+"""
+import contextlib
+
+import numpy as np
+import pytest
+
+from bcg.diffusers.models import load_pipeline
+from bcg.diffusers.pipelines import plan_request
+from bcg.diffusers.step_cache import (StepCacheConfig, disable_step_cache, enable_step_cache, step_cache_of,
+                                      supports_step_cache)
+from tests.bcg.diffusers.test_step_cache import run_batched
+
+STEPS = 6
+BATCH_TOLERANCE = 3e-5   # float32 matmuls blocked for another row count (see test_step_cache.py)
+# per model: its request's fields, and the transformer rows a request runs per step (CFG)
+MODELS = {
+    "tiny-wan": (dict(size="64x32", num_frames=5, steps=STEPS), 2),
+    "tiny-sd3": (dict(size="64x64", steps=STEPS), 2),
+    "tiny-qwen-image": (dict(size="64x64", steps=STEPS), 2),   # true CFG: two calls a step
+}
+
+
+@pytest.fixture(scope="module", params=sorted(MODELS))
+def family(request):
+    pipe = load_pipeline(request.param)
+    yield pipe, *MODELS[request.param]
+    disable_step_cache(pipe)
+
+
+def _output(pipe, fields, prompt="a red fox running", seed=5, cache=None):
+    _, kwargs = plan_request(pipe, prompt, seed=seed, **fields)
+    kwargs["output_type"] = "np"
+    hook = step_cache_of(pipe)
+    with hook.plain_request(cache) if hook is not None else contextlib.nullcontext({}) as counts:
+        out = pipe(**kwargs)
+    return np.asarray(getattr(out, "frames", None) if hasattr(out, "frames") else out.images), dict(counts) or None
+
+
+def test_families_are_supported_and_others_are_refused_by_name():
+    assert all(supports_step_cache(load_pipeline(name)) for name in MODELS)
+    sana = load_pipeline("tiny-sana")
+    assert not supports_step_cache(sana)
+    with pytest.raises(ValueError, match="SanaTransformer2DModel is not one of them"):
+        enable_step_cache(sana, None)
+
+
+def test_threshold_zero_is_the_uncached_output_and_a_schedule_computes_its_steps(family):
+    pipe, fields, rows_per_step = family
+    expected, _ = _output(pipe, fields)
+    hook = enable_step_cache(pipe, None)
+    try:
+        out, counts = _output(pipe, fields, cache=StepCacheConfig(threshold=0.0))
+        assert np.array_equal(out, expected)
+        assert counts == {"computed": STEPS, "cached": 0}
+        schedule = StepCacheConfig(method="schedule", schedule=[0, 1, 3, 5], warmup_steps=0)
+        out, counts = _output(pipe, fields, cache=schedule)
+        assert counts == {"computed": 4, "cached": 2}
+        assert 1e-5 < np.abs(out - expected).max() < 0.5   # residuals reused: close, not equal
+        stats = hook.stats()
+        assert stats["state_slots"] == 0 and stats["host_reads"] == 0 and stats["bypassed"] == 0
+        assert stats["rows_cached"] == 2 * rows_per_step   # 2 cached steps, each of the request's rows
+    finally:
+        disable_step_cache(pipe)
+    assert np.array_equal(_output(pipe, fields)[0], expected)   # removed: the family's own forward again
+
+
+REQUESTS = [
+    ("a red fox running", 1, None),
+    ("a blue car on a road", 2, StepCacheConfig(threshold=0.5, warmup_steps=1)),
+    ("a green tree in wind", 3, StepCacheConfig(method="schedule", schedule=[0, 2, 4], warmup_steps=0)),
+]
+
+
+@pytest.mark.parametrize("join_after", [None, 1])
+def test_a_row_decides_alone_in_a_mixed_batch(family, join_after):
+    pipe, fields, _ = family
+    hook = enable_step_cache(pipe, None)
+    try:
+        alone = [run_batched(pipe, [r], **fields)[0][0] for r in REQUESTS]
+        together, _ = run_batched(pipe, REQUESTS, join_after=join_after, **fields)
+        for (out, record), (out_alone, record_alone), request in zip(together, alone, REQUESTS):
+            assert np.abs(out - out_alone).max() <= BATCH_TOLERANCE, request
+            assert (record.steps_computed, record.steps_cached) == (record_alone.steps_computed,
+                                                                     record_alone.steps_cached), request
+        assert [record.steps_cached for _, record in together][::2] == [0, 3]
+        stats = hook.stats()
+        assert stats["state_slots"] == 0 and stats["rows_cached"] > 0
+        assert any(b < 4 for b in stats["middle_buckets"])   # gathered rows ran a smaller bucket
+    finally:
+        disable_step_cache(pipe)
