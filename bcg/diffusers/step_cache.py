@@ -44,6 +44,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import inspect
 import logging
 import math
 import threading
@@ -162,9 +163,23 @@ class _Family:
 
     name = ""
     classes: tuple = ()
+    #: forward arguments that, given (not None, not empty), run the original forward, uncached (ControlNet
+    #: residuals, IP-Adapter embeddings, a LoRA scale: what the family's forward here does not carry)
+    bypass_args: tuple = ()
 
     def matches(self, module) -> bool:
         return any(c.__name__ in self.classes for c in type(module).__mro__)
+
+    def bypasses(self, module, args, kwargs) -> bool:
+        if not self.bypass_args:
+            return False
+        if args:   # positional arguments: named by the forward's signature (read once)
+            kwargs = {**self._signature.bind_partial(None, module, *args).arguments, **kwargs}
+        return any(_given(kwargs.get(name)) for name in self.bypass_args)
+
+    @functools.cached_property
+    def _signature(self) -> inspect.Signature:
+        return inspect.signature(self.forward)
 
     def blocks(self, module) -> list:
         raise NotImplementedError
@@ -177,11 +192,16 @@ class _Family:
         raise NotImplementedError
 
 
+def _given(value) -> bool:
+    return value is not None and not (isinstance(value, (dict, list, tuple)) and not value)
+
+
 class _Flux(_Family):
     """`FluxTransformer2DModel` (diffusers 0.42): double-stream then single-stream blocks."""
 
     name = "flux"
     classes = ("FluxTransformer2DModel",)
+    bypass_args = ("controlnet_block_samples", "controlnet_single_block_samples", "joint_attention_kwargs")
 
     def blocks(self, module) -> list:
         return [*module.transformer_blocks, *module.single_transformer_blocks]
@@ -195,17 +215,7 @@ class _Flux(_Family):
                 timestep=None, img_ids=None, txt_ids=None, guidance=None, joint_attention_kwargs=None,
                 controlnet_block_samples=None, controlnet_single_block_samples=None, return_dict=True,
                 controlnet_blocks_repeat=False):
-        """`FluxTransformer2DModel.forward`, op for op; ControlNet residuals and IP-Adapter embeddings run the
-        original forward (uncached)."""
-        if controlnet_block_samples is not None or controlnet_single_block_samples is not None or \
-                joint_attention_kwargs:
-            hook._counts["bypassed"] += 1
-            return hook.fn_ref.original_forward(
-                hidden_states, encoder_hidden_states=encoder_hidden_states, pooled_projections=pooled_projections,
-                timestep=timestep, img_ids=img_ids, txt_ids=txt_ids, guidance=guidance,
-                joint_attention_kwargs=joint_attention_kwargs, controlnet_block_samples=controlnet_block_samples,
-                controlnet_single_block_samples=controlnet_single_block_samples, return_dict=return_dict,
-                controlnet_blocks_repeat=controlnet_blocks_repeat)
+        """`FluxTransformer2DModel.forward`, op for op."""
         from diffusers.models.modeling_outputs import Transformer2DModelOutput
 
         hidden_states = module.x_embedder(hidden_states)
@@ -237,6 +247,7 @@ class _Wan(_Family):
 
     name = "wan"
     classes = ("WanTransformer3DModel",)
+    bypass_args = ("attention_kwargs",)
 
     def blocks(self, module) -> list:
         return list(module.blocks)
@@ -247,14 +258,7 @@ class _Wan(_Family):
 
     def forward(self, hook, module, hidden_states, timestep, encoder_hidden_states,
                 encoder_hidden_states_image=None, return_dict=True, attention_kwargs=None):
-        """`WanTransformer3DModel.forward`, op for op; ``attention_kwargs`` (a LoRA scale) runs the original
-        forward (uncached)."""
-        if attention_kwargs:
-            hook._counts["bypassed"] += 1
-            return hook.fn_ref.original_forward(
-                hidden_states, timestep, encoder_hidden_states,
-                encoder_hidden_states_image=encoder_hidden_states_image, return_dict=return_dict,
-                attention_kwargs=attention_kwargs)
+        """`WanTransformer3DModel.forward`, op for op."""
         from diffusers.models.modeling_outputs import Transformer2DModelOutput
 
         batch_size, _, num_frames, height, width = hidden_states.shape
@@ -297,6 +301,7 @@ class _SD3(_Family):
 
     name = "sd3"
     classes = ("SD3Transformer2DModel",)
+    bypass_args = ("block_controlnet_hidden_states", "joint_attention_kwargs", "skip_layers")
 
     def blocks(self, module) -> list:
         return list(module.transformer_blocks)
@@ -309,14 +314,7 @@ class _SD3(_Family):
     def forward(self, hook, module, hidden_states, encoder_hidden_states=None, pooled_projections=None,
                 timestep=None, block_controlnet_hidden_states=None, joint_attention_kwargs=None,
                 return_dict=True, skip_layers=None):
-        """`SD3Transformer2DModel.forward`, op for op; ControlNet residuals, IP-Adapter embeddings, a LoRA
-        scale and skipped layers run the original forward (uncached)."""
-        if block_controlnet_hidden_states is not None or joint_attention_kwargs or skip_layers:
-            hook._counts["bypassed"] += 1
-            return hook.fn_ref.original_forward(
-                hidden_states, encoder_hidden_states=encoder_hidden_states, pooled_projections=pooled_projections,
-                timestep=timestep, block_controlnet_hidden_states=block_controlnet_hidden_states,
-                joint_attention_kwargs=joint_attention_kwargs, return_dict=return_dict, skip_layers=skip_layers)
+        """`SD3Transformer2DModel.forward`, op for op."""
         from diffusers.models.modeling_outputs import Transformer2DModelOutput
 
         height, width = hidden_states.shape[-2:]
@@ -341,6 +339,11 @@ class _QwenImage(_Family):
 
     name = "qwen-image"
     classes = ("QwenImageTransformer2DModel",)
+    bypass_args = ("controlnet_block_samples", "attention_kwargs")
+
+    def bypasses(self, module, args, kwargs) -> bool:
+        # the edit models' ``zero_cond_t``: a timestep embedding with two rows per image
+        return bool(module.zero_cond_t) or super().bypasses(module, args, kwargs)
 
     def blocks(self, module) -> list:
         return list(module.transformer_blocks)
@@ -353,17 +356,7 @@ class _QwenImage(_Family):
     def forward(self, hook, module, hidden_states, encoder_hidden_states=None, encoder_hidden_states_mask=None,
                 timestep=None, img_shapes=None, guidance=None, attention_kwargs=None, controlnet_block_samples=None,
                 additional_t_cond=None, return_dict=True):
-        """`QwenImageTransformer2DModel.forward`, op for op; ControlNet residuals, a LoRA scale and the edit
-        models' ``zero_cond_t`` (their timestep embedding has two rows per image) run the original forward
-        (uncached)."""
-        if controlnet_block_samples is not None or attention_kwargs or module.zero_cond_t:
-            hook._counts["bypassed"] += 1
-            return hook.fn_ref.original_forward(
-                hidden_states, encoder_hidden_states=encoder_hidden_states,
-                encoder_hidden_states_mask=encoder_hidden_states_mask, timestep=timestep, img_shapes=img_shapes,
-                guidance=guidance, attention_kwargs=attention_kwargs,
-                controlnet_block_samples=controlnet_block_samples, additional_t_cond=additional_t_cond,
-                return_dict=return_dict)
+        """`QwenImageTransformer2DModel.forward`, op for op."""
         from diffusers.models.modeling_outputs import Transformer2DModelOutput
         from diffusers.models.transformers.transformer_qwenimage import compute_text_seq_len_from_mask
 
@@ -625,6 +618,9 @@ class _StepCacheLogic:
     # -- the forward -----------------------------------------------------------------------------
 
     def _forward(self, module, *args, **kwargs):
+        if self.family.bypasses(module, args, kwargs):   # what the family's forward here does not carry
+            self._counts["bypassed"] += 1
+            return self.fn_ref.original_forward(*args, **kwargs)
         return self.family.forward(self, module, *args, **kwargs)
 
     def _blocks(self, hidden_states, encoder_hidden_states, temb, rot, mask=None):

@@ -9,6 +9,7 @@ import contextlib
 
 import numpy as np
 import pytest
+from diffusers import SD3Transformer2DModel
 
 from bcg.diffusers.models import load_pipeline
 from bcg.diffusers.pipelines import plan_request
@@ -33,12 +34,12 @@ def family(request):
     disable_step_cache(pipe)
 
 
-def _output(pipe, fields, prompt="a red fox running", seed=5, cache=None):
+def _output(pipe, fields, prompt="a red fox running", seed=5, cache=None, **extra):
     _, kwargs = plan_request(pipe, prompt, seed=seed, **fields)
     kwargs["output_type"] = "np"
     hook = step_cache_of(pipe)
     with hook.plain_request(cache) if hook is not None else contextlib.nullcontext({}) as counts:
-        out = pipe(**kwargs)
+        out = pipe(**kwargs, **extra)
     return np.asarray(getattr(out, "frames", None) if hasattr(out, "frames") else out.images), dict(counts) or None
 
 
@@ -92,5 +93,26 @@ def test_a_row_decides_alone_in_a_mixed_batch(family, join_after):
         stats = hook.stats()
         assert stats["state_slots"] == 0 and stats["rows_cached"] > 0
         assert any(b < 4 for b in stats["middle_buckets"])   # gathered rows ran a smaller bucket
+    finally:
+        disable_step_cache(pipe)
+
+
+def test_arguments_the_cached_forward_does_not_carry_run_the_original_forward(family):
+    """A LoRA scale (``attention_kwargs``; SD3's ``joint_attention_kwargs``), like ControlNet residuals or
+    IP-Adapter embeddings, is not carried by the cached forward: those calls run the family's own forward,
+    uncached, and are counted."""
+    pipe, fields, rows_per_step = family
+    arg = "joint_attention_kwargs" if isinstance(pipe.transformer, SD3Transformer2DModel) else "attention_kwargs"
+    expected, _ = _output(pipe, fields)
+    hook = enable_step_cache(pipe, None)
+    try:
+        assert hook.family.bypasses(pipe.transformer, (), {arg: {"scale": 1.0}})
+        assert not hook.family.bypasses(pipe.transformer, (), {arg: {}})   # empty: nothing to carry
+        schedule = StepCacheConfig(method="schedule", schedule=[0], warmup_steps=0)
+        out, counts = _output(pipe, fields, cache=schedule, **{arg: {"scale": 1.0}})
+        assert np.array_equal(out, expected)                  # uncached: the original forward ran
+        calls = STEPS * (1 if arg == "joint_attention_kwargs" else rows_per_step)   # SD3: CFG in one call
+        assert hook.stats()["bypassed"] == calls
+        assert counts == {"computed": 0, "cached": 0}         # no step went through the cache
     finally:
         disable_step_cache(pipe)
