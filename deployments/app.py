@@ -104,6 +104,9 @@ class AppArgs(BaseModel):
     quantize: Optional[str] = None
     attention_backend: str = "auto"
     components: Union[Literal["all"], List[str]] = "all"      # accelerated pipeline parts (bcg.diffusers.COMPONENTS)
+    # of those, the ones compiled where ``runner`` says ``compile: true`` ("all": every one); the others
+    # capture graphs of their own code (no compile at warmup)
+    compile_components: Union[Literal["all"], List[str]] = "all"
     warmup_steps: int = Field(2, ge=1)
     default_steps: int = Field(4, ge=1)
     default_size: Optional[SizeText] = None                    # None: the first warmup size, else 256x256
@@ -309,18 +312,19 @@ class AppArgs(BaseModel):
             return {name: _scalar(value) for name, value in _pairs(v)}
         return v
 
-    @field_validator("components", mode="before")
+    @field_validator("components", "compile_components", mode="before")
     @classmethod
-    def _components(cls, v):
+    def _components(cls, v, info):
         from bcg.diffusers import COMPONENTS
+        field = info.field_name
         if isinstance(v, str) and v.strip() != "all":
             v = [part.strip() for part in v.split(",") if part.strip()]
         if isinstance(v, list):
             if not v:
-                raise ValueError(f"components must name at least one of {list(COMPONENTS)}, or be 'all'")
+                raise ValueError(f"{field} must name at least one of {list(COMPONENTS)}, or be 'all'")
             for i, name in enumerate(v):
                 if name not in COMPONENTS:
-                    raise ValueError(f"components[{i}]: unknown component {name!r}; choose from "
+                    raise ValueError(f"{field}[{i}]: unknown component {name!r}; choose from "
                                      f"{list(COMPONENTS)} or 'all'")
             return list(dict.fromkeys(v))
         return v.strip() if isinstance(v, str) else v
@@ -482,6 +486,7 @@ def build_app(args: Optional[dict] = None):
         model=a.model, coordinator=coordinator, device=a.device, dtype=a.dtype, runner_config=a.runner_config(),
         warmup_steps=a.warmup_steps, default_steps=a.default_steps, cpu_threads=a.cpu_threads,
         gpu_memory_fraction=gpu_fraction, pipeline_hook=a.pipeline_hook, components=a.components,
+        compile_components=a.compile_components,
         batching=a.batching(),
         memory_budget_bytes=a.memory_budget_bytes, compile_wait_s=a.compile_wait_s, lora=a.lora(),
         step_cache=None if a.step_cache is None else a.step_cache.model_dump(),

@@ -147,7 +147,7 @@ class ReplicaEngine:
                  cpu_threads: Optional[int] = None, gpu_memory_fraction: Optional[float] = None,
                  pipeline_hook: Optional[str] = None, components="all", batching: Optional[dict] = None,
                  memory_budget_bytes: Optional[int] = None, lora: Optional[dict] = None,
-                 step_cache: Optional[dict] = None):
+                 step_cache: Optional[dict] = None, compile_components="all"):
         import torch
         from bcg.runtime.config import RunnerConfig, TransformerOptions
         from bcg.diffusers import accelerate, pipeline_info, pipeline_runners
@@ -182,7 +182,8 @@ class ReplicaEngine:
                 raise ValueError(f"step_cache: {model!r}'s transformer does not support step caching (Flux, Wan, SD3 and Qwen-Image do)")
             self.step_cache = enable_step_cache(pipe, StepCacheConfig.from_any(step_cache))
         self.pipe = accelerate(pipe, config=self.config, components=pipeline_components(pipe, components),
-                               options=self.options)
+                               options=self.options,
+                               compile_components=None if compile_components == "all" else compile_components)
         # what this replica's compiled code is shared through (None: nothing here compiles)
         from deployments.compile_cache import CompileArtifacts, pipeline_artifacts
         self.compile_artifacts = pipeline_artifacts(pipe) or (CompileArtifacts() if self.config.compile

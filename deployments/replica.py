@@ -96,7 +96,7 @@ class Replica:
                  pipeline_hook: Optional[str] = None, components="all",
                  memory_budget_bytes: Optional[int] = None, batching: Optional[dict] = None,
                  compile_wait_s: float = 900.0, lora: Optional[dict] = None,
-                 step_cache: Optional[dict] = None):
+                 step_cache: Optional[dict] = None, compile_components="all"):
         ctx = serve.get_replica_context()
         self.replica_id = ctx.replica_id.unique_id
         self.rank = getattr(getattr(ctx, "rank", None), "rank", None)
@@ -125,7 +125,8 @@ class Replica:
             lora = {**lora, "modules": self._allowed_adapters(await coordinator.lora_adapters.remote())}
         self.engine = await self._in_thread(functools.partial(ReplicaEngine, memory_budget_bytes=memory_budget_bytes,
                                                               batching=batching, lora=lora,
-                                                              step_cache=step_cache),
+                                                              step_cache=step_cache,
+                                                              compile_components=compile_components),
                                             model, device, dtype, runner_config,
                                             warmup_steps, cpu_threads, gpu_memory_fraction, pipeline_hook,
                                             components)

@@ -280,7 +280,8 @@ def pipeline_call_scope(pipe):
 
 
 def accelerate(pipe, config=None, policy: Any = "auto", components: Iterable[str] = _TRANSFORMERS,
-               progress_bar: bool = False, options: TransformerOptions | None = None):
+               progress_bar: bool = False, options: TransformerOptions | None = None,
+               compile_components: Iterable[str] | None = None):
     """Install breaks and replace `components` of `pipe` by `BreakableGraphRunner`s; returns `pipe`.
 
     components: any of ``COMPONENTS``; ``"transformer"`` (default, with ``"transformer_2"`` when the
@@ -296,7 +297,9 @@ def accelerate(pipe, config=None, policy: Any = "auto", components: Iterable[str
     class stays its own; its tokenizers build their tensors without per-token Python
     (`bcg.diffusers.tokenizers`: the same ids), and its progress bar is turned off unless `progress_bar`
     is true: a server has no terminal to draw it on. `options` (default `TransformerOptions.from_env()`)
-    is what the transformers get, once: float8 linears and the attention kernel.
+    is what the transformers get, once: float8 linears and the attention kernel. `compile_components`: the
+    components that compile where `config` compiles (None: every one; ``"transformer"`` covers
+    ``"transformer_2"``); the others capture graphs of their own code.
     """
     from bcg.runtime.config import RunnerConfig
     from bcg.runtime.runner import BreakableGraphRunner
@@ -307,6 +310,15 @@ def accelerate(pipe, config=None, policy: Any = "auto", components: Iterable[str
     # compiled CLIP or T5 encoder recompiled inside its capture at FLUX.1-dev's start-up and ran without graphs)
     other_config = dataclasses.replace(config, compile_regional=False)
     components = [components] if isinstance(components, str) else list(components)
+    compiled = None if compile_components is None else set(
+        [compile_components] if isinstance(compile_components, str) else compile_components)
+    if compiled is not None and "transformer" in compiled:
+        compiled.add("transformer_2")
+
+    def config_of(name: str):
+        own = config if name in _TRANSFORMERS else other_config
+        return own if compiled is None or name in compiled else dataclasses.replace(own, compile=False)
+
     unknown = [c for c in components if c not in COMPONENTS]
     if unknown:
         raise ValueError(f"unknown components {unknown}; choose from {list(COMPONENTS)}")
@@ -323,7 +335,7 @@ def accelerate(pipe, config=None, policy: Any = "auto", components: Iterable[str
             vae = getattr(pipe, "vae", None)
             if vae is None or not hasattr(vae, "decode"):
                 raise ValueError(f"{type(pipe).__name__} has no VAE with decode(); drop 'vae_decoder' from components")
-            runner = BreakableGraphRunner(_VaeDecode(vae), config=other_config)
+            runner = BreakableGraphRunner(_VaeDecode(vae), config=config_of(name))
             decode = HookRegistry.check_if_exists_or_initialize(vae).register_hook(VaeDecodeHook(runner), "bcg_vae_decode")
             hook.installed.append((vae, "bcg_vae_decode", decode))
         else:
@@ -338,9 +350,9 @@ def accelerate(pipe, config=None, policy: Any = "auto", components: Iterable[str
                 continue
             if name in _TRANSFORMERS:
                 before = {id(h) for _, _, h in _hooks_of(module)}
-                prepare_transformer(module, options, policy, compile=config.compile)
+                prepare_transformer(module, options, policy, compile=config_of(name).compile)
                 hook.installed.extend(entry for entry in _hooks_of(module) if id(entry[2]) not in before)
-            runner = BreakableGraphRunner(module, config=config if name in _TRANSFORMERS else other_config)
+            runner = BreakableGraphRunner(module, config=config_of(name))
             if name in _TRANSFORMERS:
                 attach_step_cache(module, runner)
         hook.add_runner(pipe, name, runner)

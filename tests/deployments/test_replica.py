@@ -74,6 +74,21 @@ def test_components_can_be_chosen_and_unknown_ones_are_errors():
         ReplicaEngine("tiny-flux", device="cpu", cpu_threads=1, components=["text_encoder_3"])
 
 
+def test_compile_components_compile_only_those_and_unknown_ones_are_errors_naming_the_field():
+    from deployments.app import AppArgs
+
+    engine = ReplicaEngine("tiny-flux", device="cpu", cpu_threads=1, runner_config={"compile": True},
+                           components="all", compile_components=["transformer"])
+    compiled = {name: runner.runner_config.compile for name, runner in engine.runners.items()}
+    assert compiled == {"transformer": True, "text_encoder": False, "text_encoder_2": False, "vae_decoder": False}
+    every = ReplicaEngine("tiny-flux", device="cpu", cpu_threads=1, runner_config={"compile": True},
+                          components=["transformer", "vae_decoder"])
+    assert all(runner.runner_config.compile for runner in every.runners.values())
+    assert AppArgs(compile_components="transformer,vae_decoder").compile_components == ["transformer", "vae_decoder"]
+    with pytest.raises(ValueError, match=r"compile_components\[1\]: unknown component 'vae'"):
+        AppArgs(compile_components=["transformer", "vae"])
+
+
 def test_a_request_runs_at_the_key_it_carries_and_debug_runs_assert_a_contradicting_key():
     engine = ReplicaEngine("tiny-flux", device="cpu", cpu_threads=1, components=["transformer"])
     request = ImageGenerationRequest(prompt="a cat", size=WIDE, n=1, num_inference_steps=1, seed=1)
