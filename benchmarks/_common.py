@@ -196,7 +196,7 @@ def run_or_plot(args, run, plot) -> int:
 
 
 # fields a benchmark's ``--runner`` / variant may name that are `build_app`'s own args, not RunnerConfig's
-APP_FIELDS = ("quantize", "attention_backend")
+APP_FIELDS = ("quantize", "attention_backend", "compile_components")
 
 
 def runner_fields(text: str) -> dict:
