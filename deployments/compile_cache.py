@@ -18,6 +18,9 @@ and dynamic-shape decisions). Contract:
   rename). `ArtifactStore.get` returns a `Lookup`: a hit (whole, with the expected key), a miss, or
   a mismatch with the reasons (artifacts for the same model and shape made under other fields). A
   torn or foreign file is skipped with one warning, never an error.
+* Beside the artifacts the store keeps small records written once (`ArtifactStore.put_new`: the first
+  write of a path wins, atomically in a local directory): the attention kernel chosen per device and
+  shape (``deployments.attention_choices``).
 * Loading artifacts only fills torch's caches: a load that does not fit (another torch) compiles
   afresh. Nothing here raises into the caller's warmup except `ArtifactFormatError` from `decode`.
 
@@ -323,11 +326,32 @@ class _LocalFiles:
                 os.unlink(tmp)
             raise
 
-    def list(self, directory: str) -> List[str]:
-        """Artifact files in `directory`, newest first."""
+    def write_new(self, path: str, data: bytes) -> bool:
+        """Write `data` at `path` unless a file is there already (False then): written whole under a
+        temporary name, then hard-linked into place, which fails when the name exists, so of writers
+        racing for one path exactly one wins and readers never see a part."""
+        target = os.path.join(self.root, path)
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(target), prefix=".tmp-")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            try:
+                os.link(tmp, target)
+            except FileExistsError:
+                return False
+            return True
+        finally:
+            with contextlib.suppress(Exception):
+                os.unlink(tmp)
+
+    def list(self, directory: str, suffix: str = ARTIFACT_SUFFIX) -> List[str]:
+        """Files in `directory` named ``*<suffix>``, newest first."""
         base = os.path.join(self.root, directory)
         try:
-            names = [n for n in os.listdir(base) if n.endswith(ARTIFACT_SUFFIX) and not n.startswith(".tmp-")]
+            names = [n for n in os.listdir(base) if n.endswith(suffix) and not n.startswith(".tmp-")]
         except FileNotFoundError:
             return []
         names.sort(key=lambda n: os.path.getmtime(os.path.join(base, n)), reverse=True)
@@ -368,12 +392,21 @@ class _FsspecFiles:
                 self.fs.rm(tmp)
             raise
 
-    def list(self, directory: str) -> List[str]:
+    def write_new(self, path: str, data: bytes) -> bool:
+        """Write `data` at `path` unless a file is there already (False then). fsspec has no portable
+        create-if-absent: writers racing within the moment between the check and the move may both
+        write (the last move stays); a local directory has no such moment (`_LocalFiles.write_new`)."""
+        if self.fs.exists(self._full(path)):
+            return False
+        self.write(path, data)
+        return True
+
+    def list(self, directory: str, suffix: str = ARTIFACT_SUFFIX) -> List[str]:
         try:
             entries = self.fs.ls(self._full(directory), detail=True)
         except FileNotFoundError:
             return []
-        files = [e for e in entries if str(e.get("name", "")).endswith(ARTIFACT_SUFFIX)
+        files = [e for e in entries if str(e.get("name", "")).endswith(suffix)
                  and not str(e["name"]).rsplit("/", 1)[-1].startswith(".tmp-")]
         files.sort(key=lambda e: str(e.get("mtime") or e.get("LastModified") or e.get("created") or ""), reverse=True)
         return [f"{directory}/{str(e['name']).rsplit('/', 1)[-1]}" for e in files]
@@ -396,6 +429,19 @@ class ArtifactStore:
         """Write one encoded artifact (`encode`) for `key`, atomically; returns its path in the store."""
         self._files.write(key.path, blob)
         return key.path
+
+    def put_new(self, path: str, data: bytes) -> bool:
+        """Write `data` at `path` in the store unless something is there (first write wins); True when
+        this write made the file. For records beside the artifacts (``deployments.attention_choices``)."""
+        return self._files.write_new(path, data)
+
+    def read(self, path: str) -> Optional[bytes]:
+        """The bytes at `path` in the store, None when there are none."""
+        return self._files.read(path)
+
+    def list_files(self, directory: str, suffix: str) -> List[str]:
+        """The paths of the files ``*<suffix>`` in `directory` of the store, newest first."""
+        return self._files.list(directory, suffix)
 
     def get(self, key: ArtifactKey) -> Lookup:
         blob = self._files.read(key.path)

@@ -41,8 +41,15 @@ Contract:
 * LoRA adapters: the coordinator keeps the adapters every replica holds (``lora_modules`` at start,
   then ``load_lora_adapter`` / ``unload_lora_adapter``: one broadcast each, all replicas or none, see
   ``deployments.lora``); a starting replica loads ``lora_adapters()`` before it warms.
-* ``stats()["attention"]``: the attention kernel each replica chose per shape, by GPU name, and the
-  shapes where replicas disagree (``attention_choices``). Each replica still chooses on its own.
+* Attention kernels (``deployments.attention_choices``): ``"auto"``'s choice per device and shape is
+  handed out here beside the compile artifacts and persisted in the same store. A starting replica
+  imports ``attention_table(scope)`` before it warms; a shape nobody chose yet is timed by the replica
+  that meets it first and published (``publish_attention_choice``): the first record of an entry is
+  kept (here, then in the store, where another app's earlier record wins), and every later or racing
+  replica runs that one. ``stats()["attention"]``: the kernel each replica runs per shape, by GPU name,
+  with where it came from (``sources``: timed / coordinator / store), the shapes where replicas disagree
+  (``attention_choices``; empty unless a replica could not reach the coordinator), and what the
+  coordinator holds (``held``).
 * The assignment functions are pure (``assign_shards``, ``share_for_new_replica``, ``plan_misfit``,
   ``attention_choices``) and tested alone.
 """
@@ -60,6 +67,7 @@ from ray import serve
 from bcg.diffusers.buckets import ShapeKey
 from deployments import routing_view
 from deployments.artifacts import ArtifactRegistry
+from deployments.attention_choices import AttentionChoiceRegistry
 from deployments.lora import AdapterRegistry
 from deployments.memory import plan_fits
 from deployments.schemas import FieldError, WarmupRequest
@@ -156,19 +164,23 @@ def merge_reports(plan: Optional[WarmupRequest], reports: Dict[str, dict],
 def attention_choices(replicas: Dict[str, dict]) -> dict:
     """Replica id -> its stats, to the attention kernel each replica's transformers chose per shape, by the
     GPU's name (``gpu.name``; the device without one): ``{"choices": {device: {component: {shape: {kernel:
-    [replica ids]}}}}, "disagreements": [...]}``, the shapes for which replicas on one kind of device hold
-    different kernels (``"auto"`` times each shape once per replica, so the load at that moment decides)."""
+    [replica ids]}}}}, "sources": {device: {component: {shape: {replica id: source}}}}, "disagreements":
+    [...]}``: where each replica's choice came from (timed there, adopted from the coordinator or the
+    store, ...), and the shapes for which replicas on one kind of device hold different kernels."""
     choices: Dict[str, dict] = {}
+    sources: Dict[str, dict] = {}
     for rid, stats in sorted(replicas.items()):
         device = (stats.get("gpu") or {}).get("name") or stats.get("device") or "unknown"
         for component, kernels in sorted((stats.get("kernels") or {}).items()):
             for choice in ((kernels or {}).get("attention") or {}).get("choices", []):
                 shapes = choices.setdefault(device, {}).setdefault(component, {})
                 shapes.setdefault(choice["shape"], {}).setdefault(choice["backend"], []).append(rid)
+                where = sources.setdefault(device, {}).setdefault(component, {}).setdefault(choice["shape"], {})
+                where[rid] = choice.get("source")
     disagreements = [{"device": device, "component": component, "shape": shape, "kernels": kernels}
                      for device, components in choices.items() for component, shapes in components.items()
                      for shape, kernels in shapes.items() if len(kernels) > 1]
-    return {"choices": choices, "disagreements": disagreements}
+    return {"choices": choices, "sources": sources, "disagreements": disagreements}
 
 
 @serve.deployment(name="Coordinator", num_replicas=1, ray_actor_options={"num_cpus": 0},
@@ -194,6 +206,8 @@ class Coordinator:
         self._key_bytes: Dict[str, dict] = {}       # key -> what a replica measured it needs
         # compile artifacts of the plan's keys, handed from the replica that compiled to the others
         self._artifacts = ArtifactRegistry(compile_cache, lease_s=compile_lease_s)
+        # "auto"'s attention kernel per device and shape, one for the fleet, in the same store
+        self._attention = AttentionChoiceRegistry(self._artifacts.store)
         self._lora = AdapterRegistry(lora_modules)  # the LoRA adapters every replica holds
         self._warmup_lock = asyncio.Lock()
         self._assign_lock = asyncio.Lock()
@@ -346,6 +360,16 @@ class Coordinator:
         """A replica told to compile `key` has nothing to hand over (its warmup failed)."""
         self._artifacts.release(key, replica_id)
 
+    # -- attention kernels (deployments.attention_choices) ------------------------------------------
+    async def attention_table(self, scope: dict) -> dict:
+        """The attention choices held for `scope` (a starting replica imports them before it warms)."""
+        return await self._attention.table(scope)
+
+    async def publish_attention_choice(self, scope: dict, entry: str, record: dict, replica_id: str) -> dict:
+        """A replica timed `entry`: keep its record unless one is held (here or in the store); returns the
+        record that holds and whether it is the replica's."""
+        return await self._attention.publish(scope, entry, record, replica_id)
+
     # -- LoRA adapters (deployments.lora) -----------------------------------------------------------
     def lora_adapters(self) -> Dict[str, str]:
         """Name -> path of every adapter the replicas hold (a starting replica loads these)."""
@@ -371,7 +395,8 @@ class Coordinator:
         return {"plan": keys["plan"], "replicas": live, "keys": keys["keys"], "uncovered": keys["uncovered"],
                 "warmup_progress": self._progress_view(live), "warmup_in_progress": self._warming,
                 "last_warmup": self._last_report, "compile_artifacts": self._artifacts.stats(),
-                "lora_adapters": dict(self._lora.adapters), "attention": attention_choices(live)}
+                "lora_adapters": dict(self._lora.adapters),
+                "attention": {**attention_choices(live), "held": self._attention.stats()}}
 
 
 async def broadcast(handle, method: str, *args, timeout_s: float = 30.0) -> list:

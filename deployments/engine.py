@@ -251,6 +251,30 @@ class ReplicaEngine:
                          "attention": attention_stats(runner.module)}
         return out
 
+    def attention_dispatches(self) -> dict:
+        """Component -> the `AttentionDispatch` of each transformer whose kernel is ``"auto"`` (those that
+        share their choices: a backend named in the app's args is never overridden)."""
+        from bcg.diffusers import attention_dispatch
+        out = {}
+        for name, runner in self.runners.items():
+            dispatch = attention_dispatch(runner.module) if name.startswith("transformer") else None
+            if dispatch is not None and dispatch.backend == "auto":
+                out[name] = dispatch
+        return out
+
+    def share_attention_choices(self, tables: dict, shared) -> int:
+        """Import `tables` (scope key -> a table of ``bcg.runtime.attention``'s format, or None) into the
+        ``"auto"`` dispatches, and share their later choices through `shared` (its ``publish``); on the
+        pipeline's thread, before a warmup. Returns how many choices were adopted."""
+        from deployments.attention_choices import scope_key
+        adopted = 0
+        for dispatch in self.attention_dispatches().values():
+            table = tables.get(scope_key(dispatch.scope))
+            if table is not None:
+                adopted += dispatch.import_choices(table)
+            dispatch.shared = shared
+        return adopted
+
     def _log_kernels(self, options) -> None:
         """One line at start: float8 on or why not, and the attention backend asked for."""
         for name, kernels in self.kernel_stats().items():

@@ -45,6 +45,11 @@ Contract:
   for) and ``lora_adapters`` (the LoRA adapters it holds); the router reads them. Serve's
   ``max_ongoing_requests`` caps how many requests reach the batcher, so it must be at least
   ``max_batch_size`` (``build_app`` checks).
+* ``"auto"`` attention (``deployments.attention_choices``): before its warmup the replica imports the
+  coordinator's choices per device and shape into its transformers' dispatches; a shape none holds is
+  timed here and published, and the choice the coordinator keeps (the first) is the one that runs, so
+  replicas never disagree. ``stats()["kernels"]`` says per shape which kernel runs and where the choice
+  came from (``source``: timed / coordinator / store); ``stats()["attention_choices"]`` counts them.
 * LoRA adapters (``deployments.lora``): the replica loads the coordinator's adapters before its warmup
   and again once warm (those loaded or unloaded while it started); the coordinator loads and unloads
   them at run time through ``load_lora_adapter`` / ``unload_lora_adapter`` (read on a worker thread,
@@ -64,6 +69,7 @@ from ray.serve.config import RequestRouterConfig
 
 from bcg.diffusers.buckets import ShapeKey, parse_plan
 from deployments.artifacts import ReplicaArtifacts
+from deployments.attention_choices import ReplicaAttentionChoices
 from deployments.encoding import encode_images, encoding_threads
 from deployments.engine import ReplicaEngine, _release_cached_memory, cuda_memory, describe_gpu
 from deployments.lora import LoraChoice, LoraPaths
@@ -134,6 +140,10 @@ class Replica:
         self.info = dict(self.engine.info)
         # compile artifacts: fetched from the coordinator before a key compiles, handed to it after
         self._artifacts = ReplicaArtifacts(self.replica_id, coordinator, self.engine, self._in_thread, compile_wait_s)
+        # "auto"'s attention kernel per shape: the fleet's choices imported before any shape runs here, and
+        # a shape first met here published for the others (deployments.attention_choices)
+        self._attention = ReplicaAttentionChoices(self.replica_id, coordinator, asyncio.get_running_loop())
+        await self._attention.attach(self.engine, self._in_thread)
         self._timing: Dict[str, Dict[str, float]] = {REQUEST_S: {}, COLD_REQUEST_S: {}, WARMUP_S: {}}
         self._cold_start: Optional[dict] = None  # the start-up warmup: its time and where it went
         self._last_done_at: Optional[float] = None  # when the last request finished here
@@ -363,7 +373,8 @@ class Replica:
                 "batcher": self.engine.batcher.stats(), "batch_pool_bytes": self.engine.bucket_pool_bytes(),
                 "cuda_memory": cuda_memory(), "warmup_progress": dict(self._progress),
                 "memory": self.engine.memory_report(), "cold_start": self._cold_start,
-                "compile_artifacts": self._artifacts.stats(), "lora": self.engine.lora_stats(),
+                "compile_artifacts": self._artifacts.stats(), "attention_choices": self._attention.stats(),
+                "lora": self.engine.lora_stats(),
                 "steps_by_key": {k: dict(v) for k, v in self._steps.items()},
                 # graphs compiled while serving requests, not warming: a request that paid a compile
                 "compiled_while_serving": self.engine.compiled_graphs() - self._compiled_outside_warmups,

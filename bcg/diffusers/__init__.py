@@ -32,6 +32,7 @@ _EXPORTS = {
     "unaccelerate": "bcg.diffusers.accelerated",
     "prepare_transformer": "bcg.diffusers.accelerated",
     "set_attention_backend": "bcg.diffusers.attention",
+    "attention_dispatch": "bcg.diffusers.attention",
     "attention_stats": "bcg.diffusers.attention",
     "remove_attention_backend": "bcg.diffusers.attention",
     "install_breaks": "bcg.diffusers.breaks",

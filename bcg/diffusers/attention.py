@@ -14,7 +14,8 @@ attention) are left as they are: SDPA picks among its own kernels there.
 Installed as the hook ``bcg_attention`` in the transformer's registry (`bcg.runtime.hooks`), which holds
 the dispatch and the original processors; removing the hook (`remove_attention_backend`) puts them back.
 Set it before `install_breaks` (``accelerate`` does): a break at the attention core then wraps the chosen
-kernel. `attention_stats(transformer)` reports the choices per shape.
+kernel. `attention_stats(transformer)` reports the choices per shape; `attention_dispatch(transformer)` is the
+dispatch itself (its choice table: `AttentionDispatch.export_choices` / ``import_choices`` / ``shared``).
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ from bcg.runtime.hooks import HookRegistry, ModelHook
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["attention_stats", "dispatch_attention_fn", "remove_attention_backend", "set_attention_backend"]
+__all__ = ["attention_dispatch", "attention_stats", "dispatch_attention_fn", "remove_attention_backend", "set_attention_backend"]
 
 HOOK_NAME = "bcg_attention"
 
@@ -97,8 +98,10 @@ class AttentionHook(ModelHook):
         return transformer
 
 
-def set_attention_backend(transformer: torch.nn.Module, backend: str = "auto", device=None) -> AttentionDispatch:
+def set_attention_backend(transformer: torch.nn.Module, backend: str = "auto", device=None,
+                          **dispatch_kwargs) -> AttentionDispatch:
     """Route `transformer`'s attention cores through an `AttentionDispatch` for `backend`; returns it.
+    `dispatch_kwargs` go to the dispatch (``candidates``, ``timer``).
 
     Calling it again replaces the backend. Raises if breaks are already installed (set the backend first).
     """
@@ -107,7 +110,7 @@ def set_attention_backend(transformer: torch.nn.Module, backend: str = "auto", d
     if device is None:
         first = next(transformer.parameters(), None)
         device = first.device if first is not None else None
-    dispatch = AttentionDispatch(backend, device=device)
+    dispatch = AttentionDispatch(backend, device=device, **dispatch_kwargs)
     hook = HookRegistry.check_if_exists_or_initialize(transformer).register_hook(AttentionHook(dispatch), HOOK_NAME)
     logger.info("%s: attention backend %s on %d attention layers (candidates %s%s)", type(transformer).__name__,
                 backend, len(hook.originals), dispatch.candidates,
@@ -137,7 +140,13 @@ def remove_attention_backend(transformer: torch.nn.Module) -> None:
     HookRegistry.of(transformer).remove_hook(HOOK_NAME, recurse=False)
 
 
+def attention_dispatch(transformer) -> AttentionDispatch | None:
+    """The `AttentionDispatch` set on `transformer` (None when none is set)."""
+    hook = _hook(transformer) if isinstance(transformer, torch.nn.Module) else None
+    return hook.dispatch if hook is not None else None
+
+
 def attention_stats(transformer) -> dict | None:
     """`AttentionDispatch.stats()` of the backend set on `transformer` (None when none is set)."""
-    hook = _hook(transformer) if isinstance(transformer, torch.nn.Module) else None
-    return hook.dispatch.stats() if hook is not None else None
+    dispatch = attention_dispatch(transformer)
+    return dispatch.stats() if dispatch is not None else None

@@ -9,7 +9,20 @@ cast without scaling and clamped to e4m3's range: faster on long sequences, its 
 changes the numbers; `benchmarks/bench_fp8.py` measures it against fp32 attention). ``"auto"`` times the
 candidates (`AUTO_CANDIDATES` that are available here) on the first call of each shape and keeps the
 fastest for that shape, SDPA unless another kernel is at least 3% faster; SDPA already picks the fastest
-of its own backends, so auto weighs it against kernels outside PyTorch.
+of its own backends, so auto weighs it against kernels outside PyTorch. The timing is interleaved (A, B,
+A, B, ... over `_TIMING_ROUNDS` rounds) and each candidate keeps its best round, so a load on the device
+at that moment (another process compiling or serving) slows every candidate alike instead of the one
+that happened to run under it.
+
+One choice per device and shape, shared: ``"auto"``'s choices form a table (`export_choices` /
+`import_choices`: a JSON-able dict with a version, for one `choice_scope` -- the device's name and the
+torch version -- keyed by `choice_entry`: shape, dtype, causality and the candidates), and a dispatch
+may be given a `shared` table (``shared.publish(scope, entry, record) -> record``) that it consults
+before it times a shape: an imported choice is used untimed; a shape timed here is published and the
+record the shared table answers with (the first one published for that entry) is the one that runs, so
+processes that share a table never disagree. The record's ``source`` says where a choice came from:
+``"timed"`` (here), ``"coordinator"`` / ``"store"`` (adopted; see ``deployments.attention_choices``),
+``"only candidate"``, ``"fallback"``. A backend named explicitly is never overridden by a table.
 
 When the choice is made: on the first call of each shape outside a CUDA graph capture -- the runner's
 warm-up run before each capture is one. In code that dynamo compiles, the dispatch is one custom op
@@ -28,10 +41,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import math
 import itertools
 import threading
+import time
 import weakref
 from typing import Callable, Optional
 
@@ -40,7 +55,8 @@ import torch.nn.functional as F
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ATTENTION_BACKENDS", "AUTO_CANDIDATES", "AttentionDispatch", "KERNELS", "backend_unavailable_reason"]
+__all__ = ["ATTENTION_BACKENDS", "AUTO_CANDIDATES", "AttentionDispatch", "CHOICES_VERSION", "KERNELS",
+           "backend_unavailable_reason", "choice_scope", "interleaved_best", "time_candidates"]
 
 ATTENTION_BACKENDS = ("auto", "sdpa", "cudnn", "flash", "efficient", "math", "fa3", "fa3_fp8")
 #: What ``"auto"`` weighs, where available: PyTorch's own choice against kernels it does not have. Exact
@@ -49,9 +65,11 @@ AUTO_CANDIDATES = ("sdpa", "fa3")
 _SDPA_BACKENDS = {"cudnn": "CUDNN_ATTENTION", "flash": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION",
                   "math": "MATH"}
 _TIMING_ITERS = 8
-_TIMING_ROUNDS = 3
+_TIMING_ROUNDS = 5    # interleaved rounds per candidate; each keeps its best
+CHOICES_VERSION = 1   # the format of `export_choices`' table
 _FP8 = torch.float8_e4m3fn
 _FP8_MAX = 448.0      # e4m3's largest finite value: a cast past it is NaN, so inputs are clamped first
+_ADOPTED = ("coordinator", "store")  # where a choice not timed here came from (a record's "source")
 _AUTO_MARGIN = 0.03   # "auto" leaves SDPA only for a kernel at least this much faster
 _IDS = itertools.count()
 _DISPATCHES: "weakref.WeakValueDictionary[int, AttentionDispatch]" = weakref.WeakValueDictionary()
@@ -117,7 +135,9 @@ class AttentionDispatch:
     """Attention with the kernel chosen per shape; one per model (see the module docstring)."""
 
     def __init__(self, backend: str = "auto", device: torch.device | str | None = None,
-                 candidates: tuple = AUTO_CANDIDATES):
+                 candidates: tuple = AUTO_CANDIDATES, timer: Callable | None = None):
+        """`timer(names, shape, is_causal, device) -> {name: ms}` times the candidates of a shape
+        (default `time_candidates`: interleaved, best round each)."""
         if backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {list(ATTENTION_BACKENDS)}, got {backend!r}")
         self.backend = backend
@@ -135,8 +155,12 @@ class AttentionDispatch:
             logger.warning("attention backend %s: %s; using sdpa", backend, self.unavailable[backend])
         if not self.candidates:
             self.candidates = ["sdpa"]
+        self.timer = timer or time_candidates
+        #: the shared table (None: this dispatch chooses alone): ``publish(scope, entry, record) -> record``
+        self.shared = None
         self._lock = threading.Lock()
         self._choices: dict[_Shape, dict] = {}
+        self._imported: dict[str, dict] = {}  # entry -> a record adopted from a table, not used yet
         self._fallbacks: dict[str, int] = {}
         self._calls: dict[str, int] = {}  # kernel -> calls it ran
         self._warned: set = set()
@@ -187,24 +211,117 @@ class AttentionDispatch:
         if _capturing():  # nothing may run outside the graph now: choose at the next ordinary call
             self._fallback(f"first call of {shape.summary()} inside a capture: {takers[0]} untimed")
             return takers[0]
+        entry = choice_entry(shape, is_causal, self.candidates)
+        adopted = self._adoptable(entry, takers)
         on_cuda = self.device is not None and self.device.type == "cuda"
-        if len(takers) == 1 and (takers[0] == "sdpa" or not on_cuda):
+        extra: dict = {}
+        if adopted is not None:  # a shared table's choice: not timed here
+            name, timed, source = adopted["backend"], dict(adopted.get("ms") or {}), adopted["source"]
+            extra = {"origin": adopted.get("origin")}
+        elif len(takers) == 1 and (takers[0] == "sdpa" or not on_cuda):
             name, timed, source = takers[0], {}, "only candidate"
-        else:  # timed, which also tries each kernel once on this shape
-            timed = {n: _time_kernel(n, shape, is_causal, self.device) for n in takers}
+        else:  # timed, which also tries each kernel on this shape
+            timed = self.timer(list(takers), shape, is_causal, self.device)
             name, source = min(timed, key=timed.get), "timed" if len(takers) > 1 else "only candidate"
             if "sdpa" in timed and timed[name] > timed["sdpa"] * (1 - _AUTO_MARGIN):
                 name = "sdpa"  # within the timing's noise of PyTorch's own choice: keep the reference
             if timed[name] == math.inf:
                 self._fallback(f"{name} failed on {shape.summary()}: sdpa")
                 name, source = "sdpa", "fallback"
-        record = {"shape": shape.summary(), "backend": name, "source": source,
-                  "ms": {n: round(ms, 4) for n, ms in timed.items()}}
+            timed = {n: round(ms, 4) if math.isfinite(ms) else None for n, ms in timed.items()}  # JSON: no inf
+            if source == "timed" and self.shared is not None:
+                held = self._publish(entry, name, timed, takers)
+                if held is not None:  # another process's choice holds: its figures, ours beside them
+                    name, source, extra = held["backend"], held["source"], {"origin": held.get("origin"),
+                                                                            "ms_here": timed}
+                    timed = dict(held.get("ms") or {})
+        record = {"shape": shape.summary(), "backend": name, "source": source, "ms": timed, "entry": entry, **extra}
         with self._lock:
-            self._choices.setdefault(shape, record)
-        logger.info("attention %s: %s (%s%s)", shape.summary(), name, source,
-                    "; " + ", ".join(f"{n} {ms:.3f} ms" for n, ms in timed.items()) if timed else "")
-        return name
+            record = self._choices.setdefault(shape, record)
+            self._imported.pop(entry, None)
+        logger.info("attention %s: %s (%s%s)", shape.summary(), record["backend"], record["source"],
+                    "; " + ", ".join(f"{n} {ms:.3f} ms" for n, ms in record["ms"].items()) if record["ms"] else "")
+        return record["backend"]
+
+    # -- the shared table -------------------------------------------------------------------------
+
+    @functools.cached_property
+    def scope(self) -> dict:
+        """What this dispatch's choices hold for: `choice_scope` of its device."""
+        return choice_scope(self.device)
+
+    def _adoptable(self, entry: str, takers: list) -> dict | None:
+        """The imported record for `entry` when this dispatch adopts tables ("auto") and can run it."""
+        if self.backend != "auto":
+            return None
+        with self._lock:
+            record = self._imported.get(entry)
+        if record is None:
+            return None
+        if record["backend"] not in takers:  # made where another kernel set ran: time it here
+            self._fallback(f"a shared choice of {record['backend']} for {entry} cannot run here: timed")
+            return None
+        return record
+
+    def _publish(self, entry: str, name: str, timed: dict, takers: list) -> dict | None:
+        """Offer this process's choice for `entry` to the shared table; returns the record that holds
+        there when it is another's (None: ours holds, or no table answered)."""
+        try:
+            held = self.shared.publish(dict(self.scope), entry, {"backend": name, "ms": dict(timed)})
+        except Exception as exc:  # noqa: BLE001 -- no table reachable: this process's choice, counted
+            self._fallback(f"choice of {entry} not shared ({type(exc).__name__}: {exc}): {name} as timed here")
+            return None
+        if held.get("source", "timed") == "timed":
+            return None
+        if held.get("backend") not in takers:
+            self._fallback(f"the shared choice of {held.get('backend')} for {entry} cannot run here: {name}")
+            return None
+        return held
+
+    def export_choices(self) -> dict:
+        """The choices this dispatch timed or adopted (not forced ones: a named backend, the only
+        candidate, a fallback), as a table `import_choices` reads: ``{"version", "scope", "choices":
+        {entry: {"backend", "ms", "origin"}}}`` (a named backend's table is empty)."""
+        choices: dict = {}
+        if self.backend == "auto":
+            with self._lock:
+                records = [*self._imported.items(), *((r["entry"], r) for r in self._choices.values()
+                                                      if r["source"] in ("timed", *_ADOPTED))]
+            for entry, r in records:
+                choices[entry] = {"backend": r["backend"], "ms": dict(r.get("ms") or {}), "origin": r.get("origin")}
+        return {"version": CHOICES_VERSION, "scope": dict(self.scope), "choices": choices}
+
+    def import_choices(self, table: dict, source: str = "coordinator") -> int:
+        """Adopt the choices of `table` (`export_choices`' format) for shapes not chosen yet, each with
+        its record's ``source`` when that is "coordinator" or "store", else `source`; returns how many
+        were adopted. First write wins: a choice already made or imported here stays. A dispatch
+        with a named backend adopts nothing. Raises ValueError naming the field for a table of another
+        version or scope."""
+        if not isinstance(table, dict):
+            raise ValueError(f"attention choices: a table must be a dict, got {type(table).__name__}")
+        if table.get("version") != CHOICES_VERSION:
+            raise ValueError(f"attention choices: version {table.get('version')!r}, this code reads {CHOICES_VERSION}")
+        if self.backend != "auto":
+            return 0
+        if table.get("scope") != self.scope:
+            raise ValueError(f"attention choices: scope {table.get('scope')!r} is not this dispatch's {self.scope!r}")
+        choices = table.get("choices")
+        if not isinstance(choices, dict):
+            raise ValueError("attention choices: 'choices' must be a dict of entry -> record")
+        adopted = 0
+        with self._lock:
+            made = {r.get("entry") for r in self._choices.values()}
+            for entry, record in choices.items():
+                if not isinstance(record, dict) or record.get("backend") not in ATTENTION_BACKENDS:
+                    raise ValueError(f"attention choices: choices[{entry!r}].backend must be one of "
+                                     f"{list(ATTENTION_BACKENDS)}, got {record!r}")
+                if entry in made or entry in self._imported:
+                    continue
+                self._imported[entry] = {"backend": record["backend"], "ms": dict(record.get("ms") or {}),
+                                         "origin": record.get("origin"),
+                                         "source": record["source"] if record.get("source") in _ADOPTED else source}
+                adopted += 1
+        return adopted
 
     def stats(self) -> dict:
         with self._lock:
@@ -223,6 +340,22 @@ class AttentionDispatch:
 
 
 # -- helpers ---------------------------------------------------------------------------------------
+
+def choice_scope(device) -> dict:
+    """Where a timed choice holds: the device's name (a GPU's model; ``"cpu"``) and the torch version."""
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    if device.type == "cuda" and torch.cuda.is_available():
+        name = torch.cuda.get_device_name(device)
+    else:
+        name = device.type
+    return {"device_name": name, "torch": torch.__version__}
+
+
+def choice_entry(shape: "_Shape", is_causal: bool, candidates) -> str:
+    """The key of one choice within a scope: the shape (sizes and dtype), causality and the kernels
+    weighed (a process without one of them makes its own choice)."""
+    return f"{shape.summary()} causal={int(bool(is_causal))} over {'+'.join(sorted(candidates))}"
+
 
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
@@ -302,32 +435,69 @@ def _no_modes():
     return stack
 
 
-def _time_kernel(name: str, shape: _Shape, is_causal: bool, device) -> float:
-    """Median ms of kernel `name` on random inputs of `shape` (bshd), CUDA events on the current stream."""
+def interleaved_best(measure: Callable[[str], float], names, rounds: int = _TIMING_ROUNDS) -> dict:
+    """``{name: best ms}``: each of `names` measured `rounds` times, interleaved (a, b, a, b, ...), each
+    keeping its best (least) round, so a load that comes and goes slows every name alike. A name whose
+    `measure` returned inf (it failed) is measured no more."""
+    best = {n: math.inf for n in names}
+    failed: set = set()
+    for _ in range(rounds):
+        for name in names:
+            if name in failed:
+                continue
+            ms = measure(name)
+            if ms == math.inf:
+                failed.add(name)
+            best[name] = min(best[name], ms)
+    return best
+
+
+def time_candidates(names, shape: _Shape, is_causal: bool, device) -> dict:
+    """``{name: ms}`` of each kernel in `names` on random inputs of `shape` (bshd): one call each first
+    (a kernel that refuses the shape is inf, never chosen), then `interleaved_best` over calls timed by
+    CUDA events on the current stream (the wall clock on a CPU)."""
+    device = torch.device(device) if device is not None else torch.device("cpu")
     dtype = torch.bfloat16 if shape.dtype == _dtype_name(_FP8) else getattr(torch, shape.dtype)
     q = torch.randn(shape.batch, shape.q_len, shape.heads, shape.head_dim, device=device, dtype=dtype)
     k = torch.randn(shape.batch, shape.kv_len, shape.kv_heads, shape.head_dim, device=device, dtype=dtype)
     v = torch.randn_like(k)
-    kernel = KERNELS[name]
-    try:
-        # timed as a kernel, not through whatever torch-function or dispatch modes are active (the
-        # first call of a shape may be a break-placement probe, whose modes slow every launch)
-        with torch.no_grad(), _no_modes():
-            kernel(q, k, v, None, is_causal, None, "bshd")
-            torch.cuda.synchronize(device)
-            times = []
-            for _ in range(_TIMING_ROUNDS):  # calls back to back: the GPU's time, not the host's launches
+    on_cuda = device.type == "cuda"
+
+    def call(name):
+        KERNELS[name](q, k, v, None, is_causal, None, "bshd")
+
+    def measure(name) -> float:
+        try:
+            if on_cuda:  # calls back to back: the GPU's time, not the host's launches
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record()
                 for _ in range(_TIMING_ITERS):
-                    kernel(q, k, v, None, is_causal, None, "bshd")
+                    call(name)
                 end.record()
                 end.synchronize()
-                times.append(start.elapsed_time(end) / _TIMING_ITERS)
-    except RuntimeError as exc:  # the kernel refused this shape after all: never chosen
-        logger.info("attention %s: %s failed (%s)", shape.summary(), name, str(exc).splitlines()[0][:200])
-        return math.inf
-    return sorted(times)[len(times) // 2]
+                return start.elapsed_time(end) / _TIMING_ITERS
+            t0 = time.perf_counter()
+            for _ in range(_TIMING_ITERS):
+                call(name)
+            return (time.perf_counter() - t0) * 1e3 / _TIMING_ITERS
+        except RuntimeError as exc:  # the kernel refused this shape after all: never chosen
+            logger.info("attention %s: %s failed (%s)", shape.summary(), name, str(exc).splitlines()[0][:200])
+            return math.inf
+
+    # timed as kernels, not through whatever torch-function or dispatch modes are active (the first call
+    # of a shape may be a break-placement probe, whose modes slow every launch)
+    with torch.no_grad(), _no_modes():
+        first = {}
+        for name in names:
+            try:
+                call(name)
+            except RuntimeError as exc:
+                logger.info("attention %s: %s failed (%s)", shape.summary(), name, str(exc).splitlines()[0][:200])
+                first[name] = math.inf
+        if on_cuda:
+            torch.cuda.synchronize(device)
+        runs = [n for n in names if n not in first]
+        return {**first, **interleaved_best(measure, runs)}
 
 
 # -- the op compiled code calls --------------------------------------------------------------------

@@ -271,7 +271,9 @@ def test_attention_choices_group_replicas_by_gpu_name_and_shape_and_name_disagre
     # one disagreement: the two H100s on the first shape (another GPU kind may choose otherwise)
     assert view["disagreements"] == [{"device": "NVIDIA H100", "component": "transformer", "shape": shapes[0],
                                       "kernels": {"sdpa": ["r1"], "fa3": ["r2"]}}]
-    assert attention_choices({}) == {"choices": {}, "disagreements": []}
+    # where each replica's choice came from, per shape
+    assert view["sources"]["NVIDIA H100"]["transformer"][shapes[0]] == {"r1": "only candidate", "r2": "timed"}
+    assert attention_choices({}) == {"choices": {}, "sources": {}, "disagreements": []}
 
 
 def test_merge_reports_lists_replicas_per_key_and_uncovered():

@@ -132,7 +132,10 @@ def test_http_round_trip_returns_png_of_requested_size(serve_app):
     stats = httpx.get(f"{url}/v1/stats", timeout=60).json()
     assert len(stats["replicas"]) == 2 and set(PLAN_KEYS) <= set(stats["keys"])
     assert all(r["device"] == "cpu" and r["gpu"] is None for r in stats["replicas"].values())
-    assert stats["attention"] == {"choices": {}, "disagreements": []}   # CPU replicas route no attention
+    # CPU replicas route no attention: nothing chosen, nothing held
+    assert {k: stats["attention"][k] for k in ("choices", "sources", "disagreements")} == {
+        "choices": {}, "sources": {}, "disagreements": []}
+    assert stats["attention"]["held"]["choices"] == {} and stats["attention"]["held"]["published"] == 0
 
 
 def _pixels(image) -> np.ndarray:

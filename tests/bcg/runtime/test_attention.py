@@ -141,3 +141,143 @@ def test_a_second_shape_under_automatic_dynamic_compiles_and_chooses_per_shape()
         q, k, v = (torch.randn(1, 2, tokens, 8) for _ in range(3))
         assert torch.allclose(compiled(q, k, v), attend(q, k, v), atol=1e-6)
     assert [c["shape"].split("x")[3] for c in dispatch.stats()["choices"]] == ["16", "24", "40"]
+
+
+# -- "auto" that does not depend on the load: interleaved timing, one shared choice per device and shape --
+
+def test_interleaved_timing_keeps_each_kernels_best_round_under_a_passing_load():
+    """A load during the first calls (another process compiling) would make A look slower than B if A were
+    timed first and B after; interleaved, each keeps its best round and A (truly faster) wins."""
+    from bcg.runtime.attention import interleaved_best
+
+    calls = []
+
+    def measure(name):
+        calls.append(name)
+        loaded = len(calls) <= 4
+        return {"a": 1.0, "b": 1.1}[name] + (1.0 if loaded else 0.0)
+
+    best = interleaved_best(measure, ["a", "b"], rounds=5)
+    assert calls == ["a", "b"] * 5
+    assert best == {"a": 1.0, "b": pytest.approx(1.1)}
+    # a kernel that failed (inf) is measured once, never again, and never wins
+    calls.clear()
+    best = interleaved_best(lambda n: calls.append(n) or (float("inf") if n == "b" else 2.0), ["a", "b"], rounds=3)
+    assert calls == ["a", "b", "a", "a"] and best == {"a": 2.0, "b": float("inf")}
+
+
+def test_auto_on_cpu_times_two_real_kernels_interleaved():
+    dispatch = AttentionDispatch("auto", device="cpu", candidates=("sdpa", "math"))
+    q, k, v = _qkv()
+    out = dispatch(q, k, v)
+    assert torch.allclose(out, F.scaled_dot_product_attention(q, k, v), atol=1e-5)
+    (choice,) = dispatch.stats()["choices"]
+    assert choice["source"] == "timed" and set(choice["ms"]) == {"sdpa", "math"}
+    assert all(ms > 0 for ms in choice["ms"].values())
+    assert choice["entry"] == "2x4x24x24x16 float32 causal=0 over math+sdpa"
+
+
+def _timer(ms: dict, calls: list | None = None):
+    """A timing function with fixed figures (CPU has no second kernel whose speed the test controls)."""
+    def timer(names, shape, is_causal, device):
+        if calls is not None:
+            calls.append(shape.summary())
+        return {n: ms[n] for n in names}
+    return timer
+
+
+def _never_timed(names, shape, is_causal, device):
+    raise AssertionError(f"{shape.summary()} was timed, a table held its choice")
+
+
+def test_choice_table_round_trips_through_json_and_is_adopted_untimed():
+    import json
+
+    from bcg.runtime.attention import CHOICES_VERSION, choice_scope
+
+    first = AttentionDispatch("auto", device="cpu", candidates=("sdpa", "math"),
+                              timer=_timer({"sdpa": 2.0, "math": 1.0}))
+    for s in (24, 40):
+        first(*_qkv(s=s))
+    table = json.loads(json.dumps(first.export_choices()))
+    assert table["version"] == CHOICES_VERSION and table["scope"] == choice_scope("cpu")
+    assert {r["backend"] for r in table["choices"].values()} == {"math"} and len(table["choices"]) == 2
+    second = AttentionDispatch("auto", device="cpu", candidates=("sdpa", "math"), timer=_never_timed)
+    assert second.import_choices(table) == 2
+    for s in (24, 40):
+        second(*_qkv(s=s))
+    choices = second.stats()["choices"]
+    assert [c["backend"] for c in choices] == ["math", "math"] and {c["source"] for c in choices} == {"coordinator"}
+    assert choices[0]["ms"] == {"sdpa": 2.0, "math": 1.0}   # the timing process's figures
+    assert second.stats()["calls"] == {"math": 2}
+    # what it adopted it exports again, the same choices
+    assert {e: r["backend"] for e, r in second.export_choices()["choices"].items()} == \
+        {e: r["backend"] for e, r in table["choices"].items()}
+
+
+def test_adoption_precedence_named_backend_then_local_choice_then_table_then_timing():
+    math_first = AttentionDispatch("auto", device="cpu", candidates=("sdpa", "math"),
+                                   timer=_timer({"sdpa": 1.0, "math": 2.0}))
+    math_first(*_qkv(s=24))   # chosen here first: sdpa
+    entry = math_first.stats()["choices"][0]["entry"]
+    table = {"version": 1, "scope": math_first.scope,
+             "choices": {entry: {"backend": "math", "ms": {}},
+                         "1x1x8x8x8 float32 causal=0 over math+sdpa": {"backend": "math", "source": "store"}}}
+    # a choice already made (and maybe captured) stays: first write wins here too
+    assert math_first.import_choices(table) == 1
+    math_first(*_qkv(s=24))
+    assert math_first.stats()["choices"][0]["backend"] == "sdpa" and math_first.stats()["calls"] == {"sdpa": 2}
+    # a record's own source ("store") is kept
+    math_first(*(torch.randn(1, 1, 8, 8) for _ in range(3)))
+    assert math_first.stats()["choices"][1]["source"] == "store"
+    # a backend named explicitly is never overridden
+    named = AttentionDispatch("math", device="cpu")
+    assert named.import_choices({**table, "choices": {entry: {"backend": "sdpa"}}}) == 0
+    named(*_qkv(s=24))
+    assert named.stats()["calls"] == {"math": 1} and named.export_choices()["choices"] == {}
+    # a table of another version or device is refused, naming what differs
+    fresh = AttentionDispatch("auto", device="cpu", candidates=("sdpa", "math"))
+    with pytest.raises(ValueError, match="version 2"):
+        fresh.import_choices({**table, "version": 2})
+    with pytest.raises(ValueError, match="scope"):
+        fresh.import_choices({**table, "scope": {"device_name": "NVIDIA H100", "torch": torch.__version__}})
+    with pytest.raises(ValueError, match=r"backend must be one of"):
+        fresh.import_choices({**table, "choices": {entry: {"backend": "fastest"}}})
+
+
+class _FirstWins:
+    """A shared table in one process: the first record published per entry holds (the coordinator's rule,
+    ``deployments.attention_choices``, without Ray)."""
+
+    def __init__(self, fail=False):
+        self.held, self.fail = {}, fail
+
+    def publish(self, scope, entry, record):
+        if self.fail:
+            raise ConnectionError("coordinator gone")
+        mine = dict(record)
+        kept = self.held.setdefault((tuple(sorted(scope.items())), entry), mine)
+        return {**kept, "source": "timed" if kept is mine else "coordinator"}
+
+
+def test_a_shared_table_makes_later_timers_run_the_first_published_choice():
+    shared = _FirstWins()
+    first = AttentionDispatch("auto", device="cpu", candidates=("sdpa", "math"), timer=_timer({"sdpa": 2.0, "math": 1.0}))
+    second = AttentionDispatch("auto", device="cpu", candidates=("sdpa", "math"), timer=_timer({"sdpa": 1.0, "math": 2.0}))
+    first.shared = second.shared = shared
+    first(*_qkv())
+    second(*_qkv())   # timed sdpa faster under its load, runs the published math
+    (a,), (b,) = first.stats()["choices"], second.stats()["choices"]
+    assert (a["backend"], a["source"]) == ("math", "timed")
+    assert (b["backend"], b["source"]) == ("math", "coordinator") and b["ms_here"] == {"sdpa": 1.0, "math": 2.0}
+    assert second.stats()["calls"] == {"math": 1}
+    # without a table it would have kept its own
+    alone = AttentionDispatch("auto", device="cpu", candidates=("sdpa", "math"), timer=_timer({"sdpa": 1.0, "math": 2.0}))
+    alone(*_qkv())
+    assert alone.stats()["choices"][0]["backend"] == "sdpa"
+    # a table that does not answer: this process's choice, and the reason counted
+    lost = AttentionDispatch("auto", device="cpu", candidates=("sdpa", "math"), timer=_timer({"sdpa": 1.0, "math": 2.0}))
+    lost.shared = _FirstWins(fail=True)
+    lost(*_qkv())
+    assert lost.stats()["choices"][0]["backend"] == "sdpa" and lost.stats()["choices"][0]["source"] == "timed"
+    assert any("not shared" in reason for reason in lost.stats()["fallbacks"])
