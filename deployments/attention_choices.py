@@ -35,7 +35,8 @@ from bcg.runtime.attention import CHOICES_VERSION
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["AttentionChoiceRegistry", "AttentionChoiceStore", "ReplicaAttentionChoices", "scope_key"]
+__all__ = ["AttentionChoiceRegistry", "AttentionChoiceStore", "ReplicaAttentionChoices", "scope_key",
+           "share_choices"]
 
 _SUFFIX = ".json"
 _DIRECTORY = "attention"
@@ -183,6 +184,19 @@ class AttentionChoiceRegistry:
             scope: {entry: {"backend": r["backend"], "source": r["source"],
                             "replica": (r.get("origin") or {}).get("replica")} for entry, r in sorted(table.items())}
             for scope, table in sorted(self._tables.items())}}
+
+
+def share_choices(dispatches: dict, tables: dict, shared) -> int:
+    """Import `tables` (scope key -> a table of ``bcg.runtime.attention``'s format, or None) into
+    `dispatches` (name -> `AttentionDispatch`) and share their later choices through `shared` (its
+    ``publish``). Returns how many choices were adopted."""
+    adopted = 0
+    for dispatch in dispatches.values():
+        table = tables.get(scope_key(dispatch.scope))
+        if table is not None:
+            adopted += dispatch.import_choices(table)
+        dispatch.shared = shared
+    return adopted
 
 
 class ReplicaAttentionChoices:

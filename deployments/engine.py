@@ -263,17 +263,10 @@ class ReplicaEngine:
         return out
 
     def share_attention_choices(self, tables: dict, shared) -> int:
-        """Import `tables` (scope key -> a table of ``bcg.runtime.attention``'s format, or None) into the
-        ``"auto"`` dispatches, and share their later choices through `shared` (its ``publish``); on the
+        """`deployments.attention_choices.share_choices` over this engine's ``"auto"`` dispatches; on the
         pipeline's thread, before a warmup. Returns how many choices were adopted."""
-        from deployments.attention_choices import scope_key
-        adopted = 0
-        for dispatch in self.attention_dispatches().values():
-            table = tables.get(scope_key(dispatch.scope))
-            if table is not None:
-                adopted += dispatch.import_choices(table)
-            dispatch.shared = shared
-        return adopted
+        from deployments.attention_choices import share_choices
+        return share_choices(self.attention_dispatches(), tables, shared)
 
     def _log_kernels(self, options) -> None:
         """One line at start: float8 on or why not, and the attention backend asked for."""
