@@ -160,7 +160,8 @@ class TransformerOptions:
         Where float8 cannot run, the report says why once and the module keeps its dtype. Compile it
         (``RunnerConfig(compile=True)``): uncompiled, float8 is slower than bf16.
     attention_backend: the attention kernel (see ``bcg.runtime.attention``): "auto" (default) times the
-        available kernels per attention shape at warmup and keeps the fastest, or one of "sdpa"
+        available kernels per attention shape at warmup (interleaved, best round each; a served app
+        shares one choice per device and shape through its coordinator) and keeps the fastest, or one of "sdpa"
         (PyTorch's own choice), "cudnn", "flash", "efficient", "math", "fa3" (FlashAttention-3, the
         ``fa3-fwd`` package), "fa3_fp8" (FA3 on float8 inputs: faster, less exact; never chosen by
         "auto"). A kernel that is missing or refuses a shape falls back to "sdpa" with a one-line reason.
