@@ -240,7 +240,8 @@ class AttentionDispatch:
             record = self._choices.setdefault(shape, record)
             self._imported.pop(entry, None)
         logger.info("attention %s: %s (%s%s)", shape.summary(), record["backend"], record["source"],
-                    "; " + ", ".join(f"{n} {ms:.3f} ms" for n, ms in record["ms"].items()) if record["ms"] else "")
+                    "; " + ", ".join(f"{n} {ms:.3f} ms" if ms is not None else f"{n} failed"
+                                     for n, ms in record["ms"].items()) if record["ms"] else "")
         return record["backend"]
 
     # -- the shared table -------------------------------------------------------------------------
