@@ -56,7 +56,7 @@ import torch.nn.functional as F
 logger = logging.getLogger(__name__)
 
 __all__ = ["ATTENTION_BACKENDS", "AUTO_CANDIDATES", "AttentionDispatch", "CHOICES_VERSION", "KERNELS",
-           "backend_unavailable_reason", "choice_scope", "interleaved_best", "time_candidates"]
+           "backend_unavailable_reason", "choice_scope", "fastest", "interleaved_best", "time_candidates"]
 
 ATTENTION_BACKENDS = ("auto", "sdpa", "cudnn", "flash", "efficient", "math", "fa3", "fa3_fp8")
 #: What ``"auto"`` weighs, where available: PyTorch's own choice against kernels it does not have. Exact
@@ -222,9 +222,7 @@ class AttentionDispatch:
             name, timed, source = takers[0], {}, "only candidate"
         else:  # timed, which also tries each kernel on this shape
             timed = self.timer(list(takers), shape, is_causal, self.device)
-            name, source = min(timed, key=timed.get), "timed" if len(takers) > 1 else "only candidate"
-            if "sdpa" in timed and timed[name] > timed["sdpa"] * (1 - _AUTO_MARGIN):
-                name = "sdpa"  # within the timing's noise of PyTorch's own choice: keep the reference
+            name, source = fastest(timed), "timed" if len(takers) > 1 else "only candidate"
             if timed[name] == math.inf:
                 self._fallback(f"{name} failed on {shape.summary()}: sdpa")
                 name, source = "sdpa", "fallback"
@@ -434,6 +432,15 @@ def _no_modes():
     stack.enter_context(torch._C.DisableTorchFunction())
     stack.enter_context(_disable_current_modes())
     return stack
+
+
+def fastest(timed: dict) -> str:
+    """The kernel ``"auto"`` keeps from ``{name: ms}``: the fastest, SDPA unless another is at least
+    `_AUTO_MARGIN` faster (within the timing's noise of PyTorch's own choice: keep the reference)."""
+    name = min(timed, key=timed.get)
+    if "sdpa" in timed and timed[name] > timed["sdpa"] * (1 - _AUTO_MARGIN):
+        name = "sdpa"
+    return name
 
 
 def interleaved_best(measure: Callable[[str], float], names, rounds: int = _TIMING_ROUNDS) -> dict:
