@@ -34,6 +34,15 @@ def test_the_first_record_written_for_an_entry_stays_in_the_store(tmp_path):
     assert two.table({**SCOPE, "torch": "2.10.0"}) == {}
 
 
+def test_an_fsspec_store_keeps_the_first_record_too():
+    import uuid
+    root = f"memory://bcg-test-attention-{uuid.uuid4().hex}/prefix"
+    one, two = AttentionChoiceStore(ArtifactStore(root)), AttentionChoiceStore(ArtifactStore(root))
+    assert one.put_first(SCOPE, ENTRY, {"backend": "fa3", "ms": {}})[0]
+    won, held = two.put_first(SCOPE, ENTRY, {"backend": "sdpa", "ms": {}})
+    assert not won and held["backend"] == "fa3" and list(two.table(SCOPE).values()) == [held]
+
+
 def test_writers_racing_for_one_entry_all_end_with_the_same_record(tmp_path):
     stores = [AttentionChoiceStore(ArtifactStore(str(tmp_path))) for _ in range(8)]
     start, out = threading.Barrier(8), [None] * 8
