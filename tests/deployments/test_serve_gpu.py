@@ -28,6 +28,13 @@ def test_two_replicas_on_one_gpu_capture_shards_and_replay_warm_requests(ray_ser
             # the GPU Ray gave it (both halves of one GPU: the same one), named by torch inside the replica
             assert info["gpu"]["index"] == 0 and info["gpu"]["name"] and info["gpu"]["cuda_visible_devices"]
         assert len({info["gpu"]["cuda_visible_devices"] for info in st["replicas"].values()}) == 1
+        # "auto" attention: one kernel per shape on both replicas, each choice timed once and shared (or read
+        # from the compile store a run before left); with fa3 missing only SDPA runs and nothing is chosen
+        attention = st["attention"]
+        assert attention["disagreements"] == []
+        sources = {src for comps in attention["sources"].values() for shapes in comps.values()
+                   for where in shapes.values() for src in where.values()}
+        assert sources <= {"timed", "coordinator", "store", "only candidate"}, attention["sources"]
         handle = serve.get_deployment_handle("Replica", APP)
         warm = [handle.generate.remote(ImageGenerationRequest(prompt="a cat", size=k, seed=i), shape_key=k)
                 .result(timeout_s=300) for i, k in enumerate(KEYS * 3)]
