@@ -128,6 +128,7 @@ class AttentionChoiceRegistry:
     def __init__(self, store=None):
         self.store = AttentionChoiceStore(store) if store is not None else None
         self._tables: Dict[str, Dict[str, dict]] = {}  # scope key -> entry -> record (with source)
+        self._locks: Dict[tuple, asyncio.Lock] = {}    # (scope key, entry) -> held while it is published
         self.counts = {"published": 0, "kept": 0, "adopted": 0, "store_reads": 0, "store_writes": 0,
                        "store_errors": 0}
 
@@ -159,17 +160,21 @@ class AttentionChoiceRegistry:
                   "origin": {"replica": replica_id, "at": time.time()}}
         self.counts["published"] += 1
         held = self._held(scope)
-        if entry not in held and self.store is not None:
-            try:
-                won, stored = await asyncio.to_thread(self.store.put_first, scope, entry, record)
-                self.counts["store_writes"] += int(won)
-                if not won:
-                    held.setdefault(entry, {**stored, "source": "store"})
-            except Exception as exc:  # noqa: BLE001 -- the store is a second line: memory decides
-                self.counts["store_errors"] += 1
-                logger.warning("attention choices: store %s: writing %s failed: %s", self.store.store.root, entry, exc)
-        mine = {**record, "source": "replica"}
-        kept = held.setdefault(entry, mine)  # another publish may have come first (while the store wrote)
+        # one publish of an entry at a time here (the store is written off the event loop): a second one
+        # waits and finds the first's record held
+        async with self._locks.setdefault((scope_key(scope), entry), asyncio.Lock()):
+            if entry not in held and self.store is not None:
+                try:
+                    won, stored = await asyncio.to_thread(self.store.put_first, scope, entry, record)
+                    self.counts["store_writes"] += int(won)
+                    if not won:  # another app (or an earlier deployment) wrote it first
+                        held[entry] = {**stored, "source": "store"}
+                except Exception as exc:  # noqa: BLE001 -- the store is a second line: memory decides
+                    self.counts["store_errors"] += 1
+                    logger.warning("attention choices: store %s: writing %s failed: %s", self.store.store.root,
+                                   entry, exc)
+            mine = {**record, "source": "replica"}
+            kept = held.setdefault(entry, mine)
         won = kept is mine
         self.counts["kept" if won else "adopted"] += 1
         if won:

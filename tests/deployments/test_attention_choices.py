@@ -98,6 +98,21 @@ def test_two_coordinators_sharing_a_store_hand_out_the_first_choice():
         asyncio.run(run(root))
 
 
+def test_publishes_arriving_together_at_one_coordinator_with_a_store_keep_the_first_as_this_apps(tmp_path):
+    """While the first publish writes the store (off the event loop), a second for the same entry waits and
+    adopts it as this app's replica's choice, not as one read from the store."""
+    async def run():
+        registry = AttentionChoiceRegistry(ArtifactStore(str(tmp_path)))
+        answers = await asyncio.gather(*(registry.publish(SCOPE, ENTRY, {"backend": b, "ms": {}}, f"r{i}")
+                                         for i, b in enumerate(["fa3", "sdpa", "sdpa"])))
+        assert [a["won"] for a in answers] == [True, False, False]
+        assert {a["record"]["source"] for a in answers} == {"replica"}
+        assert {a["record"]["backend"] for a in answers} == {"fa3"}
+        assert registry.stats()["store_writes"] == 1 and registry.stats()["kept"] == 1
+
+    asyncio.run(run())
+
+
 def test_without_a_store_publishes_arriving_together_keep_exactly_one():
     async def run():
         registry = AttentionChoiceRegistry(None)
