@@ -236,13 +236,19 @@ class _QwenImage(Family):
                 additional_t_cond=None, return_dict=True):
         """`QwenImageTransformer2DModel.forward`, op for op."""
         from diffusers.models.modeling_outputs import Transformer2DModelOutput
-        from diffusers.models.transformers.transformer_qwenimage import compute_text_seq_len_from_mask
 
         hidden_states = module.img_in(hidden_states)
         timestep = timestep.to(hidden_states.dtype)
         encoder_hidden_states = module.txt_in(module.txt_norm(encoder_hidden_states))
-        text_seq_len, _, encoder_hidden_states_mask = compute_text_seq_len_from_mask(
-            encoder_hidden_states, encoder_hidden_states_mask)
+        # diffusers' `compute_text_seq_len_from_mask`, less the per-row lengths its forward does not use (they
+        # copy a host number to the device, which no graph can hold)
+        text_seq_len = encoder_hidden_states.shape[1]
+        if encoder_hidden_states_mask is not None:
+            if encoder_hidden_states_mask.shape[:2] != encoder_hidden_states.shape[:2]:
+                raise ValueError(f"`encoder_hidden_states_mask` shape {encoder_hidden_states_mask.shape} must match "
+                                 f"(batch_size, text_seq_len)={tuple(encoder_hidden_states.shape[:2])}.")
+            if encoder_hidden_states_mask.dtype != torch.bool:
+                encoder_hidden_states_mask = encoder_hidden_states_mask.to(torch.bool)
         if guidance is not None:
             guidance = guidance.to(hidden_states.dtype) * 1000
         temb = (module.time_text_embed(timestep, hidden_states, additional_t_cond) if guidance is None
