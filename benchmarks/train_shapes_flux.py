@@ -14,13 +14,16 @@ parts a cut-off device call brought back):
    its ``shift_factor`` / ``scaling_factor`` (as FLUX's VAE declares them);
 3. the transformer (`FluxTransformer2DModel`): rectified flow matching as FLUX trains, the latent
    ``x_t = (1 - s) x_0 + s noise`` with ``s`` logit-normal, shifted as the pipeline's scheduler shifts a
-   64x64 picture, the target ``noise - x_0``; text through the frozen tiny CLIP/T5 by the pipeline's own
-   ``encode_prompt``, padded to a length drawn from the serving buckets that holds the whole caption (FLUX
-   attends over the padding, so the model must know every length a request can bring); 10% empty captions; an EMA of the weights,
-   which is what ships;
+   64x64 picture, the target ``noise - x_0``; text as the pipeline's ``encode_prompt`` makes it (the frozen
+   tiny CLIP/T5), padded to a length drawn from the serving buckets that holds the whole caption (FLUX
+   attends over the padding, so the model must know every length a request can bring); 10% empty captions;
+   an EMA of the weights, which is what ships. The encoders are frozen, so the latents and every caption's
+   embeddings at every length are computed once and stay on the device (`TextTable`): a step is a gather,
+   the transformer's forward and backward in bf16 autocast, a fused AdamW step and an EMA update;
 4. evaluation: the exported pipeline samples ``--eval-n`` held-out captions (seeds from 10,000,000, each
-   its own generator seed) at the pipeline's defaults (64x64, 28 steps), scored by
-   `bcg.diffusers.shapes.score.adherence`.
+   its own generator seed) at the pipeline's defaults (64x64, 28 steps, 512 text tokens), and again at
+   ``--eval-text-tokens`` (64: bench_quality's), scored by `bcg.diffusers.shapes.score.adherence`; the
+   same captions' own pictures through the VAE alone give the ceiling the VAE sets.
 
 Writes ``--out/train_shapes_flux.json`` (losses, timings, adherence, machine), ``samples.npz`` (the
 evaluation pictures and captions) and the weights (``--weights``, default the package's
@@ -102,15 +105,18 @@ def train_vae(vae, pixels, args, log, ckpt):
         return
     device = args.device
     vae.to(device).train()
-    opt = torch.optim.AdamW(vae.parameters(), lr=args.vae_lr, betas=(0.9, 0.99), weight_decay=0.0)
-    rng = np.random.default_rng(1)
+    fused = {"fused": True} if device.startswith("cuda") else {}
+    opt = torch.optim.AdamW(vae.parameters(), lr=args.vae_lr, betas=(0.9, 0.99), weight_decay=0.0, **fused)
+    data = torch.from_numpy(pixels).to(device)  # uint8 on the device: a batch is one gather, no host copy
+    gen = torch.Generator(device).manual_seed(1)
     losses, start, step = [], time.perf_counter(), 0
     autocast = torch.autocast("cuda", torch.bfloat16, enabled=device.startswith("cuda"))
     while step < args.vae_steps and time.perf_counter() - start < args.vae_seconds:
         done = max(step / args.vae_steps, (time.perf_counter() - start) / args.vae_seconds)
         for group in opt.param_groups:
             group["lr"] = _lr(args.vae_lr, step, done)
-        x = _to_tensor(pixels[rng.integers(0, len(pixels), args.vae_batch)], device)
+        rows = torch.randint(0, len(data), (args.vae_batch,), device=device, generator=gen)
+        x = data[rows].permute(0, 3, 1, 2).float().div(127.5).sub(1.0)
         with autocast:
             posterior = vae.encode(x).latent_dist
             recon = vae.decode(posterior.sample()).sample.float()
@@ -126,7 +132,7 @@ def train_vae(vae, pixels, args, log, ckpt):
         if step % 25 == 0 or step == 1:
             mse, kl = mse.item(), kl.item()
             losses.append([step, round(time.perf_counter() - start, 2), mse, kl])
-            if step % 200 == 0 or step == 1:
+            if step % 500 == 0 or step == 1:
                 say(f"vae step {step}: mse {float(mse):.5f} kl/dim {float(kl):.4f}")
     vae.eval()
     log["vae"] = {"steps": step, "seconds": round(time.perf_counter() - start, 1), "batch": args.vae_batch,
@@ -151,6 +157,19 @@ def encode_latents(vae, pixels, device, batch: int = 512):
     return (latents - mean) / std
 
 
+def reconstruct(vae, pixels, device, batch: int = 256) -> np.ndarray:
+    """uint8 pictures through the VAE (encode to the posterior mean, decode), as a sample is decoded."""
+    import torch
+
+    out = []
+    with torch.no_grad():
+        for i in range(0, len(pixels), batch):
+            x = _to_tensor(pixels[i:i + batch], device)
+            recon = vae.decode(vae.encode(x).latent_dist.mode()).sample.clamp(-1, 1)
+            out.append(((recon + 1) * 127.5).round().to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy())
+    return np.concatenate(out)
+
+
 def _recon_psnr(vae, pixels, device) -> float:
     import torch
 
@@ -162,15 +181,20 @@ def _recon_psnr(vae, pixels, device) -> float:
 
 
 def train_transformer(pipe, latents, captions, args, log, ckpt, on_checkpoint):
+    """Rectified flow on the transformer alone: the latents and every caption's text embeddings are computed
+    once (the VAE and text encoders are frozen) and stay on the device, so a step is a gather, one forward
+    and backward, a fused AdamW step and an EMA update, with no host sync but the logged losses."""
     import copy
 
     import torch
     from diffusers import FluxPipeline
 
     device = args.device
+    cuda = device.startswith("cuda")
     model = pipe.transformer.to(device).train()
     ema = copy.deepcopy(model).eval().requires_grad_(False)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.dit_lr, betas=(0.9, 0.99), weight_decay=0.01)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.dit_lr, betas=(0.9, 0.99), weight_decay=0.01,
+                            **({"fused": True} if cuda else {}))
     path = os.path.join(ckpt, "transformer.pt")
     step, spent, losses = 0, 0.0, []
     if os.path.isfile(path):
@@ -183,15 +207,18 @@ def train_transformer(pipe, latents, captions, args, log, ckpt, on_checkpoint):
     for module in (pipe.text_encoder, pipe.text_encoder_2):
         module.to(device).requires_grad_(False)
     n, _, h, w = latents.shape
+    t_text = time.perf_counter()
+    table = TextTable(TextIds(pipe, captions, device), PROMPT_LENGTHS, torch.bfloat16 if cuda else torch.float32)
+    log["text_table"] = {"seconds": round(time.perf_counter() - t_text, 1), "bytes": table.nbytes()}
+    say(f"text embeddings of {n} captions at {PROMPT_LENGTHS} tokens: {table.nbytes() / 1e9:.2f} GB in "
+        f"{log['text_table']['seconds']} s")
     latents = latents.to(device)
     img_ids = FluxPipeline._prepare_latent_image_ids(1, h // 2, w // 2, device, torch.float32)
+    txt_ids = {length: torch.zeros(length, 3, device=device) for length in PROMPT_LENGTHS}
     shift = math.exp(_mu(pipe, (h // 2) * (w // 2)))
-    text = TextIds(pipe, captions, device)
-    fits = {length: np.flatnonzero(text.tokens <= length) for length in PROMPT_LENGTHS}  # never truncate
-    fits = {length: idx if len(idx) else np.arange(n) for length, idx in fits.items()}
     rng = np.random.default_rng(2 + step)
     gen = torch.Generator(device).manual_seed(3 + step)
-    autocast = torch.autocast("cuda", torch.bfloat16, enabled=device.startswith("cuda") and args.precision == "bf16")
+    autocast = torch.autocast("cuda", torch.bfloat16, enabled=cuda and args.precision == "bf16")
     # cuDNN's attention is left out: its backward failed (CUBLAS_STATUS_EXECUTION_FAILED at the next GEMM) on
     # the first training step here on an H100 (torch 2.11), FLUX's 8 heads of 32 over 528 tokens
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -199,6 +226,7 @@ def train_transformer(pipe, latents, captions, args, log, ckpt, on_checkpoint):
         return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
     start, last_ckpt = time.perf_counter() - spent, time.perf_counter()
+    params, ema_params = list(model.parameters()), list(ema.parameters())
 
     def elapsed():
         return time.perf_counter() - start
@@ -208,10 +236,9 @@ def train_transformer(pipe, latents, captions, args, log, ckpt, on_checkpoint):
         for group in opt.param_groups:
             group["lr"] = _lr(args.dit_lr, step, done, warmup=200)
         length = int(rng.choice(PROMPT_LENGTHS, p=LENGTH_WEIGHTS))
-        idx = rng.choice(fits[length], args.batch)
-        dropped = rng.random(len(idx)) < args.drop_caption
-        embeds, pooled, text_ids = text.encode(idx, dropped, length)
-        x0 = latents[torch.from_numpy(idx).to(device)]
+        idx, dropped = table.draw(length, args.batch, args.drop_caption, gen)
+        embeds, pooled = table.lookup(idx, dropped, length)
+        x0 = latents[idx]
         noise = torch.randn(x0.shape, device=device, generator=gen)
         t = torch.sigmoid(torch.randn(len(idx), device=device, generator=gen))
         sigma = shift * t / (1 + (shift - 1) * t)
@@ -221,21 +248,21 @@ def train_transformer(pipe, latents, captions, args, log, ckpt, on_checkpoint):
         target = FluxPipeline._pack_latents(noise - x0, len(idx), x0.shape[1], h, w)
         with kernels(), autocast:
             pred = model(hidden_states=packed, timestep=sigma, guidance=None, pooled_projections=pooled,
-                         encoder_hidden_states=embeds, txt_ids=text_ids, img_ids=img_ids, return_dict=False)[0]
+                         encoder_hidden_states=embeds, txt_ids=txt_ids[length], img_ids=img_ids,
+                         return_dict=False)[0]
         loss = torch.nn.functional.mse_loss(pred.float(), target)
         opt.zero_grad(set_to_none=True)
         with kernels():
             loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_(params, 1.0, foreach=True)
         opt.step()
         step += 1
         decay = min(args.ema, (1 + step) / (10 + step))
         with torch.no_grad():
-            for e, p in zip(ema.parameters(), model.parameters()):
-                e.lerp_(p, 1 - decay)
+            torch._foreach_lerp_(ema_params, params, 1 - decay)
         if step % 25 == 0 or step == 1:
             losses.append([step, round(elapsed(), 2), loss.item(), length])
-            if step % 250 == 0 or step == 1:
+            if step % 500 == 0 or step == 1:
                 say(f"transformer step {step}: loss {losses[-1][2]:.4f} (text {length}) {elapsed():.0f} s")
         if time.perf_counter() - last_ckpt > args.ckpt_seconds:
             _save_transformer(path, model, ema, opt, step, elapsed(), losses)
@@ -243,7 +270,7 @@ def train_transformer(pipe, latents, captions, args, log, ckpt, on_checkpoint):
             last_ckpt = time.perf_counter()
     _save_transformer(path, model, ema, opt, step, elapsed(), losses)
     log["transformer"] = {"steps": step, "seconds": round(elapsed(), 1), "batch": args.batch, "lr": args.dit_lr,
-                          "precision": args.precision,
+                          "precision": args.precision, "ms_per_step": round(1000 * elapsed() / max(step, 1), 2),
                           "ema": args.ema, "drop_caption": args.drop_caption, "shift": round(shift, 4),
                           "prompt_lengths": dict(zip(PROMPT_LENGTHS, LENGTH_WEIGHTS)), "curve": losses,
                           "columns": ["step", "s", "loss", "text_tokens"]}
@@ -279,6 +306,49 @@ class TextIds:
             embeds = self.pipe.text_encoder_2(self.t5[rows, :length], output_hidden_states=False)[0]
         text_ids = torch.zeros(length, 3, device=embeds.device)
         return embeds, pooled, text_ids
+
+
+class TextTable:
+    """`TextIds`' embeddings of every caption (and the empty one) at each of `lengths` T5 tokens, computed once
+    and kept on the device in `dtype` (the encoders are frozen): a training step gathers its rows."""
+
+    def __init__(self, text: TextIds, lengths, dtype, chunk: int = 1024):
+        import torch
+
+        device = text.clip.device
+        self.empty = text.empty
+        rows = np.arange(self.empty + 1)  # the last row: the empty caption
+        keep = np.zeros(len(rows), dtype=bool)
+        self.fits, self.embeds, pooled = {}, {}, []
+        for length in lengths:
+            fits = np.flatnonzero(text.tokens <= length)  # never truncate a caption
+            self.fits[length] = torch.from_numpy(fits if len(fits) else np.arange(self.empty)).to(device)
+            parts = []
+            for i in range(0, len(rows), chunk):
+                embeds, pooled_part, _ = text.encode(rows[i:i + chunk], keep[i:i + chunk], length)
+                parts.append(embeds.to(dtype))
+                if length == lengths[0]:
+                    pooled.append(pooled_part.to(dtype))
+            self.embeds[length] = torch.cat(parts)
+        self.pooled = torch.cat(pooled)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.embeds.values(), self.pooled))
+
+    def draw(self, length: int, batch: int, drop: float, gen):
+        """`batch` caption indices that fit `length` tokens, and which of them go empty (rate `drop`)."""
+        import torch
+
+        fits = self.fits[length]
+        idx = fits[torch.randint(0, len(fits), (batch,), device=fits.device, generator=gen)]
+        return idx, torch.rand(batch, device=fits.device, generator=gen) < drop
+
+    def lookup(self, idx, dropped, length: int):
+        """``(prompt_embeds, pooled_prompt_embeds)`` of captions `idx`, the empty caption's where `dropped`."""
+        import torch
+
+        rows = torch.where(dropped, self.empty, idx)
+        return self.embeds[length][rows], self.pooled[rows]
 
 
 SEED = 20240607  # bcg.diffusers.builtin_models' seed: the text encoders start where tiny-flux's do
@@ -353,13 +423,23 @@ def evaluate(pipe, args, log):
     seeds = list(range(args.eval_n))
     result = {"n": args.eval_n, "steps": args.eval_steps, "seed_first_caption": EVAL_SEED,
               "truth": adherence(truth, captions)["rates"]}
+    recon = reconstruct(pipe.vae, truth, args.device)  # the ceiling the VAE sets: its own reconstructions
+    result["vae_reconstruction"] = adherence(recon, captions)["rates"]
+    say("adherence of the VAE's reconstructions:",
+        json.dumps({k: round(v, 3) for k, v in result["vae_reconstruction"].items()}))
     start = time.perf_counter()
     pictures = sample(pipe, captions, seeds, args.device, args.eval_steps)
     result["sample_s"] = round(time.perf_counter() - start, 2)
     scored = adherence(pictures, captions)
     result["model"] = scored["rates"]
     say("adherence:", json.dumps({k: round(v, 3) for k, v in scored["rates"].items()}))
-    extra = {}
+    extra = {"vae_reconstruction": recon}
+    for tokens in args.eval_text_tokens:  # the served text lengths (bench_quality samples at 64)
+        short = sample(pipe, captions, seeds, args.device, args.eval_steps, max_sequence_length=tokens)
+        result[f"model_{tokens}_tokens"] = adherence(short, captions)["rates"]
+        say(f"adherence at {tokens} text tokens:",
+            json.dumps({k: round(v, 3) for k, v in result[f"model_{tokens}_tokens"].items()}))
+        extra[f"tokens_{tokens}"] = short
     if args.eval_cfg:
         cfg = sample(pipe, captions, seeds, args.device, args.eval_steps, negative_prompt="",
                      true_cfg_scale=args.eval_cfg)
@@ -386,10 +466,8 @@ def run(args) -> dict:
     log = {"machine": machine_info(), "args": vars(args), "command": " ".join(sys.argv)}
     t0 = time.perf_counter()
     pipe = untrained_shapes_flux()
-    if args.init:
-        trained = build_shapes_flux(args.init)
-        pipe.transformer.load_state_dict(trained.transformer.state_dict())
-        pipe.vae = trained.vae
+    if args.init:  # the exported pipeline whole: its parts, in the architecture it records
+        pipe = build_shapes_flux(args.init)
         say(f"started from the weights in {args.init}")
     log["params"] = {name: sum(p.numel() for p in getattr(pipe, name).parameters())
                      for name in ("transformer", "vae", "text_encoder", "text_encoder_2")}
@@ -507,13 +585,13 @@ def main(argv=None) -> int:
     parser.add_argument("--workers", type=int, default=min(16, os.cpu_count() or 1))
     parser.add_argument("--vae-steps", type=int, default=3000)
     parser.add_argument("--vae-seconds", type=float, default=75.0)
-    parser.add_argument("--vae-batch", type=int, default=128)
+    parser.add_argument("--vae-batch", type=int, default=256)
     parser.add_argument("--vae-lr", type=float, default=1e-3)
     parser.add_argument("--vae-kl", type=float, default=1e-4)
     parser.add_argument("--dit-steps", type=int, default=20_000)
     parser.add_argument("--dit-seconds", type=float, default=200.0)
     parser.add_argument("--batch", type=int, default=512)
-    parser.add_argument("--dit-lr", type=float, default=6e-4)
+    parser.add_argument("--dit-lr", type=float, default=1e-3)
     parser.add_argument("--precision", choices=("bf16", "fp32"), default="bf16",
                         help="the transformer's training matmuls on CUDA: bf16 autocast, or fp32 (TF32)")
     parser.add_argument("--ema", type=float, default=0.999)
@@ -522,6 +600,8 @@ def main(argv=None) -> int:
     parser.add_argument("--eval-n", type=int, default=128)
     parser.add_argument("--eval-steps", type=int, default=28)
     parser.add_argument("--eval-cfg", type=float, default=0.0, help="also score with true CFG at this scale")
+    parser.add_argument("--eval-text-tokens", type=int, nargs="*", default=[64],
+                        help="also score at these max_sequence_length (besides the pipeline's default, 512)")
     parser.add_argument("--smoke", action="store_true", help="tiny budgets (a CPU check of the whole script)")
     parser.add_argument("--plot-only", metavar="JSON", help="only draw the PNGs of a written log (and samples)")
     parser.add_argument("--grid", nargs=3, metavar=("NPZ", "KEY", "PNG"),

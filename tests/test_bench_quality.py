@@ -64,3 +64,17 @@ def test_training_text_ids_encode_as_the_pipeline_does():
             expected = pipe.encode_prompt(prompt=prompts, prompt_2=None, device="cpu", max_sequence_length=length)
         for got, want in zip((embeds, pooled, ids), expected):
             assert torch.equal(got, want), length
+
+
+def test_training_text_table_holds_what_text_ids_encode():
+    pipe = train_shapes_flux.untrained_shapes_flux()
+    _, captions, _ = make_batch(0, 30)
+    text = train_shapes_flux.TextIds(pipe, captions, "cpu")
+    table = train_shapes_flux.TextTable(text, (32, 64), torch.float32, chunk=7)  # chunks cross the rows
+    gen = torch.Generator().manual_seed(0)
+    for length in (32, 64):
+        idx, dropped = table.draw(length, 12, 0.3, gen)
+        assert (text.tokens[idx.numpy()] <= length).all() and dropped.any() and not dropped.all()
+        embeds, pooled = table.lookup(idx, dropped, length)
+        want_embeds, want_pooled, _ = text.encode(idx.numpy(), dropped.numpy(), length)
+        assert torch.equal(embeds, want_embeds) and torch.equal(pooled, want_pooled), length

@@ -8,10 +8,13 @@ import torch
 
 from bcg.diffusers import pipeline_info
 from bcg.diffusers.models import load_pipeline
-from bcg.diffusers.shapes.model import SIZE, WEIGHTS_DIR, build_shapes_flux, save_shapes_flux
+from bcg.diffusers.shapes.model import (ARCHITECTURE, LEGACY_ARCHITECTURE, SIZE, WEIGHTS_DIR, assemble_shapes_flux,
+                                       build_shapes_flux, save_shapes_flux, shapes_transformer, shapes_vae)
 from bcg.diffusers.shapes.score import score
 
-RECORD = json.loads((WEIGHTS_DIR / "shapes_flux.json").read_text())["record"]
+META = json.loads((WEIGHTS_DIR / "shapes_flux.json").read_text())
+RECORD = META["record"]
+SHIPPED_ARCHITECTURE = META.get("architecture", LEGACY_ARCHITECTURE)
 
 
 def _sample(pipe, prompts, steps=2, seed=0):
@@ -27,12 +30,15 @@ def test_shapes_flux_loads_offline_at_its_trained_size_and_leaves_the_rng_alone(
     pipe = load_pipeline("shapes-flux")
     assert torch.equal(torch.rand(2), expected)
     info = pipeline_info(pipe)
-    assert (info["family"], info["default_size"], info["size_multiple"]) == ("flux", f"{SIZE}x{SIZE}", 16)
+    scale = 2 ** (len(SHIPPED_ARCHITECTURE["vae_blocks"]) - 1)  # the VAE's; FLUX packs its latents 2x2
+    assert (info["family"], info["default_size"], info["size_multiple"]) == ("flux", f"{SIZE}x{SIZE}", 2 * scale)
     image = pipe(prompt="a large red circle in the center, white background", num_inference_steps=1).images[0]
     assert image.size == (SIZE, SIZE)  # the pipeline's default size is the trained one
     shipped = sum(p.stat().st_size for p in WEIGHTS_DIR.iterdir())
     assert shipped <= 50e6, shipped
-    assert not pipe.transformer.config.guidance_embeds and pipe.vae.config.latent_channels == 16
+    channels = SHIPPED_ARCHITECTURE["latent_channels"]
+    assert not pipe.transformer.config.guidance_embeds and pipe.vae.config.latent_channels == channels
+    assert pipe.transformer.config.in_channels == 4 * channels and pipe.vae_scale_factor == scale
     assert RECORD["steps"]["transformer"] > 0 and RECORD["machine"]
 
 
@@ -45,6 +51,29 @@ def test_saved_weights_load_back_to_the_same_pictures(tmp_path):
     assert np.array_equal(_sample(pipe, prompts), _sample(again, prompts))  # the shipped weights are bf16-exact
     with pytest.raises(FileNotFoundError, match="train_shapes_flux"):
         build_shapes_flux(tmp_path / "missing")
+
+
+def test_the_architecture_training_builds_saves_and_loads_back(tmp_path):
+    """A pipeline of `ARCHITECTURE` (a 4x VAE of 8 channels: 64 image tokens at 64x64) round-trips through
+    the weights folder with its architecture recorded, at 64x64 by default."""
+    from bcg.diffusers.builtin_models import clip_text, t5_encoder
+    from bcg.diffusers.builtin_tokenizers import build_tokenizer
+
+    torch.manual_seed(0)
+    pipe = assemble_shapes_flux(shapes_transformer(), shapes_vae(0.5, 0.1), clip_text(32), t5_encoder(64),
+                                build_tokenizer("clip", 77), build_tokenizer("t5", 512))
+    save_shapes_flux(pipe, tmp_path, dtype=torch.float32)
+    meta = json.loads((tmp_path / "shapes_flux.json").read_text())
+    assert meta["architecture"] == {"latent_channels": 8, "vae_blocks": [32, 64, 128]}
+    assert meta["architecture"]["latent_channels"] == ARCHITECTURE["latent_channels"]
+    again = build_shapes_flux(tmp_path)
+    assert again.vae_scale_factor == 4 and again.transformer.config.in_channels == 32
+    assert pipeline_info(again)["size_multiple"] == 8
+    prompts = ["a large red circle in the center, white background"]
+    out = pipe(prompt=prompts, num_inference_steps=2, max_sequence_length=64, output_type="latent",
+               generator=torch.Generator().manual_seed(0)).images
+    assert out.shape == (1, 64, 32)  # 64 image tokens of 2x2 packed latents
+    assert np.array_equal(_sample(pipe, prompts), _sample(again, prompts))
 
 
 def test_the_app_replica_serves_shapes_flux_at_64x64():
