@@ -3,6 +3,7 @@
     python3 benchmarks/train_shapes_flux.py --out $R/shapes --parts $OUT          # GPU host, ~5 min
     python3 benchmarks/train_shapes_flux.py --out /tmp/s --device cpu --smoke     # a minute on a CPU
     python3 benchmarks/train_shapes_flux.py --plot-only benchmarks/results/train_shapes_flux.json
+    python3 benchmarks/train_shapes_flux.py --diagnose bcg/diffusers/shapes/weights --out DIR   # CPU, a minute
     python3 benchmarks/train_shapes_flux.py --grid $R/bench_quality_samples.npz bf16 samples.png
 
 Stages, each checkpointed under ``--ckpt`` (default ``--out/ckpt``; a run started again over the same ``--out`` goes on where
@@ -573,6 +574,50 @@ def grid_of(npz: str, key: str, png: str) -> bool:
                        f"{scored['rates']['colour_shape']:.0%} of {len(captions)} (red titles: wrong)")
 
 
+ONE_WORD_APART = ("two small red circles on the left, blue background",
+                  {"colour": ("red", "green"), "shape": ("circles", "squares"), "position": ("left", "right"),
+                   "count": ("two", "three")})
+
+
+def diagnose(weights: str, n: int, device: str) -> dict:
+    """What bounds a trained pipeline before its transformer: its VAE's own reconstructions of `n` held-out
+    captions' pictures, scored (the ceiling on any transformer), and how far apart the frozen text encoders
+    put captions one word apart (relative distance of T5's embeddings at 64 tokens and CLIP's pooled one)."""
+    import torch
+
+    from bcg.diffusers.shapes.data import make_batch
+    from bcg.diffusers.shapes.model import LEGACY_ARCHITECTURE, build_shapes_flux
+    from bcg.diffusers.shapes.score import adherence
+
+    pipe = build_shapes_flux(weights).to(device)
+    meta = json.loads(open(os.path.join(weights, "shapes_flux.json")).read())
+    truth, captions, _ = make_batch(EVAL_SEED, n)
+    recon = reconstruct(pipe.vae, truth, device)
+    mse = float((((recon.astype(np.float64) - truth) / 255.0) ** 2).mean())
+    result = {"weights": weights, "architecture": meta.get("architecture", LEGACY_ARCHITECTURE), "n": n,
+              "seed_first_caption": EVAL_SEED, "vae_reconstruction": adherence(recon, captions)["rates"],
+              "vae_reconstruction_psnr_db": round(10 * math.log10(1.0 / max(mse, 1e-12)), 2),
+              "latent_shape": list(pipe.vae.encode(_to_tensor(truth[:1], device)).latent_dist.mode().shape[1:])}
+
+    def encode(caption):
+        with torch.no_grad():
+            embeds, pooled, _ = pipe.encode_prompt(caption, caption, device=device, max_sequence_length=64)
+        return embeds[0], pooled[0]
+
+    base, swaps = ONE_WORD_APART
+    embeds0, pooled0 = encode(base)
+    text = {"base": base, "t5_tokens": 64}
+    for what, (old, new) in swaps.items():
+        embeds, pooled = encode(base.replace(old, new))
+        text[what] = {"caption": base.replace(old, new),
+                      "t5_relative_distance": round(float((embeds - embeds0).norm() / embeds0.norm()), 4),
+                      "clip_pooled_relative_distance": round(float((pooled - pooled0).norm() / pooled0.norm()), 4)}
+    again, pooled_again = encode(base)
+    text["same_caption_identical"] = bool(torch.equal(again, embeds0) and torch.equal(pooled_again, pooled0))
+    result["text"] = text
+    return result
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="out/shapes", help="work folder: checkpoints, log, samples")
@@ -603,6 +648,9 @@ def main(argv=None) -> int:
     parser.add_argument("--eval-text-tokens", type=int, nargs="*", default=[64],
                         help="also score at these max_sequence_length (besides the pipeline's default, 512)")
     parser.add_argument("--smoke", action="store_true", help="tiny budgets (a CPU check of the whole script)")
+    parser.add_argument("--diagnose", metavar="WEIGHTS",
+                        help="only measure what bounds these weights before training (the VAE's reconstructions "
+                             "scored, the text encoders' separation of captions) into --out/shapes_flux_diagnosis.json")
     parser.add_argument("--plot-only", metavar="JSON", help="only draw the PNGs of a written log (and samples)")
     parser.add_argument("--grid", nargs=3, metavar=("NPZ", "KEY", "PNG"),
                         help="only draw a grid of samples: a samples file, its pictures' key, the PNG")
@@ -619,6 +667,13 @@ def main(argv=None) -> int:
     import torch
 
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if args.diagnose:
+        result = {"machine": machine_info(), "command": " ".join(sys.argv),
+                  **diagnose(args.diagnose, args.eval_n, args.device)}
+        os.makedirs(args.out, exist_ok=True)
+        write_json(os.path.join(args.out, "shapes_flux_diagnosis.json"), result)
+        say("vae reconstructions:", json.dumps(result["vae_reconstruction"]))
+        return 0
     if args.smoke:
         args.n_data, args.vae_steps, args.dit_steps, args.eval_n, args.eval_steps = 512, 4, 4, 8, 2
         args.vae_batch, args.batch, args.workers = 16, 16, 1

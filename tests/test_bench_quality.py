@@ -78,3 +78,19 @@ def test_training_text_table_holds_what_text_ids_encode():
         embeds, pooled = table.lookup(idx, dropped, length)
         want_embeds, want_pooled, _ = text.encode(idx.numpy(), dropped.numpy(), length)
         assert torch.equal(embeds, want_embeds) and torch.equal(pooled, want_pooled), length
+
+
+def test_diagnosis_scores_the_vaes_reconstructions_and_the_texts_separation(tmp_path):
+    from bcg.diffusers.shapes.model import WEIGHTS_DIR
+
+    assert train_shapes_flux.main(["--diagnose", str(WEIGHTS_DIR), "--out", str(tmp_path),
+                                   "--device", "cpu", "--eval-n", "8"]) == 0
+    result = json.loads((tmp_path / "shapes_flux_diagnosis.json").read_text())
+    assert result["n"] == 8 and set(result["vae_reconstruction"]) >= {"colour", "shape", "colour_shape"}
+    assert result["vae_reconstruction"]["background"] >= 0.75  # the VAE keeps what is large
+    scale = 2 ** (len(result["architecture"]["vae_blocks"]) - 1)
+    assert result["latent_shape"] == [result["architecture"]["latent_channels"], 64 // scale, 64 // scale]
+    text = result["text"]
+    assert text["same_caption_identical"]
+    for what in ("colour", "shape", "position", "count"):
+        assert text[what]["t5_relative_distance"] > 0.1 and text[what]["clip_pooled_relative_distance"] > 0.1

@@ -11,7 +11,7 @@ The architecture the weights were trained with is recorded beside them (``shapes
 ``architecture``); `ARCHITECTURE` is what training builds now: a 4x VAE of 8 latent channels, so a 64x64
 picture is 64 image tokens. FLUX's own 8x VAE of 16 channels (`LEGACY_ARCHITECTURE`, the first weights, which
 record none) leaves a small shape of 10 pixels about one latent pixel: its reconstructions alone kept colour
-and shape class right in only 42% of held-out pictures, a ceiling on any transformer.
+and shape class right in only 40% of 512 held-out pictures, a ceiling on any transformer.
 
 `build_shapes_flux(weights_dir)` loads the shipped weights (a clear error when they are missing), the text
 encoders rebuilt from the configs saved beside them; `benchmarks/train_shapes_flux.py` assembles the
