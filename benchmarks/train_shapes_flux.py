@@ -599,6 +599,16 @@ def diagnose(weights: str, n: int, device: str) -> dict:
               "vae_reconstruction_psnr_db": round(10 * math.log10(1.0 / max(mse, 1e-12)), 2),
               "latent_shape": list(pipe.vae.encode(_to_tensor(truth[:1], device)).latent_dist.mode().shape[1:])}
 
+    # what a grid of mean colours keeps at each downsampling (area mean, bicubic back up): a learned latent
+    # of C channels holds C numbers per cell where this holds 3
+    x = torch.from_numpy(truth).permute(0, 3, 1, 2).float()
+    result["mean_colour_grid"] = {}
+    for factor in (2, 4, 8):
+        up = torch.nn.functional.interpolate(torch.nn.functional.avg_pool2d(x, factor), scale_factor=factor,
+                                             mode="bicubic", align_corners=False)
+        up = up.clamp(0, 255).round().to(torch.uint8).permute(0, 2, 3, 1).numpy()
+        result["mean_colour_grid"][f"{factor}x"] = adherence(up, captions)["rates"]
+
     def encode(caption):
         with torch.no_grad():
             embeds, pooled, _ = pipe.encode_prompt(caption, caption, device=device, max_sequence_length=64)

@@ -8,7 +8,7 @@ version cannot change what the transformer was trained on); an `AutoencoderKL` a
 Its default size is the trained 64x64.
 
 The architecture the weights were trained with is recorded beside them (``shapes_flux.json``,
-``architecture``); `ARCHITECTURE` is what training builds now: a 4x VAE of 8 latent channels, so a 64x64
+``architecture``); `ARCHITECTURE` is what training builds now: a 4x VAE of 16 latent channels, so a 64x64
 picture is 64 image tokens. FLUX's own 8x VAE of 16 channels (`LEGACY_ARCHITECTURE`, the first weights, which
 record none) leaves a small shape of 10 pixels about one latent pixel: its reconstructions alone kept colour
 and shape class right in only 40% of 512 held-out pictures, a ceiling on any transformer.
@@ -32,7 +32,7 @@ WEIGHTS_DIR = Path(__file__).with_name("weights")
 SIZE = 64          # the trained size (pixels, square)
 # what differs between trained generations: the VAE's latent channels and blocks (each block after the first
 # halves the size); the transformer's input is the latents packed 2x2 (FluxPipeline's packing): 4x the channels
-ARCHITECTURE = {"latent_channels": 8, "vae_blocks": (32, 64, 128)}          # 4x: 64 tokens at 64x64
+ARCHITECTURE = {"latent_channels": 16, "vae_blocks": (32, 64, 128)}         # 4x: 64 tokens at 64x64
 LEGACY_ARCHITECTURE = {"latent_channels": 16, "vae_blocks": (32, 64, 64, 64)}  # 8x, as FLUX's: 16 tokens
 _COMPONENTS = ("transformer", "vae", "text_encoder", "text_encoder_2")
 TOKENIZERS = {"tokenizer": ("clip", 77), "tokenizer_2": ("t5", 512)}  # built-in tokenizer style, length

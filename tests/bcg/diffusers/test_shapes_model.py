@@ -54,7 +54,7 @@ def test_saved_weights_load_back_to_the_same_pictures(tmp_path):
 
 
 def test_the_architecture_training_builds_saves_and_loads_back(tmp_path):
-    """A pipeline of `ARCHITECTURE` (a 4x VAE of 8 channels: 64 image tokens at 64x64) round-trips through
+    """A pipeline of `ARCHITECTURE` (a 4x VAE of 16 channels: 64 image tokens at 64x64) round-trips through
     the weights folder with its architecture recorded, at 64x64 by default."""
     from bcg.diffusers.builtin_models import clip_text, t5_encoder
     from bcg.diffusers.builtin_tokenizers import build_tokenizer
@@ -64,15 +64,15 @@ def test_the_architecture_training_builds_saves_and_loads_back(tmp_path):
                                 build_tokenizer("clip", 77), build_tokenizer("t5", 512))
     save_shapes_flux(pipe, tmp_path, dtype=torch.float32)
     meta = json.loads((tmp_path / "shapes_flux.json").read_text())
-    assert meta["architecture"] == {"latent_channels": 8, "vae_blocks": [32, 64, 128]}
+    assert meta["architecture"] == {"latent_channels": 16, "vae_blocks": [32, 64, 128]}
     assert meta["architecture"]["latent_channels"] == ARCHITECTURE["latent_channels"]
     again = build_shapes_flux(tmp_path)
-    assert again.vae_scale_factor == 4 and again.transformer.config.in_channels == 32
+    assert again.vae_scale_factor == 4 and again.transformer.config.in_channels == 64
     assert pipeline_info(again)["size_multiple"] == 8
     prompts = ["a large red circle in the center, white background"]
     out = pipe(prompt=prompts, num_inference_steps=2, max_sequence_length=64, output_type="latent",
                generator=torch.Generator().manual_seed(0)).images
-    assert out.shape == (1, 64, 32)  # 64 image tokens of 2x2 packed latents
+    assert out.shape == (1, 64, 64)  # 64 image tokens of 2x2 packed latents
     assert np.array_equal(_sample(pipe, prompts), _sample(again, prompts))
 
 
