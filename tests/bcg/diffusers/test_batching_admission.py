@@ -2,31 +2,16 @@
 with a step-cost table fed in admits a request into a running batch only where the bigger bucket's step
 is cheaper per row (`bcg.diffusers.step_costs`). The tables are given, never timed here: what is checked
 is the order requests run in and finish, and their images against their solo runs."""
-import numpy as np
 import pytest
 
 from bcg.diffusers.batching import StepBatcher
-from bcg.diffusers.models import load_pipeline
 from bcg.diffusers.pipelines import plan_request
+# the tiny pipelines (module fixtures) and the helpers of the batcher's own tests
 from tests.bcg.diffusers.test_batching import BATCH_TOLERANCE, _alone, _diff, _request, _submit
+from tests.bcg.diffusers.test_batching import flux, pipe, sd3  # noqa: F401
 
 COMPUTE_BOUND = {1: 10.0, 2: 20.0}   # a 2-row step costs 2x a 1-row step: no gain from batching
 LAUNCH_BOUND = {1: 10.0, 2: 11.0}    # 2 rows cost 1.1x one: batching nearly doubles throughput
-
-
-@pytest.fixture(scope="module")
-def flux():
-    return load_pipeline("tiny-flux")
-
-
-@pytest.fixture(scope="module")
-def sd3():
-    return load_pipeline("tiny-sd3")
-
-
-@pytest.fixture(params=["flux", "sd3"])
-def pipe(request, flux, sd3):
-    return {"flux": flux, "sd3": sd3}[request.param]
 
 
 def _group(pipe, request):
