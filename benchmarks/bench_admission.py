@@ -41,7 +41,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 
-from _common import add_plot_only, machine_info, pick_device, plot_only, pyplot, save_figure, write_result  # noqa: E402
+from _common import add_plot_only, machine_info, pick_device, pyplot, run_or_plot, save_figure  # noqa: E402
 from bench_batching import PROMPTS, _request, batch_figures, _percentiles  # noqa: E402
 
 from bcg.diffusers import accelerate, plan_request  # noqa: E402
@@ -83,6 +83,7 @@ def burst(pipe, args, policy: str, costs: dict, c: int, first_seed: int) -> dict
 
 
 def run(args) -> dict:
+    started = time.perf_counter()
     pipe = load_pipeline(args.model, device=args.device)
     pipe.set_progress_bar_config(disable=True)
     pipe = accelerate(pipe, components=[c for c in args.components.split(",") if c])
@@ -143,6 +144,7 @@ def run(args) -> dict:
         "alone_ms": {p: round(v, 3) for p, v in alone.items()},
         "runs": rows,
         "summary": _compare(samples, args),
+        "elapsed_s": round(time.perf_counter() - started, 1),
     }
 
 
@@ -230,15 +232,9 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    if args.plot_only:
-        return plot_only(args.plot_only, plot)
-    if not pick_device(args, _say):
+    if not args.plot_only and not pick_device(args, _say):
         return 2
-    started = time.perf_counter()
-    result = run(args)
-    result["elapsed_s"] = round(time.perf_counter() - started, 1)
-    write_result(args.out, result, plot)
-    return 0
+    return run_or_plot(args, run, plot)
 
 
 if __name__ == "__main__":
