@@ -97,7 +97,7 @@ class AppArgs(BaseModel):
     # "auto": a request joins a running batch only where the step costs measured at warmup say the bigger
     # row bucket buys throughput (by admission_margin per row), else it waits for rows to free; "always":
     # whenever its rows fit (bcg.diffusers.step_costs). step_costs_ms: {group key: {bucket: ms}} to start
-    # from (e.g. a replica's /v1/stats "admission"; a CUDA warmup measures its keys' anyway)
+    # from (e.g. a replica's /v1/stats "admission"); a CUDA warmup times only the buckets it lacks
     admission_policy: Literal["auto", "always"] = "auto"
     admission_margin: float = Field(0.1, ge=0, lt=1)
     step_costs_ms: Dict[str, Dict[int, float]] = Field(default_factory=dict)

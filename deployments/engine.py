@@ -217,7 +217,7 @@ class ReplicaEngine:
         self._used_bytes = self.memory.used_bytes(0)
         self.refresh()
         batching = dict(batching or {})
-        step_costs = batching.pop("step_costs_ms", None)  # fed in; a CUDA warmup measures its keys' costs
+        step_costs = batching.pop("step_costs_ms", None)  # fed in; a CUDA warmup times what it lacks
         config = BatcherConfig(**{**NO_BATCHING, **batching})
         self.batcher = StepBatcher(self.pipe, config, info=self.info, step_costs=step_costs).start()
 

@@ -590,8 +590,8 @@ class StepBatcher:
             with recording(*([record] if record is not None else [])):
                 report = warmup_pipeline(self.pipe, plan, num_inference_steps=num_inference_steps,
                                          batched_prompts=batched)
-                if self._measures_costs() and not report["failed"]:
-                    report["step_costs_ms"] = self.measure_step_costs(keys)
+            if self._measures_costs() and not report["failed"]:  # not the warmup's runner calls: timings
+                report["step_costs_ms"] = self.measure_step_costs(keys, only_missing=True)
             return report
 
         with self._thread_lock:
@@ -611,12 +611,15 @@ class StepBatcher:
         parameter = next(transformer.parameters(), None) if isinstance(transformer, torch.nn.Module) else None
         return parameter is not None and parameter.device.type == "cuda"
 
-    def measure_step_costs(self, keys: Iterable[ShapeKey | str], repeats: int = 5) -> dict:
+    def measure_step_costs(self, keys: Iterable[ShapeKey | str], repeats: int = 3, only_missing: bool = False) -> dict:
         """Time one step (the family's transformer calls) of every row bucket of each key's group on this
         pipeline, as warmed: a request's rows padded to the bucket, median of `repeats` interleaved rounds
-        (`time_buckets`), synchronized with the device; record them in `step_costs` and return
-        ``{group key: {bucket: ms}}``. Runs where it is called (the loop thread during `warmup`); the step
-        is the base model's, every row computing (no step caching), and changes no request's state."""
+        after one untimed call each (`time_buckets`), synchronized with the device; record them in
+        `step_costs` and return ``{group key: {bucket: ms}}`` (what was timed). `only_missing` (a warmup's):
+        only the buckets of a group the table lacks, so a table fed in (or a group warmed before: ``K`` and
+        ``K.b2`` are one group) is not timed again. About ``(1 + repeats)`` times the sum of the buckets'
+        step times. Runs where it is called (the loop thread during `warmup`); the step is the base
+        model's, every row computing (no step caching), and changes no request's state."""
         from bcg.diffusers.families import family_named
         from bcg.diffusers.pipelines import pipeline_info, plan_request
 
@@ -630,6 +633,11 @@ class StepBatcher:
             for key in parse_plan(keys):
                 group = key.group
                 buckets = sorted({*self._join_buckets(), self.config.bucket_for(key.batch_size)})
+                if only_missing:
+                    known = self.step_costs.for_group(group.key)
+                    buckets = [b for b in buckets if b not in known]
+                if not buckets:
+                    continue
                 guidance, negative = family_named(info["family"]).cfg.request_for(group.cfg, info["default_guidance"])
                 _, kwargs = plan_request(self.pipe, "a photo of a cat", key=group, steps=2, guidance=guidance,
                                          negative_prompt=negative, seed=0, output_type="latent", info=info)

@@ -108,3 +108,14 @@ def test_measured_costs_cover_every_bucket_and_a_cpu_warmup_measures_nothing(flu
     future = _submit(batcher, REQUESTS[1])
     _steps_until_done(batcher, [future])
     assert _diff(future, _alone(flux, REQUESTS[1])) == 0.0
+
+
+def test_a_warmup_that_measures_times_only_the_buckets_the_table_lacks(flux, monkeypatch):
+    # as on CUDA (a CPU warmup measures nothing): a fed-in cost is kept, the missing bucket is timed
+    batcher = StepBatcher(flux, max_batch_size=2, batch_buckets=(1, 2), step_costs={"64x64": {1: 5.0}})
+    monkeypatch.setattr(batcher, "_measures_costs", lambda: True)
+    report = batcher.warmup(["64x64", "64x64.b2"], num_inference_steps=1)  # one group
+    assert list(report["step_costs_ms"]) == ["64x64"] and list(report["step_costs_ms"]["64x64"]) == [2]
+    costs = batcher.stats()["admission"]["step_costs_ms"]["64x64"]
+    assert costs[1] == 5.0 and costs[2] > 0
+    assert batcher.warmup(["64x64"], num_inference_steps=1)["step_costs_ms"] == {}  # nothing left to time
