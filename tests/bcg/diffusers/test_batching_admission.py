@@ -119,3 +119,17 @@ def test_a_warmup_that_measures_times_only_the_buckets_the_table_lacks(flux, mon
     costs = batcher.stats()["admission"]["step_costs_ms"]["64x64"]
     assert costs[1] == 5.0 and costs[2] > 0
     assert batcher.warmup(["64x64"], num_inference_steps=1)["step_costs_ms"] == {}  # nothing left to time
+
+
+def test_timing_a_step_cache_transformer_computes_every_row_and_keeps_no_request_state():
+    from bcg.diffusers.models import load_pipeline
+    from bcg.diffusers.step_cache import StepCacheConfig, enable_step_cache
+
+    pipe = load_pipeline("tiny-flux")
+    hook = enable_step_cache(pipe, StepCacheConfig(threshold=0.5))  # a default that would cache
+    batcher = StepBatcher(pipe, max_batch_size=2, batch_buckets=(1, 2))
+    assert sorted(batcher.measure_step_costs(["64x64"], repeats=2)["64x64"]) == [1, 2]
+    stats = hook.stats()
+    # every timed call ran the middle blocks on all its rows (1 untimed + 2 timed per bucket), none cached
+    assert stats["middle_buckets"] == {1: 3, 2: 3} and stats["skipped_middle"] == 0
+    assert stats["state_slots"] == 0 and stats["rows_cached"] == 0 and stats["host_reads"] == 0
