@@ -6,6 +6,8 @@
         --components transformer,text_encoder,text_encoder_2,vae_decoder --out $R/bench_admission_tiny_256.json
     python3 benchmarks/bench_admission.py --allow-cpu --size 64x64 --steps 2 --rounds 1 \\
         --step-costs-ms '{"64x64.p32": {"1": 10, "2": 20, "4": 40, "8": 80}}'      # smoke run
+    python3 benchmarks/bench_admission.py --via http --model /tmp/pipelines/flux.1-dev --size 512x512 --steps 28 \
+        --components transformer,text_encoder,text_encoder_2,vae_decoder --out $R/bench_admission_flux_512_http.json
     python3 benchmarks/bench_admission.py --plot-only benchmarks/results/bench_admission_flux_512.json
 
 Set-up (as `bench_batching.py`'s engine): one pipeline (a built-in name or a diffusers directory, e.g.
@@ -25,6 +27,13 @@ each finishing as soon as it can (``(c + 1) / 2`` times the median latency of on
 1 of the same policy); the batcher's rows-per-step histogram and its deferred admissions. Per level, the
 ``auto`` / ``always`` images/s and mean-latency ratios (median over rounds of the per-round ratio).
 A PNG next to the JSON draws mean latency and images/s per level. Needs CUDA unless ``--allow-cpu``.
+
+``--via http``: the same bursts from outside, ``POST /v1/images/generations`` from a client thread per
+request, to one replica of ``build_app`` (``admission_policy`` auto, the key warm at start-up: its warmup
+measures the step costs, or ``--step-costs-ms`` feeds them as the app arg); before each burst the replica's
+policy is set through its handle (`Replica.set_admission_policy`), so both policies run on one replica, its
+graphs and its costs, interleaved. Served requests run the pipeline's own text length (no prompt bucket).
+The batch figures are the replica's batcher stats around each burst.
 """
 from __future__ import annotations
 
@@ -41,7 +50,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 
-from _common import add_plot_only, machine_info, pick_device, pyplot, run_or_plot, save_figure  # noqa: E402
+from _common import (add_plot_only, machine_info, pick_device, pyplot, run_or_plot, save_figure,  # noqa: E402
+                     start_local_serve)
+import bench_batching  # noqa: E402
 from bench_batching import PROMPTS, _request, batch_figures, _percentiles  # noqa: E402
 
 from bcg.diffusers import accelerate, plan_request  # noqa: E402
@@ -84,6 +95,16 @@ def burst(pipe, args, policy: str, costs: dict, c: int, first_seed: int) -> dict
 
 def run(args) -> dict:
     started = time.perf_counter()
+    if args.via == "http":
+        result = run_served(args)
+    else:
+        result = run_engine(args)
+    result["elapsed_s"] = round(time.perf_counter() - started, 1)
+    return result
+
+
+def run_engine(args) -> dict:
+    """The bursts through in-process batchers over one accelerated pipeline."""
     pipe = load_pipeline(args.model, device=args.device)
     pipe.set_progress_bar_config(disable=True)
     pipe = accelerate(pipe, components=[c for c in args.components.split(",") if c])
@@ -94,20 +115,99 @@ def run(args) -> dict:
     if args.step_costs_ms and key.group.key not in costs:
         raise SystemExit(f"--step-costs-ms names {sorted(costs)}, not this run's group {key.group.key!r}")
     _say(f"warm {key.key}: {warm['captured']} graphs, {warm['failed']} failures; step costs (ms) {costs}")
-    # untimed: every bucket's path once through each policy
-    for policy in args.policies:
-        burst(pipe, args, policy, costs, max(args.concurrency), 50_000)
+    samples = rounds(args, lambda policy, c, first: burst(pipe, args, policy, costs, c, first))
+    return {**_result(args, samples), "via": "engine", "shape_key": key.key,
+            "warmup": {"captured": warm["captured"], "failed": warm["failed"], "seconds": warm["seconds"],
+                       "step_costs_ms_measured": warm.get("step_costs_ms")},
+            "step_costs_ms": costs}
 
+
+def served_app_args(args) -> dict:
+    """``build_app`` args of the one-replica app: `bench_batching`'s batched app (the key warm at start-up,
+    ``max_ongoing_requests`` twice the batch) with this run's admission settings."""
+    return {**bench_batching.served_app_args(args, "batched"), "admission_policy": "auto",
+            "admission_margin": args.margin, "step_costs_ms": args.step_costs_ms or {}}
+
+
+def run_served(args) -> dict:
+    """The bursts over HTTP to one replica of ``build_app``, its policy switched before each burst
+    (`Replica.set_admission_policy`: the same replica, graphs and measured costs for both policies)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import httpx
+    from ray import serve
+
+    from deployments.app import build_app
+
+    app = "bench_admission"
+    port, started = start_local_serve()
+    client = None
+    try:
+        serve.run(build_app(served_app_args(args)), name=app, route_prefix=f"/{app}")
+        replica = serve.get_deployment_handle("Replica", app)
+        client = httpx.Client(base_url=f"http://127.0.0.1:{port}/{app}", timeout=args.timeout_s)
+        pool = ThreadPoolExecutor(max(args.concurrency))
+
+        def stats():
+            return replica.stats.remote().result(timeout_s=args.timeout_s)
+
+        def post(i):
+            submitted = time.perf_counter()
+            r = client.post("/v1/images/generations", json=bench_batching._served_body(args, i))
+            if r.status_code != 200:
+                raise RuntimeError(f"HTTP {r.status_code}: {r.text[:200]}")
+            return submitted, time.perf_counter()
+
+        def served_burst(policy, c, first):
+            replica.set_admission_policy.remote(policy).result(timeout_s=args.timeout_s)
+            before = stats()["batcher"]
+            start = time.perf_counter()
+            times = [f.result() for f in [pool.submit(post, first + i) for i in range(c)]]
+            wall = max(d for _, d in times) - start
+            after = stats()["batcher"]
+            return {"latencies_ms": [(d - s) * 1000 for s, d in times], "wall_s": wall, "images": c,
+                    "batch": batch_figures(before, after),
+                    "deferred_requests": after["admission"]["deferred_requests"]
+                    - before["admission"]["deferred_requests"]}
+
+        st = stats()
+        _say(f"served {args.size}: warm keys {st['warm_keys']}; step costs (ms) "
+             f"{st['batcher']['admission']['step_costs_ms']}")
+        samples = rounds(args, served_burst)
+        st = stats()
+        pool.shutdown()
+        return {**_result(args, samples), "via": "http", "shape_key": args.size, "app_args": served_app_args(args),
+                "warmup": st["warmups"], "step_costs_ms": st["batcher"]["admission"]["step_costs_ms"],
+                "eager_calls": {name: r.get("eager_calls_total", 0) for name, r in st["runner"].items()}}
+    finally:
+        if client is not None:
+            client.close()
+        serve.delete(app)
+        if started:  # leave nothing running behind a script (or a test calling main twice)
+            import ray
+            serve.shutdown()
+            ray.shutdown()
+
+
+def rounds(args, one_burst) -> dict:
+    """``one_burst(policy, c, first_seed)`` once per policy untimed (every bucket's path), then ``--rounds``
+    rounds of every level and policy, the policies' order alternating: ``{(c, policy): [burst, ...]}``."""
+    for policy in args.policies:
+        one_burst(policy, max(args.concurrency), 50_000)
     samples = {(c, p): [] for c in args.concurrency for p in args.policies}
     for r in range(args.rounds):
         order = args.policies if r % 2 == 0 else args.policies[::-1]
         for c in args.concurrency:
             for policy in order:
-                samples[(c, policy)].append(burst(pipe, args, policy, costs, c, 1000 * (r + 1) + 100 * c))
-                last = samples[(c, policy)][-1]
+                last = one_burst(policy, c, 1000 * (r + 1) + 100 * c)
+                samples[(c, policy)].append(last)
                 _say(f"round {r} c={c} {policy}: mean {statistics.fmean(last['latencies_ms']):.1f} ms, "
                      f"{last['images'] / last['wall_s']:.3f} images/s, rows/step {last['batch']['mean_rows_per_step']}")
+    return samples
 
+
+def _result(args, samples: dict) -> dict:
+    """The JSON's rows (per level and policy), the one-request latency per policy and the comparison."""
     rows = []
     alone = {p: statistics.median([lat for s in samples.get((1, p), []) for lat in s["latencies_ms"]])
              for p in args.policies if (1, p) in samples}
@@ -137,14 +237,9 @@ def run(args) -> dict:
         "command": " ".join([os.path.basename(sys.argv[0])] + sys.argv[1:]),
         "machine": machine_info(),
         "settings": {k: v for k, v in vars(args).items() if k != "plot_only"},
-        "shape_key": key.key,
-        "warmup": {"captured": warm["captured"], "failed": warm["failed"], "seconds": warm["seconds"],
-                   "step_costs_ms_measured": warm.get("step_costs_ms")},
-        "step_costs_ms": costs,
         "alone_ms": {p: round(v, 3) for p, v in alone.items()},
         "runs": rows,
         "summary": _compare(samples, args),
-        "elapsed_s": round(time.perf_counter() - started, 1),
     }
 
 
@@ -212,6 +307,8 @@ def parse_args(argv=None):
     p.add_argument("--timeout-s", type=float, default=900.0)
     p.add_argument("--device", default=None)
     p.add_argument("--allow-cpu", action="store_true", help="smoke run without CUDA (everything eager)")
+    p.add_argument("--via", default="engine", choices=("engine", "http"),
+                   help="engine: batchers in this process; http: one replica of build_app, requests over HTTP")
     p.add_argument("--out", default=DEFAULT_OUT)
     add_plot_only(p)
     args = p.parse_args(argv)
@@ -225,8 +322,9 @@ def parse_args(argv=None):
         p.error("--rounds and --concurrency levels must be >= 1")
     if max(args.concurrency) > args.max_batch_size:
         p.error(f"--concurrency {max(args.concurrency)} exceeds --max-batch-size {args.max_batch_size}")
-    # the fields bench_batching's request helper reads
+    # the fields bench_batching's request and app helpers read
     args.output_type, args.negative_prompt = "pil", None
+    args.max_wait_ms, args.join_policy, args.admission_policy, args.output_format = 0.0, "step", "auto", "png"
     return args
 
 

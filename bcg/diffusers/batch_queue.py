@@ -113,6 +113,11 @@ class RequestQueue:
         self._tasks: collections.deque = collections.deque()
         self.closed = False
 
+    def set_config(self, config: BatcherConfig) -> None:
+        """Decide with `config` from the next step boundary on (a pick reads one config throughout)."""
+        with self._cond:
+            self.config = config
+
     def put(self, request: QueuedRequest) -> None:
         """Queue `request` in its group's slot (`ALONE` when it runs whole); RuntimeError once closed."""
         slot = ALONE if request.alone else request.group

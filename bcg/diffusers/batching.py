@@ -600,6 +600,16 @@ class StepBatcher:
             return run()
         return self.call_between_steps(run).result()
 
+    def set_admission(self, policy: str | None = None, margin: float | None = None) -> dict:
+        """Change ``admission_policy`` and/or ``admission_margin`` from the next step boundary on (checked as
+        `BatcherConfig` checks them); returns the ``admission`` part of `stats()`. Requests running keep
+        their rows; only who joins next is decided anew (a benchmark interleaves policies on one batcher)."""
+        changes = {k: v for k, v in (("admission_policy", policy), ("admission_margin", margin)) if v is not None}
+        config = dataclasses.replace(self.config, **changes)
+        self._queue.set_config(config)
+        self.config = config
+        return self.stats()["admission"]
+
     def _measures_costs(self) -> bool:
         """Whether a warmup times its buckets' steps: ``admission_policy="auto"``, step hooks, several
         buckets, and a transformer on CUDA (on a CPU pipeline requests batch as they always did)."""

@@ -133,3 +133,23 @@ def test_timing_a_step_cache_transformer_computes_every_row_and_keeps_no_request
     # every timed call ran the middle blocks on all its rows (1 untimed + 2 timed per bucket), none cached
     assert stats["middle_buckets"] == {1: 3, 2: 3} and stats["skipped_middle"] == 0
     assert stats["state_slots"] == 0 and stats["rows_cached"] == 0 and stats["host_reads"] == 0
+
+
+def test_the_policy_changes_from_the_next_step_boundary_on_and_bad_values_are_refused(flux):
+    batcher = StepBatcher(flux, max_batch_size=2, batch_buckets=(1, 2),
+                          step_costs={_group(flux, REQUESTS[0]): COMPUTE_BOUND})
+    first = _submit(batcher, _request("a red chair", seed=7, steps=5))
+    batcher.step()
+    second = _submit(batcher, REQUESTS[1])
+    batcher.step()  # auto: the second waits
+    assert batcher.load()["64x64"]["running_rows"] == 1
+    assert batcher.set_admission("always")["policy"] == "always"
+    batcher.step()  # it joins now
+    assert batcher.load()["64x64"]["running_rows"] == 2
+    _steps_until_done(batcher, [first, second])
+    assert batcher.config.admission_policy == "always"
+    with pytest.raises(ValueError, match="admission_policy must be one of"):
+        batcher.set_admission("never")
+    with pytest.raises(ValueError, match="admission_margin"):
+        batcher.set_admission(margin=-0.5)
+    assert batcher.set_admission(margin=0.2) == {**batcher.stats()["admission"], "policy": "always", "margin": 0.2}
