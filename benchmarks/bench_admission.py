@@ -18,8 +18,9 @@ table instead (a CPU smoke run measures none).
 
 Workload: for each of ``--rounds`` rounds, for each ``--concurrency`` level c, for each policy
 (``--policies``, the order alternating between rounds: both see the same machine state), a fresh batcher of
-that policy over the same pipeline and graphs (the measured table fed to ``auto``) gets c requests at once
-(their own prompts and seeds, one shape key), and the round waits until all are answered. Reported per
+that policy over the same pipeline and graphs (the measured table fed to ``auto``) is given c requests
+(their own prompts and seeds, one shape key) queued before it starts, so all are there at its first step
+boundary however busy the host is, and the round waits until all are answered. Reported per
 level and policy: images/s (images / the burst's wall time, summed over rounds), latency p50/p99/mean over
 every request (submit to answer, ms), per round its mean latency and images/s (median, min, max), and
 ``mean_vs_one_after_another``: the mean latency against the mean of c requests run one after another,
@@ -42,6 +43,7 @@ import json
 import os
 import statistics
 import sys
+import threading
 import time
 
 import numpy as np
@@ -74,18 +76,28 @@ def _batcher(pipe, args, policy: str, costs: dict) -> StepBatcher:
 
 
 def burst(pipe, args, policy: str, costs: dict, c: int, first_seed: int) -> dict:
-    """c requests submitted at once to a fresh batcher of `policy`; latencies, wall time, batcher figures."""
-    with _batcher(pipe, args, policy, costs) as batcher:
-        start = time.perf_counter()
-        submitted, done, futures = [], [None] * c, []
-        for i in range(c):
-            submitted.append(time.perf_counter())
-            future = batcher.submit(PROMPTS[(first_seed + i) % len(PROMPTS)], **_request(args, first_seed + i))
-            # stamped when the answer is set (the answers thread), not when this thread gets to look
-            future.add_done_callback(lambda _, i=i: done.__setitem__(i, time.perf_counter()))
-            futures.append(future)
+    """c requests queued together, then a fresh batcher of `policy` started on them (all there at its first
+    step boundary, however busy the host); latencies, wall time, batcher figures."""
+    batcher = _batcher(pipe, args, policy, costs)
+    start = time.perf_counter()
+    submitted, done, futures = [], [None] * c, []
+    lock, all_done = threading.Lock(), threading.Event()
+
+    def stamp(i):  # when the answer is set (the answers thread), not when this thread gets to look
+        with lock:
+            done[i] = time.perf_counter()
+            if all(d is not None for d in done):
+                all_done.set()
+
+    for i in range(c):
+        submitted.append(time.perf_counter())
+        future = batcher.submit(PROMPTS[(first_seed + i) % len(PROMPTS)], **_request(args, first_seed + i))
+        future.add_done_callback(lambda _, i=i: stamp(i))
+        futures.append(future)
+    with batcher:
         for future in futures:
             future.result(timeout=args.timeout_s)
+        all_done.wait(args.timeout_s)  # a future's waiters wake before its callbacks run
         wall = max(done) - start
         stats = batcher.stats()
     latencies = [(d - s) * 1000 for s, d in zip(submitted, done)]
