@@ -91,6 +91,18 @@ def test_requests_whose_steps_cost_linearly_in_rows_run_one_after_another(batch_
     assert after["leaves"] - before["leaves"] == 2
 
 
+def test_the_admission_policy_switches_through_the_replica_handle(batch_app):
+    handle = serve.get_deployment_handle("Replica", APP)
+    try:
+        assert handle.set_admission_policy.remote("always").result(timeout_s=30)["policy"] == "always"
+        assert _stats(batch_app)["batcher"]["admission"]["policy"] == "always"
+        with pytest.raises(Exception, match="admission_policy must be one of"):
+            handle.set_admission_policy.remote("never").result(timeout_s=30)
+    finally:
+        handle.set_admission_policy.remote("auto").result(timeout_s=30)
+    assert _stats(batch_app)["batcher"]["admission"]["policy"] == "auto"
+
+
 def test_a_request_for_a_bucket_the_plan_does_not_name_is_served_warm(batch_app):
     before = _stats(batch_app)
     r = batch_app.post(GEN, json=_body(20, n=4))
