@@ -613,13 +613,17 @@ class StepBatcher:
     def _measures_costs(self) -> bool:
         """Whether a warmup times its buckets' steps: ``admission_policy="auto"``, step hooks, several
         buckets, and a transformer on CUDA (on a CPU pipeline requests batch as they always did)."""
-        from bcg.runtime.proxy import unwrap_runner
-
         if self.family is None or self.config.admission_policy != "auto" or len(self._join_buckets()) < 2:
             return False
+        device = self._transformer_device()
+        return device is not None and device.type == "cuda"
+
+    def _transformer_device(self) -> torch.device | None:
+        from bcg.runtime.proxy import unwrap_runner
+
         transformer = unwrap_runner(getattr(self.pipe, "transformer", None))
         parameter = next(transformer.parameters(), None) if isinstance(transformer, torch.nn.Module) else None
-        return parameter is not None and parameter.device.type == "cuda"
+        return None if parameter is None else parameter.device
 
     def measure_step_costs(self, keys: Iterable[ShapeKey | str], repeats: int = 3, only_missing: bool = False) -> dict:
         """Time one step (the family's transformer calls) of every row bucket of each key's group on this
@@ -670,12 +674,9 @@ class StepBatcher:
                 self.step_cache.set_rows(None)
 
     def _sync(self) -> None:
-        from bcg.runtime.proxy import unwrap_runner
-
-        transformer = unwrap_runner(getattr(self.pipe, "transformer", None))
-        parameter = next(transformer.parameters(), None) if isinstance(transformer, torch.nn.Module) else None
-        if parameter is not None and parameter.device.type == "cuda":
-            torch.cuda.synchronize(parameter.device)
+        device = self._transformer_device()
+        if device is not None and device.type == "cuda":
+            torch.cuda.synchronize(device)
 
     def load(self) -> dict:
         """Per group key: rows running, rows queued, free rows in the running batch (for a router)."""
