@@ -26,8 +26,8 @@ join it). Where a cost is not known (no warmup, a CPU pipeline, a bucket above t
 joins as it always did (``admission_policy="always"``). The rule compares costs per step and real row:
 a request with fewer steps left pays the same per step, so step counts do not enter it. Step caching
 (`bcg.diffusers.step_cache`) makes a step whose rows cache cheaper than the table says; the table is of
-steps whose rows all compute, and the rule does not look at caching: a batch of caching rows may be
-kept apart where it would have paid, never joined where it does not.
+steps whose rows all compute, and the rule decides as if every row computed (at a compute-bound size,
+requests that cache may run apart where sharing their steps would have paid).
 
 No torch: the timing takes the step to run and the device sync as callables.
 """
