@@ -6,7 +6,7 @@
         --components transformer,text_encoder,text_encoder_2,vae_decoder --out $R/bench_admission_tiny_256.json
     python3 benchmarks/bench_admission.py --allow-cpu --size 64x64 --steps 2 --rounds 1 \\
         --step-costs-ms '{"64x64.p32": {"1": 10, "2": 20, "4": 40, "8": 80}}'      # smoke run
-    python3 benchmarks/bench_admission.py --via http --model /tmp/pipelines/flux.1-dev --size 512x512 --steps 28 \
+    python3 benchmarks/bench_admission.py --via http --model /tmp/pipelines/flux.1-dev --size 512x512 --steps 28 \\
         --components transformer,text_encoder,text_encoder_2,vae_decoder --out $R/bench_admission_flux_512_http.json
     python3 benchmarks/bench_admission.py --plot-only benchmarks/results/bench_admission_flux_512.json
 
