@@ -17,7 +17,8 @@ Workload (in the manner of vLLM's ``benchmark_serving``): for each offered rate,
 exponential gaps (Poisson process) drawn from ``--seed``; the same arrival times for both modes. ``inf``
 sends every request at once (saturation). Rates are ``--rate-factors`` times the measured one-at-a-time
 capacity (1000 / the direct ``pipe(**kwargs)`` median ms), or absolute images/s with ``--rates``.
-Modes: ``batched`` (``--max-batch-size``, ``--buckets``, ``--max-wait-ms``, ``--join-policy``) and ``one_at_a_time``
+Modes: ``batched`` (``--max-batch-size``, ``--buckets``, ``--max-wait-ms``, ``--join-policy``, ``--admission-policy``:
+on CUDA the warmup times each bucket's step and ``auto`` batches only where that pays) and ``one_at_a_time``
 (max_batch_size 1: the engine as a queue in front of today's path).
 
 Reported per rate and mode: images/s (answered / (last answer - first arrival)), latency p50/p90/p99/mean
@@ -71,6 +72,7 @@ from _common import (add_plot_only, machine_info, pick_device, plot_only, pyplot
 
 from bcg.diffusers import accelerate, pipeline_runners, plan_request  # noqa: E402
 from bcg.diffusers.batching import StepBatcher  # noqa: E402
+from bcg.diffusers.step_costs import ADMISSION_POLICIES  # noqa: E402
 from bcg.diffusers.models import load_pipeline  # noqa: E402
 from deployments.schemas import OUTPUT_FORMATS  # noqa: E402
 
@@ -253,6 +255,7 @@ def served_app_args(args, mode: str) -> dict:
         "max_ongoing_requests": 2 * args.max_batch_size, "max_queued_requests": -1,
         "max_batch_size": 1 if mode == "one_at_a_time" else args.max_batch_size, "batch_buckets": buckets,
         "max_wait_ms": 0.0 if mode == "one_at_a_time" else args.max_wait_ms, "join_policy": args.join_policy,
+        "admission_policy": args.admission_policy,
         "runner": {"max_entries": 4 * len(buckets) + 4}, "request_timeout_s": args.timeout_s,
         "max_steps": max(50, args.steps), "max_pixels": 4096 * 4096, "routing_stats_period_s": 0.5,
     }
@@ -379,11 +382,14 @@ def swap_in_flux_2p5b(pipe, device):
     return out
 
 
-def _batcher(pipe, args, mode: str) -> StepBatcher:
+def _batcher(pipe, args, mode: str, costs=None) -> StepBatcher:
+    """A fresh batcher of `mode`; `costs`: the step costs the warmup measured (`StepCosts`), which the
+    batched mode's ``--admission-policy auto`` reads."""
     if mode == "one_at_a_time":
         return StepBatcher(pipe, max_batch_size=1, batch_buckets=(1,))
     return StepBatcher(pipe, max_batch_size=args.max_batch_size, batch_buckets=args.buckets,
-                       max_wait_ms=args.max_wait_ms, join_policy=args.join_policy)
+                       max_wait_ms=args.max_wait_ms, join_policy=args.join_policy,
+                       admission_policy=args.admission_policy, step_costs=costs)
 
 
 def parse_args(argv=None):
@@ -405,6 +411,9 @@ def parse_args(argv=None):
     p.add_argument("--max-wait-ms", type=float, default=0.0)
     p.add_argument("--join-policy", default="step", choices=("step", "batch"),
                    help="batched mode: join a running batch at any step (continuous) or only at its start")
+    p.add_argument("--admission-policy", default="auto", choices=ADMISSION_POLICIES,
+                   help="batched mode: auto joins a running batch only where the warmup's measured step costs say it "
+                        "pays (bench_admission.py compares the two); always: whenever the rows fit")
     p.add_argument("--components", default="transformer", help="accelerated components (CUDA), comma-separated")
     p.add_argument("--direct-iters", type=int, default=10)
     p.add_argument("--seed", type=int, default=0)
@@ -460,6 +469,7 @@ def main(argv=None) -> int:
     plan = probe.warmup_plan([key])
     _say(f"warming {[k.key for k in plan]}")
     warm = probe.warmup([key])  # every bucket, the text encoders at each joint-encode batch too
+    costs = probe.step_costs  # on CUDA each bucket's step, timed after the capture (admission "auto")
     flops = transformer_flops_per_row(pipe, args)
     cfg_calls = 2 if key.cfg else 1
 
@@ -476,7 +486,7 @@ def main(argv=None) -> int:
     # low-load criterion without Poisson overlaps, against the direct pipe() call
     serial = {}
     for mode in args.modes:
-        with _batcher(pipe, args, mode) as batcher:
+        with _batcher(pipe, args, mode, costs) as batcher:
             times = []
             for i in range(args.direct_iters + 1):
                 start = time.perf_counter()
@@ -490,13 +500,13 @@ def main(argv=None) -> int:
     for r_index, rate in enumerate(rates):
         offsets = arrivals(args.requests, rate, args.seed + r_index)
         for mode in args.modes:
-            batcher = _batcher(pipe, args, mode)
+            batcher = _batcher(pipe, args, mode, costs)
             with batcher:
                 # untimed: every path of the engine once (preparation, each bucket, decode) before the clock
                 for future in [batcher.submit(p, **_request(args, 10_000 + j))
                                for j, p in enumerate(PROMPTS[:batcher.config.max_batch_size])]:
                     future.result(timeout=args.timeout_s)
-            batcher = _batcher(pipe, args, mode)
+            batcher = _batcher(pipe, args, mode, costs)
             with batcher:
                 row = run_load(pipe, batcher, args, offsets)
             row.update(mode=mode, offered_rate=None if math.isinf(rate) else round(rate, 4),
@@ -528,17 +538,17 @@ def main(argv=None) -> int:
     }
     write_result(args.out, result, plot)
     if args.profile:
-        profile_saturation(pipe, args, args.profile)
+        profile_saturation(pipe, args, args.profile, costs)
     return 0 if all(r["lost"] == 0 for r in runs) else 1
 
 
-def profile_saturation(pipe, args, prefix: str) -> None:
+def profile_saturation(pipe, args, prefix: str, costs=None) -> None:
     """One saturation run of the batched mode under torch.profiler: where the loop thread's host time goes."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     offsets = [0.0] * args.requests
-    batcher = _batcher(pipe, args, "batched")
+    batcher = _batcher(pipe, args, "batched", costs)
     with batcher:
         with profile(activities=activities, with_stack=True, record_shapes=False) as prof:
             row = run_load(pipe, batcher, args, offsets)

@@ -102,8 +102,9 @@ def run(args) -> dict:
     result["make_adapters_s"] = round(time.perf_counter() - t0, 3)
     runner = {**runner_fields(args.runner), **({"compile": True} if args.compile else {})}
     t0 = time.perf_counter()
+    # admission "always": the 4-row steps below share their rows whatever the measured step costs say
     engine = ReplicaEngine(args.model, runner_config=runner, warmup_steps=2,
-                           batching={"max_batch_size": 4, "batch_buckets": [1, 2, 4]},
+                           batching={"max_batch_size": 4, "batch_buckets": [1, 2, 4], "admission_policy": "always"},
                            lora={"modules": adapters, "max_loras": max(4, args.adapters), "max_lora_rank": args.rank})
     result["load_s"] = round(time.perf_counter() - t0, 3)
     result["lora"] = engine.lora_stats()
@@ -212,7 +213,7 @@ def baseline(args, request, key, wall_ms, runner, result) -> dict:
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     plain = ReplicaEngine(args.model, runner_config=runner, warmup_steps=2,
-                          batching={"max_batch_size": 4, "batch_buckets": [1, 2, 4]})
+                          batching={"max_batch_size": 4, "batch_buckets": [1, 2, 4], "admission_policy": "always"})
     plain.call(plain.warmup_key, key.key).result()
     rounds = [wall_ms(lambda: plain.submit(request(), key, args.steps).result()) for _ in range(args.rounds)]
     plain.close()

@@ -106,7 +106,8 @@ def _batching(args) -> dict:
     n = len(getattr(args, "batch_caches", None) or [])
     if n < 2:
         return {}
-    return {"max_batch_size": n, "max_ongoing_requests": n,
+    # admission "always": the N requests share each step whatever the warmup's measured step costs say
+    return {"max_batch_size": n, "max_ongoing_requests": n, "admission_policy": "always",
             "batch_buckets": sorted({b for b in (1, 2, 4, 8) if b < n} | {n})}
 
 

@@ -29,6 +29,7 @@ from typing import Dict, List, Literal, Optional, Tuple, Union
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from bcg.diffusers.buckets import ShapeKey
+from bcg.diffusers.step_costs import StepCosts
 from deployments.coordinator import Coordinator
 from deployments.ingress import Ingress
 from deployments.replica import Replica
@@ -93,6 +94,13 @@ class AppArgs(BaseModel):
     max_wait_ms: float = Field(0.0, ge=0)                      # a new batch waits for company (0: never)
     # "step": requests join a running batch at any step boundary; "batch": only a batch not yet started
     join_policy: Literal["step", "batch"] = "step"
+    # "auto": a request joins a running batch only where the step costs measured at warmup say the bigger
+    # row bucket buys throughput (by admission_margin per row), else it waits for rows to free; "always":
+    # whenever its rows fit (bcg.diffusers.step_costs). step_costs_ms: {group key: {bucket: ms}} to start
+    # from (e.g. a replica's /v1/stats "admission"); a CUDA warmup times only the buckets it lacks
+    admission_policy: Literal["auto", "always"] = "auto"
+    admission_margin: float = Field(0.1, ge=0, lt=1)
+    step_costs_ms: Dict[str, Dict[int, float]] = Field(default_factory=dict)
     autoscaling: Optional[AutoscalingArgs] = None
     router: Literal["shape_affinity", "power_of_two"] = "shape_affinity"  # power_of_two: Serve's default
     spill_threshold: Optional[int] = Field(DEFAULT_SPILL_THRESHOLD, ge=1)
@@ -235,6 +243,14 @@ class AppArgs(BaseModel):
                 "root": self.lora_root if self.allow_runtime_lora_updating else None,
                 "start_paths": sorted(set(self.lora_modules.values()))}
 
+    @field_validator("step_costs_ms", mode="before")
+    @classmethod
+    def _step_costs(cls, v):
+        if isinstance(v, str):  # JSON from a command line: '{"512x512": {"1": 61.2, "2": 122.5}}'
+            v = json.loads(v) if v.strip() else {}
+        StepCosts(v)  # positive buckets and milliseconds; the error names the entry
+        return v
+
     @field_validator("batch_buckets", mode="before")
     @classmethod
     def _split_buckets(cls, v):
@@ -262,7 +278,9 @@ class AppArgs(BaseModel):
         """The replicas' batcher settings (``bcg.diffusers.BatcherConfig`` fields)."""
         size = self.max_batch_size if self.max_batch_size is not None else min(4, self.max_ongoing_requests)
         return {"max_batch_size": size, "batch_buckets": list(self.batch_buckets), "max_wait_ms": self.max_wait_ms,
-                "join_policy": self.join_policy}
+                "join_policy": self.join_policy, "admission_policy": self.admission_policy,
+                "admission_margin": self.admission_margin,
+                "step_costs_ms": {g: dict(c) for g, c in self.step_costs_ms.items()}}
 
     @model_validator(mode="after")
     def _target_fits_ongoing(self):

@@ -140,7 +140,9 @@ class ReplicaEngine:
     """The pipeline side of a replica, free of Ray: load, warm keys, run requests.
 
     One `StepBatcher` loop thread owns the pipeline: requests (`submit`), warmups and runner-stats reads
-    (`call`) all run there. ``batching`` holds `BatcherConfig` fields (default `NO_BATCHING`)."""
+    (`call`) all run there. ``batching`` holds `BatcherConfig` fields (default `NO_BATCHING`) and
+    ``step_costs_ms``, a table of step costs the batcher's ``"auto"`` admission starts from
+    (`bcg.diffusers.step_costs.StepCosts`)."""
 
     def __init__(self, model: str, device: Optional[str] = None, dtype: Optional[str] = None,
                  runner_config: Optional[dict] = None, warmup_steps: int = 2,
@@ -214,8 +216,10 @@ class ReplicaEngine:
         self._stranded_bytes = 0
         self._used_bytes = self.memory.used_bytes(0)
         self.refresh()
-        config = BatcherConfig(**{**NO_BATCHING, **(batching or {})})
-        self.batcher = StepBatcher(self.pipe, config, info=self.info).start()
+        batching = dict(batching or {})
+        step_costs = batching.pop("step_costs_ms", None)  # fed in; a CUDA warmup times what it lacks
+        config = BatcherConfig(**{**NO_BATCHING, **batching})
+        self.batcher = StepBatcher(self.pipe, config, info=self.info, step_costs=step_costs).start()
 
     def close(self) -> None:
         """Stop the loop thread; requests still queued or running fail."""

@@ -356,6 +356,12 @@ class Replica:
                 raise
         return {"replica": self.replica_id, "lora_name": name}
 
+    def set_admission_policy(self, policy: str, margin: Optional[float] = None) -> dict:
+        """The batcher's ``admission_policy`` (and ``admission_margin``) from the next step boundary on, for
+        a handle caller (``bench_admission.py --via http`` interleaves the policies on one replica); returns
+        the batcher's ``admission`` stats. A bad value is a ValueError naming the field."""
+        return self.engine.batcher.set_admission(policy, margin)
+
     def replica_info(self) -> dict:
         return {"replica": self.replica_id, "rank": self.rank, "assigned": list(self.assigned),
                 **self._routing_view()}

@@ -11,7 +11,11 @@ The policy half of continuous batching (`bcg.diffusers.batching.StepBatcher` run
   long; joining a running group never waits; with 0 (default) nothing waits;
 - ``join_policy`` ``"step"`` (default) admits at every step boundary (continuous batching); ``"batch"``
   admits only into a group that is not running (request-level batching: a batch runs until its last
-  request leaves before the next one starts, so no request's steps are interleaved with a newcomer's).
+  request leaves before the next one starts, so no request's steps are interleaved with a newcomer's);
+- ``admission_policy`` ``"auto"`` (default) admits a request into a running batch (or into the batch a
+  request starting now begins) only where the group's measured step costs say the bigger row bucket buys
+  throughput (`bcg.diffusers.step_costs.joining_rows`); otherwise it waits, first in line, and starts
+  when rows free. Without measured costs, and with ``"always"``, requests join whenever their rows fit.
 
 Thread-safe: `put` and `put_task` from any thread, `next_work` and `set_active` from the one loop
 thread, `load` and `snapshot` from any thread. No torch, no pipeline.
@@ -25,6 +29,8 @@ import threading
 import time
 from typing import Any, Callable
 
+from bcg.diffusers.step_costs import ADMISSION_POLICIES, StepCosts, joining_rows
+
 __all__ = ["ALONE", "JOIN_POLICIES", "BatcherConfig", "QueuedRequest", "RequestQueue"]
 
 ALONE = "<alone>"  # the round-robin slot of requests that run whole, one at a time
@@ -37,13 +43,18 @@ class BatcherConfig:
     ``max_wait_ms``: how long a new group waits for company before its first step (0: never);
     ``batch_decode``: requests that leave at one step share one VAE decode (padded to a bucket too);
     ``join_policy``: ``"step"`` (join a running batch at any step boundary) or ``"batch"`` (join only a
-    batch that has not started: request-level batching)."""
+    batch that has not started: request-level batching); ``admission_policy``: ``"auto"`` (join only
+    where the measured step costs say a bigger bucket pays, `bcg.diffusers.step_costs`) or ``"always"``
+    (whenever the rows fit); ``admission_margin``: how much cheaper per row the bigger bucket's step must
+    be for ``"auto"`` to grow a batch (0.1: 10%)."""
 
     max_batch_size: int = 8
     batch_buckets: tuple[int, ...] = (1, 2, 4, 8)
     max_wait_ms: float = 0.0
     batch_decode: bool = True
     join_policy: str = "step"
+    admission_policy: str = "auto"
+    admission_margin: float = 0.1
 
     def __post_init__(self):
         if isinstance(self.max_batch_size, bool) or not isinstance(self.max_batch_size, int) or self.max_batch_size < 1:
@@ -56,6 +67,12 @@ class BatcherConfig:
             raise ValueError(f"max_wait_ms must be a number >= 0, got {self.max_wait_ms!r}")
         if self.join_policy not in JOIN_POLICIES:
             raise ValueError(f"join_policy must be one of {list(JOIN_POLICIES)}, got {self.join_policy!r}")
+        if self.admission_policy not in ADMISSION_POLICIES:
+            raise ValueError(f"admission_policy must be one of {list(ADMISSION_POLICIES)}, "
+                             f"got {self.admission_policy!r}")
+        margin = self.admission_margin
+        if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0 <= margin < 1:
+            raise ValueError(f"admission_margin must be a number in [0, 1), e.g. 0.1, got {margin!r}")
 
     def bucket_for(self, rows: int) -> int:
         """Smallest bucket holding `rows`; `rows` itself above the largest bucket (no padding)."""
@@ -77,19 +94,29 @@ class QueuedRequest:
     records: tuple = ()        # `bcg.runtime.call_record.CallRecord`s the runner calls made for it add to
     lora: tuple | None = None  # (LoRA adapter name, scale) its rows use (`bcg.lora`); None: the base model
     cache: Any = None          # its `StepCacheConfig` (`bcg.diffusers.step_cache`); None: the default
+    deferred: bool = False     # it waited at a step boundary because joining did not pay (admission "auto")
 
 
 class RequestQueue:
-    """Queued and active requests per group key, the round-robin of groups, tasks for the loop thread."""
+    """Queued and active requests per group key, the round-robin of groups, tasks for the loop thread.
+    `costs`: the step costs the ``"auto"`` admission reads (None: nothing measured, join as always)."""
 
-    def __init__(self, config: BatcherConfig):
+    def __init__(self, config: BatcherConfig, costs: StepCosts | None = None):
         self.config = config
+        self.costs = costs
         self._cond = threading.Condition()
         self._queued: dict[str, collections.deque] = {}
         self._active: dict[str, list[QueuedRequest]] = {}
+        self._last_bucket: dict[str, int] = {}  # group -> the bucket of its last step (while it runs)
+        self.deferrals = collections.Counter()  # "requests": deferred at least once; "boundaries": each time
         self._turns: collections.deque = collections.deque()  # round-robin order of slots
         self._tasks: collections.deque = collections.deque()
         self.closed = False
+
+    def set_config(self, config: BatcherConfig) -> None:
+        """Decide with `config` from the next step boundary on (a pick reads one config throughout)."""
+        with self._cond:
+            self.config = config
 
     def put(self, request: QueuedRequest) -> None:
         """Queue `request` in its group's slot (`ALONE` when it runs whole); RuntimeError once closed."""
@@ -134,12 +161,14 @@ class RequestQueue:
                 self._active[group] = list(requests)
             else:
                 self._active.pop(group, None)
+                self._last_bucket.pop(group, None)
 
     def take_active(self) -> list[QueuedRequest]:
         """Every active request, removed (their groups restart from the queue)."""
         with self._cond:
             running = [r for group in self._active.values() for r in group]
             self._active.clear()
+            self._last_bucket.clear()
             return running
 
     def close(self) -> tuple[list[QueuedRequest], list]:
@@ -168,8 +197,9 @@ class RequestQueue:
                 running = sum(r.rows for r in self._active.get(key, []))
                 queued = sum(r.rows for r in self._queued.get(key, ()))
                 closed = running and self.config.join_policy == "batch"  # a running batch admits no one
+                room = self._room_locked(key, running) if running and not closed else self.config.max_batch_size
                 out[key] = {"running_rows": running, "queued_rows": queued,
-                            "free_rows": 0 if closed else max(0, self.config.max_batch_size - running - queued)}
+                            "free_rows": 0 if closed else max(0, room - running - queued)}
             return out
 
     def snapshot(self) -> tuple[dict, int]:
@@ -199,14 +229,57 @@ class RequestQueue:
             rows = sum(r.rows for r in active)
             joining = []
             admits = not (active and self.config.join_policy == "batch")
-            while admits and queued and (rows + queued[0].rows <= self.config.max_batch_size
-                                         or (not active and not joining)):
-                request = queued.popleft()
-                rows += request.rows
-                joining.append(request)
+            if admits and queued and not active:  # a group not running starts with its first request
+                joining.append(queued.popleft())
+                rows += joining[0].rows
+            if admits and queued:
+                joining += self._admit_locked(slot, rows, queued)
+                rows = sum(r.rows for r in active) + sum(r.rows for r in joining)
+            if rows:
+                self._last_bucket[slot] = self.config.bucket_for(rows)
             return slot, joining, None
         for slot in list(self._turns):  # nothing can run: forget the slots with nothing in them
             if not self._queued.get(slot) and not self._active.get(slot):
                 self._turns.remove(slot)
                 self._queued.pop(slot, None)
         return None, [], hold_s
+
+    def _fitting_locked(self, rows: int, queued) -> list[int]:
+        """Rows the first k queued requests add, for every k whose rows fit ``max_batch_size`` with `rows`."""
+        prefix, total = [], 0
+        for request in queued:
+            if rows + total + request.rows > self.config.max_batch_size:
+                break
+            total += request.rows
+            prefix.append(total)
+        return prefix
+
+    def _admit_locked(self, slot: str, rows: int, queued: collections.deque) -> list[QueuedRequest]:
+        """The queued requests (taken off the queue) that join a group of `rows` running rows now: those
+        whose rows fit, in arrival order, and with ``admission_policy="auto"`` only as many as pay
+        (`joining_rows`); the first one held back is counted as deferred."""
+        prefix = self._fitting_locked(rows, queued)
+        k = len(prefix)
+        if k and self.config.admission_policy == "auto" and self.costs is not None:
+            costs = self.costs.for_group(slot)
+            if costs:
+                k = joining_rows(costs, self.config.bucket_for, rows, self._last_bucket.get(slot, 0), prefix,
+                                 self.config.admission_margin)
+        if k < len(prefix):
+            held = queued[k]
+            self.deferrals["boundaries"] += 1
+            if not held.deferred:
+                held.deferred = True
+                self.deferrals["requests"] += 1
+        return [queued.popleft() for _ in range(k)]
+
+    def _room_locked(self, slot: str, running: int) -> int:
+        """Rows a running group would hold if one-row requests queued up now (for a router's free rows)."""
+        prefix = list(range(1, self.config.max_batch_size - running + 1))
+        if not prefix or self.config.admission_policy != "auto" or self.costs is None:
+            return running + len(prefix)
+        costs = self.costs.for_group(slot)
+        if not costs:
+            return running + len(prefix)
+        return running + joining_rows(costs, self.config.bucket_for, running, self._last_bucket.get(slot, 0),
+                                      prefix, self.config.admission_margin)

@@ -23,6 +23,14 @@ so a second key never waits for the first to drain. With ``max_wait_ms`` 0 (defa
 arrives to an idle batcher starts at once (the latency of ``pipe(**kwargs)`` alone); a positive value
 holds a *new* group until it is full or its oldest request has waited that long.
 
+Batching where it pays (`bcg.diffusers.step_costs`): on CUDA, ``warmup(keys)`` times one step of every
+row bucket of each key's group after capturing them (`measure_step_costs`: median of interleaved
+replays); with ``admission_policy="auto"`` (default) a queued request joins a running batch only where
+the bigger bucket's step is cheaper per row by ``admission_margin``, else it waits and starts when rows
+free: at compute-bound sizes requests run one after another, at launch-bound ones they batch. Without
+measured costs (no warmup, a CPU pipeline) and with ``"always"`` requests join whenever their rows fit.
+Costs may be fed in (``StepBatcher(..., step_costs=)``, `StepCosts.update`; the table `stats()` reports).
+
 Failures stay with their request: a request whose planning or preparation raises, or whose scheduler step
 or decode raises, fails alone. A batched preparation, transformer call or decode that raises is retried
 per request (a failed preparation puts the generators back first), so only the requests that fail alone
@@ -63,6 +71,7 @@ from bcg.diffusers.buckets import ShapeKey, parse_plan
 from bcg.diffusers.families import family_of
 from bcg.diffusers.accelerated import pipeline_call_scope
 from bcg.diffusers.step_cache import CacheRow, StepCacheConfig, step_cache_of
+from bcg.diffusers.step_costs import StepCosts, time_buckets
 from bcg.diffusers.steps import StepFamily, pipeline_call_async
 from bcg.lora.bank import UnknownAdapterError, lora_bank
 from bcg.runtime.call_record import CallRecord, recording
@@ -78,10 +87,12 @@ class StepBatcher:
     ``StepBatcher(pipe, max_batch_size=8, batch_buckets=(1, 2, 4, 8), max_wait_ms=0)`` or
     ``StepBatcher(pipe, config=BatcherConfig(...))``; `family` overrides the step hooks of the
     pipeline's family record (``family_of(pipe).batching_hooks()``; None: every request runs alone).
+    `step_costs`: ms of one step per group key and row bucket (`StepCosts` or its ``{group: {bucket: ms}}``
+    table) for ``admission_policy="auto"``; a CUDA warmup measures the keys it warms.
     """
 
     def __init__(self, pipe, config: BatcherConfig | None = None, *, family: StepFamily | None | str = "auto",
-                 info: dict | None = None, **settings):
+                 info: dict | None = None, step_costs: StepCosts | dict | None = None, **settings):
         if config is not None and settings:
             raise ValueError(f"pass either config or settings {sorted(settings)}, not both")
         self.pipe = pipe
@@ -97,7 +108,8 @@ class StepBatcher:
         if self.config.max_batch_size > self.config.batch_buckets[-1]:
             logger.warning("max_batch_size %d exceeds the largest batch bucket %d: larger batches run unpadded",
                            self.config.max_batch_size, self.config.batch_buckets[-1])
-        self._queue = RequestQueue(self.config)
+        self.step_costs = step_costs if isinstance(step_costs, StepCosts) else StepCosts(step_costs)
+        self._queue = RequestQueue(self.config, self.step_costs)
         self._layouts: dict[str, tuple] = {}  # group -> layout of its running batch (loop thread only)
         self._ids = itertools.count()
         self._thread: threading.Thread | None = None
@@ -568,6 +580,7 @@ class StepBatcher:
         n images alone: one prompt) runs as one prompt of n images."""
         from bcg.diffusers.pipelines import warmup_pipeline
 
+        keys = parse_plan(keys)
         plan = self.warmup_plan(keys)
         batched = () if self.family is None else self._join_buckets()
 
@@ -575,14 +588,95 @@ class StepBatcher:
             if self.lora is not None:  # warmups run the base model
                 self.lora.set_all(None)
             with recording(*([record] if record is not None else [])):
-                return warmup_pipeline(self.pipe, plan, num_inference_steps=num_inference_steps,
-                                       batched_prompts=batched)
+                report = warmup_pipeline(self.pipe, plan, num_inference_steps=num_inference_steps,
+                                         batched_prompts=batched)
+            if self._measures_costs() and not report["failed"]:  # not the warmup's runner calls: timings
+                report["step_costs_ms"] = self.measure_step_costs(keys, only_missing=True)
+            return report
 
         with self._thread_lock:
             thread = self._thread
         if thread is None or not thread.is_alive() or thread is threading.current_thread():
             return run()
         return self.call_between_steps(run).result()
+
+    def set_admission(self, policy: str | None = None, margin: float | None = None) -> dict:
+        """Change ``admission_policy`` and/or ``admission_margin`` from the next step boundary on (checked as
+        `BatcherConfig` checks them); returns the ``admission`` part of `stats()`. Requests running keep
+        their rows; only who joins next is decided anew (a benchmark interleaves policies on one batcher)."""
+        changes = {k: v for k, v in (("admission_policy", policy), ("admission_margin", margin)) if v is not None}
+        config = dataclasses.replace(self.config, **changes)
+        self._queue.set_config(config)
+        self.config = config
+        return self.stats()["admission"]
+
+    def _measures_costs(self) -> bool:
+        """Whether a warmup times its buckets' steps: ``admission_policy="auto"``, step hooks, several
+        buckets, and a transformer on CUDA (on a CPU pipeline requests batch as they always did)."""
+        if self.family is None or self.config.admission_policy != "auto" or len(self._join_buckets()) < 2:
+            return False
+        device = self._transformer_device()
+        return device is not None and device.type == "cuda"
+
+    def _transformer_device(self) -> torch.device | None:
+        from bcg.runtime.proxy import unwrap_runner
+
+        transformer = unwrap_runner(getattr(self.pipe, "transformer", None))
+        parameter = next(transformer.parameters(), None) if isinstance(transformer, torch.nn.Module) else None
+        return None if parameter is None else parameter.device
+
+    def measure_step_costs(self, keys: Iterable[ShapeKey | str], repeats: int = 3, only_missing: bool = False) -> dict:
+        """Time one step (the family's transformer calls) of every row bucket of each key's group on this
+        pipeline, as warmed: a request's rows padded to the bucket, median of `repeats` interleaved rounds
+        after one untimed call each (`time_buckets`), synchronized with the device; record them in
+        `step_costs` and return ``{group key: {bucket: ms}}`` (what was timed). `only_missing` (a warmup's):
+        only the buckets of a group the table lacks, so a table fed in (or a group warmed before: ``K`` and
+        ``K.b2`` are one group) is not timed again. About ``(1 + repeats)`` times the sum of the buckets'
+        step times. Runs where it is called (the loop thread during `warmup`); the step is the base
+        model's, every row computing (no step caching), and changes no request's state."""
+        from bcg.diffusers.families import family_named
+        from bcg.diffusers.pipelines import pipeline_info, plan_request
+
+        if self.family is None:
+            raise ValueError(f"{type(self.pipe).__name__} has no step hooks: its requests run alone, unbatched")
+        if self._info is None:
+            self._info = pipeline_info(self.pipe)
+        info = self._info
+        measured = {}
+        with torch.no_grad(), pipeline_call_scope(self.pipe):
+            for key in parse_plan(keys):
+                group = key.group
+                buckets = sorted({*self._join_buckets(), self.config.bucket_for(key.batch_size)})
+                if only_missing:
+                    known = self.step_costs.for_group(group.key)
+                    buckets = [b for b in buckets if b not in known]
+                if not buckets:
+                    continue
+                guidance, negative = family_named(info["family"]).cfg.request_for(group.cfg, info["default_guidance"])
+                _, kwargs = plan_request(self.pipe, "a photo of a cat", key=group, steps=2, guidance=guidance,
+                                         negative_prompt=negative, seed=0, output_type="latent", info=info)
+                state = self.family.prepare(self.pipe, kwargs)
+                measured[group.key] = time_buckets(lambda bucket: self._cost_step(state, bucket), buckets,
+                                                   repeats, sync=self._sync)
+        self.step_costs.update(measured)
+        logger.info("step costs (ms per step and row bucket): %s", self.step_costs.as_dict())
+        return {group: {b: round(ms, 4) for b, ms in costs.items()} for group, costs in measured.items()}
+
+    def _cost_step(self, state, bucket: int) -> None:
+        if self.lora is not None:  # the base model's rows
+            self.lora.set_all(None)
+        if self.step_cache is not None:  # rows without a cache config: every row computes, no state kept
+            self.step_cache.set_rows([None] * bucket)
+        try:
+            self.family.forward(self.pipe, [state], bucket)
+        finally:
+            if self.step_cache is not None:
+                self.step_cache.set_rows(None)
+
+    def _sync(self) -> None:
+        device = self._transformer_device()
+        if device is not None and device.type == "cuda":
+            torch.cuda.synchronize(device)
 
     def load(self) -> dict:
         """Per group key: rows running, rows queued, free rows in the running batch (for a router)."""
@@ -610,6 +704,11 @@ class StepBatcher:
             return {
                 "family": None if self.family is None else self.family.name,
                 "config": dataclasses.asdict(self.config),
+                # batching where it pays: the policy, the step costs it reads, the requests it held back
+                "admission": {"policy": self.config.admission_policy, "margin": self.config.admission_margin,
+                              "step_costs_ms": self.step_costs.as_dict(),
+                              "deferred_requests": self._queue.deferrals.get("requests", 0),
+                              "deferred_boundaries": self._queue.deferrals.get("boundaries", 0)},
                 "submitted": counts.get("submitted", 0),
                 "admitted_at_start": counts.get("admitted_at_start", 0),
                 "joins_mid_run": counts.get("joins_mid_run", 0),

@@ -26,6 +26,9 @@ KEY, TWO = "64x64", "64x64.b2"   # one image, two images: one batch group (their
 FOUR = "64x64.b4"                # a batch bucket the plan does not name
 THREE = "64x64.b3"               # an image count padded to that bucket
 STEPS = 6
+SERIAL = "96x64"                 # a group whose step costs say batching does not pay
+LAUNCH_BOUND = {1: 10.0, 2: 11.0, 4: 12.0}
+COMPUTE_BOUND = {1: 10.0, 2: 20.0, 4: 40.0}
 
 
 @pytest.fixture(scope="module")
@@ -35,6 +38,9 @@ def batch_app(ray_serve):
         "device": "cpu", "warmup": [KEY, TWO], "placement": "all", "warmup_steps": 1, "default_steps": 1,
         "cpu_threads": 1, "routing_stats_period_s": 0.2, "max_ongoing_requests": 8, "max_batch_size": 4,
         "batch_buckets": [1, 2, 4], "max_wait_ms": 400, "graceful_shutdown_timeout_s": 1,
+        # batching where it pays (admission_policy "auto", the default): KEY's steps cost as a tiny model's
+        # on a GPU (rows nearly free: it batches as always), SERIAL's as a compute-bound model's
+        "step_costs_ms": {KEY: LAUNCH_BOUND, SERIAL: COMPUTE_BOUND},
         "pipeline_hook": "tests.deployments.faults:fail_guidance",
     }, timeout=120) as client:
         yield client
@@ -64,6 +70,37 @@ def test_the_warmup_captures_every_batch_bucket_of_its_key(batch_app):
     assert replica["batcher"]["config"]["max_batch_size"] == 4 and replica["batcher"]["family"] == "flux"
     # each key's warmup ran buckets 1, 2 and 4 (no CUDA here: no pools)
     assert replica["batch_pool_bytes"] == {k: {"1": 0, "2": 0, "4": 0} for k in (KEY, TWO)}
+    # the admission policy and the step costs it reads (fed in; a CPU warmup times none)
+    admission = replica["batcher"]["admission"]
+    assert (admission["policy"], admission["margin"]) == ("auto", 0.1)
+    assert admission["step_costs_ms"] == {group: {str(b): ms for b, ms in costs.items()}
+                                          for group, costs in ((SERIAL, COMPUTE_BOUND), (KEY, LAUNCH_BOUND))}
+
+
+def test_requests_whose_steps_cost_linearly_in_rows_run_one_after_another(batch_app):
+    bodies = [_body(60 + i, size=SERIAL, num_inference_steps=2) for i in range(2)]
+    before = _stats(batch_app)["batcher"]
+    with ThreadPoolExecutor(len(bodies)) as pool:
+        at_once = list(pool.map(lambda b: batch_app.post(GEN, json=b), bodies))
+    assert [r.status_code for r in at_once] == [200, 200], [r.text for r in at_once]
+    after = _stats(batch_app)["batcher"]
+    steps = {int(rows): n - before["batch_size_histogram"].get(rows, 0)
+             for rows, n in after["batch_size_histogram"].items()}
+    assert {rows: n for rows, n in steps.items() if n} == {1: 4}   # never two rows in a step
+    assert after["admission"]["deferred_requests"] - before["admission"]["deferred_requests"] == 1
+    assert after["leaves"] - before["leaves"] == 2
+
+
+def test_the_admission_policy_switches_through_the_replica_handle(batch_app):
+    handle = serve.get_deployment_handle("Replica", APP)
+    try:
+        assert handle.set_admission_policy.remote("always").result(timeout_s=30)["policy"] == "always"
+        assert _stats(batch_app)["batcher"]["admission"]["policy"] == "always"
+        with pytest.raises(Exception, match="admission_policy must be one of"):
+            handle.set_admission_policy.remote("never").result(timeout_s=30)
+    finally:
+        handle.set_admission_policy.remote("auto").result(timeout_s=30)
+    assert _stats(batch_app)["batcher"]["admission"]["policy"] == "auto"
 
 
 def test_a_request_for_a_bucket_the_plan_does_not_name_is_served_warm(batch_app):

@@ -485,6 +485,11 @@ def test_cuda_batches_replay_a_graph_per_bucket_and_match_alone_images(record_pr
     runners = pipeline_runners(pipe)
     assert report["failed"] == 0, report
     assert {name: len(r.warm_signatures()) for name, r in runners.items()} == {name: 4 for name in GPU_COMPONENTS}
+    # then each bucket's step was timed (admission "auto"); this test batches whatever they say
+    costs = report["step_costs_ms"][key.group.key]
+    assert sorted(costs) == [1, 2, 4, 8] and min(costs.values()) > 0, costs
+    record_property("step_costs_ms", ",".join(f"{b}:{ms:.3g}" for b, ms in sorted(costs.items())))
+    batcher.set_admission("always")
     alone = [_alone(pipe, r) for r in requests]
     for request, expected in zip(requests, alone):
         future = _submit(batcher, request)

@@ -31,7 +31,8 @@ def test_switching_and_mixing_adapters_replays_the_graphs_captured_once(tmp_path
     pipe = load_pipeline("tiny-flux", device="cuda")
     install_lora(pipe, paths, max_loras=2, max_rank=4)
     pipe = accelerate(pipe, components=["transformer"])
-    batcher = StepBatcher(pipe, max_batch_size=4, batch_buckets=(1, 2, 4))
+    # admission "always": the mixed batch below shares its steps whatever the measured step costs say
+    batcher = StepBatcher(pipe, max_batch_size=4, batch_buckets=(1, 2, 4), admission_policy="always")
     key, _ = plan_request(pipe, "a cat", seed=1, size=SIZE, steps=2, guidance=3.0)
     batcher.warmup([key])
     runner = pipeline_runners(pipe)["transformer"]
