@@ -84,7 +84,7 @@ def test_a_mixed_step_batch_gives_each_request_its_alone_image_and_cached_steps(
     pipe = load_pipeline("tiny-flux", device="cuda")
     enable_step_cache(pipe, None)
     accelerate(pipe, config=CONFIG, options=OPTIONS)
-    batcher = StepBatcher(pipe, max_batch_size=4, batch_buckets=(1, 2, 4))
+    batcher = StepBatcher(pipe, max_batch_size=4, batch_buckets=(1, 2, 4), admission_policy="always")
     key, _ = plan_request(pipe, "a cat", size=SIZE, steps=STEPS)
     assert batcher.warmup([key])["failed"] == 0
     inner = step_cache_of(pipe).inner
