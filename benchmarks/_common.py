@@ -148,6 +148,14 @@ def write_json(path, obj) -> None:
     print(f"wrote {path}", file=sys.stderr)
 
 
+def report(result: dict, out: str | None) -> None:
+    """A benchmark's end: `result` with the machine it ran on, printed, and written to `out` if given."""
+    result["machine"] = machine_info()
+    print(json.dumps(result, indent=1))
+    if out:
+        write_json(out, result)
+
+
 def pyplot():
     """matplotlib.pyplot on the Agg backend, or None (with a note) where matplotlib is missing."""
     try:

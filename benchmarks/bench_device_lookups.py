@@ -15,7 +15,6 @@ weights): the host time per request that the class swap used to save.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -24,7 +23,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from _common import machine_info, write_json  # noqa: E402
+from _common import report  # noqa: E402
 
 
 def main() -> None:
@@ -74,10 +73,7 @@ def main() -> None:
         "lookups": rows,
         "per_request_ms_median": round(sum(r["median_ms"] * r["calls_per_request"] for r in rows.values()), 3),
     }
-    result["machine"] = machine_info()
-    print(json.dumps(result, indent=1))
-    if args.out:
-        write_json(args.out, result)
+    report(result, args.out)
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from _common import machine_info, write_json  # noqa: E402
+from _common import report  # noqa: E402
 
 
 def _one(calls: int, warm: int, components: list[str]) -> list[float]:
@@ -89,10 +89,7 @@ def main() -> None:
     result["median_ratio_to_first"] = {labels[t]: round(statistics.median(every[t]) / statistics.median(every[first]), 4)
                                        for t in others}
     result["min_ratio_to_first"] = {labels[t]: round(min(every[t]) / min(every[first]), 4) for t in others}
-    result["machine"] = machine_info()
-    print(json.dumps(result, indent=1))
-    if args.out:
-        write_json(args.out, result)
+    report(result, args.out)
 
 
 if __name__ == "__main__":

@@ -173,7 +173,6 @@ def run(args, result: dict, save) -> None:
     with contextlib.ExitStack() as stack:
         clients = {n: stack.enter_context(httpx.Client(base_url=f"http://127.0.0.1:{port}/{apps[n]}",
                                                        timeout=args.timeout_s)) for n in running}
-        args.base_urls = {n: f"http://127.0.0.1:{port}/{apps[n]}" for n in running}
 
         def post(name, size, seed, cache=None, request_cache=BY_LABEL, client=None, image=False):
             body = {"prompt": PROMPT, "size": size, "num_inference_steps": args.steps,
@@ -218,7 +217,8 @@ def run(args, result: dict, save) -> None:
                 for r in rows))
             save()
         if getattr(args, "batch_caches", None):
-            result["batches"] = [run_batches(args, post, name, size, save, result)
+            result["batches"] = [run_batches(args, post, name, f"http://127.0.0.1:{port}/{apps[name]}", size,
+                                             save, result)
                                  for size in args.sizes for name in running]
         for name in running:
             try:
@@ -240,7 +240,7 @@ def _pixels(b64: str) -> np.ndarray:
     return np.asarray(Image.open(io.BytesIO(base64.b64decode(b64))).convert("RGB"), dtype=np.int16)
 
 
-def run_batches(args, post, name: str, size: str, save, result: dict) -> dict:
+def run_batches(args, post, name: str, base_url: str, size: str, save, result: dict) -> dict:
     """``--batch-caches``: per round, the N requests (seeds 0..N-1, each with its cache) sent together, then
     the same N uncached sent together (interleaved rounds); first, each request alone (untimed), whose image
     the batched one must equal within 3/255. Wall time from the first send to the last answer."""
@@ -253,13 +253,13 @@ def run_batches(args, post, name: str, size: str, save, result: dict) -> dict:
     out = {"variant": name, "size": size, "caches": caches, "ms": {"mixed": [], "uncached": []},
            "answers": {"mixed": [], "uncached": []}, "errors": []}
     result.setdefault("batches_partial", []).append(out)
-    clients = [httpx.Client(base_url=args.base_urls[name], timeout=args.timeout_s) for _ in range(n)]
+    clients = [httpx.Client(base_url=base_url, timeout=args.timeout_s) for _ in range(n)]
     try:
         alone = []
         for i, cache in enumerate(caches):
             ms, info, b64 = post(name, size, 100 + i, request_cache=cache, image=True)
             alone.append((_pixels(b64), info))
-        out["alone"] = [{"ms": None, "steps_cached": a[1].get("steps_cached")} for a in alone]
+        out["alone"] = [{"steps_cached": info.get("steps_cached")} for _, info in alone]
 
         def together(with_caches):
             with concurrent.futures.ThreadPoolExecutor(n) as pool:

@@ -70,6 +70,15 @@ class Family:
         raise NotImplementedError
 
 
+def _returned(output: torch.Tensor, return_dict: bool):
+    """What diffusers' transformers return: ``(output,)``, or its `Transformer2DModelOutput`."""
+    if not return_dict:
+        return (output,)
+    from diffusers.models.modeling_outputs import Transformer2DModelOutput
+
+    return Transformer2DModelOutput(sample=output)
+
+
 def _given(value) -> bool:
     return value is not None and not (isinstance(value, (dict, list, tuple)) and not value)
 
@@ -94,8 +103,6 @@ class _Flux(Family):
                 controlnet_block_samples=None, controlnet_single_block_samples=None, return_dict=True,
                 controlnet_blocks_repeat=False):
         """`FluxTransformer2DModel.forward`, op for op."""
-        from diffusers.models.modeling_outputs import Transformer2DModelOutput
-
         hidden_states = module.x_embedder(hidden_states)
         timestep = timestep.to(hidden_states.dtype) * 1000
         if guidance is not None:
@@ -114,9 +121,7 @@ class _Flux(Family):
                                                             image_rotary_emb)
         hidden_states = module.norm_out(hidden_states, temb)
         output = module.proj_out(hidden_states)
-        if not return_dict:
-            return (output,)
-        return Transformer2DModelOutput(sample=output)
+        return _returned(output, return_dict)
 
 
 class _Wan(Family):
@@ -137,8 +142,6 @@ class _Wan(Family):
     def forward(self, hook, module, hidden_states, timestep, encoder_hidden_states,
                 encoder_hidden_states_image=None, return_dict=True, attention_kwargs=None):
         """`WanTransformer3DModel.forward`, op for op."""
-        from diffusers.models.modeling_outputs import Transformer2DModelOutput
-
         batch_size, _, num_frames, height, width = hidden_states.shape
         p_t, p_h, p_w = module.config.patch_size
         frames, rows, cols = num_frames // p_t, height // p_h, width // p_w
@@ -169,9 +172,7 @@ class _Wan(Family):
         hidden_states = hidden_states.reshape(batch_size, frames, rows, cols, p_t, p_h, p_w, -1)
         hidden_states = hidden_states.permute(0, 7, 1, 4, 2, 5, 3, 6)
         output = hidden_states.flatten(6, 7).flatten(4, 5).flatten(2, 3)
-        if not return_dict:
-            return (output,)
-        return Transformer2DModelOutput(sample=output)
+        return _returned(output, return_dict)
 
 
 class _SD3(Family):
@@ -193,8 +194,6 @@ class _SD3(Family):
                 timestep=None, block_controlnet_hidden_states=None, joint_attention_kwargs=None,
                 return_dict=True, skip_layers=None):
         """`SD3Transformer2DModel.forward`, op for op."""
-        from diffusers.models.modeling_outputs import Transformer2DModelOutput
-
         height, width = hidden_states.shape[-2:]
         hidden_states = module.pos_embed(hidden_states).contiguous()
         temb = module.time_text_embed(timestep, pooled_projections)
@@ -207,9 +206,7 @@ class _SD3(Family):
         hidden_states = hidden_states.reshape(shape=(hidden_states.shape[0], height, width, p, p, module.out_channels))
         hidden_states = torch.einsum("nhwpqc->nchpwq", hidden_states)
         output = hidden_states.reshape(shape=(hidden_states.shape[0], module.out_channels, height * p, width * p))
-        if not return_dict:
-            return (output,)
-        return Transformer2DModelOutput(sample=output)
+        return _returned(output, return_dict)
 
 
 class _QwenImage(Family):
@@ -235,8 +232,6 @@ class _QwenImage(Family):
                 timestep=None, img_shapes=None, guidance=None, attention_kwargs=None, controlnet_block_samples=None,
                 additional_t_cond=None, return_dict=True):
         """`QwenImageTransformer2DModel.forward`, op for op."""
-        from diffusers.models.modeling_outputs import Transformer2DModelOutput
-
         hidden_states = module.img_in(hidden_states)
         timestep = timestep.to(hidden_states.dtype)
         encoder_hidden_states = module.txt_in(module.txt_norm(encoder_hidden_states))
@@ -258,9 +253,7 @@ class _QwenImage(Family):
                                         encoder_hidden_states_mask)
         hidden_states = module.norm_out(hidden_states, temb)
         output = module.proj_out(hidden_states)
-        if not return_dict:
-            return (output,)
-        return Transformer2DModelOutput(sample=output)
+        return _returned(output, return_dict)
 
 
 FAMILIES = (_Flux(), _Wan(), _SD3(), _QwenImage())
