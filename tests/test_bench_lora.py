@@ -53,3 +53,21 @@ def test_targets_flag_a_switch_that_captured_and_a_slow_mixed_batch():
     result["rows"] = {"per_row": [{"max_abs_diff_8bit": 5}], "adapter_vs_base_8bit": 7}
     (rows,) = [c for c in bench_lora.targets(result) if "mixed row" in c["check"]]
     assert rows["met"] is None and "inconclusive" in rows["why"]  # a row on the wrong adapter would pass too
+
+
+def test_fast_path_times_three_requests_on_two_engines_interleaved(tmp_path):
+    out = tmp_path / "fast.json"
+    assert bench_lora.main(["--allow-cpu", "--model", "tiny-flux", "--rank", "4", "--size", "64", "--steps", "2",
+                            "--std", "0.3", "--fast-path", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    fast = result["fast_path"]
+    assert set(fast["ms"]) == {"plain_base", "lora_base", "adapter"} and set(fast["warmup"]) == {"plain", "lora"}
+    for name, (num, den) in {"lora_base_over_plain_base": ("lora_base", "plain_base"),
+                             "adapter_over_lora_base": ("adapter", "lora_base")}.items():
+        rounds = [round(a / b, 4) for a, b in zip(fast["ms"][num]["rounds"], fast["ms"][den]["rounds"])]
+        assert fast[name]["rounds"] == rounds and len(rounds) == 3
+    # the engine without LoRA layers made as many calls per request as the one with them, over 3 requests
+    # of its own against 6 (base and adapter) there
+    assert 2 * fast["while_timed"]["plain"]["eager_calls"] == fast["while_timed"]["lora"]["eager_calls"] > 0
+    assert [t["check"].split(":")[0] for t in result["targets"]] == ["fast path", "fast path"]
+    assert "switches" not in result and "batch" not in result
