@@ -85,6 +85,8 @@ def test_compile_components_compile_only_those_and_unknown_ones_are_errors_namin
                           components=["transformer", "vae_decoder"])
     assert all(runner.runner_config.compile for runner in every.runners.values())
     assert AppArgs(compile_components="transformer,vae_decoder").compile_components == ["transformer", "vae_decoder"]
+    # the app compiles the transformer alone unless told otherwise; "all" still compiles every component
+    assert AppArgs().compile_components == ["transformer"] and AppArgs(compile_components="all").compile_components == "all"
     with pytest.raises(ValueError, match=r"compile_components\[1\]: unknown component 'vae'"):
         AppArgs(compile_components=["transformer", "vae"])
 
