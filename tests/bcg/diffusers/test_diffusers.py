@@ -405,7 +405,7 @@ def test_pipeline_info_is_plain_and_right():
     json.dumps(info)
     assert {n: i["size_multiple"] for n, i in info.items()} == {
         "tiny-flux": 16, "tiny-sd3": 16, "tiny-pixart": 16, "tiny-sana": 32, "tiny-wan": 16, "tiny-qwen-image": 16,
-        "shapes-flux": 16}
+        "shapes-flux": 8}  # its VAE downsamples 4x (then Flux's 2x2 patches), FLUX.1's 8x
     assert info["shapes-flux"]["default_size"] == "64x64"  # its trained size; tiny-flux keeps FLUX's 1024x1024
     assert info["tiny-flux"]["default_size"] == "1024x1024"
     assert [n for n, i in info.items() if i["is_video"]] == ["tiny-wan"]
