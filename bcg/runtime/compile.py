@@ -29,6 +29,11 @@ Contract:
 - Outputs equal those of the uncompiled module up to inductor's numerics (fusions reorder float math);
   replaying a capture of the compiled forward equals the compiled forward bit for bit.
 - Without CUDA everything works with any backend; ``backend="eager"`` / ``"aot_eager"`` need no C++ build.
+- ``precompile=True`` (inductor only) turns on dynamo's caching precompile for the process
+  (``torch._dynamo.config.caching_precompile``, experimental in torch): ``torch.compiler.save_cache_artifacts()``
+  then also holds dynamo's compiled frames with their guards, and a process that loads those artifacts
+  before its first call runs the compiled code without tracing or compiling (``stats()``: no graphs
+  compiled). Where torch has no such setting it logs that once and compiles as before.
 """
 from __future__ import annotations
 
@@ -48,7 +53,7 @@ from bcg.runtime.signature import call_arguments, signature_of
 logger = logging.getLogger(__name__)
 
 __all__ = ["BREAKS_HOOK", "CompileEvent", "CompiledForward", "DEFAULT_INDUCTOR_OPTIONS",
-           "compile_for_segments", "repeated_blocks"]
+           "compile_for_segments", "enable_precompile", "repeated_blocks"]
 
 #: Inductor without its own CUDA graphs: the breakable capture records the kernels instead.
 DEFAULT_INDUCTOR_OPTIONS = {"triton.cudagraphs": False}
@@ -222,7 +227,11 @@ class CompiledForward(ModuleProxy):
 
     def __init__(self, module, *, backend="inductor", mode=None, options=None, dynamic=None,
                  mark_dynamic: Mapping[str, Any] | None = None, inference=True, recompile_limit=None,
-                 regional=False):
+                 regional=False, precompile=False):
+        if precompile and backend != "inductor":
+            # dynamo stores a precompiled frame with its backend's artifacts; others have none to load
+            raise ValueError(f"precompile needs backend='inductor', got {backend!r}")
+        self._precompile = enable_precompile() if precompile else False
         self._module = module
         self._backend_name = backend if isinstance(backend, str) else getattr(backend, "__name__", repr(backend))
         self._mode = mode
@@ -331,6 +340,7 @@ class CompiledForward(ModuleProxy):
             "options": self._options,
             "dynamic": self._dynamic,
             "mark_dynamic": {k: list(v) for k, v in self._mark_dynamic.items()},
+            "precompile": self._precompile,
             "graphs_compiled": counts["graphs"],
             "frames_compiled": len(frames),
             "recompiles": counts["recompiles"],
@@ -447,9 +457,27 @@ def _dims(name, dims) -> tuple:
     return out
 
 
+_precompile_missing_logged = False
+
+
+def enable_precompile() -> bool:
+    """Turn on dynamo's caching precompile for this process (see the module docstring); False, with one
+    log line, where this torch has none."""
+    global _precompile_missing_logged
+    config = torch._dynamo.config
+    if not hasattr(config, "caching_precompile"):
+        if not _precompile_missing_logged:
+            logger.warning("torch %s has no dynamo caching precompile (torch._dynamo.config.caching_precompile): "
+                           "compiled artifacts still skip inductor, not dynamo's tracing", torch.__version__)
+            _precompile_missing_logged = True
+        return False
+    config.caching_precompile = True
+    return True
+
+
 def compile_for_segments(module, *, backend="inductor", mode=None, options=None, dynamic=None,
                          mark_dynamic: Mapping[str, Any] | None = None, breaks="installed", inference=True,
-                         recompile_limit=None, regional=False) -> CompiledForward:
+                         recompile_limit=None, regional=False, precompile=False) -> CompiledForward:
     """Compile `module` for capture as breakable CUDA graph segments; returns a `CompiledForward`.
 
     backend: "inductor" (default; compiled without its own CUDA graphs), "aot_eager", "eager" or a
@@ -466,6 +494,8 @@ def compile_for_segments(module, *, backend="inductor", mode=None, options=None,
     regional: compile only the module's repeated blocks (`repeated_blocks`), each class once, in place;
         the rest of the forward runs uncompiled (captured all the same). Falls back to the whole module
         when it has none.
+    precompile: dynamo's caching precompile for the process (inductor only; see the module docstring):
+        saved compile artifacts then carry the traced frames, and loading them skips dynamo too.
     """
     if breaks == "installed":
         registry = HookRegistry.of(module)
@@ -477,4 +507,4 @@ def compile_for_segments(module, *, backend="inductor", mode=None, options=None,
         breaks(module)
     return CompiledForward(module, backend=backend, mode=mode, options=options, dynamic=dynamic,
                            mark_dynamic=mark_dynamic, inference=inference, recompile_limit=recompile_limit,
-                           regional=regional)
+                           regional=regional, precompile=precompile)

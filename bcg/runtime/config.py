@@ -82,6 +82,10 @@ class RunnerConfig:
         (embeddings, final norm) uncompiled inside the same graph segments: the compile takes a fraction
         of a whole-module compile for the same kernels where the time is spent (see
         ``bcg.runtime.compile``).
+    compile_precompile: dynamo's caching precompile (experimental in torch; ``bcg.runtime.compile``):
+        compile artifacts saved by this process (``torch.compiler.save_cache_artifacts``) also carry dynamo's
+        traced frames, and a process that loads them runs the compiled code without tracing or compiling
+        it again (inductor only). Process-wide once on.
     quantize, attention_backend: the transformer's, not the runner's: `TransformerOptions`. Passing them
         here is an error that says so (``BCG_QUANTIZE`` / ``BCG_ATTENTION_BACKEND`` still work: they set
         `TransformerOptions.from_env()`).
@@ -103,6 +107,7 @@ class RunnerConfig:
     compile_dynamic: Optional[bool] = None
     compile_mode: Optional[str] = None
     compile_regional: bool = False
+    compile_precompile: bool = False
     # not fields: moved to TransformerOptions; accepted only to say so (their class attributes read None/"auto")
     quantize: dataclasses.InitVar[Optional[str]] = None
     attention_backend: dataclasses.InitVar[str] = "auto"

@@ -161,7 +161,8 @@ class BreakableGraphRunner(ModuleProxy):
             from bcg.runtime.compile import compile_for_segments
             self._compiled = compile_for_segments(module, dynamic=self._runner_config.compile_dynamic,
                                                   mode=self._runner_config.compile_mode,
-                                                  regional=self._runner_config.compile_regional)
+                                                  regional=self._runner_config.compile_regional,
+                                                  precompile=self._runner_config.compile_precompile)
         self._recorder = (CudaRecorder(self._device, self._runner_config)
                           if self._device.type == "cuda" else None)
         self._off = self._off_reason()
