@@ -9,8 +9,8 @@
 #          against schedules computing 25 (50% cached) and 20 (60% cached) of 50 steps, interleaved on one app
 #   batch  FLUX.1-dev 1024², 28 steps, bf16 plain graphs, served with step batches of 4: four requests caching
 #          differently (one uncached) sent together against the same four uncached, and each one alone
-#   compile  FLUX.1-dev 1024², 28 steps, FP8 + fa3_fp8 + regional compile: every component compiled (the
-#          app's default) against the transformer alone (compile_components=transformer; plain graphs for the
+#   compile  FLUX.1-dev 1024², 28 steps, FP8 + fa3_fp8 + regional compile: every component compiled
+#          (compile_components=all) against the transformer alone (the app's default; plain graphs for the
 #          text encoders and the VAE decoder), two apps side by side, interleaved: warmup and per-request cost
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -47,7 +47,7 @@ for part in "${@:-tests flux}"; do
     dirs flux.1-dev
     timeout ${BCG_BENCH_TIMEOUT:-420} python3 benchmarks/bench_served_variants.py --pipelines-dir /tmp/pipelines \
       --model flux.1-dev --sizes 1024x1024 --rounds ${ROUNDS:-3} \
-      --variants "all:${FP8#fp8_attn:};transformer:${FP8#fp8_attn:},compile_components=transformer" \
+      --variants "all:${FP8#fp8_attn:},compile_components=all;transformer:${FP8#fp8_attn:},compile_components=transformer" \
       --out "$R/bench_served_compile_components.json" 2>&1 | tail -30 ;;
   esac
   ray stop --force >/dev/null 2>&1 || true
