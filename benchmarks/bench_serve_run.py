@@ -17,6 +17,8 @@ Per start, written to the JSON as soon as it is measured:
 - ``http_up_s``: command to ``GET /v1/models`` answering (the ingress runs; replicas may still be warming);
 - ``first_image_s``: command to the first image of ``--size`` (it waits for a replica to be ready; its
   answer says whether it ran warm); then ``--requests`` more, one after another (``request_ms``);
+- ``cli``: seconds from the command to `serve run`'s own marks in its output: the CLI running (its imports),
+  Ray started (after importing and building the app), Serve started;
 - per replica (``GET /v1/stats``): the GPU it holds, ``ray_start_s`` (command to the replica's constructor:
   Ray's and Serve's start, the app's build, the actor's start), ``load_pipeline_s``, and the warmup (start of
   warmup to warm) split into loading artifacts, compiling and capturing, with the artifact outcome per key.
@@ -31,7 +33,9 @@ starts, the HTTP and the stats are exercised, not a compile.
 from __future__ import annotations
 
 import argparse
+import datetime
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -69,6 +73,26 @@ def _get(client, path: str):
         return r if r.status_code == 200 else None
     except Exception:  # noqa: BLE001 -- not listening yet
         return None
+
+
+# lines of `serve run`'s own output that mark its stages (Ray Serve 2.60's wording), with their time stamps
+CLI_MARKS = {"cli_started_s": "Running import path", "ray_started_s": "Started a local Ray instance",
+             "serve_started_s": "Started Serve in namespace"}
+_STAMP = re.compile(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})")
+
+
+def cli_marks(log_text: str, command_at: float) -> dict:
+    """Seconds from the command to each of `CLI_MARKS` in `serve run`'s output (the first line naming it,
+    by its time stamp, this machine's local time); a mark not found is left out."""
+    out = {}
+    for line in log_text.splitlines():
+        for name, text in CLI_MARKS.items():
+            if name not in out and text in line:
+                stamp = _STAMP.search(line)
+                if stamp:
+                    at = datetime.datetime.strptime(stamp.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
+                    out[name] = round(at - command_at, 2)
+    return out
 
 
 def replica_view(replica: dict, command_at: float) -> dict:
@@ -134,6 +158,8 @@ def one_start(args, index: int, model_dir: str, store: str, tmp: str) -> dict:
             row["attention"] = stats.get("attention")
     finally:
         stop(proc, args.ray_stop)
+        with open(log_path, errors="replace") as log:
+            row["cli"] = cli_marks(log.read(), command_at)
     return row
 
 

@@ -47,3 +47,15 @@ def test_cpu_smoke_run_starts_serve_run_twice_and_reads_each_replicas_start(tmp_
         assert 0 < replica["ray_start_s"] < start["first_image_s"] and replica["load_pipeline_s"] > 0
     assert result["starts"][0]["replicas"][0]["replica"] != result["starts"][1]["replicas"][0]["replica"]
     assert proc.returncode == 0 and (tmp_path / "bench_serve_run.png").stat().st_size > 0
+
+
+def test_cli_marks_are_read_from_serve_runs_output_by_their_time_stamps():
+    import datetime
+    log = ("2026-12-06 15:35:07,185\tINFO scripts.py:499 -- Running import path: 'deployments.app:build_app'.\n"
+           "some line without a stamp: Started a local Ray instance\n"
+           "2026-12-06 15:35:28,941\tINFO worker.py:2029 -- Started a local Ray instance. View the dashboard\n"
+           "INFO 2026-12-06 15:35:35,588 serve 6452 -- Started Serve in namespace \"serve\".\n")
+    command_at = datetime.datetime(2026, 12, 6, 15, 35, 3, 185000).timestamp()
+    assert bench_serve_run.cli_marks(log, command_at) == {"cli_started_s": 4.0, "ray_started_s": 25.76,
+                                                          "serve_started_s": 32.4}
+    assert bench_serve_run.cli_marks("nothing here", command_at) == {}
