@@ -52,8 +52,8 @@ from _common import add_plot_only, machine_info, run_or_plot, save_figure, write
 
 DEFAULT_OUT = os.path.join(HERE, "results", "bench_serve_run.json")
 PROMPT = "a photo of a red fox in the snow, detailed"
-# Ray Serve's CLI, run as a module (the GPU host's packages come as a site folder without console scripts)
 PORT = 8000  # Serve's HTTP port under `serve run` (its default; the CLI takes no other without a config file)
+# Ray Serve's CLI, run as a module (the GPU host's packages come as a site folder without console scripts)
 SERVE_CLI = [sys.executable, "-c", "import sys; from ray.serve.scripts import cli; sys.exit(cli())"]
 
 
