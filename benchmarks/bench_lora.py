@@ -53,7 +53,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(1, os.path.dirname(HERE))
 
-from _common import machine_info, ratio, runner_fields, time_interleaved, write_json  # noqa: E402
+from _common import (add_plot_only, machine_info, plot_only, png_path, pyplot, ratio, runner_fields,  # noqa: E402
+                     save_figure, time_interleaved, write_json)
 
 DEFAULT_OUT = os.path.join(HERE, "results", "bench_lora.json")
 TARGETS = {"adapter_over_base": 1.10, "mixed_over_single_images_per_s": 0.85, "lora_base_over_plain_base": 1.05}
@@ -333,6 +334,30 @@ def targets(result: dict) -> list:
     return out
 
 
+def plot(result: dict, png: str) -> bool:
+    """The fast path's three requests (median, min-max) with the two ratios; False without that phase."""
+    fast = result.get("fast_path") or {}
+    plt = pyplot()
+    if plt is None or "ms" not in fast:
+        return False
+    names = {"plain_base": "base,\nno LoRA layers", "lora_base": "base,\nLoRA layers", "adapter": "adapter"}
+    ms = [fast["ms"][n] for n in names]
+    fig, ax = plt.subplots(figsize=(5.5, 3.4))
+    ax.bar(list(names.values()), [m["median"] for m in ms], color=["#888", "#c55", "#55c"],
+           yerr=[[m["median"] - m["min"] for m in ms], [m["max"] - m["median"] for m in ms]], capsize=4)
+    for i, m in enumerate(ms):
+        ax.annotate(f"{m['median']:.0f} ms", (i, m["median"]), ha="center", va="bottom", fontsize=9,
+                    xytext=(0, 4), textcoords="offset points")
+    layers, adapter = fast["lora_base_over_plain_base"], fast["adapter_over_lora_base"]
+    settings = result.get("settings") or {}
+    ax.set_title(f"LoRA on the fast path, {settings.get('size')}², rank {settings.get('rank')} "
+                 f"({(result.get('machine') or {}).get('gpu', 'CPU')})\nlayers {layers['median']:.3f}x "
+                 f"({layers['min']:.3f}-{layers['max']:.3f}), adapter/base {adapter['median']:.3f}x", fontsize=9)
+    ax.set_ylabel("ms per request (median, min-max)")
+    ax.set_ylim(0, 1.15 * max(m["max"] for m in ms))
+    return save_figure(fig, png)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None, help="pipeline directory (default: benchmarks/pipelines/flux.1-dev; "
@@ -354,7 +379,10 @@ def main(argv=None) -> int:
     p.add_argument("--fast-path", action="store_true",
                    help="only issue 40's phase: engines with and without LoRA layers side by side, interleaved")
     p.add_argument("--allow-cpu", action="store_true", help="smoke run without CUDA (tiny-flux)")
+    add_plot_only(p)
     args = p.parse_args(argv)
+    if args.plot_only:
+        return plot_only(args.plot_only, plot)
     import torch
 
     if not torch.cuda.is_available() and not args.allow_cpu:
@@ -368,6 +396,8 @@ def main(argv=None) -> int:
     if args.adapters < 1 or args.rounds < 3:
         p.error("--adapters must be >= 1 and --rounds >= 3")
     result = run(args)
+    if args.fast_path:
+        plot(result, png_path(args.out))
     for check in result["targets"]:
         log(f"{'met' if check['met'] else 'NOT met'}: {check['check']} ({check['value']})")
     return 0

@@ -71,3 +71,6 @@ def test_fast_path_times_three_requests_on_two_engines_interleaved(tmp_path):
     assert 2 * fast["while_timed"]["plain"]["eager_calls"] == fast["while_timed"]["lora"]["eager_calls"] > 0
     assert [t["check"].split(":")[0] for t in result["targets"]] == ["fast path", "fast path"]
     assert "switches" not in result and "batch" not in result
+    assert (tmp_path / "fast.png").stat().st_size > 0  # the three requests drawn next to the JSON
+    (tmp_path / "fast.png").unlink()
+    assert bench_lora.main(["--plot-only", str(out)]) == 0 and (tmp_path / "fast.png").stat().st_size > 0
