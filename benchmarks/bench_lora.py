@@ -43,6 +43,7 @@ built-in tiny-flux, 64x64, 2 steps, rank 4 (its numbers say nothing about a GPU)
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import os
 import sys
@@ -87,6 +88,25 @@ def make_adapters(model: str, out_dir: str, count: int, rank: int, std: float, d
                                       seed=i + 1, std=std, dtype=dtype)) for i in range(count)}
 
 
+def _request(args, seed: int = 1):
+    """The benchmark's request: one image of ``--size``, ``--steps`` steps."""
+    from deployments.schemas import ImageGenerationRequest
+    return ImageGenerationRequest(prompt="a photo of a lighthouse at dusk", size=f"{args.size}x{args.size}",
+                                  seed=seed, num_inference_steps=args.steps)
+
+
+def _key(args, engine):
+    """The shape key `engine` serves `_request` at (checked as the ingress checks a request)."""
+    from deployments.schemas import RequestLimits, check_request
+    limits = RequestLimits(max_steps=max(50, args.steps), max_pixels=args.size * args.size * 4)
+    return check_request(_request(args), limits, args.model, engine.info)
+
+
+def _lora_settings(args, adapters: dict) -> dict:
+    """The engines' LoRA settings: the adapters loaded at start, slots for at least 4, ``--rank``."""
+    return {"modules": adapters, "max_loras": max(4, args.adapters), "max_lora_rank": args.rank}
+
+
 def _totals(engine) -> dict:
     """Captures, eager calls and compiled graphs over the engine's runners (stats read again now)."""
     stats = engine.call(engine.refresh).result()
@@ -101,7 +121,6 @@ def run(args) -> dict:
 
     from deployments.engine import ReplicaEngine
     from deployments.lora import LoraChoice
-    from deployments.schemas import ImageGenerationRequest, RequestLimits, check_request
 
     result = {"benchmark": "bench_lora", "command": " ".join(sys.argv), "machine": machine_info(),
               "settings": {k: v for k, v in vars(args).items() if k != "out"}, "targets_wanted": TARGETS}
@@ -121,17 +140,11 @@ def run(args) -> dict:
     # admission "always": the 4-row steps below share their rows whatever the measured step costs say
     engine = ReplicaEngine(args.model, runner_config=runner, warmup_steps=2,
                            batching={"max_batch_size": 4, "batch_buckets": [1, 2, 4], "admission_policy": "always"},
-                           lora={"modules": adapters, "max_loras": max(4, args.adapters), "max_lora_rank": args.rank})
+                           lora=_lora_settings(args, adapters))
     result["load_s"] = round(time.perf_counter() - t0, 3)
     result["lora"] = engine.lora_stats()
-    size = f"{args.size}x{args.size}"
-    limits = RequestLimits(max_steps=max(50, args.steps), max_pixels=args.size * args.size * 4)
-
-    def request(seed=1):
-        return ImageGenerationRequest(prompt="a photo of a lighthouse at dusk", size=size, seed=seed,
-                                      num_inference_steps=args.steps)
-
-    key = check_request(request(), limits, args.model, engine.info)
+    request = functools.partial(_request, args)
+    key = _key(args, engine)
     log(f"warming {key.key}")
     result["warmup"] = engine.call(engine.warmup_key, key.key).result()
     result["warmup"].pop("memory", None)
@@ -223,23 +236,15 @@ def fast_path(args, result: dict, save, adapters: dict, runner: dict) -> None:
 
     from deployments.engine import ReplicaEngine
     from deployments.lora import LoraChoice
-    from deployments.schemas import ImageGenerationRequest, RequestLimits, check_request
 
     one_bucket = {"max_batch_size": 1, "batch_buckets": [1]}
-    lora = {"modules": adapters, "max_loras": max(4, args.adapters), "max_lora_rank": args.rank}
-    engines, size = {}, f"{args.size}x{args.size}"
-    limits = RequestLimits(max_steps=max(50, args.steps), max_pixels=args.size * args.size * 4)
-
-    def request(seed=1):
-        return ImageGenerationRequest(prompt="a photo of a lighthouse at dusk", size=size, seed=seed,
-                                      num_inference_steps=args.steps)
-
+    engines = {}
     result["fast_path"] = {"warmup": {}}
-    for name, extra in (("plain", {}), ("lora", {"lora": lora})):
+    for name, extra in (("plain", {}), ("lora", {"lora": _lora_settings(args, adapters)})):
         t0 = time.perf_counter()
         engine = engines[name] = ReplicaEngine(args.model, runner_config=runner, warmup_steps=2,
                                                batching=one_bucket, **extra)
-        key = check_request(request(), limits, args.model, engine.info)
+        key = _key(args, engine)
         log(f"{name}: loaded in {time.perf_counter() - t0:.1f} s, warming {key.key}")
         warm = engine.call(engine.warmup_key, key.key).result()
         warm.pop("memory", None)
@@ -252,7 +257,7 @@ def fast_path(args, result: dict, save, adapters: dict, runner: dict) -> None:
         def run():
             t = time.perf_counter()
             choice = None if lora is None else LoraChoice(lora, 1.0)
-            engines[engine].submit(request(), key, args.steps, lora=choice).result()
+            engines[engine].submit(_request(args), key, args.steps, lora=choice).result()
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
             return (time.perf_counter() - t) * 1e3
