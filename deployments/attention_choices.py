@@ -31,7 +31,7 @@ import logging
 import time
 from typing import Dict, Optional
 
-from bcg.runtime.attention import CHOICES_VERSION
+from bcg.runtime.attention import ATTENTION_BACKENDS, CHOICES_VERSION
 
 logger = logging.getLogger(__name__)
 
@@ -57,8 +57,9 @@ def _check_scope(scope) -> dict:
 def _check_record(entry, record) -> dict:
     if not isinstance(entry, str) or not entry:
         raise ValueError(f"attention choices: entry must be a non-empty string, got {entry!r}")
-    if not isinstance(record, dict) or not isinstance(record.get("backend"), str):
-        raise ValueError(f"attention choices: record.backend must be a kernel name, got {record!r}")
+    if not isinstance(record, dict) or record.get("backend") not in ATTENTION_BACKENDS:
+        # a name this code does not know (another build's kernel) is a bad record here: skipped, never imported
+        raise ValueError(f"attention choices: record.backend must be one of {list(ATTENTION_BACKENDS)}, got {record!r}")
     return record
 
 

@@ -10,7 +10,7 @@ import threading
 import pytest
 import torch
 
-from bcg.runtime.attention import AttentionDispatch, choice_scope
+from bcg.runtime.attention import CHOICES_VERSION, AttentionDispatch, choice_scope
 from deployments.attention_choices import (AttentionChoiceRegistry, AttentionChoiceStore, ReplicaAttentionChoices,
                                           share_choices)
 from deployments.compile_cache import ArtifactStore
@@ -72,6 +72,18 @@ def test_a_bad_record_file_is_skipped_and_never_replaced(tmp_path, caplog):
     with pytest.raises(ValueError, match="not a choice record"):
         store.put_first(SCOPE, ENTRY, {"backend": "fa3"})
     assert path.read_text() == "{not json"
+
+
+def test_a_stored_kernel_this_code_does_not_know_is_skipped_not_imported(tmp_path):
+    """Another build's kernel name in the shared store: the table leaves it out (a dispatch would refuse it,
+    and the replica that imports the table could not start)."""
+    store = AttentionChoiceStore(ArtifactStore(str(tmp_path)))
+    path = tmp_path / store.path(SCOPE, ENTRY)
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps({"version": CHOICES_VERSION, "scope": SCOPE, "entry": ENTRY, "record": {"backend": "fa4"}}))
+    assert store.table(SCOPE) == {}
+    store.put_first(SCOPE, "another entry", {"backend": "sdpa"})
+    assert {e: r["backend"] for e, r in store.table(SCOPE).items()} == {"another entry": "sdpa"}
 
 
 def test_two_coordinators_sharing_a_store_hand_out_the_first_choice():
