@@ -228,23 +228,16 @@ class ReplicaAttentionChoices:
             key = scope_key(dispatch.scope)
             if key not in tables:
                 try:
-                    tables[key] = self.as_imported(await asyncio.wait_for(
-                        self.coordinator.attention_table.remote(dict(dispatch.scope)), self.timeout_s))
+                    # records keep their source where the dispatch knows it ("store"), else import as
+                    # "coordinator" (`AttentionDispatch.import_choices`)
+                    tables[key] = await asyncio.wait_for(
+                        self.coordinator.attention_table.remote(dict(dispatch.scope)), self.timeout_s)
                 except Exception as exc:  # noqa: BLE001 -- no table: this replica times and publishes
                     self.counts["errors"] += 1
                     logger.warning("replica %s: no attention choices from the coordinator: %s", self.replica_id, exc)
                     tables[key] = None
             self.attached[name] = key
         self.counts["imported"] += await engine_call(engine.share_attention_choices, tables, self)
-
-    @staticmethod
-    def as_imported(table: Optional[dict]) -> Optional[dict]:
-        """The coordinator's table with each record's source in the dispatch's words: "store" stays, a
-        record a replica published through the coordinator is "coordinator"."""
-        if table is None:
-            return None
-        return {**table, "choices": {e: {**r, "source": "store" if r.get("source") == "store" else "coordinator"}
-                                     for e, r in table["choices"].items()}}
 
     def publish(self, scope: dict, entry: str, record: dict) -> dict:
         """A dispatch's timed choice, offered to the coordinator from the pipeline's thread (blocks it until
