@@ -91,6 +91,5 @@ def test_diagnosis_scores_the_vaes_reconstructions_and_the_texts_separation(tmp_
     scale = 2 ** (len(result["architecture"]["vae_blocks"]) - 1)
     assert result["latent_shape"] == [result["architecture"]["latent_channels"], 64 // scale, 64 // scale]
     text = result["text"]
-    assert text["same_caption_identical"]
     for what in ("colour", "shape", "position", "count"):
         assert text[what]["t5_relative_distance"] > 0.1 and text[what]["clip_pooled_relative_distance"] > 0.1
