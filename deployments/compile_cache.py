@@ -311,15 +311,26 @@ class _LocalFiles:
         except FileNotFoundError:
             return None
 
-    def write(self, path: str, data: bytes) -> None:
+    def _written_whole(self, path: str, data: bytes, suffix: str = "") -> tuple:
+        """``(target, temporary file)``: `data` written and synced under a temporary name beside `path`'s
+        target (the caller moves it into place and removes what is left)."""
         target = os.path.join(self.root, path)
         os.makedirs(os.path.dirname(target), exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(target), prefix=".tmp-", suffix=ARTIFACT_SUFFIX)
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(target), prefix=".tmp-", suffix=suffix)
         try:
             with os.fdopen(fd, "wb") as f:
                 f.write(data)
                 f.flush()
                 os.fsync(f.fileno())
+        except BaseException:
+            with contextlib.suppress(Exception):
+                os.unlink(tmp)
+            raise
+        return target, tmp
+
+    def write(self, path: str, data: bytes) -> None:
+        target, tmp = self._written_whole(path, data, ARTIFACT_SUFFIX)
+        try:
             os.replace(tmp, target)  # readers see the old file or the whole new one
         except BaseException:
             with contextlib.suppress(Exception):
@@ -330,14 +341,8 @@ class _LocalFiles:
         """Write `data` at `path` unless a file is there already (False then): written whole under a
         temporary name, then hard-linked into place, which fails when the name exists, so of writers
         racing for one path exactly one wins and readers never see a part."""
-        target = os.path.join(self.root, path)
-        os.makedirs(os.path.dirname(target), exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(target), prefix=".tmp-")
+        target, tmp = self._written_whole(path, data)
         try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
             try:
                 os.link(tmp, target)
             except FileExistsError:
