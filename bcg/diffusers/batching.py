@@ -559,8 +559,12 @@ class StepBatcher:
         request of ``n`` images alone pads to it), for `warmup_pipeline`."""
         if self.family is None:  # every request runs alone, at its own image count
             return parse_plan(keys)
-        return parse_plan([key.with_batch(b) for key in parse_plan(keys)
-                           for b in sorted({*self._join_buckets(), self.config.bucket_for(key.batch_size)})])
+        return parse_plan([key.with_batch(b) for key in parse_plan(keys) for b in self._key_buckets(key)])
+
+    def _key_buckets(self, key: ShapeKey) -> list[int]:
+        """The row buckets a warmup of `key` captures, and so the ones its step costs are timed at: every
+        join bucket and the bucket of the key's own image count."""
+        return sorted({*self._join_buckets(), self.config.bucket_for(key.batch_size)})
 
     def _join_buckets(self) -> list[int]:
         """The buckets that requests joining one group pad to: their rows per step, and their prompts per
@@ -646,7 +650,7 @@ class StepBatcher:
         with torch.no_grad(), pipeline_call_scope(self.pipe):
             for key in parse_plan(keys):
                 group = key.group
-                buckets = sorted({*self._join_buckets(), self.config.bucket_for(key.batch_size)})
+                buckets = self._key_buckets(key)
                 if only_missing:
                     known = self.step_costs.for_group(group.key)
                     buckets = [b for b in buckets if b not in known]
