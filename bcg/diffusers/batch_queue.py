@@ -259,12 +259,7 @@ class RequestQueue:
         whose rows fit, in arrival order, and with ``admission_policy="auto"`` only as many as pay
         (`joining_rows`); the first one held back is counted as deferred."""
         prefix = self._fitting_locked(rows, queued)
-        k = len(prefix)
-        if k and self.config.admission_policy == "auto" and self.costs is not None:
-            costs = self.costs.for_group(slot)
-            if costs:
-                k = joining_rows(costs, self.config.bucket_for, rows, self._last_bucket.get(slot, 0), prefix,
-                                 self.config.admission_margin)
+        k = self._paying_locked(slot, rows, prefix)
         if k < len(prefix):
             held = queued[k]
             self.deferrals["boundaries"] += 1
@@ -276,10 +271,15 @@ class RequestQueue:
     def _room_locked(self, slot: str, running: int) -> int:
         """Rows a running group would hold if one-row requests queued up now (for a router's free rows)."""
         prefix = list(range(1, self.config.max_batch_size - running + 1))
-        if not prefix or self.config.admission_policy != "auto" or self.costs is None:
-            return running + len(prefix)
-        costs = self.costs.for_group(slot)
+        return running + self._paying_locked(slot, running, prefix)
+
+    def _paying_locked(self, slot: str, rows: int, prefix: list[int]) -> int:
+        """How many queued requests (`prefix`: the rows the first k add, `_fitting_locked`) join `rows`
+        running rows: all of them, or with ``admission_policy="auto"`` and costs measured for the group
+        only as many as pay (`joining_rows`)."""
+        costs = self.costs.for_group(slot) if prefix and self.config.admission_policy == "auto" \
+            and self.costs is not None else None
         if not costs:
-            return running + len(prefix)
-        return running + joining_rows(costs, self.config.bucket_for, running, self._last_bucket.get(slot, 0),
-                                      prefix, self.config.admission_margin)
+            return len(prefix)
+        return joining_rows(costs, self.config.bucket_for, rows, self._last_bucket.get(slot, 0), prefix,
+                            self.config.admission_margin)
