@@ -638,8 +638,7 @@ class StepBatcher:
         ``K.b2`` are one group) is not timed again. About ``(1 + repeats)`` times the sum of the buckets'
         step times. Runs where it is called (the loop thread during `warmup`); the step is the base
         model's, every row computing (no step caching), and changes no request's state."""
-        from bcg.diffusers.families import family_named
-        from bcg.diffusers.pipelines import pipeline_info, plan_request
+        from bcg.diffusers.pipelines import _warmup_request, pipeline_info
 
         if self.family is None:
             raise ValueError(f"{type(self.pipe).__name__} has no step hooks: its requests run alone, unbatched")
@@ -656,9 +655,7 @@ class StepBatcher:
                     buckets = [b for b in buckets if b not in known]
                 if not buckets:
                     continue
-                guidance, negative = family_named(info["family"]).cfg.request_for(group.cfg, info["default_guidance"])
-                _, kwargs = plan_request(self.pipe, "a photo of a cat", key=group, steps=2, guidance=guidance,
-                                         negative_prompt=negative, seed=0, output_type="latent", info=info)
+                kwargs = _warmup_request(self.pipe, group, info, 2, "a photo of a cat", output_type="latent")
                 state = self.family.prepare(self.pipe, kwargs)
                 measured[group.key] = time_buckets(lambda bucket: self._cost_step(state, bucket), buckets,
                                                    repeats, sync=self._sync)

@@ -230,12 +230,13 @@ def generate(pipe, prompt: str, **request) -> list:
 # warmup
 
 
-def _warmup_request(pipe, key: ShapeKey, info: dict, steps: int, prompt: str, batched: bool = False) -> dict:
+def _warmup_request(pipe, key: ShapeKey, info: dict, steps: int, prompt: str, batched: bool = False,
+                    output_type: str = "np") -> dict:
     """The call arguments of a request at `key`: its guidance runs CFG exactly when the key does; `batched`:
     its images come from as many prompts (one image each), so the text encoders see that batch too."""
     guidance, negative = family_named(info["family"]).cfg.request_for(key.cfg, info["default_guidance"])
     kwargs = plan_request(pipe, prompt, key=key, steps=steps, guidance=guidance, negative_prompt=negative,
-                          seed=0, output_type="np", info=info)[1]
+                          seed=0, output_type=output_type, info=info)[1]
     if batched and key.batch_size > 1 and "num_images_per_prompt" in kwargs:
         kwargs |= {"prompt": [prompt] * key.batch_size, "num_images_per_prompt": 1}
         if isinstance(kwargs.get("negative_prompt"), str):  # one negative row in some pipelines (Flux)
