@@ -237,7 +237,7 @@ class ReplicaAttentionChoices:
                     logger.warning("replica %s: no attention choices from the coordinator: %s", self.replica_id, exc)
                     tables[key] = None
             self.attached[name] = key
-        self.counts["imported"] += await engine_call(engine.share_attention_choices, tables, self)
+        self.counts["imported"] += await engine_call(share_choices, dispatches, tables, self)
 
     def publish(self, scope: dict, entry: str, record: dict) -> dict:
         """A dispatch's timed choice, offered to the coordinator from the pipeline's thread (blocks it until

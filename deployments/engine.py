@@ -266,12 +266,6 @@ class ReplicaEngine:
                 out[name] = dispatch
         return out
 
-    def share_attention_choices(self, tables: dict, shared) -> int:
-        """`deployments.attention_choices.share_choices` over this engine's ``"auto"`` dispatches; on the
-        pipeline's thread, before a warmup. Returns how many choices were adopted."""
-        from deployments.attention_choices import share_choices
-        return share_choices(self.attention_dispatches(), tables, shared)
-
     def _log_kernels(self, options) -> None:
         """One line at start: float8 on or why not, and the attention backend asked for."""
         for name, kernels in self.kernel_stats().items():

@@ -11,8 +11,7 @@ import pytest
 import torch
 
 from bcg.runtime.attention import CHOICES_VERSION, AttentionDispatch, choice_scope
-from deployments.attention_choices import (AttentionChoiceRegistry, AttentionChoiceStore, ReplicaAttentionChoices,
-                                          share_choices)
+from deployments.attention_choices import AttentionChoiceRegistry, AttentionChoiceStore, ReplicaAttentionChoices
 from deployments.compile_cache import ArtifactStore
 
 SCOPE = {"device_name": "NVIDIA H100 80GB HBM3", "torch": "2.9.0"}
@@ -158,16 +157,13 @@ class _Coordinator:
 
 
 class _Engine:
-    """`ReplicaEngine`'s two methods the replica's side calls, over one real dispatch."""
+    """`ReplicaEngine`'s method the replica's side calls, over one real dispatch."""
 
     def __init__(self, dispatch):
         self.dispatch = dispatch
 
     def attention_dispatches(self):
         return {"transformer": self.dispatch}
-
-    def share_attention_choices(self, tables, shared):
-        return share_choices(self.attention_dispatches(), tables, shared)
 
 
 def test_a_replica_imports_the_coordinators_table_and_publishes_from_its_pipeline_thread(tmp_path):
