@@ -52,8 +52,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 
-from _common import (add_plot_only, machine_info, pick_device, pyplot, run_or_plot, save_figure,  # noqa: E402
-                     start_local_serve)
+from _common import (_spread, add_plot_only, machine_info, pick_device, pyplot, run_or_plot,  # noqa: E402
+                     save_figure, start_local_serve)
 import bench_batching  # noqa: E402
 from bench_batching import PROMPTS, _request, batch_figures, _percentiles  # noqa: E402
 
@@ -253,11 +253,6 @@ def _result(args, samples: dict) -> dict:
         "runs": rows,
         "summary": _compare(samples, args),
     }
-
-
-def _spread(values: list[float]) -> dict:
-    return {"median": round(statistics.median(values), 4), "min": round(min(values), 4),
-            "max": round(max(values), 4), "all": [round(v, 4) for v in values]}
 
 
 def _compare(samples: dict, args) -> dict:

@@ -22,7 +22,7 @@ def test_cpu_smoke_run_serializes_auto_under_compute_bound_costs_and_always_batc
     assert code == 0 and result["shape_key"] == "64x64.p32" and result["step_costs_ms"] == costs
     runs = {(r["concurrency"], r["policy"]): r for r in result["runs"]}
     assert set(runs) == {(1, "auto"), (1, "always"), (2, "auto"), (2, "always")}
-    assert all(r["rounds"] == 2 and len(r["round_images_per_s"]["all"]) == 2 for r in runs.values())
+    assert all(r["rounds"] == 2 and len(r["round_images_per_s"]["rounds"]) == 2 for r in runs.values())
     # auto: never two rows in a step, the second request of each burst held back once
     assert runs[(2, "auto")]["batch_size_histogram"] == {"1": 8} and runs[(2, "auto")]["deferred_requests"] == 2
     assert "2" in runs[(2, "always")]["batch_size_histogram"] and runs[(2, "always")]["deferred_requests"] == 0
