@@ -8,12 +8,12 @@ own forward instead. `MiddleBlocks` is what a row that computes runs: the middle
 """
 from __future__ import annotations
 
-import functools
-import inspect
 from typing import Sequence
 
 import torch
 from torch import nn
+
+from bcg.runtime.signature import bind_positional, positional_names
 
 __all__ = ["FAMILIES", "Family", "MiddleBlocks", "family_of"]
 
@@ -49,15 +49,9 @@ class Family:
         return any(c.__name__ in self.classes for c in type(module).__mro__)
 
     def bypasses(self, module, args, kwargs) -> bool:
-        if not self.bypass_args:
-            return False
-        if args:   # positional arguments: named by the forward's signature (read once)
-            kwargs = {**self._signature.bind_partial(None, module, *args).arguments, **kwargs}
+        if args:   # positional arguments: named by the model's forward, as the runner names them
+            kwargs = bind_positional(positional_names(module), args, kwargs)[1]
         return any(_given(kwargs.get(name)) for name in self.bypass_args)
-
-    @functools.cached_property
-    def _signature(self) -> inspect.Signature:
-        return inspect.signature(self.forward)
 
     def blocks(self, module) -> list:
         raise NotImplementedError

@@ -15,6 +15,7 @@ from bcg.diffusers.models import load_pipeline
 from bcg.diffusers.pipelines import plan_request
 from bcg.diffusers.step_cache import (StepCacheConfig, disable_step_cache, enable_step_cache, step_cache_of,
                                       supports_step_cache)
+from bcg.runtime.signature import positional_names
 from tests.bcg.diffusers.test_step_cache import run_batched
 
 STEPS = 6
@@ -108,6 +109,10 @@ def test_arguments_the_cached_forward_does_not_carry_run_the_original_forward(fa
     try:
         assert hook.family.bypasses(pipe.transformer, (), {arg: {"scale": 1.0}})
         assert not hook.family.bypasses(pipe.transformer, (), {arg: {}})   # empty: nothing to carry
+        names = positional_names(pipe.transformer)  # the same argument passed positionally
+        positional = tuple({"scale": 1.0} if n == arg else None for n in names[:names.index(arg) + 1])
+        assert hook.family.bypasses(pipe.transformer, positional, {})
+        assert not hook.family.bypasses(pipe.transformer, positional[:-1], {})
         schedule = StepCacheConfig(method="schedule", schedule=[0], warmup_steps=0)
         out, counts = _output(pipe, fields, cache=schedule, **{arg: {"scale": 1.0}})
         assert np.array_equal(out, expected)                  # uncached: the original forward ran
