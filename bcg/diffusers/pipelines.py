@@ -256,7 +256,14 @@ def warmup_pipeline(pipe, plan, num_inference_steps: int = 2, prompt: str = "a p
     {component: [signature keys]}, "failed": {component: [reasons]}, "error", "seconds"}], "captured",
     "failed", "seconds"}``. A key that fails (bad size, an exception in the pipeline) is reported, not
     raised, so one bad key does not stop the rest of the plan.
+
+    A transformer with LoRA layers (`bcg.lora`) runs each key twice, the base model through the graphs
+    that compute the low-rank update (what a step with an adapter row replays) and then through those that
+    skip it (a step of base rows only), and is left with every row the base model's.
     """
+    from bcg.lora.bank import lora_bank
+
+    lora = lora_bank(getattr(pipe, "transformer", None))
     runners = pipeline_runners(pipe)
     if not runners:
         logger.warning("warmup_pipeline: %s has no runners; call accelerate(pipe) first", type(pipe).__name__)
@@ -275,7 +282,10 @@ def warmup_pipeline(pipe, plan, num_inference_steps: int = 2, prompt: str = "a p
             with contextlib.ExitStack() as stack:
                 for runner in runners.values():
                     stack.enter_context(runner.warmup())
-                pipe(**kwargs)
+                for enabled in ((True, False) if lora is not None else (None,)):
+                    if lora is not None:
+                        lora.set_all(None, enabled=enabled)
+                    pipe(**kwargs)
         except Exception as exc:  # noqa: BLE001 -- reported per key
             error = f"{type(exc).__name__}: {exc}"
             logger.warning("warmup of %s failed: %s", key.key, error)

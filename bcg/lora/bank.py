@@ -10,6 +10,11 @@ rank ``max_rank`` at most. From then on:
 * `set_rows(choices)` writes the per-row slot and scale of the next transformer call (a choice per row:
   None for the base model, or ``(adapter name, scale)``); an adapter that is not loaded raises
   `UnknownAdapterError` before anything is written. A call with the rows of the last one writes nothing.
+  A call whose rows are all the base model's computes no low-rank update (`LoraRows.enabled` off): the
+  transformer's signature says so (``lora=off``, the runner's `SIGNATURE_CONTEXT_ATTR`), so base steps
+  replay graphs of their own, as fast as a transformer without LoRA layers, and steps with an adapter row
+  the graphs that compute it. A warmup captures both (`set_all(None, enabled=True)` runs the base model
+  through the computing graphs).
 
 Both are copies into buffers the graphs read: loading, unloading and switching never recapture. Not
 thread-safe: call them from the thread that runs the transformer, between its calls.
@@ -25,6 +30,7 @@ from torch import nn
 
 from bcg.lora.layers import LoraLinear, LoraRows
 from bcg.runtime.hooks import HookRegistry, ModelHook
+from bcg.runtime.runner import SIGNATURE_CONTEXT_ATTR
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +54,7 @@ class LoraHook(ModelHook):
         for parent, child, base in self.replaced.values():
             setattr(parent, child, base)
         self.replaced = {}
+        transformer.__dict__.pop(SIGNATURE_CONTEXT_ATTR, None)
         return transformer
 
 
@@ -152,6 +159,7 @@ class LoraBank:
             layers[name] = LoraLinear(base, rows, max_loras + 1, max_rank)
             setattr(parent, child, layers[name])
         bank = cls(layers, rows, max_loras, max_rank)
+        setattr(transformer, SIGNATURE_CONTEXT_ATTR, bank.signature_context)
         HookRegistry.check_if_exists_or_initialize(transformer).register_hook(LoraHook(bank, bases), LORA_HOOK)
         logger.info("LoRA: %d layers hold %d adapters of rank <= %d (%s)", len(layers), max_loras, max_rank,
                     _format_bytes(bank.slot_bytes() * (max_loras + 1)))
@@ -234,8 +242,10 @@ class LoraBank:
         if name is not None and name not in self._held:
             raise UnknownAdapterError(f"no LoRA adapter {name!r} is loaded (loaded: {self.adapters() or 'none'})")
 
-    def set_rows(self, choices: Sequence) -> None:
-        """Each row's adapter for the next call: None (the base model) or ``(name, scale)``."""
+    def set_rows(self, choices: Sequence, enabled: Optional[bool] = None) -> None:
+        """Each row's adapter for the next call: None (the base model) or ``(name, scale)``. `enabled`:
+        whether the layers compute the low-rank update (None: when some row names an adapter; True with
+        only base rows runs them through the graphs that compute, adding zeros: a warmup's)."""
         slots, scales = [], []
         for choice in choices:
             if choice is None:
@@ -246,6 +256,7 @@ class LoraBank:
             self.check(name)
             slots.append(self._held[name].slot)
             scales.append(float(scale))
+        self.rows.enabled = any(slots) if enabled is None else bool(enabled)
         written = (tuple(slots), tuple(scales))
         if written == self._written:
             return
@@ -253,9 +264,15 @@ class LoraBank:
         self._written = written
         self.row_writes += 1
 
-    def set_all(self, choice) -> None:
-        """Every row of the buffers to one choice (a call whose row layout is the pipeline's own)."""
-        self.set_rows([choice] * self.rows.max_rows)
+    def set_all(self, choice, enabled: Optional[bool] = None) -> None:
+        """Every row of the buffers to one choice (a call whose row layout is the pipeline's own); `enabled`
+        as for `set_rows`."""
+        self.set_rows([choice] * self.rows.max_rows, enabled=enabled)
+
+    def signature_context(self) -> tuple:
+        """What the transformer's signature adds (the runner's `SIGNATURE_CONTEXT_ATTR`): ``lora=off``
+        while the layers compute no update, nothing while they do (the key a transformer had before)."""
+        return () if self.rows.enabled else _LORA_OFF
 
     # stats ----------------------------------------------------------------------------------------
 
@@ -270,6 +287,9 @@ class LoraBank:
                 "max_loras": self.max_loras, "max_lora_rank": self.max_rank, "layers": len(self.layers),
                 "bytes": self.slot_bytes() * (self.max_loras + 1), "loads": self.loads, "unloads": self.unloads,
                 "row_writes": self.row_writes}
+
+
+_LORA_OFF = (("lora", "off"),)
 
 
 def _format_bytes(n: int) -> str:

@@ -10,6 +10,9 @@ adapters share one call: each gathers its own slot (``index_select``) and the up
 matmuls over the rows.
 
 A row of slot 0 adds exact zeros, so the base model's outputs are bit for bit those of the layer alone.
+A call whose rows are all the base model's need not pay for the update at all: while `LoraRows.enabled` is
+False the layers return ``base(x)`` alone. The transformer's signature keys that state (`LoraBank`), so it
+replays graphs (and compiled code) of its own, and a step with an adapter row the graphs that compute.
 A layer's input must have the batch rows first (``(rows, ..., in_features)``), as every linear layer
 inside a diffusion transformer's blocks has.
 """
@@ -25,7 +28,9 @@ class LoraRows(nn.Module):
     """Per-row slot index and scale for the layers of one transformer (``max_rows`` rows at most).
 
     A module of its own, registered as a child of every `LoraLinear` it serves, so ``.to()`` moves it
-    once and each layer sees the same tensors. Rows beyond a call's batch are not read."""
+    once and each layer sees the same tensors. Rows beyond a call's batch are not read. ``enabled`` (a host
+    flag, not a buffer): whether the layers compute the low-rank update at all (`LoraBank.set_rows` clears
+    it when every row is the base model's)."""
 
     def __init__(self, max_rows: int, device=None, dtype: torch.dtype = torch.float32):
         super().__init__()
@@ -33,6 +38,7 @@ class LoraRows(nn.Module):
         # with no cast of its own (written once a step, read by every layer)
         self.register_buffer("slots", torch.zeros(max_rows, dtype=torch.long, device=device), persistent=False)
         self.register_buffer("scales", torch.zeros(max_rows, dtype=dtype, device=device), persistent=False)
+        self.enabled = True
 
     @property
     def max_rows(self) -> int:
@@ -90,6 +96,8 @@ class LoraLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.base(x)
+        if not self.rows.enabled:  # every row the base model's: no update (a graph of its own, `LoraBank`)
+            return out
         n = x.shape[0]
         slots = self.rows.slots[:n]
         a = self.lora_A.index_select(0, slots)  # (n, rank, in)

@@ -13,7 +13,7 @@ under ``torch.no_grad()``: inference only, whatever the caller's grad mode.
 
 What a signature covers: the call's arguments (`bcg.runtime.signature`: shapes, dtypes, devices with their
 index, constants) and the state it runs in (`bcg.runtime.signature.call_context`: grad mode, autocast device
-types and dtypes). A call replays only a graph captured from a call with the same signature: a call
+types and dtypes; and the module's own state where it names some, `SIGNATURE_CONTEXT_ATTR`). A call replays only a graph captured from a call with the same signature: a call
 with grad enabled only one warmed with grad enabled (whose replayed outputs still carry no autograd
 history), a call under autocast only one warmed under the same autocast. Under autocast the capture
 casts inside the graph (the autocast weight cache is off while capturing).
@@ -86,7 +86,7 @@ from bcg.runtime.signature import (bind_positional, call_arguments, call_context
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["BreakableGraphRunner", "CAPTURE_FAILED_ATTR", "CaptureEntry", "EAGER_REASONS"]
+__all__ = ["BreakableGraphRunner", "CAPTURE_FAILED_ATTR", "CaptureEntry", "EAGER_REASONS", "SIGNATURE_CONTEXT_ATTR"]
 
 EAGER_REASONS = ("unseen", "blocked", "disabled", "no_cuda", "break_output_mismatch")
 
@@ -94,6 +94,12 @@ EAGER_REASONS = ("unseen", "blocked", "disabled", "no_cuda", "break_output_misma
 #: capture raised `exc`, it answers what it changed so that capturing again makes sense (or None). The
 #: code that places breaks sets it; the runner knows no kind of break placement itself.
 CAPTURE_FAILED_ATTR = "__bcg_capture_failed__"
+
+#: A module may carry, under this instance attribute, ``signature_context() -> tuple`` of ``(name, str)``
+#: pairs that every call's signature adds to `call_context()`: host state of the module's own that changes
+#: what its forward runs (LoRA layers that compute no update while every row is the base model's,
+#: `bcg.lora`), so that each state replays a graph of its own. ``()`` adds nothing to the key.
+SIGNATURE_CONTEXT_ATTR = "__bcg_signature_context__"
 
 
 class _Decision(typing.NamedTuple):
@@ -204,7 +210,7 @@ class BreakableGraphRunner(ModuleProxy):
         if self._off is None:  # a runner that is off skips the signature: it only runs eagerly
             if self._runner_config.debug:
                 self.check_weights()
-            signature, leaves = signature_with_leaves(call_arguments(args, kwargs), call_context())
+            signature, leaves = signature_with_leaves(call_arguments(args, kwargs), self._call_context())
         decision = self._decide(signature, may_capture=bool(self._warming))
         if decision.action == "capture":
             self._capture(signature, args, kwargs, leaves, token)
@@ -221,8 +227,21 @@ class BreakableGraphRunner(ModuleProxy):
         self._refresh_device()
         if self._off is not None:
             return False
-        signature, leaves = signature_with_leaves(call_arguments(args, kwargs), call_context())
+        signature, leaves = signature_with_leaves(call_arguments(args, kwargs), self._call_context())
         return self._capture(signature, args, kwargs, leaves, next(self._tokens))
+
+    def signature_of(self, *args, **kwargs):
+        """The `Signature` a call with these arguments would capture or replay under, in this thread's state
+        and the module's (`SIGNATURE_CONTEXT_ATTR`); computed on any device, even where the runner is off."""
+        if args:
+            args, kwargs = self._bind(args, kwargs)
+        return signature_with_leaves(call_arguments(args, kwargs), self._call_context())[0]
+
+    def _call_context(self) -> tuple:
+        """`call_context()` and the module's own (`SIGNATURE_CONTEXT_ATTR`), as a call's signature keys them."""
+        context = call_context()
+        own = getattr(self._module, SIGNATURE_CONTEXT_ATTR, None)
+        return context + own() if own is not None else context
 
     @contextlib.contextmanager
     def warmup(self):

@@ -112,24 +112,50 @@ def test_mixed_adapter_step_batch_equals_each_row_served_alone(served):
 
 
 def test_switching_adapters_keeps_the_buffers_the_graphs_read_and_the_signature(served, adapters):
-    from bcg.runtime.signature import signature_of
+    from bcg.runtime.runner import BreakableGraphRunner
 
     pipe, batcher = served
     bank = lora_bank(pipe.transformer)
+    runner = BreakableGraphRunner(pipe.transformer)  # (on the CPU it captures nothing: its keys only)
     pointers = {name: (layer.lora_A.data_ptr(), layer.lora_B.data_ptr()) for name, layer in bank.layers.items()}
     rows = (bank.rows.slots.data_ptr(), bank.rows.scales.data_ptr())
-    seen = []
-    hook = pipe.transformer.register_forward_pre_hook(lambda m, a, kw: seen.append(signature_of(kw).key),
-                                                      with_kwargs=True)
+    seen = {}
+    hook = pipe.transformer.register_forward_pre_hook(
+        lambda m, a, kw: seen.setdefault(served_as, []).append(runner.signature_of(*a, **kw)), with_kwargs=True)
+    cases = {"a": [("a cat", 1, ("a", 1.0))], "b": [("a cat", 1, ("b", 1.0))], "base": [("a cat", 1, None)],
+             "mixed": [("a cat", 1, ("a", 1.0)), ("a dog", 2, None)]}
     try:
-        _serve(batcher, [("a cat", 1, ("a", 1.0))])
-        _serve(batcher, [("a cat", 1, ("b", 1.0))])
-        _serve(batcher, [("a cat", 1, None)])
+        for served_as, requests in cases.items():
+            _serve(batcher, requests)
     finally:
         hook.remove()
-    assert len(seen) == 3 * REQUEST["steps"] and len(set(seen)) == 1  # one graph serves every adapter
+    assert all(len(calls) == REQUEST["steps"] for calls in seen.values())
+    keys = {served_as: {s.key for s in calls} for served_as, calls in seen.items()}
+    # one graph serves every adapter, and a step mixing an adapter row with a base row; base steps another
+    assert keys["a"] == keys["b"] and len(keys["a"]) == 1
+    assert keys["base"].isdisjoint(keys["a"]) and len(keys["base"]) == 1
+    assert seen["base"][0].diff(seen["a"][0]) == ["lora off != unset"]
+    assert seen["mixed"][0].context == {} and seen["base"][0].context == {"lora": "off"}
     assert {n: (l.lora_A.data_ptr(), l.lora_B.data_ptr()) for n, l in bank.layers.items()} == pointers
     assert (bank.rows.slots.data_ptr(), bank.rows.scales.data_ptr()) == rows
+
+
+def test_base_rows_skip_the_update_and_give_the_layer_alone():
+    from bcg.lora import AdapterWeights, LoraBank
+
+    layer = torch.nn.Linear(8, 6)
+    bank = LoraBank.install(torch.nn.Sequential(layer), ["0"], max_loras=1, max_rank=2, max_rows=4)
+    bank.load("x", AdapterWeights({"0": (torch.randn(2, 8), torch.randn(6, 2))}))
+    lora, x = bank.layers["0"], torch.randn(3, 5, 8)
+    bank.set_rows([None, None, None])
+    assert not bank.rows.enabled and bank.signature_context() == (("lora", "off"),)
+    assert torch.equal(lora(x), layer(x))
+    bank.set_rows([None, ("x", 1.0), None])
+    assert bank.rows.enabled and bank.signature_context() == ()
+    with_row = lora(x)
+    assert torch.equal(with_row[0], layer(x)[0]) and not torch.equal(with_row[1], layer(x)[1])
+    bank.set_all(None, enabled=True)  # a warmup's: base rows through the layers that compute (adding zeros)
+    assert bank.rows.enabled and torch.equal(lora(x), layer(x))
 
 
 def test_a_compiled_lora_layer_serves_every_row_choice_from_one_graph():
@@ -150,12 +176,19 @@ def test_a_compiled_lora_layer_serves_every_row_choice_from_one_graph():
     compiled = torch.compile(module, backend="eager")
     x = torch.randn(3, 5, 8)
     outs = {}
+    # base rows computing the update (a warmup's), adapters, and a mix: one graph
     for choice in [None, ("x", 1.0), ("y", 0.5), [("x", 1.0), ("y", 1.0), None]]:
-        bank.set_rows(choice if isinstance(choice, list) else [choice] * 3)
+        bank.set_rows(choice if isinstance(choice, list) else [choice] * 3, enabled=True)
         outs[str(choice)] = compiled(x)
         assert torch.allclose(outs[str(choice)], module(x))
     assert counters["stats"]["unique_graphs"] == 1
     assert not torch.equal(outs["None"], outs[str(("x", 1.0))])
+    # base rows alone: the graph without the update, compiled once, the linear layer's own output
+    for choice in [None, ("x", 1.0), None]:
+        bank.set_rows([choice] * 3)
+        assert torch.equal(compiled(x), module(x))
+    assert torch.equal(compiled(x), layer(x))
+    assert counters["stats"]["unique_graphs"] == 2
 
 
 def test_bad_adapter_file_names_what_is_wrong_and_loses_nothing(served, adapters, tmp_path):
@@ -226,7 +259,8 @@ def test_compiled_segments_serve_every_adapter_without_recompiling():
                                             torch.randn(layer.out_features, 2, generator=g) * 0.3)
                                         for m, layer in bank.layers.items()}))
     inputs = _flux_inputs(36)
-    choices = [None, ("x", 1.0), ("y", 0.5), None]
+    # the first two calls compile the two states (an adapter row; base rows alone), the rest switch
+    choices = [("x", 1.0), None, ("y", 0.5), None, ("x", 1.0)]
     with torch.no_grad():
         expected = []
         for choice in choices:
@@ -234,14 +268,15 @@ def test_compiled_segments_serve_every_adapter_without_recompiling():
             expected.append(module(**inputs).sample)
         install_breaks(module, "attention")
         compiled = compile_for_segments(module, backend="eager")
-        first = None
-        for choice, want in zip(choices, expected):
+        warm = None
+        for i, (choice, want) in enumerate(zip(choices, expected)):
             bank.set_rows([choice])
             torch.testing.assert_close(compiled(**inputs).sample, want, rtol=0, atol=0)
-            first = first or compiled.stats()
+            warm = compiled.stats() if i == 1 else warm
     stats = compiled.stats()
-    # (the first call compiles Flux's frames, recompiling two of them for its block shapes)
-    assert (stats["graphs_compiled"], stats["recompiles"]) == (first["graphs_compiled"], first["recompiles"])
+    # (the first call compiles Flux's frames, recompiling two of them for its block shapes; the second
+    # recompiles the frames whose LoRA layers skip the update)
+    assert (stats["graphs_compiled"], stats["recompiles"]) == (warm["graphs_compiled"], warm["recompiles"])
     assert stats["calls"] == len(choices) and stats["graphs_compiled"] > 0
     assert not torch.equal(expected[0], expected[1])
     torch._dynamo.reset()
@@ -299,3 +334,20 @@ def test_row_scales_are_kept_in_the_layers_dtype_and_give_the_float32_scales_res
     mixed = model(torch.float32)
     mixed[1].to(torch.bfloat16)
     assert LoraBank.install(mixed, ["0", "1"]).rows.scales.dtype == torch.float32  # two dtypes: each layer casts
+
+
+def test_warmup_runs_both_lora_states_and_leaves_the_base_rows(served):
+    # the graphs a step with an adapter row replays and those of base rows alone: a warmup captures both
+    pipe, batcher = served
+    bank = lora_bank(pipe.transformer)
+    seen = []
+    hook = pipe.transformer.register_forward_pre_hook(lambda m, a: seen.append(bank.rows.enabled))
+    try:
+        key, _ = _plan(pipe, "a cat", 1)
+        report = batcher.warmup([key])
+    finally:
+        hook.remove()
+    assert report["failed"] == 0
+    steps = 2  # StepBatcher.warmup's default: each key of the plan (its buckets) with, then without, the update
+    assert seen == ([True] * steps + [False] * steps) * len(report["keys"]) and len(report["keys"]) > 1
+    assert not bank.rows.enabled and bank.signature_context() == (("lora", "off"),)

@@ -38,6 +38,8 @@ def test_switching_and_mixing_adapters_replays_the_graphs_captured_once(tmp_path
     runner = pipeline_runners(pipe)["transformer"]
     before = runner.stats()
     assert before["captures"] > 0
+    # steps of base rows alone replay graphs without the low-rank update, steps with an adapter row the others
+    assert {"@lora=off" in e["signature"] for e in before["entries"]} == {True, False}
     alone = {lora: _serve(batcher, [("a cat", 1, lora)])[0] for lora in (None, ("a", 1.0), ("b", 1.0))}
     mixed = _serve(batcher, [("a cat", 1, None), ("a cat", 1, ("a", 1.0)), ("a cat", 1, ("b", 1.0))])
     after = runner.stats()
