@@ -154,3 +154,22 @@ def test_the_refusal_is_one_answer_that_names_the_root_not_the_path(disk):
     assert type(refusal)(str(refusal)).args == refusal.args   # rebuilt from its text after crossing Ray
     assert lora_status(RuntimeLoraUpdatingOffError(RUNTIME_LORA_OFF)) == 403
     assert "allow_runtime_lora_updating" in RUNTIME_LORA_OFF
+
+
+def test_a_lora_engine_keeps_room_for_base_and_adapter_graphs():
+    # base steps replay graphs without the update, adapter steps those with it (bcg.lora): twice the entries,
+    # unless the app names max_entries
+    from deployments.engine import ReplicaEngine
+
+    lora = {"target_modules": ["to_q", "to_v"], "max_loras": 1, "max_lora_rank": 4}
+    for runner, want in (({}, 32), ({"max_entries": 5}, 5)):
+        engine = ReplicaEngine("tiny-flux", runner_config=runner, lora=lora)
+        try:
+            assert engine.config.max_entries == want
+        finally:
+            engine.close()
+    plain = ReplicaEngine("tiny-flux", runner_config={})
+    try:
+        assert plain.config.max_entries == 16
+    finally:
+        plain.close()
