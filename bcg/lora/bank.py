@@ -11,7 +11,7 @@ rank ``max_rank`` at most. From then on:
   None for the base model, or ``(adapter name, scale)``); an adapter that is not loaded raises
   `UnknownAdapterError` before anything is written. A call with the rows of the last one writes nothing.
   A call whose rows are all the base model's computes no low-rank update (`LoraRows.enabled` off): the
-  transformer's signature says so (``lora=off``, the runner's `SIGNATURE_CONTEXT_ATTR`), so base steps
+  transformer's signature says so (``lora=off``, through the hook: ``HookRegistry.signature_context``), so base steps
   replay graphs of their own, as fast as a transformer without LoRA layers, and steps with an adapter row
   the graphs that compute it. A warmup captures both (`set_all(None, enabled=True)` runs the base model
   through the computing graphs).
@@ -30,7 +30,6 @@ from torch import nn
 
 from bcg.lora.layers import LoraLinear, LoraRows
 from bcg.runtime.hooks import HookRegistry, ModelHook
-from bcg.runtime.runner import SIGNATURE_CONTEXT_ATTR
 
 logger = logging.getLogger(__name__)
 
@@ -50,11 +49,14 @@ class LoraHook(ModelHook):
         self.bank = bank
         self.replaced = replaced  # name -> (parent module, attribute, base linear layer)
 
+    def signature_context(self, transformer) -> tuple:
+        """``lora=off`` in a runner's signature while the layers compute no update (`LoraBank.signature_context`)."""
+        return self.bank.signature_context()
+
     def deinitialize_hook(self, transformer):
         for parent, child, base in self.replaced.values():
             setattr(parent, child, base)
         self.replaced = {}
-        transformer.__dict__.pop(SIGNATURE_CONTEXT_ATTR, None)
         return transformer
 
 
@@ -159,7 +161,6 @@ class LoraBank:
             layers[name] = LoraLinear(base, rows, max_loras + 1, max_rank)
             setattr(parent, child, layers[name])
         bank = cls(layers, rows, max_loras, max_rank)
-        setattr(transformer, SIGNATURE_CONTEXT_ATTR, bank.signature_context)
         HookRegistry.check_if_exists_or_initialize(transformer).register_hook(LoraHook(bank, bases), LORA_HOOK)
         logger.info("LoRA: %d layers hold %d adapters of rank <= %d (%s)", len(layers), max_loras, max_rank,
                     _format_bytes(bank.slot_bytes() * (max_loras + 1)))
@@ -270,7 +271,7 @@ class LoraBank:
         self.set_rows([choice] * self.rows.max_rows, enabled=enabled)
 
     def signature_context(self) -> tuple:
-        """What the transformer's signature adds (the runner's `SIGNATURE_CONTEXT_ATTR`): ``lora=off``
+        """What the transformer's signature adds (its ``bcg_lora`` hook's): ``lora=off``
         while the layers compute no update, nothing while they do (the key a transformer had before)."""
         return () if self.rows.enabled else _LORA_OFF
 

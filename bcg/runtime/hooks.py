@@ -21,6 +21,10 @@ class and config, a pipeline class's call defaults) is one dict under one class 
   unlinks its forward; with ``recurse`` the hook of that name is removed from every submodule too.
   A hook removed from the middle of the chain leaves the others composed as they were.
 - ``registry.reset_stateful_hooks(recurse=True)`` calls ``reset_state(obj)`` on every hook, last first.
+- ``registry.signature_context()``: what the hooks that define ``signature_context(obj) -> tuple`` (of
+  ``(name, str)`` pairs) add to the signature of every call a runner makes of the object
+  (`bcg.runtime.runner`): host state of a hook's that changes what the forward runs, so that each state
+  replays graphs of its own (``bcg_lora``: ``lora=off`` while every row is the base model's). ``()`` when none does.
 
 Names and order of what bcg installs (a new installer picks a ``bcg_`` name and its place here):
 
@@ -145,6 +149,7 @@ class HookRegistry:
         self._fn_refs: dict[str, _ForwardRef] = {}  # hooks that wrap the forward
         self._forward_in_dict = False  # whether the forward before the first wrapping hook was an instance attribute
         self._forward_before = None
+        self._context_hooks: tuple = ()  # hooks that define signature_context, in registration order
 
     # -- finding --------------------------------------------------------------------------------------
 
@@ -167,6 +172,17 @@ class HookRegistry:
     def names(self) -> list[str]:
         return list(self._hook_order)
 
+    def signature_context(self) -> tuple:
+        """What the hooks add to a runner's signature of a call of the object (see the module docstring)."""
+        context = ()
+        for hook in self._context_hooks:
+            context += hook.signature_context(self._obj)
+        return context
+
+    def _find_context_hooks(self) -> None:
+        self._context_hooks = tuple(self.hooks[n] for n in self._hook_order
+                                    if callable(getattr(self.hooks[n], "signature_context", None)))
+
     # -- installing -----------------------------------------------------------------------------------
 
     def register_hook(self, hook: ModelHook, name: str) -> ModelHook:
@@ -177,6 +193,7 @@ class HookRegistry:
         hook.initialize_hook(self._obj)
         self.hooks[name] = hook
         self._hook_order.append(name)
+        self._find_context_hooks()
         if _wraps_forward(hook) and callable(getattr(self._obj, "forward", None)):
             self._wrap_forward(hook, name)
         return hook
@@ -211,6 +228,7 @@ class HookRegistry:
             hook.deinitialize_hook(self._obj)
             del self.hooks[name]
             self._hook_order.remove(name)
+            self._find_context_hooks()
             hook.fn_ref = None
         if recurse and _is_module(self._obj):
             for sub_name, sub in self._obj.named_modules():

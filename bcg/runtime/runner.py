@@ -13,7 +13,8 @@ under ``torch.no_grad()``: inference only, whatever the caller's grad mode.
 
 What a signature covers: the call's arguments (`bcg.runtime.signature`: shapes, dtypes, devices with their
 index, constants) and the state it runs in (`bcg.runtime.signature.call_context`: grad mode, autocast device
-types and dtypes; and the module's own state where it names some, `SIGNATURE_CONTEXT_ATTR`). A call replays only a graph captured from a call with the same signature: a call
+types and dtypes; and what the hooks installed on the module add, ``HookRegistry.signature_context``: LoRA
+layers computing no update while every row is the base model's, `bcg.lora`). A call replays only a graph captured from a call with the same signature: a call
 with grad enabled only one warmed with grad enabled (whose replayed outputs still carry no autograd
 history), a call under autocast only one warmed under the same autocast. Under autocast the capture
 casts inside the graph (the autocast weight cache is off while capturing).
@@ -79,6 +80,7 @@ from bcg.runtime.call_record import active_records, note_capture, note_eager, no
 from bcg.runtime.compile import compiled_in_capture
 from bcg.runtime.config import RunnerConfig
 from bcg.runtime.entries import CaptureEntry, EntryCache
+from bcg.runtime.hooks import HookRegistry
 from bcg.runtime.proxy import ModuleProxy
 from bcg.runtime.recorder import CudaRecorder, record_entry, whole_forward_break
 from bcg.runtime.signature import (bind_positional, call_arguments, call_context, positional_names,
@@ -86,7 +88,7 @@ from bcg.runtime.signature import (bind_positional, call_arguments, call_context
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["BreakableGraphRunner", "CAPTURE_FAILED_ATTR", "CaptureEntry", "EAGER_REASONS", "SIGNATURE_CONTEXT_ATTR"]
+__all__ = ["BreakableGraphRunner", "CAPTURE_FAILED_ATTR", "CaptureEntry", "EAGER_REASONS"]
 
 EAGER_REASONS = ("unseen", "blocked", "disabled", "no_cuda", "break_output_mismatch")
 
@@ -94,12 +96,6 @@ EAGER_REASONS = ("unseen", "blocked", "disabled", "no_cuda", "break_output_misma
 #: capture raised `exc`, it answers what it changed so that capturing again makes sense (or None). The
 #: code that places breaks sets it; the runner knows no kind of break placement itself.
 CAPTURE_FAILED_ATTR = "__bcg_capture_failed__"
-
-#: A module may carry, under this instance attribute, ``signature_context() -> tuple`` of ``(name, str)``
-#: pairs that every call's signature adds to `call_context()`: host state of the module's own that changes
-#: what its forward runs (LoRA layers that compute no update while every row is the base model's,
-#: `bcg.lora`), so that each state replays a graph of its own. ``()`` adds nothing to the key.
-SIGNATURE_CONTEXT_ATTR = "__bcg_signature_context__"
 
 
 class _Decision(typing.NamedTuple):
@@ -232,16 +228,17 @@ class BreakableGraphRunner(ModuleProxy):
 
     def signature_of(self, *args, **kwargs):
         """The `Signature` a call with these arguments would capture or replay under, in this thread's state
-        and the module's (`SIGNATURE_CONTEXT_ATTR`); computed on any device, even where the runner is off."""
+        and its hooks' (`_call_context`); computed on any device, even where the runner is off."""
         if args:
             args, kwargs = self._bind(args, kwargs)
         return signature_with_leaves(call_arguments(args, kwargs), self._call_context())[0]
 
     def _call_context(self) -> tuple:
-        """`call_context()` and the module's own (`SIGNATURE_CONTEXT_ATTR`), as a call's signature keys them."""
+        """`call_context()` and what the module's hooks add (``HookRegistry.signature_context``), as a call's
+        signature keys them."""
         context = call_context()
-        own = getattr(self._module, SIGNATURE_CONTEXT_ATTR, None)
-        return context + own() if own is not None else context
+        registry = HookRegistry.of(self._module)
+        return context + registry.signature_context() if registry is not None else context
 
     @contextlib.contextmanager
     def warmup(self):

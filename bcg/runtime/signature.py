@@ -362,7 +362,7 @@ class Signature:
         _diff_named(list(self._items), list(other._items), lambda name: name, out)
         mine, theirs = dict(self._context), dict(other._context)
         names = list(_CONTEXT_DEFAULTS) + sorted((mine.keys() | theirs.keys()) - _CONTEXT_DEFAULTS.keys())
-        for name in names:  # a module's own entries (the runner's SIGNATURE_CONTEXT_ATTR) too: "unset" if absent
+        for name in names:  # its hooks' entries too (HookRegistry.signature_context): "unset" where absent
             default = _CONTEXT_DEFAULTS.get(name, "unset")
             if mine.get(name, default) != theirs.get(name, default):
                 out.append(f"{name} {mine.get(name, default)} != {theirs.get(name, default)}")

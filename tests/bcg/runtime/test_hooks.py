@@ -172,3 +172,36 @@ def test_a_wrapper_installed_above_by_someone_else_survives_removal():
     assert module(torch.tensor(1.0)).item() == 3.0 and HookRegistry.of(module) is None
     DiffusersRegistry.check_if_exists_or_initialize(module).remove_hook("triple")
     assert module(torch.tensor(1.0)).item() == 1.0
+
+
+class Mode(ModelHook):
+    """A host flag that changes what the forward runs: named in a runner's signature of every call."""
+
+    def __init__(self):
+        super().__init__()
+        self.fast = False
+
+    def signature_context(self, module):
+        return (("mode", "fast"),) if self.fast else ()
+
+    def new_forward(self, module, input):  # (the runner calls with the forward's own argument names)
+        return input if self.fast else self.fn_ref.original_forward(input)
+
+
+def test_hooks_name_their_state_in_a_runners_signature_until_removed():
+    from bcg.runtime.runner import BreakableGraphRunner
+
+    module = torch.nn.Linear(4, 4)
+    registry = HookRegistry.check_if_exists_or_initialize(module)
+    registry.register_hook(Installs(), "plain")  # defines no signature_context: adds nothing
+    mode = registry.register_hook(Mode(), "mode")
+    runner = BreakableGraphRunner(module)
+    x = torch.randn(2, 4)
+    slow = runner.signature_of(x)
+    mode.fast = True
+    fast = runner.signature_of(x)
+    assert registry.signature_context() == (("mode", "fast"),) and fast.context["mode"] == "fast"
+    assert fast.key != slow.key and fast.diff(slow) == ["mode fast != unset"]
+    assert torch.equal(runner(x), x)  # (eager on the CPU) the flag's forward
+    registry.remove_hook("mode")
+    assert registry.signature_context() == () and runner.signature_of(x) == slow
