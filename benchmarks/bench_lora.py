@@ -31,8 +31,7 @@ bucket each, so one graph set per engine), one without LoRA layers and one with 
 timed in turn for ``--rounds`` rounds: the base request on each engine and an adapter request (the adapters
 in turn). ``fast_path``: the medians with their spread, ``lora_base_over_plain_base`` (<= 1.05) and
 ``adapter_over_lora_base`` (<= 1.10) per round. The LoRA engine's base steps replay its graphs without the
-update (``lora=off``), its adapter steps those that compute it; ``--fused-update`` computes that update fused
-into its consumer (``LoraLinear.fused_update``). On the GPU host, FLUX.1-dev 1024² with FP8 and compiled
+update (``lora=off``), its adapter steps those that compute it. On the GPU host, FLUX.1-dev 1024² with FP8 and compiled
 segments::
 
     python3 benchmarks/bench_lora.py --model /tmp/pipelines/flux.1-dev --fast-path --size 1024 --rank 16 \
@@ -133,9 +132,6 @@ def run(args) -> dict:
                              None if args.model == "tiny-flux" else torch.bfloat16)
     result["make_adapters_s"] = round(time.perf_counter() - t0, 3)
     runner = {**runner_fields(args.runner), **({"compile": True} if args.compile else {})}
-    if args.fused_update:  # every LoRA layer of this process: the update fused where compiled
-        from bcg.lora.layers import LoraLinear
-        LoraLinear.fused_update = True
     if args.fast_path:
         fast_path(args, result, save, adapters, runner)
         result["targets"] = targets(result)
@@ -388,9 +384,6 @@ def main(argv=None) -> int:
                    help="skip the base request on an engine without LoRA layers (loads the model again)")
     p.add_argument("--fast-path", action="store_true",
                    help="only issue 40's phase: engines with and without LoRA layers side by side, interleaved")
-    p.add_argument("--fused-update", action="store_true",
-                   help="LoraLinear.fused_update: compiled layers fuse the update into its consumer "
-                        "(benchmarks/bench_lora_layer.py times it against the GEMMs)")
     p.add_argument("--allow-cpu", action="store_true", help="smoke run without CUDA (tiny-flux)")
     add_plot_only(p)
     args = p.parse_args(argv)

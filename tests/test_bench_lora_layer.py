@@ -15,6 +15,6 @@ def test_smoke_run_times_every_variant_and_checks_the_base_rows(tmp_path):
     for shape in result["shapes"].values():
         assert set(shape["us_per_call"]) == set(bench_lora_layer.VARIANTS)
         assert all(len(t["rounds"]) == 3 for t in shape["us_per_call"].values())
-        assert set(shape["over_base"]) == {"lora_off", "lora_bmm", "lora_fused"}
+        assert set(shape["over_base"]) == {"lora_off", "lora_bmm"}
         assert shape["off_equals_base"] is True  # base rows alone: the linear layer's own output
-        assert shape["update_max_abs"] > 0 and shape["fused_vs_bmm_max_abs"] == 0  # eager: both take the GEMMs
+        assert shape["update_max_abs"] > 0  # the adapter's rows change the output

@@ -62,11 +62,6 @@ class LoraLinear(nn.Module):
     adapter's B already multiplied by its alpha/rank scaling, so the row scale is the request's own
     (1.0 unless it asks for another)."""
 
-    #: Compiled (under dynamo), the update as a reduction over the rank that inductor fuses with the add and
-    #: the output's consumer, instead of a second GEMM that reads and writes the whole output again
-    #: (``benchmarks/bench_lora_layer.py`` times both). Eager calls always take the GEMMs.
-    fused_update = False
-
     def __init__(self, base: nn.Linear, rows: LoraRows, slots: int, rank: int):
         super().__init__()
         self.base = base
@@ -110,10 +105,6 @@ class LoraLinear(nn.Module):
         h = torch.bmm(x.reshape(n, -1, x.shape[-1]).to(a.dtype), a.transpose(1, 2))  # (n, tokens, rank)
         h = (h * self.rows.scales[:n].to(h.dtype).view(n, 1, 1)).to(out.dtype)  # the scale on the small side
         # (``.to`` is a no-op where the scales are in h's dtype already: every layer of one dtype)
-        if self.fused_update and torch.compiler.is_compiling():
-            # (n, tokens, 1, rank) * (n, 1, out, rank) summed over the rank: never materialized by inductor
-            update = (h.unsqueeze(-2) * b.to(out.dtype).unsqueeze(1)).sum(-1)
-            return out + update.reshape(out.shape)
         # out + h @ B^T in one GEMM (beta 1): a base row adds B's zeros, exactly out
         return torch.baddbmm(out.reshape(n, -1, out.shape[-1]), h, b.transpose(1, 2).to(out.dtype)).reshape(out.shape)
 

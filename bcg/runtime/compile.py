@@ -377,6 +377,9 @@ class CompiledForward(ModuleProxy):
         if self._recompile_limit is not None:
             name = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
             stack.enter_context(torch._dynamo.config.patch(**{name: self._recompile_limit}))
+        if not self._precompile and getattr(torch._dynamo.config, "caching_precompile", False):
+            # another forward of the process turned the precompile on: this one traces without it
+            stack.enter_context(torch._dynamo.config.patch(caching_precompile=False))
         return stack
 
     def _mark(self, kwargs):

@@ -110,6 +110,13 @@ class _Decision(typing.NamedTuple):
 _CAPTURE = _Decision("capture")
 _EAGER = {reason: _Decision("eager", reason=reason) for reason in EAGER_REASONS}
 
+def _quantize_stats(module):
+    """The module's `bcg.runtime.quantize` report as a dict, None where it was not quantized."""
+    from bcg.runtime.quantize import quantize_report
+    report = quantize_report(module) if isinstance(module, torch.nn.Module) else None
+    return report.as_dict() if report is not None else None
+
+
 def _resolve_device(module, device):
     if device is not None:
         device = torch.device(device)
@@ -152,19 +159,24 @@ class BreakableGraphRunner(ModuleProxy):
         self._whole_forward = None
         # RunnerConfig.compile: inductor kernels (no inductor CUDA graphs) captured as segments. The
         # compiled forward is built once here; compilation itself happens in the warm-up run of a capture.
-        # RunnerConfig.quantize: the module's linear layers in float8 before anything is compiled or
-        # captured (a no-op when the module was quantized already; where fp8 cannot run, a reason).
-        self._quantized = None
-        if self._runner_config.quantize is not None and isinstance(module, torch.nn.Module):
-            from bcg.runtime.quantize import quantize_module
-            self._quantized = quantize_module(module, self._runner_config.quantize, device=self._device)
+        # (float8 linears are the transformer's option, quantized before its runner: `TransformerOptions`)
         self._compiled = None
         if self._runner_config.compile:
             from bcg.runtime.compile import compile_for_segments
+            from bcg.runtime.quantize import quantize_report
+            precompile = self._runner_config.compile_precompile
+            quantized = quantize_report(module) if isinstance(module, torch.nn.Module) else None
+            if precompile and quantized is not None and quantized.applied:
+                # torch's caching precompile makes empty_like copies of the parameters, which torchao's
+                # Float8Tensor does not implement: every capture failed (FLUX.1-dev on the H100, torchao 0.18)
+                logger.warning("compile_precompile is off for %s: torch's caching precompile cannot handle "
+                               "float8 weights (torchao's Float8Tensor has no empty_like); its compiled code "
+                               "is shared as without it", type(module).__name__)
+                precompile = False
             self._compiled = compile_for_segments(module, dynamic=self._runner_config.compile_dynamic,
                                                   mode=self._runner_config.compile_mode,
                                                   regional=self._runner_config.compile_regional,
-                                                  precompile=self._runner_config.compile_precompile)
+                                                  precompile=precompile)
         self._recorder = (CudaRecorder(self._device, self._runner_config)
                           if self._device.type == "cuda" else None)
         self._off = self._off_reason()
@@ -334,7 +346,7 @@ class BreakableGraphRunner(ModuleProxy):
             "blocked": blocked,
             "uncompiled": uncompiled,
             "compile": self._compiled.stats() if self._compiled is not None else None,
-            "quantize": self._quantized.as_dict() if self._quantized is not None else None,
+            "quantize": _quantize_stats(self._module),
         }
 
     # -- internals --------------------------------------------------------------------------------

@@ -352,28 +352,3 @@ def test_warmup_runs_both_lora_states_and_leaves_the_base_rows(served):
     assert seen == ([True] * steps + [False] * steps) * len(report["keys"]) and len(report["keys"]) > 1
     assert not bank.rows.enabled and bank.signature_context() == (("lora", "off"),)
 
-
-def test_fused_update_under_dynamo_matches_the_gemms():
-    # LoraLinear.fused_update: compiled, the rank-r update as a reduction (what inductor fuses into the output's
-    # consumer); the same update as the two GEMMs, rows of different adapters and the base model together
-    import torch._dynamo
-
-    from bcg.lora import AdapterWeights, LoraBank
-
-    torch.manual_seed(0)
-    holder = torch.nn.Sequential(torch.nn.Linear(32, 48))
-    bank = LoraBank.install(holder, ["0"], max_loras=2, max_rank=4, max_rows=4)
-    bank.load("x", AdapterWeights({"0": (torch.randn(4, 32), torch.randn(48, 4))}))
-    bank.load("y", AdapterWeights({"0": (torch.randn(2, 32), torch.randn(48, 2))}))
-    bank.set_rows([("x", 1.0), None, ("y", 0.5)])
-    x = torch.randn(3, 10, 32)
-    with torch.no_grad():
-        gemms = holder(x)
-        holder[0].fused_update = True
-        assert torch.equal(holder(x), gemms)  # eager calls keep the GEMMs
-        torch._dynamo.reset()
-        fused = torch.compile(holder, backend="eager")(x)
-    torch._dynamo.reset()
-    torch.testing.assert_close(fused, gemms, rtol=1e-5, atol=1e-5)
-    assert torch.equal(fused[1], holder[0].base(x)[1])  # the base row adds exact zeros
-    assert (fused[0] - holder[0].base(x)[0]).abs().max() > 0.1

@@ -85,3 +85,46 @@ def test_precompile_needs_inductor():
     from bcg.runtime.compile import compile_for_segments
     with pytest.raises(ValueError, match="precompile needs backend='inductor', got 'eager'"):
         compile_for_segments(torch.nn.Linear(2, 2), backend="eager", precompile=True)
+
+
+def test_float8_weights_turn_the_precompile_off_for_their_forward_alone(caplog):
+    # torch's caching precompile makes empty_like copies of parameters, which torchao's Float8Tensor lacks
+    # (every capture of FLUX.1-dev failed on the H100): a runner of float8 weights compiles without it, says so
+    # once, and traces without it even while another forward of the process has turned it on
+    from bcg.runtime.config import RunnerConfig
+    from bcg.runtime.quantize import QuantizeHook, QuantizeReport
+    from bcg.runtime.hooks import HookRegistry
+    from bcg.runtime.runner import BreakableGraphRunner
+
+    seen = []
+
+    @torch.compiler.disable
+    def note(t):
+        seen.append(bool(torch._dynamo.config.caching_precompile))
+        return t
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            return note(self.linear(x)) * 2
+
+    model = Model()
+    HookRegistry.check_if_exists_or_initialize(model).register_hook(  # as quantize_module leaves a float8 model
+        QuantizeHook(QuantizeReport(mode="fp8", applied=True, layers=1)), "bcg_quantize")
+    before = torch._dynamo.config.caching_precompile
+    try:
+        with caplog.at_level("WARNING", logger="bcg.runtime.runner"):
+            runner = BreakableGraphRunner(model, config=RunnerConfig(compile=True, compile_precompile=True))
+        assert runner.stats()["compile"]["precompile"] is False
+        assert "compile_precompile is off for Model" in caplog.text and "Float8Tensor" in caplog.text
+        torch._dynamo.config.caching_precompile = True  # another runner's
+        torch._dynamo.reset()
+        with torch.no_grad():
+            runner._compiled(x=torch.randn(2, 8))
+        assert seen == [False]
+    finally:
+        torch._dynamo.config.caching_precompile = before
+        torch._dynamo.reset()
