@@ -94,17 +94,19 @@ def test_the_app_replica_serves_shapes_flux_at_64x64():
 
 def test_samples_follow_their_own_captions_far_better_than_their_neighbours():
     """The shipped weights condition on the text: 16 held-out captions (the evaluation's seeds), 8 steps on
-    the CPU; each picture scored against its own caption and against the next one's. The 4x weights gave
-    position 15 / 4, colour 8 / 2, background 5 / 0 of 16 (own / next); a model that ignored its captions
-    would score both alike."""
+    the CPU; each picture scored against its own caption and against the next one's. The shipped weights
+    give position 13 / 4, shape 14 / 3, colour 9 / 0, background 7 / 0 of 16 (own / next); a model that
+    ignored its captions would score both alike."""
     from bcg.diffusers.shapes.data import make_batch
 
     _, captions, scenes = make_batch(RECORD["eval"]["seed_first_caption"], 16)
     pictures = _sample(load_pipeline("shapes-flux"), captions, steps=8)
     own = [score(p, scene) for p, scene in zip(pictures, scenes)]
     nxt = [score(p, scenes[(i + 1) % len(scenes)]) for i, p in enumerate(pictures)]
-    count = {name: (sum(s[name] for s in own), sum(s[name] for s in nxt)) for name in ("position", "colour", "background")}
+    count = {name: (sum(s[name] for s in own), sum(s[name] for s in nxt))
+             for name in ("position", "shape", "colour", "background")}
     assert count["position"][0] >= 12 and count["position"][0] - count["position"][1] >= 8, count
+    assert count["shape"][0] >= 12 and count["shape"][0] - count["shape"][1] >= 8, count
     assert count["colour"][0] - count["colour"][1] >= 3 and count["background"][0] - count["background"][1] >= 3, count
 
 
