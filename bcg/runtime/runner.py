@@ -14,10 +14,11 @@ under ``torch.no_grad()``: inference only, whatever the caller's grad mode.
 What a signature covers: the call's arguments (`bcg.runtime.signature`: shapes, dtypes, devices with their
 index, constants) and the state it runs in (`bcg.runtime.signature.call_context`: grad mode, autocast device
 types and dtypes; and what the hooks installed on the module add, ``HookRegistry.signature_context``: LoRA
-layers computing no update while every row is the base model's, `bcg.lora`). A call replays only a graph captured from a call with the same signature: a call
-with grad enabled only one warmed with grad enabled (whose replayed outputs still carry no autograd
-history), a call under autocast only one warmed under the same autocast. Under autocast the capture
-casts inside the graph (the autocast weight cache is off while capturing).
+layers computing no update while every row is the base model's, `bcg.lora`). A call replays only a graph
+captured from a call with the same signature: a call with grad enabled only one warmed with grad enabled
+(whose replayed outputs still carry no autograd history), a call under autocast only one warmed under the
+same autocast. Under autocast the capture casts inside the graph (the autocast weight cache is off while
+capturing).
 
 One method (``_decide``) chooses, for every call, between replay, capture (only while warming) and eager.
 When it falls back to eager (counted in ``stats()["eager_calls"]`` by reason): ``unseen`` signature
@@ -109,6 +110,7 @@ class _Decision(typing.NamedTuple):
 
 _CAPTURE = _Decision("capture")
 _EAGER = {reason: _Decision("eager", reason=reason) for reason in EAGER_REASONS}
+
 
 def _quantize_stats(module):
     """The module's `bcg.runtime.quantize` report as a dict, None where it was not quantized."""
