@@ -78,6 +78,10 @@ def run(args) -> dict:
         if not cuda:
             features_in, features_out = features_in // 48, features_out // 48
         name = f"{features_in}x{features_out}+{consumer}"
+        # every variant's `fn` shares one code object: a shape starts from no compiled frames (the second
+        # shape's replays hit an illegal memory access on the H100 after the first shape's recompiles;
+        # whether this was the cause is not yet checked on a GPU)
+        torch._dynamo.reset()
         x = torch.randn(1, tokens, features_in, device=device, dtype=dtype)
         residual = torch.randn(1, tokens, features_out, device=device, dtype=dtype)
         outputs, timed = {}, {}
