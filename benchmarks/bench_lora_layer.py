@@ -8,13 +8,14 @@ the model (a residual add after a 3072-wide projection, GELU after a 12288-wide 
 * ``lora_off``: a `LoraLinear` with every row the base model's (``LoraRows.enabled`` off: the fast path's
   base steps);
 * ``lora_bmm``: the update as two batched GEMMs, the second adding into the output (``baddbmm``), which
-  reads and writes the whole output once more;
+  reads and writes the whole output once more.
 
 (A fourth way, the update as a reduction over the rank that inductor would fuse into the consumer, was
 measured slower than the GEMMs on the H100, 230.8 against 176.4 us at 3072x3072, and removed: the results log.)
 
-Variants are timed interleaved (`time_interleaved`, >= 3 rounds; each round 20 replays of 20 calls),
-microseconds a call as medians with their spread, and each LoRA variant against ``base``. Needs CUDA (``--allow-cpu``: a smoke run, eager and tiny).
+Variants are timed interleaved (`time_interleaved`, >= 3 rounds; each round 20 replays of ``--calls``
+calls), microseconds a call as medians with their spread, and each LoRA variant against ``base``. Needs
+CUDA (``--allow-cpu``: a smoke run, eager and tiny).
 
     python3 benchmarks/bench_lora_layer.py --out $R/bench_lora_layer_h100.json
 """
@@ -28,7 +29,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks._common import machine_info, ratio, time_interleaved, write_json  # noqa: E402
+from benchmarks._common import machine_info, ratio, time_cuda, time_interleaved, write_json  # noqa: E402
 
 #: (in features, out features, consumer) of the layers measured: attention projections and the MLP's
 SHAPES = ((3072, 3072, "residual"), (3072, 12288, "gelu"))
@@ -103,19 +104,26 @@ def run(args) -> dict:
                             compiled(x, residual)
                     timed[variant] = graph.replay
                 else:
-                    timed[variant] = lambda fn=fn: fn(x, residual)
-        times = time_interleaved(timed, rounds=args.rounds)
-        per_call = {v: {k: (round(val / args.calls * 1e3, 2) if k != "rounds" else
-                            [round(r / args.calls * 1e3, 2) for r in val]) for k, val in t.items()}
-                    for v, t in times.items()}
+                    timed[variant] = lambda fn=fn: [fn(x, residual) for _ in range(args.calls)]
+        per_call = time_interleaved(timed, rounds=args.rounds, measure=lambda fn: _us_per_call(fn, args.calls, cuda))
         shape = {"us_per_call": per_call,
-                 "over_base": {v: ratio(times, v, "base") for v in VARIANTS if v != "base"},
+                 "over_base": {v: ratio(per_call, v, "base") for v in VARIANTS if v != "base"},
                  "update_max_abs": float((outputs["lora_bmm"].float() - outputs["lora_off"].float()).abs().max()),
                  "off_equals_base": bool(torch.equal(outputs["lora_off"], outputs["base"]))}
         result["shapes"][name] = shape
         log(f"{name}: " + ", ".join(f"{v} {per_call[v]['median']} us" for v in VARIANTS))
-        write_json(args.out, result) if args.out else None
+        if args.out:
+            write_json(args.out, result)
     return result
+
+
+def _us_per_call(fn, calls: int, cuda: bool) -> float:
+    """One round's figure: microseconds a call of `fn` (which makes `calls` calls), CUDA time on CUDA."""
+    if cuda:
+        return time_cuda(fn, iters=20, warmup=3) * 1e3 / calls
+    start = time.perf_counter()
+    fn()
+    return (time.perf_counter() - start) * 1e6 / calls
 
 
 def main(argv=None) -> int:

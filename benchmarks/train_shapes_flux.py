@@ -466,10 +466,11 @@ def run(args) -> dict:
     os.makedirs(ckpt, exist_ok=True)
     log = {"machine": machine_info(), "args": vars(args), "command": " ".join(sys.argv)}
     t0 = time.perf_counter()
-    # --init: the exported pipeline whole, its parts in the architecture it records
-    pipe = build_shapes_flux(args.init) if args.init else untrained_shapes_flux()
-    if args.init:
+    if args.init:  # the exported pipeline whole, its parts in the architecture it records
+        pipe = build_shapes_flux(args.init)
         say(f"started from the weights in {args.init}")
+    else:
+        pipe = untrained_shapes_flux()
     log["params"] = {name: sum(p.numel() for p in getattr(pipe, name).parameters())
                      for name in ("transformer", "vae", "text_encoder", "text_encoder_2")}
     say("parameters:", log["params"])

@@ -176,9 +176,9 @@ class ReplicaEngine:
         # LoRA slots before anything captures or compiles the transformer (``lora``: see `_install_lora`);
         # they count in the replica's weights, so in its memory share
         self.lora = _install_lora(pipe, lora) if lora else None
-        if self.lora is not None and not isinstance(runner_config, RunnerConfig) and "max_entries" not in runner_fields:
-            # base steps and adapter steps replay graphs of their own (`bcg.lora`): room for both sets,
-            # unless the app sets max_entries itself
+        app_sets_entries = "max_entries" in runner_fields or isinstance(runner_config, RunnerConfig)
+        if self.lora is not None and not app_sets_entries:
+            # base steps and adapter steps replay graphs of their own (`bcg.lora`): room for both sets
             self.config = dataclasses.replace(self.config, max_entries=2 * self.config.max_entries)
         # step caching (`bcg.diffusers.step_cache`): on when the app sets a default (threshold 0: requests may
         # ask, none caches unless it does); off, the transformer runs as it always did

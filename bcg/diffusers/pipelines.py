@@ -264,6 +264,7 @@ def warmup_pipeline(pipe, plan, num_inference_steps: int = 2, prompt: str = "a p
     from bcg.lora.bank import lora_bank
 
     lora = lora_bank(getattr(pipe, "transformer", None))
+    lora_states = (True, False) if lora is not None else (None,)  # LoRA's update computed, then skipped
     runners = pipeline_runners(pipe)
     if not runners:
         logger.warning("warmup_pipeline: %s has no runners; call accelerate(pipe) first", type(pipe).__name__)
@@ -282,8 +283,8 @@ def warmup_pipeline(pipe, plan, num_inference_steps: int = 2, prompt: str = "a p
             with contextlib.ExitStack() as stack:
                 for runner in runners.values():
                     stack.enter_context(runner.warmup())
-                for enabled in ((True, False) if lora is not None else (None,)):
-                    if lora is not None:
+                for enabled in lora_states:
+                    if enabled is not None:
                         lora.set_all(None, enabled=enabled)
                     pipe(**kwargs)
         except Exception as exc:  # noqa: BLE001 -- reported per key

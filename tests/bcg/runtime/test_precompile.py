@@ -92,8 +92,8 @@ def test_float8_weights_turn_the_precompile_off_for_their_forward_alone(caplog):
     # (every capture of FLUX.1-dev failed on the H100): a runner of float8 weights compiles without it, says so
     # once, and traces without it even while another forward of the process has turned it on
     from bcg.runtime.config import RunnerConfig
-    from bcg.runtime.quantize import QuantizeHook, QuantizeReport
     from bcg.runtime.hooks import HookRegistry
+    from bcg.runtime.quantize import HOOK_NAME, QuantizeHook, QuantizeReport
     from bcg.runtime.runner import BreakableGraphRunner
 
     seen = []
@@ -113,7 +113,7 @@ def test_float8_weights_turn_the_precompile_off_for_their_forward_alone(caplog):
 
     model = Model()
     HookRegistry.check_if_exists_or_initialize(model).register_hook(  # as quantize_module leaves a float8 model
-        QuantizeHook(QuantizeReport(mode="fp8", applied=True, layers=1)), "bcg_quantize")
+        QuantizeHook(QuantizeReport(mode="fp8", applied=True, layers=1)), HOOK_NAME)
     before = torch._dynamo.config.caching_precompile
     try:
         with caplog.at_level("WARNING", logger="bcg.runtime.runner"):
