@@ -18,6 +18,7 @@ calls), microseconds a call as medians with their spread, and each LoRA variant 
 CUDA (``--allow-cpu``: a smoke run, eager and tiny).
 
     python3 benchmarks/bench_lora_layer.py --out $R/bench_lora_layer_h100.json
+    python3 benchmarks/bench_lora_layer.py --mode max-autotune-no-cudagraphs --out $R/bench_lora_layer_autotune_h100.json
 """
 from __future__ import annotations
 
@@ -74,21 +75,22 @@ def run(args) -> dict:
     dtype = torch.bfloat16 if cuda else torch.float32
     tokens = args.tokens if cuda else 64
     result = {"machine": machine_info(), "command": " ".join(sys.argv), "tokens": tokens, "rank": args.rank,
-              "fp8": cuda and not args.no_fp8, "rows": 1, "calls_per_replay": args.calls, "shapes": {}}
+              "fp8": cuda and not args.no_fp8, "compile_mode": args.mode, "rows": 1, "calls_per_replay": args.calls,
+              "shapes": {}}
     for features_in, features_out, consumer in SHAPES:
         if not cuda:
             features_in, features_out = features_in // 48, features_out // 48
         name = f"{features_in}x{features_out}+{consumer}"
-        # every variant's `fn` shares one code object: a shape starts from no compiled frames (the second
-        # shape's replays hit an illegal memory access on the H100 after the first shape's recompiles;
-        # whether this was the cause is not yet checked on a GPU)
-        torch._dynamo.reset()
+        torch._dynamo.reset()  # every variant's `fn` shares one code object: a shape starts from no frames
         x = torch.randn(1, tokens, features_in, device=device, dtype=dtype)
         residual = torch.randn(1, tokens, features_out, device=device, dtype=dtype)
-        outputs, timed = {}, {}
+        # a CUDA graph keeps no tensor alive: the layers (and their compiled code) it reads stay referenced
+        # until its replays are timed, or a replay reads freed weights (the second shape's illegal access)
+        outputs, timed, alive = {}, {}, []
         for variant in VARIANTS:
             fn = build(variant, features_in, features_out, consumer, args.rank, device, dtype, result["fp8"])
-            compiled = torch.compile(fn) if cuda else fn
+            compiled = torch.compile(fn, mode=args.mode) if cuda else fn
+            alive.append(compiled)
             with torch.no_grad():
                 for _ in range(3):
                     outputs[variant] = compiled(x, residual)
@@ -133,6 +135,8 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--calls", type=int, default=20, help="calls captured per replay")
     p.add_argument("--no-fp8", action="store_true", help="bf16 base weights")
+    p.add_argument("--mode", default=None, choices=(None, "default", "max-autotune-no-cudagraphs"),
+                   help="inductor's mode for every variant (max-autotune: Triton GEMM templates, epilogues fused)")
     p.add_argument("--allow-cpu", action="store_true")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
