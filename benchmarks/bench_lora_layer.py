@@ -18,7 +18,8 @@ calls), microseconds a call as medians with their spread, and each LoRA variant 
 CUDA (``--allow-cpu``: a smoke run, eager and tiny).
 
     python3 benchmarks/bench_lora_layer.py --out $R/bench_lora_layer_h100.json
-    python3 benchmarks/bench_lora_layer.py --mode max-autotune-no-cudagraphs --out $R/bench_lora_layer_autotune_h100.json
+    python3 benchmarks/bench_lora_layer.py --mode max-autotune-no-cudagraphs \\
+        --out $R/bench_lora_layer_autotune_h100.json
 """
 from __future__ import annotations
 
