@@ -416,6 +416,34 @@ def sample(pipe, captions, seeds, device, steps: int = 28, batch: int = 64, **kw
     return np.concatenate(out)
 
 
+def colour_misses(pictures, captions, examples: int = 8) -> dict:
+    """Where the pictures' shapes miss their caption's colour (`score`'s ``colour``): ``swapped`` when a
+    shape takes a colour the caption gives the background and the background the shape's colour, ``other``
+    for any other colour, ``no_shape`` when nothing was read; the first `examples` misses as read."""
+    from bcg.diffusers.shapes.data import parse_caption
+    from bcg.diffusers.shapes.score import read_picture, score
+
+    out = {"n": 0, "misses": 0, "swapped": 0, "other": 0, "no_shape": 0, "examples": []}
+    for pixels, caption in zip(pictures, captions):
+        out["n"] += 1
+        if score(pixels, caption)["colour"]:
+            continue
+        scene, reading = parse_caption(str(caption)), read_picture(pixels)
+        shapes = [b.colour for b in reading.blobs]
+        if not shapes:
+            kind = "no_shape"
+        elif any(c in scene.background for c in shapes) and scene.colour in reading.background:
+            kind = "swapped"
+        else:
+            kind = "other"
+        out["misses"] += 1
+        out[kind] += 1
+        if len(out["examples"]) < examples:
+            out["examples"].append({"caption": str(caption), "kind": kind, "shapes_read": shapes,
+                                    "background_read": list(reading.background)})
+    return out
+
+
 def evaluate(pipe, args, log):
     from bcg.diffusers.shapes.data import make_batch
     from bcg.diffusers.shapes.score import adherence
@@ -434,6 +462,7 @@ def evaluate(pipe, args, log):
     scored = adherence(pictures, captions)
     result["model"] = scored["rates"]
     say("adherence:", json.dumps({k: round(v, 3) for k, v in scored["rates"].items()}))
+    result["model_colour_misses"] = colour_misses(pictures, captions)
     extra = {"vae_reconstruction": recon}
     for tokens in args.eval_text_tokens:  # the served text lengths (bench_quality samples at 64)
         short = sample(pipe, captions, seeds, args.device, args.eval_steps, max_sequence_length=tokens)
@@ -660,12 +689,23 @@ def main(argv=None) -> int:
     parser.add_argument("--diagnose", metavar="WEIGHTS",
                         help="only measure what bounds these weights before training (the VAE's reconstructions "
                              "scored, the text encoders' separation of captions) into --out/shapes_flux_diagnosis.json")
+    parser.add_argument("--colour-misses", metavar="NPZ",
+                        help="only sort the colour misses of a run's samples.npz (`colour_misses`) into "
+                             "--out/shapes_flux_colour_misses.json")
     parser.add_argument("--plot-only", metavar="JSON", help="only draw the PNGs of a written log (and samples)")
     parser.add_argument("--grid", nargs=3, metavar=("NPZ", "KEY", "PNG"),
                         help="only draw a grid of samples: a samples file, its pictures' key, the PNG")
     args = parser.parse_args(argv)
     if args.grid:
         return 0 if grid_of(*args.grid) else 1
+    if args.colour_misses:
+        samples = np.load(args.colour_misses)
+        result = {"command": " ".join(sys.argv), "samples": os.path.basename(args.colour_misses),
+                  **colour_misses(samples["pictures"], samples["captions"])}
+        os.makedirs(args.out, exist_ok=True)
+        write_json(os.path.join(args.out, "shapes_flux_colour_misses.json"), result)
+        say("colour misses:", json.dumps({k: v for k, v in result.items() if k != "examples"}))
+        return 0
     if args.plot_only:
         with open(args.plot_only) as f:
             log = json.load(f)

@@ -93,3 +93,33 @@ def test_diagnosis_scores_the_vaes_reconstructions_and_the_texts_separation(tmp_
     text = result["text"]
     for what in ("colour", "shape", "position", "count"):
         assert text[what]["t5_relative_distance"] > 0.1 and text[what]["clip_pooled_relative_distance"] > 0.1
+
+
+def test_colour_misses_tell_a_swap_from_another_colour():
+    """The generator's own pictures miss nothing; the same scenes drawn with shape and background colours
+    exchanged are all swaps, and drawn in a third colour all other misses."""
+    import dataclasses
+
+    import numpy as np
+
+    from bcg.diffusers.shapes.data import COLOURS, caption_of, contrast, draw, sample_scene
+
+    rng = np.random.default_rng(7)
+    truth, swapped, other, captions = [], [], [], []
+    while len(captions) < 6:
+        scene, centres = sample_scene(rng)
+        if len(scene.background) != 1 or scene.background[0] not in COLOURS:
+            continue  # a swap needs a background of a shape colour
+        third = next(c for c in COLOURS if c not in (scene.colour, scene.background[0])
+                     and contrast(c, scene.background) > 150)
+        truth.append(draw(scene, centres))
+        swapped.append(draw(dataclasses.replace(scene, colour=scene.background[0], background=(scene.colour,)),
+                            centres))
+        other.append(draw(dataclasses.replace(scene, colour=third), centres))
+        captions.append(caption_of(scene))
+    assert train_shapes_flux.colour_misses(truth, captions) | {"examples": []} == {
+        "n": 6, "misses": 0, "swapped": 0, "other": 0, "no_shape": 0, "examples": []}
+    swaps = train_shapes_flux.colour_misses(swapped, captions, examples=2)
+    assert (swaps["misses"], swaps["swapped"], len(swaps["examples"])) == (6, 6, 2)
+    assert swaps["examples"][0]["caption"] == captions[0] and swaps["examples"][0]["kind"] == "swapped"
+    assert train_shapes_flux.colour_misses(other, captions)["other"] == 6

@@ -112,11 +112,10 @@ _CAPTURE = _Decision("capture")
 _EAGER = {reason: _Decision("eager", reason=reason) for reason in EAGER_REASONS}
 
 
-def _quantize_stats(module):
-    """The module's `bcg.runtime.quantize` report as a dict, None where it was not quantized."""
+def _quantize_report(module):
+    """The module's `bcg.runtime.quantize` report, None where it was not quantized."""
     from bcg.runtime.quantize import quantize_report
-    report = quantize_report(module) if isinstance(module, torch.nn.Module) else None
-    return report.as_dict() if report is not None else None
+    return quantize_report(module) if isinstance(module, torch.nn.Module) else None
 
 
 def _resolve_device(module, device):
@@ -165,9 +164,8 @@ class BreakableGraphRunner(ModuleProxy):
         self._compiled = None
         if self._runner_config.compile:
             from bcg.runtime.compile import compile_for_segments
-            from bcg.runtime.quantize import quantize_report
             precompile = self._runner_config.compile_precompile
-            quantized = quantize_report(module) if isinstance(module, torch.nn.Module) else None
+            quantized = _quantize_report(module)
             if precompile and quantized is not None and quantized.applied:
                 # torch's caching precompile makes empty_like copies of the parameters, which torchao's
                 # Float8Tensor does not implement: every capture failed (FLUX.1-dev on the H100, torchao 0.18)
@@ -348,7 +346,7 @@ class BreakableGraphRunner(ModuleProxy):
             "blocked": blocked,
             "uncompiled": uncompiled,
             "compile": self._compiled.stats() if self._compiled is not None else None,
-            "quantize": _quantize_stats(self._module),
+            "quantize": report.as_dict() if (report := _quantize_report(self._module)) is not None else None,
         }
 
     # -- internals --------------------------------------------------------------------------------
