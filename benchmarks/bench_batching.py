@@ -354,6 +354,8 @@ def _run_served_modes(args, port: int) -> tuple[list[dict], dict, dict]:
                     _say(f"[{args.via}] rate {rate:.2f}/s {mode}: {row['images_per_s']} images/s, p50 "
                          f"{row['latency_ms'].get('p50')} ms, p99 {row['latency_ms'].get('p99')} ms, rows/step "
                          f"{row['mean_rows_per_step']}, eager {row['eager_calls']}, failed {row['failed']}, lost {row['lost']}")
+                    for error in row["errors"]:
+                        _say(f"  failed: {error}")
         finally:
             if client is not None:
                 client.close()
@@ -518,6 +520,8 @@ def main(argv=None) -> int:
             _say(f"rate {rate:.2f}/s {mode}: {row['images_per_s']} images/s, p50 {row['latency_ms'].get('p50')} ms, "
                  f"p99 {row['latency_ms'].get('p99')} ms, rows/step {row['mean_rows_per_step']}, "
                  f"eager {row['eager_calls']}, failed {row['failed']}, lost {row['lost']}")
+            for error in row["errors"]:
+                _say(f"  failed: {error}")
 
     result = {
         "benchmark": "bench_batching",

@@ -78,7 +78,7 @@ def test_cpu_smoke_run_answers_every_request_once(tmp_path, saved_figures):
     runs = {r["mode"]: r for r in result["runs"]}
     assert set(runs) == {"batched", "one_at_a_time"}
     for run in runs.values():
-        assert (run["answered_ok"], run["failed"], run["lost"]) == (4, 0, 0)
+        assert (run["answered_ok"], run["failed"], run["lost"]) == (4, 0, 0), run["errors"]
     # four requests of two steps: eight rows, at most two per step batched (the loop thread may start the
     # first request before the second is submitted), one per step one at a time
     batched = {int(k): v for k, v in runs["batched"]["batch_size_histogram"].items()}

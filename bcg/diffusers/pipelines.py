@@ -11,9 +11,12 @@ signature of its own: `plan_request` makes such a pipeline pad embeddings and ma
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import logging
+import threading
 import time
+import weakref
 from typing import Any, Iterable
 
 import torch
@@ -22,6 +25,7 @@ from bcg.diffusers.accelerated import pipeline_runners
 from bcg.diffusers.buckets import ShapeKey, buckets_up_to, check_shape, parse_plan, parse_size, request_shape_key
 from bcg.diffusers.call_args import call_defaults, call_parameters
 from bcg.diffusers.families import family_named, family_of
+from bcg.diffusers.tokenizers import restore as restore_tokenizer
 from bcg.runtime.proxy import unwrap_runner
 
 logger = logging.getLogger(__name__)
@@ -81,11 +85,32 @@ def count_prompt_tokens(pipe, prompt: str, info: dict | None = None) -> int | No
     tokenizer = getattr(pipe, family.prompt_tokenizer, None)
     if tokenizer is None:
         return None
-    if family.prompt_template:
-        text = pipe.prompt_template_encode.format(prompt)
-        ids = tokenizer(text, add_special_tokens=True, truncation=False, verbose=False)["input_ids"]
-        return len(ids) - pipe.prompt_template_encode_start_idx
-    return len(tokenizer(prompt, add_special_tokens=True, truncation=False, verbose=False)["input_ids"])
+    text = pipe.prompt_template_encode.format(prompt) if family.prompt_template else prompt
+    counter, lock = _counting_tokenizer(tokenizer)
+    with lock:
+        ids = counter(text, add_special_tokens=True, truncation=False, verbose=False)["input_ids"]
+    return len(ids) - pipe.prompt_template_encode_start_idx if family.prompt_template else len(ids)
+
+
+_COUNTERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_COUNTERS_LOCK = threading.Lock()
+
+
+def _counting_tokenizer(tokenizer) -> tuple[Any, threading.Lock]:
+    """A copy of the pipeline's `tokenizer` that only counts, and the lock its callers take (one per
+    tokenizer, made on first use).
+
+    Requests are planned on the threads that submit them while a step batcher's loop thread encodes
+    prompts with the pipeline's own tokenizer. A fast tokenizer keeps its padding and truncation in its
+    backend: a call sets them, then encodes. A count on the same tokenizer in between (it turns both off)
+    would take a joining prompt's padding away, and the loop's truncation could cut a count short, planning
+    a long prompt into too small a bucket. The copy shares no state with the tokenizer the pipeline calls.
+    """
+    with _COUNTERS_LOCK:
+        entry = _COUNTERS.get(tokenizer)
+        if entry is None:
+            entry = _COUNTERS[tokenizer] = (copy.deepcopy(restore_tokenizer(tokenizer)), threading.Lock())
+    return entry
 
 
 def _padded_encode_prompt(encode_prompt):

@@ -390,6 +390,24 @@ def test_prompt_buckets_follow_token_counts():
     assert default.prompt_bucket is None and "max_sequence_length" not in kwargs
 
 
+def test_counting_a_prompt_leaves_the_pipelines_tokenizer_as_an_encode_set_it():
+    """A request is planned on its submitting thread while a batcher's loop encodes with the pipeline's
+    tokenizer, which sets padding and truncation in its backend and then encodes. A count in between must
+    neither change those settings nor be cut short by them."""
+    pipe = accelerate(load_pipeline("tiny-flux"))
+    long_prompt = "a photo of a cat " * 20
+    full = count_prompt_tokens(pipe, long_prompt)
+    backend = pipe.tokenizer_2.backend_tokenizer
+    # where the loop's encode of a 32-token bucket stands between setting its backend and encoding
+    backend.enable_truncation(max_length=32)
+    backend.enable_padding(length=32, pad_id=pipe.tokenizer_2.pad_token_id, pad_token=pipe.tokenizer_2.pad_token)
+    truncation, padding = backend.truncation, backend.padding
+    assert full > 64 and count_prompt_tokens(pipe, long_prompt) == full
+    assert (backend.truncation, backend.padding) == (truncation, padding)
+    key, _ = plan_request(pipe, long_prompt, size="64x64", prompt_buckets=True)
+    assert key.prompt_bucket == 128 and (backend.truncation, backend.padding) == (truncation, padding)
+
+
 def test_prompts_in_one_bucket_reach_the_transformer_with_one_shape():
     pipe = load_pipeline("tiny-flux")
     seen = []
