@@ -172,3 +172,40 @@ def test_other_families_replay_only_and_equal_their_eager_runs_bitwise(name):
     computed = sum(c["computed"] for _, c in eager)
     assert after["middle"]["replays"] - before["middle"]["replays"] == calls * computed
     disable_step_cache(pipe)
+
+
+@pytest.mark.parametrize("regional", [True, False], ids=["regional", "whole"])
+def test_compiled_step_cache_at_threshold_0_equals_compiled_uncached_and_counts_a_schedule(regional):
+    """The served headline's configuration: compiled segments with step caching. Threshold 0 is the compiled
+    uncached image bit for bit (regional compilation compiles the same block kernels with or without the
+    break; a whole-module compile fuses across it, so there within 3/255); a schedule computes its steps
+    and replays only."""
+    config = RunnerConfig(max_entries=32, compile=True, compile_regional=regional)
+    uncached = accelerate(load_pipeline("tiny-flux", device="cuda"), config=config, options=OPTIONS)
+    key, _ = plan_request(uncached, "a cat", size=SIZE, steps=STEPS)
+    assert warmup_pipeline(uncached, [key], num_inference_steps=2)["failed"] == 0
+    _, kwargs = plan_request(uncached, "a red circle on a blue background", size=SIZE, steps=STEPS, seed=7)
+    with torch.no_grad():
+        expected = np.asarray(uncached(**{**kwargs, "output_type": "np"}).images)
+    assert uncached.transformer.stats()["eager_calls_total"] == 0
+
+    pipe = load_pipeline("tiny-flux", device="cuda")
+    enable_step_cache(pipe, None)
+    accelerate(pipe, config=config, options=OPTIONS)
+    assert warmup_pipeline(pipe, [key], num_inference_steps=2)["failed"] == 0
+    before = _totals(pipe)
+    image, counts = _run(pipe, StepCacheConfig(threshold=0.0))
+    assert counts == {"computed": STEPS, "cached": 0}
+    if regional:
+        assert np.array_equal(image, expected), "compiled threshold 0 differs from compiled uncached"
+    else:
+        assert np.abs(image - expected).max() <= TOLERANCE
+    schedule = StepCacheConfig(method="schedule", schedule=[0, 1, 3, 6], warmup_steps=0)
+    _, counts = _run(pipe, schedule)
+    assert counts == {"computed": 4, "cached": 4}
+    after = _totals(pipe)
+    for name in after:
+        assert after[name]["captures"] == before[name]["captures"], name
+        assert after[name]["eager_calls_total"] == before[name]["eager_calls_total"], name
+    assert after["middle"]["replays"] - before["middle"]["replays"] == STEPS + 4
+    disable_step_cache(pipe)
