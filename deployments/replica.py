@@ -57,11 +57,6 @@ Contract:
 """
 from __future__ import annotations
 
-import time as _clock
-
-# this process's start-up clock (deployments.startup): when the imports below began, and (after them) their seconds
-_IMPORTS_BEGAN = _clock.time()
-
 import asyncio
 import functools
 import logging
@@ -84,8 +79,6 @@ from deployments.router import (BATCH_FREE_ROWS, LORA_ADAPTERS, POOL_BYTES, QUEU
 from deployments.schemas import ImageGenerationRequest, ReplicaReport
 from deployments.spill import COLD_REQUEST_S, REQUEST_S, WARMUP_S, moving_average
 from deployments.startup import ReplicaStartup, startup_warnings
-
-_IMPORTS_S = _clock.time() - _IMPORTS_BEGAN
 
 logger = logging.getLogger(__name__)
 
@@ -111,7 +104,7 @@ class Replica:
                  memory_budget_bytes: Optional[int] = None, batching: Optional[dict] = None,
                  compile_wait_s: float = 900.0, lora: Optional[dict] = None,
                  step_cache: Optional[dict] = None, compile_components="all"):
-        self._startup = ReplicaStartup(_IMPORTS_BEGAN, _IMPORTS_S)
+        self._startup = ReplicaStartup()
         ctx = serve.get_replica_context()
         self.replica_id = ctx.replica_id.unique_id
         self.rank = getattr(getattr(ctx, "rank", None), "rank", None)

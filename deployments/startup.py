@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import time
 from typing import Dict, List, Mapping, Optional
 
@@ -27,9 +28,8 @@ logger = logging.getLogger(__name__)
 
 # phase -> what it covers (docs/serving.md has the same table)
 PHASES = {
-    "process_start": "process started -> the replica's modules begin to import (Ray's worker start)",
-    "imports": "importing the replica's modules and the engine's (Ray Serve, torch, diffusers, bcg)",
-    "serve_init": "modules imported -> the replica's constructor starts (Serve sets the replica up)",
+    "process_start": "process started -> the app's modules begin to import (Ray's worker and Serve's replica actor)",
+    "imports": "the app's modules and the engine's (torch, diffusers, bcg), up to the replica's constructor",
     "load_read": "reading the pipeline: a built-in's construction, or from_pretrained",
     "load_move": "the dtype cast and the copy to the device",
     "load_quantize": "float8 quantization of the transformers' linear layers (quantize: fp8)",
@@ -97,13 +97,15 @@ def _r(x: Optional[float]) -> Optional[float]:
 class ReplicaStartup:
     """One replica's start, marked as it goes (see the module docstring). Times are ``time.time()``.
 
-    `imports_began` / `imports_s`: when the replica's module began importing and how long it took (the
-    module records both at its top, before its heavy imports)."""
+    `imports_began`: when this process began importing the app (default: the ``deployments`` package's
+    clock, ``deployments.IMPORTS_BEGAN_AT``); created at the start of the replica's constructor."""
 
-    def __init__(self, imports_began: float, imports_s: float, constructor_at: Optional[float] = None):
+    def __init__(self, imports_began: Optional[float] = None):
+        self.constructor_at = time.time()
+        if imports_began is None:
+            imports_began = getattr(sys.modules.get("deployments"), "IMPORTS_BEGAN_AT", self.constructor_at)
         self.process_at = process_started_at() or imports_began
-        self.imports_began, self.imports_s = imports_began, imports_s
-        self.constructor_at = constructor_at if constructor_at is not None else time.time()
+        self.imports_began = min(max(imports_began, self.process_at), self.constructor_at)
         self.load: Dict[str, float] = {}
         self.loaded_at = self.warmup_began = self.warmup_done = self.warm_at = None
         self.published_at = self.answered_at = None
@@ -136,10 +138,8 @@ class ReplicaStartup:
         self.warnings = list(warnings)
 
     def phases(self) -> Dict[str, Optional[float]]:
-        imports_done = self.imports_began + self.imports_s
         out = {"process_start": self.imports_began - self.process_at,
-               "imports": self.imports_s + self.load.get("imports_s", 0.0),
-               "serve_init": self.constructor_at - imports_done}
+               "imports": self.constructor_at - self.imports_began + self.load.get("imports_s", 0.0)}
         out.update({phase: self.load.get(field, 0.0) for phase, field in _LOAD_PARTS.items()})
         if self.loaded_at is not None:  # the engine's hand-over to the replica counts as the load's rest
             engine_s = sum(self.load.get(f, 0.0) for f in ("imports_s", *_LOAD_PARTS.values()))

@@ -15,7 +15,7 @@ FIELDS = [f"{phase}_s" for phase in PHASES]
 
 def test_phases_are_none_until_reached_then_numbers_that_sum_within_the_total():
     # each part reported below lies inside the span it belongs to, as a replica measures them
-    startup = ReplicaStartup(imports_began=time.time() - 0.02, imports_s=0.01)
+    startup = ReplicaStartup(imports_began=time.time() - 0.01)
     time.sleep(0.07)
     startup.loaded({"imports_s": 0.02, "read_s": 0.03, "move_s": 0.0, "quantize_s": 0.0, "accelerate_s": 0.01,
                     "other_s": 0.0})
@@ -28,7 +28,7 @@ def test_phases_are_none_until_reached_then_numbers_that_sum_within_the_total():
     assert list(report["phases"]) == FIELDS
     assert report["phases"]["publish_s"] is None and report["phases"]["hand_off_s"] is None
     assert report["first_request_s"] is None and report["ready_s"] >= 0
-    assert report["phases"]["imports_s"] == pytest.approx(0.03)  # the module's and the engine's
+    assert report["phases"]["imports_s"] >= 0.03  # the app's modules' and the engine's
     assert report["phases"]["warmup_trace_s"] == 0.005 and report["phases"]["warmup_compile_s"] == 0.015
     assert report["by_key"] == {"64x64": {"seconds": 0.03}}
     startup.published()
