@@ -379,6 +379,13 @@ class AppArgs(BaseModel):
         TransformerOptions(quantize=self.quantize, attention_backend=self.attention_backend)  # the one check
         return self
 
+    def startup_warnings(self) -> List[str]:
+        """What these args cost that the user may not know (`deployments.startup.startup_warnings`): float8
+        without a compiled transformer. ``build_app`` logs each; every replica logs them again and shows
+        them in its stats (``warnings``)."""
+        from deployments.startup import startup_warnings
+        return startup_warnings(self.quantize, self.runner, self.compile_components)
+
     def runner_config(self) -> dict:
         """The replicas' settings: ``runner`` (RunnerConfig fields) with ``quantize`` and ``attention_backend``
         (TransformerOptions fields; the engine splits them, `TransformerOptions.split`)."""
@@ -471,6 +478,8 @@ def parse_args(args: Optional[dict]) -> AppArgs:
 def build_app(args: Optional[dict] = None):
     """The bound application for ``serve run``/``serve deploy`` (see the module docstring)."""
     a = parse_args(args)
+    for warning in a.startup_warnings():
+        logger.warning("bcg app: %s", warning)
     resources = a.replica_resources()
     gpus = resources.num_gpus
     actor_options = {"num_cpus": a.num_cpus_per_replica, "num_gpus": gpus}

@@ -151,11 +151,13 @@ class ReplicaEngine:
                  pipeline_hook: Optional[str] = None, components="all", batching: Optional[dict] = None,
                  memory_budget_bytes: Optional[int] = None, lora: Optional[dict] = None,
                  step_cache: Optional[dict] = None, compile_components="all"):
+        t0 = time.perf_counter()
         import torch
         from bcg.runtime.config import RunnerConfig, TransformerOptions
         from bcg.diffusers import accelerate, pipeline_info, pipeline_runners
         from bcg.diffusers.batching import BatcherConfig, StepBatcher
-        from bcg.diffusers.models import load_pipeline
+        from bcg.diffusers.models import LoadTimes, load_pipeline
+        imports_s = time.perf_counter() - t0
 
         if cpu_threads:
             torch.set_num_threads(int(cpu_threads))
@@ -170,7 +172,8 @@ class ReplicaEngine:
         self.options, runner_fields = TransformerOptions.split(runner_config if isinstance(runner_config, dict) else {})
         config = RunnerConfig(**runner_fields) if isinstance(runner_config, dict) else runner_config
         self.config = config if config is not None else RunnerConfig.from_env()
-        pipe = load_pipeline(model, device=self.device, dtype=getattr(torch, dtype) if dtype else None)
+        load = LoadTimes()
+        pipe = load_pipeline(model, device=self.device, dtype=getattr(torch, dtype) if dtype else None, times=load)
         if pipeline_hook:
             resolve_hook(pipeline_hook)(pipe)  # from the app config (e.g. fault injection in tests)
         # LoRA slots before anything captures or compiles the transformer (``lora``: see `_install_lora`);
@@ -188,9 +191,11 @@ class ReplicaEngine:
             if not supports_step_cache(pipe):
                 raise ValueError(f"step_cache: {model!r}'s transformer does not support step caching (Flux, Wan, SD3 and Qwen-Image do)")
             self.step_cache = enable_step_cache(pipe, StepCacheConfig.from_any(step_cache))
+        t_accelerate = time.perf_counter()
         self.pipe = accelerate(pipe, config=self.config, components=pipeline_components(pipe, components),
                                options=self.options,
                                compile_components=None if compile_components == "all" else compile_components)
+        accelerate_s = time.perf_counter() - t_accelerate
         # what this replica's compiled code is shared through (None: nothing here compiles)
         from deployments.compile_cache import CompileArtifacts, pipeline_artifacts
         self.compile_artifacts = pipeline_artifacts(pipe) or (CompileArtifacts() if self.config.compile
@@ -225,6 +230,7 @@ class ReplicaEngine:
         step_costs = batching.pop("step_costs_ms", None)  # fed in; a CUDA warmup times what it lacks
         config = BatcherConfig(**{**NO_BATCHING, **batching})
         self.batcher = StepBatcher(self.pipe, config, info=self.info, step_costs=step_costs).start()
+        self.startup = _load_phases(time.perf_counter() - t0, imports_s, load, accelerate_s, self.kernel_stats())
 
     def close(self) -> None:
         """Stop the loop thread; requests still queued or running fail."""
@@ -355,7 +361,8 @@ class ReplicaEngine:
         eager peak within what was left before it. A key that does not fit fails (``reason`` names
         the key and the bytes), stays cold and its new graphs are dropped; the pool bytes they leave
         reserved count as stranded, not used, until a later warmup captures."""
-        t0 = time.perf_counter()
+        from bcg.runtime.compile import dynamo_seconds
+        t0, dynamo_before = time.perf_counter(), dynamo_seconds()
         before = self.refresh()
         held_before = self.memory.used_bytes(self.pool_bytes())
         used_before = held_before - self._stranded_bytes
@@ -404,9 +411,14 @@ class ReplicaEngine:
         segments = sum(e.get("segments", 0) for g, e in _graphs(self._runner_stats).items() if g in new)
         seconds = time.perf_counter() - t0
         now, then = _compiled(self._runner_stats), _compiled(before)
+        compile_s = (now["compile_ms"] - then["compile_ms"]) / 1e3
+        dynamo = {k: v - dynamo_before[k] for k, v in dynamo_seconds().items()}
+        # of the compile seconds (first calls of compiled forwards), dynamo's tracing: its frames less the backend
+        trace_s = min(compile_s, max(0.0, dynamo["frames_s"] - dynamo["backend_s"]))
         return {"key": report["key"], "ok": ok, "reason": reason, "capture_ms": seconds * 1e3, "seconds": seconds,
-                "compile_s": (now["compile_ms"] - then["compile_ms"]) / 1e3, "graphs_compiled": now["graphs"] - then["graphs"],
-                "captures": done["captures"], "segments": segments, "memory": memory}
+                "compile_s": compile_s, "trace_s": trace_s, "graphs_compiled": now["graphs"] - then["graphs"],
+                "captures": done["captures"], "segments": segments, "memory": memory,
+                "buckets": _bucket_captures(report["captured"], self._runner_stats, new)}
 
     # -- compile artifacts (deployments.artifacts hands them between replicas) ----------------------
     def artifact_key(self, key: str):
@@ -548,6 +560,30 @@ class ReplicaEngine:
         out = self.submit(request, key, default_steps, lora=lora).result()
         return {**out, "images": encode_images(out["images"], request.output_format, request.output_compression,
                                                fps=self.info.get("fps"))}
+
+
+def _load_phases(seconds: float, imports_s: float, load, accelerate_s: float, kernels: dict) -> Dict[str, float]:
+    """Where the engine's construction (`seconds`) went: its imports (torch, diffusers), reading and moving
+    the pipeline (`LoadTimes`), quantizing (the transformers' quantize reports), the rest of `accelerate`
+    (breaks, attention kernels, runners) and everything else (LoRA slots, step caching, the memory share,
+    the batcher's thread)."""
+    quantize_s = sum((k.get("quantize") or {}).get("seconds", 0.0) for k in kernels.values())
+    parts = {"imports_s": imports_s, "read_s": load.read_s, "move_s": load.move_s, "quantize_s": quantize_s,
+             "accelerate_s": max(0.0, accelerate_s - quantize_s)}
+    return {**parts, "other_s": max(0.0, seconds - sum(parts.values()))}
+
+
+def _bucket_captures(captured: Dict[str, dict], runner_stats: dict, new) -> Dict[str, dict]:
+    """Bucket key -> the graphs its warmup run captured (new ones only) and their capture seconds (the
+    runners' own ``capture_ms`` per graph: the recording, not the warm-up runs before it)."""
+    graphs = _graphs(runner_stats)
+    out = {}
+    for bucket, by_component in captured.items():
+        mine = [(name, sig) for name, sigs in by_component.items() for sig in sigs
+                if (name, sig) in new and (name, sig) in graphs]  # a dropped graph is gone
+        out[bucket] = {"graphs": len(mine),
+                       "graph_capture_s": round(sum(float(graphs[g].get("capture_ms") or 0) for g in mine) / 1e3, 3)}
+    return out
 
 
 def _install_lora(pipe, lora: dict):

@@ -19,6 +19,10 @@ Contract:
   keeps no running total; ``capture_ms_total`` in a runner's stats is used instead where present).
   A `StepBatcher`'s ``stats()`` under ``"batcher"`` gives step, row and join counters, and its
   ``batch_size_histogram`` (real rows per step -> steps) becomes ``bcg_batch_size`` observations.
+* A replica's start (``stats["startup"]``, `deployments.startup`) becomes Gauges in `update`:
+  ``bcg_startup_seconds{phase=...}`` per phase reached (seconds, the phases of docs/serving.md's table),
+  ``bcg_startup_milestone_seconds{milestone=ready|first_request}`` and ``bcg_startup_warnings`` (how many
+  start-up warnings the replica logged).
 * `update` must run periodically -- from the replica's ``record_routing_stats`` (every routing-stats
   period) is the place: Ray 2.60 drops a Gauge's series from the Prometheus endpoint about two export
   intervals (``metrics_report_interval_ms``, 10 s) after its last ``set``, so every update sets every
@@ -192,6 +196,14 @@ class ReplicaMetrics:
             "bcg_cuda_reserved_bytes": m.Gauge("bcg_cuda_reserved_bytes",
                                                description="torch.cuda.memory_reserved() of the replica."),
         }
+        self._startup = m.Gauge("bcg_startup_seconds", description=(
+            "Seconds of one phase of the replica's start, from its process's start to its first answer."),
+            tag_keys=("phase",))
+        self._milestones = m.Gauge("bcg_startup_milestone_seconds", description=(
+            "ready: constructor start to warm; first_request: process start to the first answer."),
+            tag_keys=("milestone",))
+        self._startup_warnings = m.Gauge("bcg_startup_warnings", description=(
+            "Start-up warnings the replica logged (a configuration that costs speed; /v1/stats names them)."))
         self._last: Dict[Tuple[str, Tuple[Tuple[str, str], ...]], float] = {}
         self._capture = _CaptureSeconds()
         self._keys: set = set()
@@ -271,11 +283,23 @@ class ReplicaMetrics:
         self._replica_gauges["bcg_warm_keys"].set(len(warm))
         if QUEUE_LEN in stats:
             self._replica_gauges["bcg_queue_len"].set(float(stats[QUEUE_LEN]))
+        if stats.get("startup"):
+            self._update_startup(stats["startup"])
         memory = stats.get("cuda_memory") or {}
         for field, name in (("allocated_bytes", "bcg_cuda_allocated_bytes"),
                             ("reserved_bytes", "bcg_cuda_reserved_bytes")):
             if field in memory:
                 self._replica_gauges[name].set(float(memory[field]))
+
+
+    def _update_startup(self, startup: Mapping) -> None:
+        for name, seconds in (startup.get("phases") or {}).items():
+            if seconds is not None:  # a phase not reached yet has no series
+                self._startup.set(float(seconds), tags={"phase": name[:-2] if name.endswith("_s") else name})
+        for milestone in ("ready", "first_request"):
+            if startup.get(f"{milestone}_s") is not None:
+                self._milestones.set(float(startup[f"{milestone}_s"]), tags={"milestone": milestone})
+        self._startup_warnings.set(float(len(startup.get("warnings") or ())))
 
 
 __all__ = ["ReplicaMetrics", "counter_delta", "runner_levels", "runner_totals"]

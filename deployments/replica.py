@@ -78,6 +78,7 @@ from deployments.router import (BATCH_FREE_ROWS, LORA_ADAPTERS, POOL_BYTES, QUEU
                                 ShapeAffinityRouter)
 from deployments.schemas import ImageGenerationRequest, ReplicaReport
 from deployments.spill import COLD_REQUEST_S, REQUEST_S, WARMUP_S, moving_average
+from deployments.startup import ReplicaStartup, startup_warnings
 
 logger = logging.getLogger(__name__)
 
@@ -103,6 +104,7 @@ class Replica:
                  memory_budget_bytes: Optional[int] = None, batching: Optional[dict] = None,
                  compile_wait_s: float = 900.0, lora: Optional[dict] = None,
                  step_cache: Optional[dict] = None, compile_components="all"):
+        self._startup = ReplicaStartup()
         ctx = serve.get_replica_context()
         self.replica_id = ctx.replica_id.unique_id
         self.rank = getattr(getattr(ctx, "rank", None), "rank", None)
@@ -123,6 +125,8 @@ class Replica:
         self._broken: Optional[str] = None
         self.first_request_at: Optional[float] = None
         self.metrics = ReplicaMetrics()
+        settings = runner_config if isinstance(runner_config, dict) else {}  # quantize travels with the runner's
+        self._startup.warn(startup_warnings(settings.get("quantize"), settings, compile_components))
         self._coordinator = coordinator  # warmup progress goes there (see _push_progress)
         self._progress: Dict = {"replica": self.replica_id, "i": 0, "n": 0, "done": True, "failed": {}}
         t0, t_start = time.perf_counter(), time.time()
@@ -137,6 +141,7 @@ class Replica:
                                             warmup_steps, cpu_threads, gpu_memory_fraction, pipeline_hook,
                                             components)
         loaded_at = time.time()
+        self._startup.loaded(self.engine.startup)
         self.info = dict(self.engine.info)
         # compile artifacts: fetched from the coordinator before a key compiles, handed to it after
         self._artifacts = ReplicaArtifacts(self.replica_id, coordinator, self.engine, self._in_thread, compile_wait_s)
@@ -160,13 +165,16 @@ class Replica:
                                    f"{assign_timeout_s} s; check the Coordinator deployment's status or raise "
                                    "assign_timeout_s") from None
         self.assigned = list(keys)
+        self._startup.warmup_started()
         if keys:
             await self._warmup(keys)
         else:
             await self._push_progress()  # the coordinator learns this replica's memory share
+        self._startup.warmed(self._reports[-1]["timing"] if keys else None)
         if lora and coordinator is not None:  # adapters loaded or unloaded while this replica started
             await self._sync_adapters(await coordinator.lora_adapters.remote())
         self.warm_ready_at = time.time()
+        self._startup.warm()
         # from the constructor's start: the pipeline's load, then the warmup (start of warmup to warm)
         self._cold_start = {"seconds": round(self.warm_ready_at - t_start, 3),
                             "load_pipeline_s": round(loaded_at - t_start, 3),
@@ -211,13 +219,14 @@ class Replica:
                 **{name: dict(times) for name, times in self._timing.items()}}
 
     def record_replica_metadata(self) -> dict:
+        self._startup.published()  # Serve reads the warm set once, after the constructor
         return self._routing_view()
 
     def record_routing_stats(self) -> dict:
         view = self._routing_view()
         try:  # every period: Ray drops a gauge ~20 s after its last set
             self.metrics.update({"runner": self.engine.runner_stats(), **view, "cuda_memory": cuda_memory(),
-                                 "batcher": self.engine.batcher.stats()})
+                                 "batcher": self.engine.batcher.stats(), "startup": self._startup.report()})
         except Exception:  # noqa: BLE001 -- metrics never stop the routing stats
             logger.exception("replica %s: metrics update failed", self.replica_id)
         return view
@@ -381,6 +390,7 @@ class Replica:
                 "memory": self.engine.memory_report(), "cold_start": self._cold_start,
                 "compile_artifacts": self._artifacts.stats(), "attention_choices": self._attention.stats(),
                 "lora": self.engine.lora_stats(),
+                "startup": self._startup.report(), "warnings": list(self._startup.warnings),
                 "steps_by_key": {k: dict(v) for k, v in self._steps.items()},
                 # graphs compiled while serving requests, not warming: a request that paid a compile
                 "compiled_while_serving": self.engine.compiled_graphs() - self._compiled_outside_warmups,
@@ -421,6 +431,7 @@ class Replica:
             raise
         finally:
             self._ongoing -= 1
+        self._startup.answered()
         self._counters["warm_requests" if warm else "cold_requests"] += 1
         self.metrics.record_request(key.key, warm, time.perf_counter() - t0)
         steps = self._steps.setdefault(key.key, {"computed": 0, "cached": 0})
@@ -452,7 +463,12 @@ def _warmup_timing(results: List[dict], seconds: float) -> dict:
     wait, compile_s, hand_off = total("wait_for_compile_s"), total("compile_s"), total("hand_off_s")
     load = total("load_artifacts_s") - wait
     capture = total("seconds") - compile_s
+    by_key = {r["key"]: {"ok": r.get("ok", True), "seconds": round(r["seconds"], 3), "compile_s": round(r.get("compile_s", 0.0), 3),
+                         "trace_s": round(r.get("trace_s", 0.0), 3),
+                         "capture_s": round(r["seconds"] - r.get("compile_s", 0.0), 3),
+                         "buckets": r.get("buckets") or {}} for r in results}
     return {"seconds": round(seconds, 3), "wait_for_compile_s": round(wait, 3), "load_artifacts_s": round(load, 3),
-            "compile_s": round(compile_s, 3), "capture_s": round(capture, 3), "hand_off_s": round(hand_off, 3),
-            "other_s": round(seconds - wait - load - compile_s - capture - hand_off, 3),
-            "graphs_compiled": int(total("graphs_compiled")), "artifacts": {r["key"]: r.get("artifacts") for r in results}}
+            "compile_s": round(compile_s, 3), "trace_s": round(total("trace_s"), 3), "capture_s": round(capture, 3),
+            "hand_off_s": round(hand_off, 3), "other_s": round(seconds - wait - load - compile_s - capture - hand_off, 3),
+            "graphs_compiled": int(total("graphs_compiled")), "artifacts": {r["key"]: r.get("artifacts") for r in results},
+            "by_key": by_key}

@@ -2,29 +2,45 @@
 tiny-pixart, tiny-sana, tiny-wan, tiny-qwen-image, seeded random weights, built offline) or a local
 directory in diffusers format (`DiffusionPipeline.from_pretrained(..., local_files_only=True)`); anything
 else is a `ValueError` that lists the built-ins. Default dtype: float32 on CPU, bfloat16 on CUDA.
-`BUILTIN_MODELS`, `DEFAULT_MODEL` and `build_tokenizer` keep their import path here.
+`BUILTIN_MODELS`, `DEFAULT_MODEL` and `build_tokenizer` keep their import path here. A caller that
+counts a start passes a `LoadTimes`, which the load fills: seconds reading (building a built-in, or
+``from_pretrained``) and moving (the dtype cast and the copy to the device).
 """
 from __future__ import annotations
 
+import dataclasses
 import os
+import time
 
 import torch
 
 from bcg.diffusers.builtin_models import BUILTIN_MODELS, DEFAULT_MODEL
 from bcg.diffusers.builtin_tokenizers import build_tokenizer
 
-__all__ = ["BUILTIN_MODELS", "DEFAULT_MODEL", "build_tokenizer", "load_pipeline"]
+__all__ = ["BUILTIN_MODELS", "DEFAULT_MODEL", "LoadTimes", "build_tokenizer", "load_pipeline"]
+
+
+@dataclasses.dataclass
+class LoadTimes:
+    """Where `load_pipeline`'s seconds went: reading the weights (a built-in's construction, or
+    ``from_pretrained`` from its directory) and moving them (the dtype cast and the copy to the device)."""
+
+    read_s: float = 0.0
+    move_s: float = 0.0
 
 
 def _default_dtype(device) -> torch.dtype:
     return torch.bfloat16 if device is not None and torch.device(device).type == "cuda" else torch.float32
 
 
-def load_pipeline(name_or_path: str | None = None, device=None, dtype: torch.dtype | None = None):
+def load_pipeline(name_or_path: str | None = None, device=None, dtype: torch.dtype | None = None,
+                  times: LoadTimes | None = None):
     """A built-in pipeline by name (default `tiny-flux`) or a diffusers-format directory, on `device`.
 
-    `dtype=None` means float32 on CPU and bfloat16 on CUDA. Nothing is ever downloaded.
+    `dtype=None` means float32 on CPU and bfloat16 on CUDA. Nothing is ever downloaded. `times`, when
+    given, gets the seconds read and moved.
     """
+    t0 = time.perf_counter()
     name_or_path = name_or_path or DEFAULT_MODEL
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
@@ -46,9 +62,12 @@ def load_pipeline(name_or_path: str | None = None, device=None, dtype: torch.dty
             f"unknown model {name_or_path!r}: use a built-in model ({', '.join(sorted(BUILTIN_MODELS))}) "
             "or the path of a local directory in diffusers format"
         )
+    t_read = time.perf_counter()
     _cast(pipe, dtype)
     if device is not None:
         pipe.to(device)
+    if times is not None:
+        times.read_s, times.move_s = t_read - t0, time.perf_counter() - t_read
     return pipe
 
 

@@ -34,6 +34,8 @@ Contract:
   then also holds dynamo's compiled frames with their guards, and a process that loads those artifacts
   before its first call runs the compiled code without tracing or compiling (``stats()``: no graphs
   compiled). Where torch has no such setting it logs that once and compiles as before.
+- `dynamo_seconds()`: this process's dynamo time so far, whole-frame and backend (inductor), read from
+  torch's own timers; the difference is tracing. Callers take the difference around a warmup.
 """
 from __future__ import annotations
 
@@ -53,7 +55,7 @@ from bcg.runtime.signature import call_arguments, signature_of
 logger = logging.getLogger(__name__)
 
 __all__ = ["BREAKS_HOOK", "CompileEvent", "CompiledForward", "DEFAULT_INDUCTOR_OPTIONS",
-           "compile_for_segments", "enable_precompile", "repeated_blocks"]
+           "compile_for_segments", "dynamo_seconds", "enable_precompile", "repeated_blocks"]
 
 #: Inductor without its own CUDA graphs: the breakable capture records the kernels instead.
 DEFAULT_INDUCTOR_OPTIONS = {"triton.cudagraphs": False}
@@ -461,6 +463,19 @@ def _dims(name, dims) -> tuple:
 
 
 _precompile_missing_logged = False
+
+
+def dynamo_seconds() -> dict:
+    """``{"frames_s", "backend_s"}``: seconds dynamo spent compiling frames in this process so far, and of
+    those the backend's (inductor: lowering, codegen, autotuning); what is left is tracing (bytecode,
+    fake tensors, guards). Read from torch's ``compilation_time_metrics`` (private to dynamo): zeros
+    where this torch has none, so a caller's trace time reads 0 rather than failing."""
+    try:
+        from torch._dynamo.utils import compilation_time_metrics as metrics
+    except ImportError:
+        return {"frames_s": 0.0, "backend_s": 0.0}
+    return {"frames_s": float(sum(metrics.get("_compile.compile_inner", ()))),
+            "backend_s": float(sum(metrics.get("OutputGraph.call_user_compiler", ())))}
 
 
 def enable_precompile() -> bool:

@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 import logging
+import time
 from typing import Iterable
 
 import torch
@@ -57,6 +58,7 @@ class QuantizeReport:
     weight_bytes_before: int = 0
     weight_bytes_after: int = 0
     scheme: str | None = None
+    seconds: float = 0.0       # the call's time: choosing layers and quantizing their weights
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -92,6 +94,7 @@ def quantize_module(module: torch.nn.Module, mode: str | None, *, skip: Iterable
     done = quantize_report(module)
     if done is not None:
         return done
+    t0 = time.perf_counter()
     if device is None:
         first = next(module.parameters(), None)
         device = first.device if first is not None else None
@@ -100,6 +103,7 @@ def quantize_module(module: torch.nn.Module, mode: str | None, *, skip: Iterable
     if reason is not None:
         report.reason = reason
         logger.warning("%s stays in its dtype: %s", type(module).__name__, reason)
+        report.seconds = time.perf_counter() - t0
         return _keep(module, report)
     patterns = list(skip)
     chosen, skipped = set(), 0
@@ -118,6 +122,7 @@ def quantize_module(module: torch.nn.Module, mode: str | None, *, skip: Iterable
     except Exception as exc:  # noqa: BLE001 -- a layer torchao refuses: serve unquantized, say why
         report.reason = f"torchao could not quantize {type(module).__name__}: {type(exc).__name__}: {exc}"
         logger.warning("%s stays in its dtype: %s", type(module).__name__, report.reason)
+        report.seconds = time.perf_counter() - t0
         return _keep(module, report)
     report.applied, report.layers, report.skipped, report.scheme = True, len(chosen), skipped, scheme
     report.weight_bytes_after = sum(_nbytes(sub.weight) for sub in module.modules()
@@ -125,6 +130,7 @@ def quantize_module(module: torch.nn.Module, mode: str | None, *, skip: Iterable
     logger.info("%s: %d linear layers in float8 (%s), %d left in their dtype; weights %.2f -> %.2f GB",
                 type(module).__name__, report.layers, scheme, skipped, report.weight_bytes_before / 1e9,
                 report.weight_bytes_after / 1e9)
+    report.seconds = time.perf_counter() - t0
     return _keep(module, report)
 
 

@@ -164,6 +164,9 @@ def test_replica_metrics_read_back_from_prometheus(metrics_app):
     second = {"runner": {"transformer": _runner(replays=10, captures=1, eager={"unseen": 3}, pool_bytes=8192,
                                                 entries=[entry], compile_ms=2000.0)},
               "warm_keys": ["64x64"], "queue_len": 0,
+              # a replica's start (deployments.startup): a phase not reached yet has no series
+              "startup": {"phases": {"imports_s": 2.5, "warmup_capture_s": 0.75, "hand_off_s": None},
+                          "ready_s": 4.0, "first_request_s": None, "warnings": ["fp8 without compile"]},
               "cuda_memory": {"allocated_bytes": 10, "reserved_bytes": 20},
               "batcher": {"steps": 5, "rows": 21, "padded_rows": 1, "batch_size_histogram": {1: 1, 4: 3, 8: 1}}}
     handle.update.remote(first).result()
@@ -197,6 +200,12 @@ def test_replica_metrics_read_back_from_prometheus(metrics_app):
         ("ray_bcg_key_warm", (("key", "128x128"),)): 0,
         ("ray_bcg_warm_keys", ()): 1,
         ("ray_bcg_queue_len", ()): 0,
+        ("ray_bcg_startup_seconds", (("phase", "imports"),)): 2.5,
+        ("ray_bcg_startup_seconds", (("phase", "warmup_capture"),)): 0.75,
+        ("ray_bcg_startup_seconds", (("phase", "hand_off"),)): None,
+        ("ray_bcg_startup_milestone_seconds", (("milestone", "ready"),)): 4.0,
+        ("ray_bcg_startup_milestone_seconds", (("milestone", "first_request"),)): None,
+        ("ray_bcg_startup_warnings", ()): 1,
         ("ray_bcg_eager_calls_total", (("component", "linear"),)): 5,  # every reason: the real runner's
     }
     deadline, got = time.monotonic() + 40, {}

@@ -191,12 +191,19 @@ def test_warmup_timing_splits_a_warmup_into_its_measured_parts():
 
     # a key's `load_artifacts_s` holds its wait for another replica's compile, its `seconds` its compile
     results = [{"key": "64x64", "artifacts": "hit", "wait_for_compile_s": 1.0, "load_artifacts_s": 3.0,
-                "compile_s": 2.0, "seconds": 5.0, "hand_off_s": 0.5, "graphs_compiled": 2},
+                "compile_s": 2.0, "trace_s": 0.5, "seconds": 5.0, "hand_off_s": 0.5, "graphs_compiled": 2,
+                "buckets": {"64x64.b1": {"graphs": 2, "graph_capture_s": 0.75}}},
                {"key": "64x128", "artifacts": "miss", "load_artifacts_s": 0.25, "compile_s": 0.0, "seconds": 1.0}]
     timing = _warmup_timing(results, seconds=12.0)
+    by_key = timing.pop("by_key")
     assert timing == {"seconds": 12.0, "wait_for_compile_s": 1.0, "load_artifacts_s": 2.25, "compile_s": 2.0,
-                      "capture_s": 4.0, "hand_off_s": 0.5, "other_s": 2.25, "graphs_compiled": 2,
+                      "trace_s": 0.5, "capture_s": 4.0, "hand_off_s": 0.5, "other_s": 2.25, "graphs_compiled": 2,
                       "artifacts": {"64x64": "hit", "64x128": "miss"}}
+    # per key: its compile (tracing part of it), the rest of its warmup, its buckets' graphs
+    assert by_key == {"64x64": {"ok": True, "seconds": 5.0, "compile_s": 2.0, "trace_s": 0.5, "capture_s": 3.0,
+                                "buckets": {"64x64.b1": {"graphs": 2, "graph_capture_s": 0.75}}},
+                      "64x128": {"ok": True, "seconds": 1.0, "compile_s": 0.0, "trace_s": 0.0, "capture_s": 1.0,
+                                 "buckets": {}}}
 
 
 @pytest.mark.parametrize("n", [1, 2])

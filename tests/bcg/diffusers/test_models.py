@@ -123,3 +123,13 @@ def test_builtin_answers_the_call_diffusers_documents(name):
     image = frames[0] if frames is not None else out.images[0]
     size = image.shape[:2][::-1] if isinstance(image, np.ndarray) else image.size
     assert tuple(size) == (256, 256)
+
+
+def test_load_pipeline_fills_its_read_and_move_seconds():
+    from bcg.diffusers.models import LoadTimes
+
+    times = LoadTimes()
+    t0 = time.perf_counter()
+    load_pipeline("tiny-flux", device="cpu", times=times)
+    assert times.read_s > 0 and times.move_s >= 0
+    assert times.read_s + times.move_s <= time.perf_counter() - t0

@@ -190,3 +190,13 @@ def test_install_compiled_breaks_is_idempotent_and_keeps_processor_state():
     from bcg.diffusers.wrapping import breaks_hook
     original = breaks_hook(module).original_processor(module.transformer_blocks[0].attn)
     assert processor.__dict__ is original.__dict__ and isinstance(processor, type(original))
+
+
+def test_dynamo_seconds_grow_with_a_compile_and_the_backend_is_part_of_them():
+    from bcg.runtime.compile import dynamo_seconds
+
+    before = dynamo_seconds()
+    torch.compile(lambda x: torch.sin(x) * 2 + 1, backend="aot_eager")(torch.ones(3))
+    after = dynamo_seconds()
+    frames, backend = (after[k] - before[k] for k in ("frames_s", "backend_s"))
+    assert frames > 0 and 0 < backend < frames
