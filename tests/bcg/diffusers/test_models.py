@@ -123,3 +123,24 @@ def test_builtin_answers_the_call_diffusers_documents(name):
     image = frames[0] if frames is not None else out.images[0]
     size = image.shape[:2][::-1] if isinstance(image, np.ndarray) else image.size
     assert tuple(size) == (256, 256)
+
+
+def test_loading_a_pipeline_drops_only_the_torchvision_fallback_notice():
+    """transformers' notice that an image processor falls back to PIL (no torchvision) is filtered on its
+    logger once a pipeline is loaded; any other record of that logger still passes, and the filter is there once."""
+    import logging
+
+    from bcg.diffusers.models import TorchvisionFallbackFilter
+
+    load_pipeline("tiny-flux")
+    load_pipeline("tiny-flux")
+    target = logging.getLogger("transformers.utils.import_utils")
+
+    def record(msg):
+        return logging.LogRecord(target.name, logging.WARNING, __file__, 1, msg, None, None)
+
+    notice = ("`CLIPImageProcessor` requires torchvision (not installed); falling back to `CLIPImageProcessorPil` "
+              "for backward compatibility.")
+    assert not target.filter(record(notice))
+    assert target.filter(record("Could not import module 'X'"))
+    assert sum(isinstance(f, TorchvisionFallbackFilter) for f in target.filters) == 1
