@@ -375,10 +375,9 @@ class StepBatcher:
         return out
 
     def _count_cached(self, batch: list[QueuedRequest]) -> None:
-        """Each request's step: computed or cached (its records count it)."""
-        if self.step_cache is None:
-            return
-        decisions = self.step_cache.last_decisions()
+        """Each request's step: computed, or cached where step caching decided so (its records count it).
+        Without step caching every step computes: a response's counts are its steps either way."""
+        decisions = self.step_cache.last_decisions() if self.step_cache is not None else {}
         for request in batch:
             computed = decisions.get(request.id, True)
             for record in request.records:
@@ -479,17 +478,20 @@ class StepBatcher:
 
     def _plain_cache(self, request: QueuedRequest):
         """Around a request run whole: the step cache's plain rows use its config, and its records count
-        the steps it computed and cached."""
+        the steps it computed and cached (without step caching, every step the pipeline ran as computed)."""
         import contextlib
 
         hook = self.step_cache
-        if hook is None:
-            return contextlib.nullcontext()
 
         @contextlib.contextmanager
         def scope():
-            with hook.plain_request(request.cache) as counts:
+            if hook is None:  # every step computes: as many as the pipeline's loop ran (diffusers records it)
+                counts = {"computed": 0, "cached": 0}
                 yield
+                counts["computed"] = int(getattr(self.pipe, "_num_timesteps", 0) or 0)
+            else:
+                with hook.plain_request(request.cache) as counts:
+                    yield
             for record in request.records:
                 record.steps_computed += counts["computed"]
                 record.steps_cached += counts["cached"]

@@ -5,10 +5,17 @@ else is a `ValueError` that lists the built-ins. Default dtype: float32 on CPU, 
 `BUILTIN_MODELS`, `DEFAULT_MODEL` and `build_tokenizer` keep their import path here. A caller that
 counts a start passes a `LoadTimes`, which the load fills: seconds reading (building a built-in, or
 ``from_pretrained``) and moving (the dtype cast and the copy to the device).
+
+Without torchvision, transformers warns once per image-processor class that diffusers' pipeline modules
+import (``CLIPImageProcessor`` ... falling back to ``CLIPImageProcessorPil``): those processors prepare
+IP-Adapter and safety-checker images, which no pipeline here uses. `load_pipeline` filters exactly that
+notice (`TorchvisionFallbackFilter` on the ``transformers.utils.import_utils`` logger); every other
+transformers message passes. Remove the filter from that logger to see it again.
 """
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import time
 
@@ -17,7 +24,22 @@ import torch
 from bcg.diffusers.builtin_models import BUILTIN_MODELS, DEFAULT_MODEL
 from bcg.diffusers.builtin_tokenizers import build_tokenizer
 
-__all__ = ["BUILTIN_MODELS", "DEFAULT_MODEL", "LoadTimes", "build_tokenizer", "load_pipeline"]
+__all__ = ["BUILTIN_MODELS", "DEFAULT_MODEL", "LoadTimes", "TorchvisionFallbackFilter", "build_tokenizer", "load_pipeline"]
+
+_FALLBACK_LOGGER = "transformers.utils.import_utils"
+
+
+class TorchvisionFallbackFilter(logging.Filter):
+    """Drops transformers' notice that an image processor falls back to its PIL class without torchvision."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "requires torchvision (not installed); falling back to" not in record.getMessage()
+
+
+def _quiet_torchvision_fallback() -> None:
+    target = logging.getLogger(_FALLBACK_LOGGER)
+    if not any(isinstance(f, TorchvisionFallbackFilter) for f in target.filters):
+        target.addFilter(TorchvisionFallbackFilter())
 
 
 @dataclasses.dataclass
@@ -42,6 +64,7 @@ def load_pipeline(name_or_path: str | None = None, device=None, dtype: torch.dty
     """
     t0 = time.perf_counter()
     name_or_path = name_or_path or DEFAULT_MODEL
+    _quiet_torchvision_fallback()  # before diffusers imports its pipeline modules (see the module docstring)
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
     dtype = dtype or _default_dtype(device)

@@ -1,6 +1,6 @@
 """Step caching over HTTP (tiny-flux, one CPU replica, real Ray Serve): a request's ``cache`` option, the
 response's ``steps_computed`` / ``steps_cached``, the replica's counts per key, 422s naming ``cache``, and
-an app without ``step_cache`` refusing the option."""
+an app without ``step_cache`` refusing the option and counting every step computed."""
 import base64
 import io
 
@@ -58,6 +58,13 @@ def test_a_request_caches_its_own_steps_and_says_how_many(cache_app):
                 by_key.setdefault(key, {}).setdefault(name, 0)
                 by_key[key][name] += n
     assert by_key["64x64"]["cached"] >= STEPS - 3
+
+
+def test_an_app_without_step_caching_counts_every_step_computed(serve_app):
+    """Steps are counted whether step caching is on or off: without it, a request computes all its steps."""
+    r = _post(serve_app[0], {"prompt": "a red circle", "size": "64x64", "seed": 2, "num_inference_steps": 3})
+    assert r.status_code == 200, r.text
+    assert (r.json()["bcg"]["steps_computed"], r.json()["bcg"]["steps_cached"]) == (3, 0)
 
 
 def test_bad_cache_options_are_422s_naming_cache(cache_app, serve_app):

@@ -314,6 +314,22 @@ def test_pipelines_without_step_hooks_and_unbatched_arguments_run_alone(flux):
     assert list(batcher.stats()["alone_reasons"]) == ["arguments ['callback_on_step_end'] are not step-batched"]
 
 
+def test_without_step_caching_every_step_a_request_ran_counts_as_computed_batched_or_alone(flux):
+    """A request's step counts do not depend on step caching being installed: with none, each step the
+    request ran is computed and none cached, in a step batch and run alone (a family without step hooks)."""
+    from bcg.runtime.call_record import CallRecord
+
+    for family in ({}, {"family": None}):
+        batcher = StepBatcher(flux, **family)
+        records = [CallRecord(), CallRecord()]
+        futures = [batcher.submit_planned(*plan_request(flux, prompt, size=SIZE, steps=steps, output_type="np"),
+                                          records=(record,))
+                   for (prompt, steps), record in zip((("a cat", 2), ("a dog", 3)), records)]
+        _drain(batcher, futures)
+        assert [(r.steps_computed, r.steps_cached) for r in records] == [(2, 0), (3, 0)], family
+        assert (batcher.stats()["steps_computed"], batcher.stats()["steps_cached"]) == (5, 0), family
+
+
 def test_a_batch_of_b_rows_has_the_transformer_signature_of_the_pipeline_with_b_images(pipe):
     """So `warmup_pipeline` on ``<key>.b<bucket>`` captures the graphs the batcher replays."""
     def signatures(run):

@@ -133,3 +133,24 @@ def test_load_pipeline_fills_its_read_and_move_seconds():
     load_pipeline("tiny-flux", device="cpu", times=times)
     assert times.read_s > 0 and times.move_s >= 0
     assert times.read_s + times.move_s <= time.perf_counter() - t0
+
+
+def test_loading_a_pipeline_drops_only_the_torchvision_fallback_notice():
+    """transformers' notice that an image processor falls back to PIL (no torchvision) is filtered on its
+    logger once a pipeline is loaded; any other record of that logger still passes, and the filter is there once."""
+    import logging
+
+    from bcg.diffusers.models import TorchvisionFallbackFilter
+
+    load_pipeline("tiny-flux")
+    load_pipeline("tiny-flux")
+    target = logging.getLogger("transformers.utils.import_utils")
+
+    def record(msg):
+        return logging.LogRecord(target.name, logging.WARNING, __file__, 1, msg, None, None)
+
+    notice = ("`CLIPImageProcessor` requires torchvision (not installed); falling back to `CLIPImageProcessorPil` "
+              "for backward compatibility.")
+    assert not target.filter(record(notice))
+    assert target.filter(record("Could not import module 'X'"))
+    assert sum(isinstance(f, TorchvisionFallbackFilter) for f in target.filters) == 1
