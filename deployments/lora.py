@@ -32,7 +32,7 @@ from typing import Awaitable, Callable, Dict, List, NamedTuple, Optional, Tuple
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from bcg.lora.bank import AdapterConflictError, AdapterFileError, UnknownAdapterError
+from bcg.lora.errors import AdapterConflictError, AdapterFileError, UnknownAdapterError
 
 logger = logging.getLogger(__name__)
 

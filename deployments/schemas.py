@@ -15,9 +15,11 @@ from __future__ import annotations
 
 from typing import Annotated, Dict, Iterable, List, Literal, Optional, get_args
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, PrivateAttr, ValidationInfo, field_validator,
+                      model_validator)
 
 from bcg.diffusers.buckets import ShapeKey, check_shape, parse_size, request_shape_key
+from bcg.diffusers.cache_config import StepCacheConfig
 
 
 def _size_text(v: str) -> str:
@@ -48,28 +50,28 @@ class RequestLimits(BaseModel):
 
 
 class StepCache(BaseModel):
-    """A request's step caching (`bcg.diffusers.step_cache.StepCacheConfig`, which checks it): method
+    """A request's step caching (`bcg.diffusers.cache_config.StepCacheConfig`, which checks it): method
     ``first_block`` (cached while the first block's residual moved less than ``threshold`` since the last
-    computed step) or ``schedule`` (the step indices to compute); ``warmup_steps`` always computed first."""
+    computed step) or ``schedule`` (the step indices to compute); ``warmup_steps`` always computed first.
+    The config is built once, when the body is validated (torch-free), and `config` returns that object."""
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False, frozen=True)
     method: Literal["first_block", "schedule"] = "first_block"
     threshold: float = Field(0.08, ge=0.0)
     warmup_steps: int = Field(1, ge=0, le=1000)
     schedule: Optional[List[Annotated[int, Field(ge=0, le=100000)]]] = Field(None, max_length=1000)
     taylorseer_order: int = Field(0, ge=0, le=1)  # cached steps add a first-order forecast of the residual
+    _config: Optional[StepCacheConfig] = PrivateAttr(None)
 
     @model_validator(mode="after")
     def _consistent(self):
-        self.config()  # the library's own rules (a schedule only with method "schedule", and needed there)
-        return self
-
-    def config(self):
-        from bcg.diffusers.step_cache import StepCacheConfig
-
-        try:
-            return StepCacheConfig.from_any(self.model_dump())
+        try:  # the library's own rules (a schedule only with method "schedule", and needed there)
+            self._config = StepCacheConfig.from_any(self.model_dump())
         except ValueError as exc:
             raise ValueError(str(exc).removeprefix("cache.")) from None
+        return self
+
+    def config(self) -> StepCacheConfig:
+        return self._config
 
 
 class ImageGenerationRequest(BaseModel):

@@ -51,7 +51,7 @@ _EXPORTS = {
     "ShapeKey": "bcg.diffusers.shape_key",
     "request_shape_key": "bcg.diffusers.buckets",
     "StepBatcher": "bcg.diffusers.batching",
-    "StepCacheConfig": "bcg.diffusers.step_cache",
+    "StepCacheConfig": "bcg.diffusers.cache_config",
     "enable_step_cache": "bcg.diffusers.step_cache",
     "disable_step_cache": "bcg.diffusers.step_cache",
     "step_cache_of": "bcg.diffusers.step_cache",
