@@ -31,7 +31,7 @@ _EXPORTS = {
     "ShapeKey": "bcg.diffusers.shape_key",
     "install_breaks": "bcg.diffusers",
     "accelerate": "bcg.diffusers",
-    "StepCacheConfig": "bcg.diffusers.step_cache",
+    "StepCacheConfig": "bcg.diffusers.cache_config",
     "enable_step_cache": "bcg.diffusers.step_cache",
     "load_pipeline": "bcg.diffusers.models",
     "BUILTIN_MODELS": "bcg.diffusers.models",

@@ -533,7 +533,8 @@ def build_app(args: Optional[dict] = None):
         replica, coordinator, model=a.served_model_name or a.model, limits=limits, default_size=a.served_default_size(),
         request_timeout_s=a.request_timeout_s, max_retries=a.max_retries, retry_after_s=a.retry_after_s,
         api_key_env=a.api_key_env, auth_scope=a.auth_scope, model_root=a.model,
-        allow_runtime_lora_updating=a.allow_runtime_lora_updating,
+        allow_runtime_lora_updating=a.allow_runtime_lora_updating, default_steps=a.default_steps,
+        step_cache=None if a.step_cache is None else a.step_cache.model_dump(),
         # a warmup answers once the routers' stats show it: within a poll period or two; Serve's
         # default router ignores warm state, so there is nothing to wait for
         routing_sync_timeout_s=2 * a.routing_stats_period_s + 5 if a.router == "shape_affinity" else 0)

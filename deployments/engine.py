@@ -13,11 +13,10 @@ import time
 from typing import Dict, List, Optional
 
 from bcg.diffusers.buckets import ShapeKey
+from bcg.diffusers.request_plan import RequestPlan
 from bcg.runtime.call_record import CallRecord
 from deployments.encoding import encode_images
-from deployments.lora import LoraChoice
 from deployments.memory import ReplicaMemory, format_bytes, plan_fits
-from deployments.schemas import ImageGenerationRequest
 
 logger = logging.getLogger(__name__)
 
@@ -493,12 +492,15 @@ class ReplicaEngine:
         key measured what it needs (``key_bytes``: graphs, eager peak), for the coordinator's plan check."""
         return {**self.memory.report(self._used_bytes, self._stranded_bytes), "key_bytes": dict(self._key_bytes)}
 
-    def submit(self, request: ImageGenerationRequest, key: ShapeKey, default_steps: int,
-               lora: Optional[LoraChoice] = None) -> concurrent.futures.Future:
-        """Queue one request at its shape key (any thread), with the LoRA adapter and scale `lora` (the
-        ingress decided both from the request: `deployments.lora.lora_choice`; None: the base model). The
-        future's result: ``{"images": [PIL images], "replays", "eager_calls", "steps_computed",
-        "steps_cached"}``, from the
+    def default_cache(self):
+        """The step-cache config of requests that name none (the app's ``step_cache``); None without step
+        caching. A request's plan carries it (`bcg.diffusers.request_plan.resolve_plan`)."""
+        return None if self.step_cache is None else self.step_cache.config
+
+    def submit(self, plan: RequestPlan) -> concurrent.futures.Future:
+        """Queue one request as its `RequestPlan` says (any thread): at its shape key, with its LoRA adapter
+        and scale and its step-cache config, all decided where the request entered. The future's result:
+        ``{"images": [PIL images], "replays", "eager_calls", "steps_computed", "steps_cached"}``, from the
         request's own call record: the runner calls made for it (a batched call it shared with its
         neighbours counts for each of them). An adapter this replica does not hold fails the future with
         `bcg.lora.UnknownAdapterError`."""
@@ -508,13 +510,10 @@ class ReplicaEngine:
             # on the loop thread: planning counts prompt tokens with the pipeline's tokenizers, which the
             # loop uses too (fast tokenizers are not safe to share between threads)
             from bcg.diffusers import plan_request
-            _, kwargs = plan_request(
-                self.pipe, request.prompt, key=key, n=request.n, size=request.size,
-                steps=request.num_inference_steps or default_steps, guidance=request.guidance_scale,
-                seed=request.seed, info=self.info)
+            _, kwargs = plan_request(self.pipe, plan.prompt, key=plan.shape_key, steps=plan.steps,
+                                     guidance=plan.guidance_scale, seed=plan.seed, info=self.info)
             record = CallRecord()
-            queued = self.batcher.submit_planned(key, kwargs, records=(record, self._serving), lora=lora,
-                                                 cache=None if request.cache is None else request.cache.config())
+            queued = self.batcher.submit_planned(plan, kwargs, records=(record, self._serving))
             with self._submit_lock:
                 answer.queued = queued  # what `cancel` drops from now on
             queued.add_done_callback(lambda done: self._answer(done, record, answer))
@@ -553,12 +552,11 @@ class ReplicaEngine:
         except concurrent.futures.InvalidStateError:
             pass  # cancelled by its caller meanwhile
 
-    def generate(self, request: ImageGenerationRequest, key: ShapeKey, default_steps: int,
-                 lora: Optional[LoraChoice] = None) -> dict:
-        """`submit` and wait: the encoded images (the request's ``output_format``) and the runners'
+    def generate(self, plan: RequestPlan) -> dict:
+        """`submit` and wait: the encoded images (the plan's ``output_format``) and the runners'
         replays/eager calls for the request."""
-        out = self.submit(request, key, default_steps, lora=lora).result()
-        return {**out, "images": encode_images(out["images"], request.output_format, request.output_compression,
+        out = self.submit(plan).result()
+        return {**out, "images": encode_images(out["images"], plan.output_format, plan.output_compression,
                                                fps=self.info.get("fps"))}
 
 

@@ -10,9 +10,8 @@ response names as OpenAI's does, and the response adds ``bcg: {replica, warm, sh
 
 LoRA adapters: a request whose ``model`` names an adapter runs with it (``lora_scale``, default 1.0);
 the ingress knows the adapters from the coordinator (asked again when a request names one it does not
-know), decides the adapter and its scale (`deployments.lora.lora_choice`) and passes them to the replica
-as the ``lora`` kwarg, a `LoraChoice`. An adapter unloaded meanwhile gets
-a 404 from the replica's answer.
+know) and decides the adapter and its scale (`deployments.lora.lora_choice`) into the request's plan.
+An adapter unloaded meanwhile gets a 404 from the replica's answer.
 
 Warm before traffic: ``POST /v1/warmup`` (and ``Ingress.warmup``) answers only once every ingress
 replica's routers see each warmed key warm where the report puts it (``routing_view``: routers read
@@ -23,12 +22,14 @@ next request for a warmed key lands on a replica warm for it; the report says
 The ingress validates every request (``RequestGuard`` for the API key, body size and encoding;
 strict pydantic models for types and unknown fields; ``check_request``/``check_warmup`` for the
 deployment's limits and the model's size and frame multiples), so nothing invalid reaches a replica; errors
-are 4xx with the FastAPI error list whose ``loc`` names the field. ``check_request`` computes the
-request's shape key (the one place a served request's key is computed and checked) and the ingress
-passes the `ShapeKey` itself as the ``shape_key`` kwarg, which the replica deployment's router reads
-and the replica and its batcher take as it is (they re-check it only in ``assert``s) (the HTTP
-proxy's router only sees opaque bytes, so the routing decision has to happen here, on the model
-deployment's handle). Python callers use ``Ingress.generate`` through a DeploymentHandle with the
+are 4xx with the FastAPI error list whose ``loc`` names the field. ``check_request`` plans the request
+once: its `RequestPlan` (`bcg.diffusers.request_plan`: shape key, LoRA choice, step-cache config, steps,
+seed, output format; the app's defaults resolved there, ``default_size``, ``default_steps`` and
+``step_cache``) is the one place a served request's key, adapter and caching are decided. The ingress
+passes the plan whole as the ``plan`` kwarg; the replica deployment's router reads its shape key and
+adapter, and the replica, its engine and batcher take it as it is (they re-check it only in
+``assert``s) (the HTTP proxy's router only sees opaque bytes, so the routing decision has to happen
+here, on the model deployment's handle). Nothing here imports torch. Python callers use ``Ingress.generate`` through a DeploymentHandle with the
 same ``ImageGenerationRequest`` model and get an ``ImageGenerationResponse``.
 
 Failures (docs/failures.md): the replica queue full -> 503 + ``Retry-After``; no answer within
@@ -53,7 +54,7 @@ from ray import serve
 from ray.exceptions import RayActorError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, ReplicaUnavailableError
 
-from bcg.diffusers.shape_key import ShapeKey
+from bcg.diffusers.request_plan import PlanDefaults, RequestPlan
 from deployments.schemas import (
     FieldError,
     ImageData,
@@ -67,8 +68,8 @@ from deployments.schemas import (
     check_request,
     check_warmup,
 )
-from deployments.lora import (RUNTIME_LORA_OFF, LoadLoraAdapterRequest, LoraChoice, RuntimeLoraUpdatingOffError,
-                              UnloadLoraAdapterRequest, lora_choice, lora_message, lora_status)
+from deployments.lora import (RUNTIME_LORA_OFF, LoadLoraAdapterRequest, RuntimeLoraUpdatingOffError,
+                              UnloadLoraAdapterRequest, lora_message, lora_status)
 from deployments.security import API_KEY_ENV, RequestGuard, api_key_from_env
 from deployments.serve_internals import handle_queue
 
@@ -144,12 +145,14 @@ class Ingress:
                  default_size: Optional[str] = None, request_timeout_s: float = 300.0, max_retries: int = 2,
                  retry_after_s: float = 1.0, api_key_env: str = API_KEY_ENV, auth_scope: str = "all",
                  routing_sync_timeout_s: float = 10.0, model_root: Optional[str] = None,
-                 allow_runtime_lora_updating: bool = False):
+                 allow_runtime_lora_updating: bool = False, default_steps: Optional[int] = None,
+                 step_cache: Optional[dict] = None):
         self.replica = replica
         self.coordinator = coordinator
         self.model = model
         self._limits = dict(limits or {})
-        self.default_size = default_size  # None: the model's
+        # what a request leaving out size, steps or cache gets (None: the model's; cache None: no caching)
+        self.defaults = PlanDefaults(size=default_size, steps=default_steps, cache=step_cache)
         self.request_timeout_s = request_timeout_s
         self.max_retries = max_retries
         self.retry_after_s = retry_after_s
@@ -194,12 +197,11 @@ class Ingress:
             self._adapters_at = time.monotonic()
         return self._adapters
 
-    async def _call_replica(self, request: ImageGenerationRequest, key: ShapeKey,
-                            lora: Optional[LoraChoice] = None) -> dict:
+    async def _call_replica(self, plan: RequestPlan) -> dict:
         """One replica answer; re-sent when its replica dies, all within ``request_timeout_s``."""
         deadline = time.monotonic() + self.request_timeout_s
         for attempt in range(self.max_retries + 1):
-            response = self.replica.generate.remote(request, shape_key=key, lora=lora)
+            response = self.replica.generate.remote(plan=plan)
             try:
                 return await asyncio.wait_for(response, max(0.0, deadline - time.monotonic()))
             except asyncio.TimeoutError:
@@ -217,18 +219,18 @@ class Ingress:
 
     # -- Python entry point (DeploymentHandle) --------------------------------------------------------
     async def generate(self, request: ImageGenerationRequest) -> ImageGenerationResponse:
-        """Validate, compute the request's shape key, route by it, run; raises FieldError (a
-        ValueError) naming the field."""
+        """Validate and plan the request (`check_request`), route by its plan's shape key, run; raises
+        FieldError (a ValueError) naming the field."""
         t0 = time.perf_counter()
         if isinstance(request, dict):
             request = ImageGenerationRequest.model_validate(request)
         info = await self._model_info()
         adapters = await self._lora_adapters(request.model)
-        key = check_request(request, self.limits, self.model, info, self.default_size, adapters=adapters)
-        out = await self._call_replica(request, key, lora_choice(request, self.model))
+        plan = check_request(request, self.limits, self.model, info, self.defaults, adapters=adapters)
+        out = await self._call_replica(plan)
         data = [ImageData(b64_json=base64.b64encode(image).decode("ascii")) for image in out["images"]]
         return ImageGenerationResponse(
-            created=int(time.time()), data=data, output_format=request.output_format,
+            created=int(time.time()), data=data, output_format=plan.output_format,
             bcg=ServeInfo(replica=out["replica"], warm=out["warm"], shape_key=out["shape_key"],
                           latency_ms=out["latency_ms"], encode_ms=out.get("encode_ms"),
                           ingress_ms=(time.perf_counter() - t0) * 1e3, replays=out["replays"],

@@ -28,11 +28,12 @@ import asyncio
 import dataclasses
 import logging
 import os
-from typing import Awaitable, Callable, Dict, List, NamedTuple, Optional, Tuple
+from typing import Awaitable, Callable, Dict, List, Optional, Tuple
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from bcg.lora.bank import AdapterConflictError, AdapterFileError, UnknownAdapterError
+from bcg.diffusers.request_plan import LoraChoice  # the plan's LoRA choice, decided here (`lora_choice`)
+from bcg.lora.errors import AdapterConflictError, AdapterFileError, UnknownAdapterError
 
 logger = logging.getLogger(__name__)
 
@@ -42,18 +43,12 @@ __all__ = ["AdapterRegistry", "LoadLoraAdapterRequest", "LoraChoice", "LoraPathR
 AdapterName = Field(min_length=1, max_length=256, pattern=r"^[^\s/]+$")
 
 
-class LoraChoice(NamedTuple):
-    """The LoRA adapter a request runs with, and its scale: decided once, at the ingress (`lora_choice`),
-    and taken as it is by the router, the replica, its engine and the step batcher (to which it is the
-    ``(name, scale)`` pair of ``StepBatcher.submit_planned(lora=)``)."""
-    adapter: str
-    scale: float
-
-
 def lora_choice(request, served_model: str) -> Optional[LoraChoice]:
     """The adapter a checked request (`deployments.schemas.check_request`: ``model`` is the served model
     or a loaded adapter, ``lora_scale`` only with an adapter) runs with, at ``lora_scale`` (1.0 unless
-    given); None for the base model."""
+    given); None for the base model. Decided once, at the ingress, into the request's plan
+    (`bcg.diffusers.request_plan.RequestPlan.lora`), which the router, the replica, its engine and the
+    step batcher take as it is."""
     if request.model is None or request.model == served_model:
         return None
     return LoraChoice(request.model, 1.0 if request.lora_scale is None else float(request.lora_scale))

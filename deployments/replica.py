@@ -17,9 +17,10 @@ Contract:
   graphs runs the key a second time, which must replay everything. Failures (a capture, the
   pipeline) leave the key cold. When no runner can capture (no CUDA) a key is warm once its warmup
   ran, and the report says ``graphs_captured: false, reason: "no CUDA"``.
-* A request arrives with its shape key (``shape_key``, computed once by the ingress's
-  ``check_request``) and runs at it: ``plan_request(..., key=...)`` takes size, n and CFG from the key
-  and raises when the request's own fields contradict it.
+* A request arrives as its plan (``plan``, a `RequestPlan` made once by the ingress's ``check_request``:
+  shape key, LoRA choice, step-cache config, steps, seed, output format, defaults resolved) and runs as
+  it says: ``plan_request(..., key=...)`` takes size, n and CFG from the key. A handle caller's bare
+  request is planned here by the same rules (``request_plan``).
 * A request is *warm* when its shape key is in the warm set when it reaches the replica, or is the
   key of an image count whose batch bucket a warm key's warmup captured (``K.b2`` once K's warmup
   captured bucket 2; ``K.b3``, padded to 4, once it captured bucket 4): ``routing_view.warm_set``,
@@ -68,6 +69,7 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 
 from bcg.diffusers.buckets import ShapeKey, parse_plan
+from bcg.diffusers.request_plan import PlanDefaults, RequestPlan
 from deployments.artifacts import ReplicaArtifacts
 from deployments.attention_choices import ReplicaAttentionChoices
 from deployments.encoding import encode_images, encoding_threads
@@ -76,7 +78,7 @@ from deployments.lora import LoraChoice, LoraPaths
 from deployments.metrics import ReplicaMetrics
 from deployments.router import (BATCH_FREE_ROWS, LORA_ADAPTERS, POOL_BYTES, QUEUE_LEN, WARM_BATCH_KEYS, WARM_KEYS,
                                 ShapeAffinityRouter)
-from deployments.schemas import ImageGenerationRequest, ReplicaReport
+from deployments.schemas import ImageGenerationRequest, ReplicaReport, request_plan
 from deployments.spill import COLD_REQUEST_S, REQUEST_S, WARMUP_S, moving_average
 from deployments.startup import ReplicaStartup, startup_warnings
 
@@ -397,30 +399,33 @@ class Replica:
                 "timing": {name: dict(times) for name, times in self._timing.items()}}
 
     # -- serving -----------------------------------------------------------------------------------
-    async def generate(self, request, shape_key, target_replica: Optional[str] = None,
+    async def generate(self, plan, shape_key=None, target_replica: Optional[str] = None,
                        lora: Optional[LoraChoice] = None) -> dict:
-        """Run one image request at ``shape_key``, the `ShapeKey` the ingress computed and checked for it
-        (``check_request``; a key string is parsed), trusted from here on, with the LoRA adapter and scale
-        ``lora`` the ingress decided (`deployments.lora.lora_choice`; None: the base model); the router reads
-        ``shape_key``, ``lora`` and ``target_replica``."""
-        if isinstance(request, dict):
-            request = ImageGenerationRequest.model_validate(request)
-        key = ShapeKey.parse(shape_key)
+        """Run one request as its `RequestPlan` says: ``plan``, made and checked once by the ingress
+        (``check_request``), trusted from here on; the router reads its shape key and adapter, and
+        ``target_replica``. A bare `ImageGenerationRequest` (or its dict: a handle caller) is planned here by
+        the same rules (`_plan`), at ``shape_key`` (the router reads it; None: the request's own key at the
+        model's default size) with the LoRA choice ``lora`` (None: the base model)."""
+        if not isinstance(plan, RequestPlan):
+            plan = self._plan(plan, shape_key, lora)
+        else:
+            assert shape_key is None and lora is None, "a plan carries its own shape key and LoRA choice"
+        key = plan.shape_key
         t0 = time.perf_counter()
         self._ongoing += 1
         if self.first_request_at is None:
             self.first_request_at = time.time()
         try:
             warm = key.key in self.engine.warm_set()  # what the router routed it by (routing_view.warm_set)
-            answer = self.engine.submit(request, key, self.default_steps, lora=lora)
+            answer = self.engine.submit(plan)
             out = await self._wait(asyncio.wrap_future(answer), on_cancel=lambda: self.engine.cancel(answer))
             t_encode = time.perf_counter()
             # after the batch: requests of any output_format share one, each encodes its own way
             out["images"] = await self._wait(asyncio.get_running_loop().run_in_executor(
-                self._executor, encode_images, out["images"], request.output_format, request.output_compression,
+                self._executor, encode_images, out["images"], plan.output_format, plan.output_compression,
                 self._frames.map, self.info.get("fps")))
             out["encode_ms"] = (time.perf_counter() - t_encode) * 1e3
-            self.metrics.record_encode(request.output_format, out["encode_ms"] / 1e3)
+            self.metrics.record_encode(plan.output_format, out["encode_ms"] / 1e3)
         except Exception as exc:
             self._counters["errors"] += 1
             self.metrics.record_error()
@@ -451,6 +456,15 @@ class Replica:
             self._cold_keys[key.key] = self._cold_keys.get(key.key, 0) + 1
         return {"replica": self.replica_id, "warm": warm, "latency_ms": (time.perf_counter() - t0) * 1e3,
                 "shape_key": key.key, **out}
+
+    def _plan(self, request, shape_key, lora: Optional[LoraChoice]) -> RequestPlan:
+        """A handle caller's bare request planned as the ingress plans one (`request_plan`), with this
+        replica's defaults (``default_steps``, its step cache's default config) and no deployment limits."""
+        if isinstance(request, dict):
+            request = ImageGenerationRequest.model_validate(request)
+        defaults = PlanDefaults(steps=self.default_steps, cache=self.engine.default_cache())
+        return request_plan(request, self.info, defaults, lora=lora,
+                            key=None if shape_key is None else ShapeKey.parse(shape_key))
 
 
 def _warmup_timing(results: List[dict], seconds: float) -> dict:

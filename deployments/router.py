@@ -4,7 +4,8 @@ Contract (one call of ``choose_replicas`` = one routing attempt, Serve retries w
 
 * a request pinned with the kwarg ``target_replica=<replica unique id>`` is offered to that replica
   only; when the replica is full or unknown the request waits (callers time out);
-* otherwise the request's shape key (kwarg ``shape_key``) is looked up in every replica's warm set,
+* otherwise the request's shape key (its plan's: kwarg ``plan``, a `RequestPlan` as the ingress sends
+  it; a handle caller's bare request: kwarg ``shape_key``) is looked up in every replica's warm set,
   which replicas publish through ``record_routing_stats()`` (fresh) and ``record_replica_metadata()``
   (known before the first stats poll): the keys they warmed and the batch-bucket keys those warmups
   captured (``routing_view.warm_set``), so a request for 2 images of K (``K.b2``) is warm on a replica
@@ -29,7 +30,7 @@ Contract (one call of ``choose_replicas`` = one routing attempt, Serve retries w
   (what this router last saw) and else from the replica's routing stats; they count ongoing requests
   on the replica, which Serve caps at ``max_ongoing_requests``, so a threshold at or above that cap
   never spills; ``spill_threshold`` None turns spilling off.
-* a request with a LoRA adapter (kwarg ``lora``) is ranked among the replicas that report holding it
+* a request with a LoRA adapter (its plan's, else kwarg ``lora``) is ranked among the replicas that report holding it
   (routing stats ``lora_adapters``), when any does (`holding_adapter`): adapters load on every replica,
   so this only matters while a load or a new replica is under way;
 * a request without a key, or whose key no replica is warm for, gets Serve's own power-of-two
@@ -78,6 +79,7 @@ QUEUE_LEN = "queue_len"
 POOL_BYTES = "pool_bytes"
 
 DEFAULT_SPILL_THRESHOLD = 3
+PLAN_KWARG = "plan"  # a request's `RequestPlan` (bcg.diffusers.request_plan), as the ingress sends it
 
 __all__ = ["BATCH_FREE_ROWS", "LORA_ADAPTERS", "POOL_BYTES", "QUEUE_LEN", "WARM_BATCH_KEYS", "WARM_KEYS",
            "ShapeAffinityRouter", "replica_warm_keys", "warm_set"]
@@ -148,6 +150,15 @@ class ShapeAffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         return sorted(replicas, key=lambda r: (self._load(r), random.random()))
 
     # -- ranking ---------------------------------------------------------------------------------
+    def routed(self, pending_request: Optional[PendingRequest]) -> tuple:
+        """``(shape key, LoRA choice)`` a request is routed by: its plan's (kwarg ``plan``), else the kwargs
+        ``shape_key`` and ``lora`` (a handle caller's bare request); Nones where it has neither."""
+        kwargs = pending_request.kwargs if pending_request is not None else {}
+        plan = kwargs.get(PLAN_KWARG)
+        if plan is not None:
+            return plan.shape_key, plan.lora
+        return kwargs.get(self.shape_key_kwarg), kwargs.get(self.lora_kwarg)
+
     def rank(self, candidate_replicas: List[RunningReplica],
              pending_request: Optional[PendingRequest]) -> Ranking:
         """``(decision, tiers)`` for one request, a `Ranking` with the estimate where a spill was weighed
@@ -162,7 +173,7 @@ class ShapeAffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         if target:
             return "pinned", [[r for r in candidate_replicas
                                if target in (r.replica_id.unique_id, r.replica_id.to_full_id_str())]]
-        shape_key = kwargs.get(self.shape_key_kwarg)
+        shape_key, _ = self.routed(pending_request)
         if not shape_key:
             return "unkeyed", None
         key = str(shape_key)  # the ingress sends the ShapeKey itself, its string is the key
@@ -193,10 +204,10 @@ class ShapeAffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
                         pending_request: Optional[PendingRequest]) -> List[RunningReplica]:
         """The candidates that hold the request's LoRA adapter (kwarg ``lora``), when any says it does;
         else all of them (a replica without it answers 404)."""
-        choice = (pending_request.kwargs if pending_request is not None else {}).get(self.lora_kwarg)
+        _, choice = self.routed(pending_request)
         if not choice:
             return candidate_replicas
-        adapter = choice.adapter  # a `deployments.lora.LoraChoice`, as the ingress sends it
+        adapter = choice.adapter  # a `LoraChoice` (bcg.diffusers.request_plan), as the ingress decided it
         return [r for r in candidate_replicas if adapter in replica_adapters(r)] or candidate_replicas
 
     async def choose_replicas(
@@ -234,7 +245,7 @@ class ShapeAffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
             if request_id not in self._pending_spills:
                 return
             estimate = self._pending_spills.pop(request_id)
-            key = str(pending_request.kwargs.get(self.shape_key_kwarg))
+            key = str(self.routed(pending_request)[0])
             replica = self.curr_replicas.get(replica_id)
             if replica is not None and key in replica_warm_keys(replica):
                 return  # the warm second tier took it after all

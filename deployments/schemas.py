@@ -5,19 +5,24 @@ user, output_format, output_compression``) plus ``num_inference_steps``, ``guida
 and, for video models only, ``num_frames`` (diffusers' name); unknown fields are rejected.
 Static checks live in the model, which is strict: no type coercion (``"2"`` is not an int, ``true``
 is not a number), no NaN or infinity, bounded strings. The deployment's maxima (``RequestLimits``) and
-the model's size multiple are checked by ``check_request``, which also computes the request's shape
-key (``request_shape_key``), and by ``check_plan`` for warmup plans, the one place a plan's keys are
-normalised; so the same limits apply to HTTP and to Python callers. What one pipeline run may compute
-(images per run, pixels, size multiple, frames) is checked in one place, ``check_shape_limits``, for request
-keys and warmup plan keys alike. Every error names the field it is about.
+the model's size multiple are checked by ``check_request``, which also plans the request once
+(``request_plan``: its `RequestPlan`, with its shape key, LoRA choice, cache config and defaults resolved),
+and by ``check_plan`` for warmup plans, the one place a warmup plan's keys are normalised; so the same
+limits apply to HTTP and to Python callers. What one pipeline run may compute (images per run, pixels,
+size multiple, frames) is checked in one place, ``check_shape_limits``, for request keys and warmup plan
+keys alike. Every error names the field it is about.
 """
 from __future__ import annotations
 
 from typing import Annotated, Dict, Iterable, List, Literal, Optional, get_args
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, PrivateAttr, ValidationInfo, field_validator,
+                      model_validator)
 
 from bcg.diffusers.buckets import ShapeKey, check_shape, parse_size, request_shape_key
+from bcg.diffusers.cache_config import StepCacheConfig
+from bcg.diffusers.request_plan import LoraChoice, PlanDefaults, PlanError, RequestPlan, resolve_plan
+from deployments.lora import lora_choice
 
 
 def _size_text(v: str) -> str:
@@ -48,28 +53,28 @@ class RequestLimits(BaseModel):
 
 
 class StepCache(BaseModel):
-    """A request's step caching (`bcg.diffusers.step_cache.StepCacheConfig`, which checks it): method
+    """A request's step caching (`bcg.diffusers.cache_config.StepCacheConfig`, which checks it): method
     ``first_block`` (cached while the first block's residual moved less than ``threshold`` since the last
-    computed step) or ``schedule`` (the step indices to compute); ``warmup_steps`` always computed first."""
+    computed step) or ``schedule`` (the step indices to compute); ``warmup_steps`` always computed first.
+    The config is built once, when the body is validated (torch-free), and `config` returns that object."""
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False, frozen=True)
     method: Literal["first_block", "schedule"] = "first_block"
     threshold: float = Field(0.08, ge=0.0)
     warmup_steps: int = Field(1, ge=0, le=1000)
     schedule: Optional[List[Annotated[int, Field(ge=0, le=100000)]]] = Field(None, max_length=1000)
     taylorseer_order: int = Field(0, ge=0, le=1)  # cached steps add a first-order forecast of the residual
+    _config: Optional[StepCacheConfig] = PrivateAttr(None)
 
     @model_validator(mode="after")
     def _consistent(self):
-        self.config()  # the library's own rules (a schedule only with method "schedule", and needed there)
-        return self
-
-    def config(self):
-        from bcg.diffusers.step_cache import StepCacheConfig
-
-        try:
-            return StepCacheConfig.from_any(self.model_dump())
+        try:  # the library's own rules (a schedule only with method "schedule", and needed there)
+            self._config = StepCacheConfig.from_any(self.model_dump())
         except ValueError as exc:
             raise ValueError(str(exc).removeprefix("cache.")) from None
+        return self
+
+    def config(self) -> StepCacheConfig:
+        return self._config
 
 
 class ImageGenerationRequest(BaseModel):
@@ -156,17 +161,16 @@ def check_shape_limits(key: ShapeKey, limits: RequestLimits) -> ShapeKey:
 
 
 def check_request(req: ImageGenerationRequest, limits: RequestLimits, served_model: str, info: dict,
-                  default_size: Optional[str] = None, adapters: Iterable[str] = ()) -> ShapeKey:
-    """Apply the deployment limits; returns the request's shape key or raises FieldError.
+                  defaults: PlanDefaults = PlanDefaults(), adapters: Iterable[str] = ()) -> RequestPlan:
+    """Apply the deployment limits; returns the request's `RequestPlan` or raises FieldError.
 
     ``model`` may name the served model or one of its LoRA `adapters` (``lora_scale`` only with one);
-    anything else is a 404 naming it.
+    anything else is a 404 naming it. The plan's LoRA choice is `deployments.lora.lora_choice`'s.
 
-    The key is `request_shape_key` of the request on the model `info` describes, with the
-    deployment's `default_size` (None: the model's) when the request gives none: the one place a
-    served request's key is computed; the replica runs the request at it. Its text length follows
-    `request_prompt_bucket`, the library's rule too: the model's default (no ``.p``), so `generate`
-    gives the image the server does.
+    The plan is `request_plan`'s, on the model `info` describes with the deployment's `defaults` (size,
+    steps, step-cache config): the one place a served request is planned; the replica runs the plan as
+    it is. Its shape key is `request_shape_key`'s, whose text length follows `request_prompt_bucket`, the
+    library's rule too: the model's default (no ``.p``), so `generate` gives the image the server does.
     """
     if req.response_format != "b64_json":
         raise FieldError("response_format", "only 'b64_json' is supported; 'url' is not "
@@ -183,17 +187,27 @@ def check_request(req: ImageGenerationRequest, limits: RequestLimits, served_mod
         raise FieldError("prompt", f"at most {limits.max_prompt_chars} characters, got {len(req.prompt)}")
     if req.num_inference_steps is not None and req.num_inference_steps > limits.max_steps:
         raise FieldError("num_inference_steps", f"at most {limits.max_steps}, got {req.num_inference_steps}")
-    if req.cache is not None and not info.get("step_cache"):
-        raise FieldError("cache", f"this deployment of {served_model!r} has no step caching; start it with the "
-                                  "app arg step_cache (method=first_block,threshold=0 lets requests ask for it "
-                                  "without a default)")
     if req.num_frames is not None and not info["is_video"]:
         raise FieldError("num_frames", f"{served_model!r} makes images; num_frames is for video models only")
     if req.output_format == "jpeg" and info["is_video"]:
         raise FieldError("output_format", f"jpeg cannot hold a video; use png or webp ({served_model!r} makes videos)")
-    key = request_shape_key(info, size=req.size or default_size, n=req.n, guidance=req.guidance_scale,
-                            num_frames=req.num_frames)
-    return check_shape_limits(key, limits)
+    try:
+        plan = request_plan(req, info, defaults, lora=lora_choice(req, served_model))
+    except PlanError as exc:
+        raise FieldError(exc.field, exc.msg) from None
+    check_shape_limits(plan.shape_key, limits)
+    return plan
+
+
+def request_plan(req: ImageGenerationRequest, info: dict, defaults: PlanDefaults = PlanDefaults(), *,
+                 key: Optional[ShapeKey] = None, lora: Optional[LoraChoice] = None) -> RequestPlan:
+    """`resolve_plan` of a request's fields (its `cache` as validated with the body), at `key` when given
+    (computed where the request entered), with the LoRA choice `lora`; raises `PlanError`. The ingress
+    (`check_request`) and a replica called with a bare request (a handle caller) plan through it."""
+    return resolve_plan(req.prompt, info, defaults, key=key, size=req.size, n=req.n, num_frames=req.num_frames,
+                        steps=req.num_inference_steps, guidance_scale=req.guidance_scale, seed=req.seed, lora=lora,
+                        cache=None if req.cache is None else req.cache.config(), output_format=req.output_format,
+                        output_compression=req.output_compression)
 
 
 def check_plan(keys: Iterable[str], limits: RequestLimits, field: str = "keys") -> List[str]:

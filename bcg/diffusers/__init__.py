@@ -13,13 +13,16 @@
   bucketing, frames, batching hooks): `ModelFamily`, `FAMILIES`, `family_of`;
 - `bcg.diffusers.buckets`: `ShapeKey`, `request_shape_key` (a request's key, defined once), size and prompt
   buckets, warmup plans;
-- `bcg.diffusers.step_cache`: `enable_step_cache` / `StepCacheConfig`, step caching decided per request
-  inside the graphs (a break after the first blocks; the middle blocks per row bucket);
+- `bcg.diffusers.request_plan`: `RequestPlan`, a request as it runs (shape key, LoRA choice, cache config,
+  steps, seed), made once where it enters; `resolve_plan`, the one place its defaults are resolved;
+- `bcg.diffusers.step_cache`: `enable_step_cache` / `StepCacheConfig` (`cache_config`), step caching
+  decided per request inside the graphs (a break after the first blocks; the middle blocks per row bucket);
 - `bcg.diffusers.batching`: `StepBatcher` / `BatcherConfig`, step-wise continuous batching (scheduling in
   `batch_queue`, per-family step hooks in `step_families`);
 - `bcg.diffusers.models`: the built-in tiny pipelines (`load_pipeline`, `BUILTIN_MODELS`).
 
-Names are re-exported lazily: `bcg.diffusers.buckets` does not import torch or diffusers.
+Names are re-exported lazily: `bcg.diffusers.buckets`, `cache_config` and `request_plan` do not import torch
+or diffusers.
 """
 from bcg._lazy import lazy_exports
 
@@ -50,8 +53,11 @@ _EXPORTS = {
     "family_of": "bcg.diffusers.families",
     "ShapeKey": "bcg.diffusers.shape_key",
     "request_shape_key": "bcg.diffusers.buckets",
+    "RequestPlan": "bcg.diffusers.request_plan",
+    "PlanDefaults": "bcg.diffusers.request_plan",
+    "resolve_plan": "bcg.diffusers.request_plan",
     "StepBatcher": "bcg.diffusers.batching",
-    "StepCacheConfig": "bcg.diffusers.step_cache",
+    "StepCacheConfig": "bcg.diffusers.cache_config",
     "enable_step_cache": "bcg.diffusers.step_cache",
     "disable_step_cache": "bcg.diffusers.step_cache",
     "step_cache_of": "bcg.diffusers.step_cache",

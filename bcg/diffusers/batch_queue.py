@@ -92,9 +92,18 @@ class QueuedRequest:
     alone: str | None = None   # why it runs whole through pipe(**kwargs), None when step-batched
     state: Any = None
     records: tuple = ()        # `bcg.runtime.call_record.CallRecord`s the runner calls made for it add to
-    lora: tuple | None = None  # (LoRA adapter name, scale) its rows use (`bcg.lora`); None: the base model
-    cache: Any = None          # its `StepCacheConfig` (`bcg.diffusers.step_cache`); None: the default
+    plan: Any = None           # its `RequestPlan` (`bcg.diffusers.request_plan`): read, never re-decided here
     deferred: bool = False     # it waited at a step boundary because joining did not pay (admission "auto")
+
+    @property
+    def lora(self):
+        """The `LoraChoice` (adapter name, scale) its rows use, as its plan says; None: the base model."""
+        return None if self.plan is None else self.plan.lora
+
+    @property
+    def cache(self):
+        """Its `StepCacheConfig`, as its plan says; None: every step computes."""
+        return None if self.plan is None else self.plan.cache
 
 
 class RequestQueue:

@@ -39,7 +39,7 @@ requests with arguments the hooks do not batch run alone through ``pipe(**kwargs
 `step()`, taking their turn in the round-robin; their PIL images are made from 8 bits converted on the
 device, answered from the answers thread (`bcg.diffusers.steps.pipeline_call_async`).
 
-LoRA adapters (`bcg.lora`): a request may name a loaded adapter (``submit_planned(..., lora=)``); before
+LoRA adapters (`bcg.lora`): a request may name a loaded adapter (its plan's ``lora``); before
 each transformer call the batcher writes each row's adapter and scale into the transformer's LoRA bank
 (`StepFamily.row_owners` says whose each row is), so requests with different adapters and the base model
 share a step, and the graphs replayed are the same for all of them.
@@ -70,7 +70,9 @@ from bcg.diffusers.batch_queue import ALONE, BatcherConfig, QueuedRequest, Reque
 from bcg.diffusers.buckets import ShapeKey, parse_plan
 from bcg.diffusers.families import family_of
 from bcg.diffusers.accelerated import pipeline_call_scope
-from bcg.diffusers.step_cache import CacheRow, StepCacheConfig, step_cache_of
+from bcg.diffusers.cache_config import StepCacheConfig
+from bcg.diffusers.request_plan import LoraChoice, RequestPlan
+from bcg.diffusers.step_cache import CacheRow, step_cache_of
 from bcg.diffusers.step_costs import StepCosts, time_buckets
 from bcg.diffusers.steps import StepFamily, pipeline_call_async
 from bcg.lora.bank import UnknownAdapterError, lora_bank
@@ -145,32 +147,51 @@ class StepBatcher:
             return future
         return self.submit_planned(key, kwargs, cache=cache)
 
-    def submit_planned(self, key: ShapeKey | str, kwargs: dict, records: tuple = (),
+    def submit_planned(self, plan: RequestPlan | ShapeKey | str, kwargs: dict, records: tuple = (),
                        lora: tuple | None = None, cache=None) -> concurrent.futures.Future:
-        """Queue a planned request: its `ShapeKey` and the keyword arguments of ``pipe(**kwargs)``. Every
-        runner call made for it (its preparation, the steps it is in, its decode, or its run alone) adds to
-        each of `records` (`bcg.runtime.call_record`), calls shared with its batch neighbours too. `lora`:
-        ``(adapter name, scale)`` for its rows, None for the base model; an adapter that is not loaded
-        raises `bcg.lora.UnknownAdapterError` here, and one unloaded while the request runs fails it at its
-        next step. `cache`: its step caching (`StepCacheConfig` or its dict; None: the transformer's
-        default); each record counts the steps it computed and cached."""
-        cache = StepCacheConfig.from_any(cache)
-        if cache is not None and self.step_cache is None:
-            raise ValueError(f"cache: step caching is not available for {type(self.pipe).__name__}'s transformer")
+        """Queue a planned request: its plan and the keyword arguments of ``pipe(**kwargs)``. Every runner
+        call made for it (its preparation, the steps it is in, its decode, or its run alone) adds to each of
+        `records` (`bcg.runtime.call_record`), calls shared with its batch neighbours too; each record
+        counts the steps it computed and cached.
+
+        `plan`: its `RequestPlan` (`bcg.diffusers.request_plan`): its shape key, LoRA choice and step-cache
+        config, decided where it entered and read here as they are (the serving engine's path); or, for a
+        library caller, its `ShapeKey` with `lora` (``(adapter name, scale)``; None: the base model) and
+        `cache` (`StepCacheConfig` or its dict; None: the transformer's default) beside it. An adapter that
+        is not loaded raises `bcg.lora.UnknownAdapterError` here, and one unloaded while the request runs
+        fails it at its next step."""
+        if isinstance(plan, RequestPlan):
+            assert lora is None and cache is None, "a plan carries its own LoRA choice and cache config"
+            assert plan.cache is None or self.step_cache is not None, "a plan caches where step caching is off"
+        else:
+            plan = self._library_plan(plan, kwargs, lora, cache)
+        lora = plan.lora
         if lora is not None:
             if self.lora is None:
-                raise UnknownAdapterError(f"no LoRA adapter {lora[0]!r}: this pipeline holds no LoRA layers")
-            self.lora.check(lora[0])
-        group = ShapeKey.parse(key).group.key  # a ShapeKey is taken as it is: decided where the request entered
+                raise UnknownAdapterError(f"no LoRA adapter {lora.adapter!r}: this pipeline holds no LoRA layers")
+            self.lora.check(lora.adapter)
+        group = plan.shape_key.group.key  # taken as it is: decided where the request entered
         alone = "no step hooks for this pipeline" if self.family is None else self.family.batchable(kwargs)
         prompts = kwargs.get("prompt")
         rows = (len(prompts) if isinstance(prompts, list) else 1) * int(kwargs.get("num_images_per_prompt") or 1)
         request = QueuedRequest(id=next(self._ids), group=group, kwargs=kwargs, rows=rows,
                                 future=concurrent.futures.Future(), submitted=time.perf_counter(), alone=alone,
-                                records=tuple(records), lora=lora, cache=cache)
+                                records=tuple(records), plan=plan)
         self._queue.put(request)
         self._count("submitted")
         return request.future
+
+    def _library_plan(self, key: ShapeKey | str, kwargs: dict, lora, cache) -> RequestPlan:
+        """The plan of a library caller's request (`submit`, `submit_planned` with a key): `cache` checked
+        and its default (the transformer's) resolved, once, here."""
+        cache = StepCacheConfig.from_any(cache)
+        if cache is not None and self.step_cache is None:
+            raise ValueError(f"cache: step caching is not available for {type(self.pipe).__name__}'s transformer")
+        if cache is None and self.step_cache is not None:
+            cache = self.step_cache.config
+        return RequestPlan(shape_key=ShapeKey.parse(key), prompt=kwargs.get("prompt"),
+                           steps=kwargs.get("num_inference_steps"), lora=None if lora is None else LoraChoice(*lora),
+                           cache=cache)
 
     def call_between_steps(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
         """Run ``fn()`` on the loop thread before the next step (pipeline work such as a warmup)."""
@@ -360,7 +381,6 @@ class StepBatcher:
         """A `CacheRow` per row of a step (None for padding): each request's rows keyed by its id and row.
         `owners` may hold the `bucket` rows twice (CFG in one call, SD3's ``[negatives; positives]``): each copy
         has its padding after its `rows` real rows."""
-        default = self.step_cache.config
         seen: collections.Counter = collections.Counter()
         out = []
         for position, owner in enumerate(owners):
@@ -369,7 +389,7 @@ class StepBatcher:
                 continue
             request = batch[owner]
             out.append(CacheRow(key=(request.id, seen[owner]), group=request.id,
-                                config=request.cache if request.cache is not None else default,
+                                config=request.cache,
                                 step=request.state.step_index))
             seen[owner] += 1
         return out

@@ -1,16 +1,24 @@
 """LoRA adapters on warm graphs: per-row low-rank layers reading slots from buffers (`layers`), the
 slots of one transformer and the rows of the next call (`bank`), and adapter files read through
-diffusers and peft (`adapters`). Torch only, except `adapters` (diffusers, peft)."""
-from bcg.lora.bank import (AdapterConflictError, AdapterFileError, AdapterUnreadableError, AdapterWeights, LoraBank,
-                           UnknownAdapterError, lora_bank, target_names)
-from bcg.lora.layers import LoraLinear, LoraRows
+diffusers and peft (`adapters`). Torch only, except `adapters` (diffusers, peft) and `errors` (no torch).
 
-__all__ = ["AdapterConflictError", "AdapterFileError", "AdapterUnreadableError", "AdapterWeights", "LoraBank", "LoraLinear", "LoraRows",
-           "UnknownAdapterError", "install_lora", "lora_bank", "read_adapter", "target_names"]
+Names are re-exported lazily: importing `bcg.lora.errors` (the serving layer's ingress does) imports no torch.
+"""
+from bcg._lazy import lazy_exports
 
+_EXPORTS = {
+    "AdapterConflictError": "bcg.lora.errors",
+    "AdapterFileError": "bcg.lora.errors",
+    "AdapterUnreadableError": "bcg.lora.errors",
+    "UnknownAdapterError": "bcg.lora.errors",
+    "AdapterWeights": "bcg.lora.bank",
+    "LoraBank": "bcg.lora.bank",
+    "lora_bank": "bcg.lora.bank",
+    "target_names": "bcg.lora.bank",
+    "LoraLinear": "bcg.lora.layers",
+    "LoraRows": "bcg.lora.layers",
+    "install_lora": "bcg.lora.adapters",  # needs diffusers and peft
+    "read_adapter": "bcg.lora.adapters",
+}
 
-def __getattr__(name):
-    if name in ("install_lora", "read_adapter"):  # need diffusers and peft: imported when asked for
-        from bcg.lora import adapters
-        return getattr(adapters, name)
-    raise AttributeError(name)
+__all__, __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -28,6 +28,7 @@ from typing import Iterable, Optional, Sequence
 import torch
 from torch import nn
 
+from bcg.lora.errors import AdapterConflictError, AdapterFileError, AdapterUnreadableError, UnknownAdapterError
 from bcg.lora.layers import LoraLinear, LoraRows
 from bcg.runtime.hooks import HookRegistry, ModelHook
 
@@ -58,27 +59,6 @@ class LoraHook(ModelHook):
             setattr(parent, child, base)
         self.replaced = {}
         return transformer
-
-
-class AdapterFileError(ValueError):
-    """An adapter file that cannot be served: unreadable, not a LoRA, or not fitting this transformer."""
-
-
-class AdapterUnreadableError(AdapterFileError):
-    """No adapter could be read at the path: nothing there, or nothing the pipeline's LoRA reader reads
-    (a file of another kind, a directory without an adapter). The message tells which; a server that must
-    not tell (`deployments.lora`) answers every one alike."""
-
-
-class UnknownAdapterError(KeyError):
-    """A request or an unload names an adapter this transformer does not hold."""
-
-    def __str__(self) -> str:  # KeyError's repr-quoting of its message
-        return str(self.args[0]) if self.args else ""
-
-
-class AdapterConflictError(ValueError):
-    """A load that cannot happen now: the name is taken, or every slot holds an adapter."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -19,7 +19,7 @@ def _check(adapters=(), **fields):
 
 
 def test_model_may_name_an_adapter_and_lora_scale_needs_one():
-    assert _check(["style"], model="style", lora_scale=0.5).key == _check(model="tiny-flux").key
+    assert _check(["style"], model="style", lora_scale=0.5).shape_key == _check(model="tiny-flux").shape_key
     with pytest.raises(FieldError) as unknown:
         _check(["style"], model="other")
     assert unknown.value.status_code == 404 and "'other'" in str(unknown.value) and "style" in str(unknown.value)
@@ -31,8 +31,9 @@ def test_model_may_name_an_adapter_and_lora_scale_needs_one():
 def test_the_ingress_decides_the_adapter_and_its_scale():
     def choice(**fields):
         request = ImageGenerationRequest(prompt="a cat", size="64x64", **fields)
-        check_request(request, RequestLimits(), "tiny-flux", FLUX, adapters=["style"])
-        return lora_choice(request, "tiny-flux")
+        plan = check_request(request, RequestLimits(), "tiny-flux", FLUX, adapters=["style"])
+        assert plan.lora == lora_choice(request, "tiny-flux")   # the plan carries the choice
+        return plan.lora
 
     assert choice() is None and choice(model="tiny-flux") is None
     assert choice(model="style") == LoraChoice("style", 1.0)   # the scale's default, decided here

@@ -123,9 +123,9 @@ def test_jpeg_is_refused_for_a_video_model_before_it_runs():
     with pytest.raises(FieldError) as info:
         check_request(jpeg, LIMITS, "tiny-wan", WAN)
     assert info.value.field == "output_format" and "use png or webp" in info.value.msg
-    assert check_request(jpeg, LIMITS, "tiny-flux", FLUX).key == "64x64"
+    assert check_request(jpeg, LIMITS, "tiny-flux", FLUX).shape_key.key == "64x64"
     webp = ImageGenerationRequest(prompt="a cat", output_format="webp", num_frames=5)
-    assert check_request(webp, LIMITS, "tiny-wan", WAN).key == "64x64.f5.cfg"
+    assert check_request(webp, LIMITS, "tiny-wan", WAN).shape_key.key == "64x64.f5.cfg"
 
 
 def test_an_apng_keeps_every_frame_whole_and_decodes_to_its_pixels_with_frames_encoded_on_threads():

@@ -9,8 +9,9 @@ import time
 import pytest
 
 from bcg.diffusers.buckets import ShapeKey
+from bcg.diffusers.request_plan import PlanDefaults
 from deployments.engine import ReplicaEngine
-from deployments.schemas import ImageGenerationRequest
+from deployments.schemas import ImageGenerationRequest, request_plan
 from tests.bcg.runtime.test_runner import _RerunRecorder
 
 # tiny-flux packs 16x16 pixels per token: 64x128 and 128x64 give the transformer the same input
@@ -29,9 +30,14 @@ def _engine(components, max_entries):
     return engine
 
 
+def _plan(engine, request, key=None):
+    """The request's plan as a replica makes a handle caller's (the ingress's rules, one default step)."""
+    return request_plan(request, engine.info, PlanDefaults(steps=1), key=None if key is None else ShapeKey.parse(key))
+
+
 def _generate(engine, size):
     request = ImageGenerationRequest(prompt="a cat", size=size, num_inference_steps=1, seed=1)
-    return engine.generate(request, ShapeKey.parse(size), default_steps=1)
+    return engine.generate(_plan(engine, request, size))
 
 
 def test_key_sharing_another_keys_graph_is_warm_only_while_that_graph_lives():
@@ -94,11 +100,11 @@ def test_compile_components_compile_only_those_and_unknown_ones_are_errors_namin
 def test_a_request_runs_at_the_key_it_carries_and_debug_runs_assert_a_contradicting_key():
     engine = ReplicaEngine("tiny-flux", device="cpu", cpu_threads=1, components=["transformer"])
     request = ImageGenerationRequest(prompt="a cat", size=WIDE, n=1, num_inference_steps=1, seed=1)
-    assert len(engine.generate(request, ShapeKey.parse(WIDE), default_steps=1)["images"]) == 1
-    with pytest.raises(AssertionError, match="disagree with its shape key"):
-        engine.generate(request, ShapeKey.parse(TALL), default_steps=1)
+    assert len(engine.generate(_plan(engine, request, WIDE))["images"]) == 1
+    with pytest.raises(AssertionError, match="disagree with its shape key"):   # planned at a key of another size
+        _plan(engine, request, TALL)
     with pytest.raises(AssertionError, match="CFG"):  # Flux runs CFG only with a negative prompt
-        engine.generate(request, ShapeKey.parse(WIDE + ".cfg"), default_steps=1)
+        engine.generate(_plan(engine, request, WIDE + ".cfg"))
 
 
 def test_a_queued_request_can_be_dropped_a_running_one_finishes_and_serving_calls_are_counted():
@@ -108,7 +114,7 @@ def test_a_queued_request_can_be_dropped_a_running_one_finishes_and_serving_call
     def request(seed):
         return ImageGenerationRequest(prompt="a cat", size=SMALL, num_inference_steps=8, seed=seed)
 
-    running, queued = engine.submit(request(1), key, 1), engine.submit(request(2), key, 1)
+    running, queued = engine.submit(_plan(engine, request(1), key)), engine.submit(_plan(engine, request(2), key))
     while not engine.batcher.stats()["running_requests"]:   # the first request's steps have started
         time.sleep(0.001)
     assert engine.cancel(queued) and queued.cancelled()
@@ -208,8 +214,9 @@ def test_warmup_timing_splits_a_warmup_into_its_measured_parts():
 
 @pytest.mark.parametrize("n", [1, 2])
 def test_a_served_request_builds_its_shape_key_once_and_never_parses_one(monkeypatch, n):
-    # the ingress builds the key (check_request); its router reads it, Ray pickles it to the replica, and the
-    # replica, its engine and batcher take the object: nothing parses a string or rebuilds the key's text
+    # the ingress builds the key in the request's plan (check_request); its router reads it, Ray pickles the
+    # plan to the replica, and the replica, its engine and batcher take the object: nothing parses a string or
+    # rebuilds the key's text
     import collections
     import pickle
 
@@ -232,11 +239,12 @@ def test_a_served_request_builds_its_shape_key_once_and_never_parses_one(monkeyp
     monkeypatch.setattr(ShapeKey, "_text", counted("text", text))
     monkeypatch.setattr(ShapeKey, "_from_text", classmethod(counted("parsed", parse)))
     request = ImageGenerationRequest(prompt="a cat", size=SMALL, n=n, num_inference_steps=1, seed=1)
-    key = check_request(request, RequestLimits(), "tiny-flux", engine.info)          # the ingress
+    plan = check_request(request, RequestLimits(), "tiny-flux", engine.info)         # the ingress
+    key = plan.shape_key
     assert str(key) == key.key and routing_view.batch_group(key) == (SMALL, n)       # its router
-    key = pickle.loads(pickle.dumps(key))                                             # to the replica
-    warm = key.key in engine.warm_set()
-    out = engine.generate(request, ShapeKey.parse(key), default_steps=1)
+    plan = pickle.loads(pickle.dumps(plan))                                           # to the replica
+    warm = plan.shape_key.key in engine.warm_set()
+    out = engine.generate(plan)
     assert len(out["images"]) == n and warm is (n == 1)
     # one key (and for n images its group, the batch it joins), each written out once
     assert counts == {"built": n, "text": n}, counts

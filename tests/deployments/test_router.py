@@ -343,3 +343,17 @@ def test_a_request_with_a_lora_adapter_goes_to_the_replicas_holding_it():
     assert [uids(r) for r in ranks] == [["a", "b"]]       # the base model: every warm replica
     ranks, _ = choose(router, [a, b, c], shape_key="64x64", lora=LoraChoice("other", 0.5))
     assert [uids(r) for r in ranks] == [["a", "b"]]       # nobody says it holds it: as without one
+
+
+def test_a_request_is_routed_by_its_plan_as_the_ingress_sends_it():
+    from bcg.diffusers.request_plan import RequestPlan
+    from bcg.diffusers.shape_key import ShapeKey
+
+    a, b = FakeReplica("a", ("64x64",), 0), FakeReplica("b", ("64x64",), 1, lora=("style",))
+    c = FakeReplica("c", ("32x32",), 0, lora=("style",))
+    router = make_router([a, b, c])
+    plan = RequestPlan(shape_key=ShapeKey.parse("64x64"), prompt="a cat", lora=LoraChoice("style", 1.0))
+    ranks, _ = choose(router, [a, b, c], plan=plan)
+    assert [uids(r) for r in ranks] == [["b"]]            # its key's warm replicas that hold its adapter
+    ranks, _ = choose(router, [a, b, c], plan=RequestPlan(shape_key=ShapeKey.parse("32x32"), prompt="a cat"))
+    assert [uids(r) for r in ranks] == [["c"]]

@@ -1,6 +1,7 @@
 """Request and warmup-plan limits (no cluster): one definition, the same answer for both."""
 import pytest
 
+from bcg.diffusers.request_plan import PlanDefaults
 from deployments.schemas import (
     FieldError,
     ImageGenerationRequest,
@@ -20,7 +21,8 @@ SD3 = {**FLUX, "family": "sd3", "default_guidance": 7.0}
 
 def _request_error(size, n):
     with pytest.raises(FieldError) as info:
-        check_request(ImageGenerationRequest(prompt="a cat", size=size, n=n), LIMITS, "tiny-flux", FLUX, "64x64")
+        check_request(ImageGenerationRequest(prompt="a cat", size=size, n=n), LIMITS, "tiny-flux", FLUX,
+                      PlanDefaults(size="64x64"))
     return info.value
 
 
@@ -41,7 +43,7 @@ def _plan_error(*keys):
 def test_plan_keys_get_the_limits_requests_get(size, n, key, field):
     if field is None:
         assert check_request(ImageGenerationRequest(prompt="a", size=size, n=n), LIMITS, "tiny-flux",
-                             FLUX, "64x64").key == key
+                             FLUX, PlanDefaults(size="64x64")).shape_key.key == key
         assert check_warmup(WarmupRequest(keys=["16x16", key]), LIMITS) == ["16x16", key]
         return
     request, plan = _request_error(size, n), _plan_error("16x16", key)
@@ -58,10 +60,11 @@ def test_plan_keys_a_request_cannot_have_are_rejected():
 
 def test_the_request_key_takes_the_deployment_default_size_then_the_model_cfg_rule():
     request = ImageGenerationRequest(prompt="a cat", guidance_scale=5.0)
-    assert check_request(request, LIMITS, "tiny-flux", FLUX, "64x48").key == "64x48"   # embedded guidance
-    assert check_request(request, LIMITS, "tiny-sd3", SD3, "64x48").key == "64x48.cfg"
+    default = PlanDefaults(size="64x48")
+    assert check_request(request, LIMITS, "tiny-flux", FLUX, default).shape_key.key == "64x48"   # embedded guidance
+    assert check_request(request, LIMITS, "tiny-sd3", SD3, default).shape_key.key == "64x48.cfg"
     assert check_request(ImageGenerationRequest(prompt="a", guidance_scale=1.0), LIMITS, "tiny-sd3", SD3,
-                         "64x48").key == "64x48"
+                         default).shape_key.key == "64x48"
     with pytest.raises(FieldError, match="pixels"):   # no deployment default: the model's 1024x1024
         check_request(request, LIMITS, "tiny-flux", FLUX)
 

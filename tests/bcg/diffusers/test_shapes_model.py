@@ -80,7 +80,7 @@ def test_the_app_replica_serves_shapes_flux_at_64x64():
     from bcg.diffusers.buckets import ShapeKey
     from deployments.app import build_app
     from deployments.engine import ReplicaEngine
-    from deployments.schemas import ImageGenerationRequest
+    from deployments.schemas import ImageGenerationRequest, request_plan
 
     replica = build_app({"model": "shapes-flux", "warmup": "64x64"})._bound_deployment.init_args[0]
     assert replica._bound_deployment.init_kwargs["model"] == "shapes-flux"
@@ -88,7 +88,7 @@ def test_the_app_replica_serves_shapes_flux_at_64x64():
     assert engine.info["default_size"] == "64x64"
     request = ImageGenerationRequest(prompt="a large green square at the top, black background", size="64x64",
                                      num_inference_steps=2, seed=3)
-    out = engine.generate(request, ShapeKey.parse("64x64"), default_steps=2)
+    out = engine.generate(request_plan(request, engine.info, key=ShapeKey.parse("64x64")))
     assert len(out["images"]) == 1 and out["eager_calls"] > 0  # no CUDA: the runner runs eagerly
 
 
