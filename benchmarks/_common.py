@@ -1,8 +1,9 @@
 """Small helpers shared by the benchmark scripts: machine facts, CUDA-event timing, JSON output.
 
-Stable on purpose (every benchmark imports it): ``machine_info() -> dict`` (with the source's ``commit`` and
-``dirty``: ``source_state(repo) -> dict``),
-``time_cuda(fn, iters=50, warmup=10) -> float`` (median milliseconds), ``write_json(path, obj)``,
+Stable on purpose (every benchmark imports it): ``machine_info() -> dict``,
+``time_cuda(fn, iters=50, warmup=10) -> float`` (median milliseconds), ``write_json(path, obj)`` (every result
+file it writes records the code that produced it, ``source``: commit, clean, the diff's hash when dirty;
+``source_state(repo) -> dict``; a dirty tree is announced on stderr),
 ``sync(device)``, ``pick_device(args, say) -> bool``, ``runner_fields(text) -> dict`` (``--runner k=v,...``), ``save_figure(fig, path, dpi=120) -> True`` (the CUDA-or-``--allow-cpu`` rule of the end-to-end
 benchmarks), ``time_interleaved(variants, rounds=3, measure=...) -> dict`` and ``ratio(result, a, b)``: figures
 that survive a re-run (variants timed A, B, A, B, ... in one process; a ratio is a median with its min-max
@@ -10,6 +11,8 @@ over rounds).
 """
 from __future__ import annotations
 
+import functools
+import hashlib
 import json
 import os
 import platform
@@ -24,27 +27,82 @@ import torch
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+# untracked files here are a run's outputs, not code: they leave the tree clean
+OUTPUT_DIRS = ("out/", ".gpuhost/", "benchmarks/results/")
+
+
 def source_state(repo: str = REPO) -> dict:
-    """The code a result was measured with: ``{"commit": HEAD's hash, "dirty": whether tracked files differ
-    from it}`` (``git rev-parse HEAD``, ``git status --porcelain``); both None where there is no git or no
-    repository (a copied tree). Untracked files (results being written) do not make the tree dirty."""
-    def git(*cmd) -> str:
-        return subprocess.run(["git", *cmd], cwd=repo, capture_output=True, text=True, timeout=30,
-                              check=True).stdout
+    """The code a result was measured with, from git: ``commit`` (HEAD's full hash), ``clean`` (no tracked
+    change and no untracked file outside `OUTPUT_DIRS`), and on a dirty tree ``dirty_paths`` and
+    ``diff_sha256`` (sha256 of ``git diff --binary HEAD``, then each untracked path and its bytes), so two
+    results from the same edits carry the same hash. ``reason`` says why a field is None: where git cannot
+    answer (no git, a copied tree without .git) ``BCG_COMMIT``, if set, names the commit and ``clean`` is
+    None (unknown)."""
+    state = {"commit": None, "clean": None, "dirty_paths": [], "diff_sha256": None, "reason": None}
+
+    def git(*cmd) -> bytes:
+        # safe.directory: a copied tree's .git may belong to another user (the GPU host's copy); read-only use
+        return subprocess.run(["git", "-c", "safe.directory=*", *cmd], cwd=repo, capture_output=True,
+                              timeout=60, check=True).stdout
 
     try:
-        commit = git("rev-parse", "HEAD").strip()
-        changed = git("status", "--porcelain", "--untracked-files=no").strip()
-    except (OSError, subprocess.SubprocessError):
-        return {"commit": None, "dirty": None}
-    return {"commit": commit, "dirty": bool(changed)}
+        commit = git("rev-parse", "--verify", "HEAD").decode().strip()
+        status = git("status", "--porcelain=v1", "-z", "--untracked-files=all").decode()
+        diff = git("diff", "--binary", "--no-color", "--no-ext-diff", "--src-prefix=a/", "--dst-prefix=b/",
+                   "HEAD")
+    except (OSError, subprocess.SubprocessError) as exc:
+        why = exc.stderr.decode(errors="replace").strip() if getattr(exc, "stderr", None) else str(exc)
+        why = why.splitlines()[0] if why else type(exc).__name__
+        if os.environ.get("BCG_COMMIT"):
+            return {**state, "commit": os.environ["BCG_COMMIT"].strip(),
+                    "reason": f"commit from BCG_COMMIT; git cannot say whether the tree is clean: {why}"}
+        return {**state, "reason": f"git cannot name the commit: {why} (set BCG_COMMIT in a copied tree)"}
+    changed, untracked = [], []
+    fields = iter(status.split("\0"))
+    for entry in fields:
+        if not entry:
+            continue
+        code, path = entry[:2], entry[3:]
+        if code[0] in "RC":
+            next(fields, None)  # -z writes a rename's old path as its own field
+        if code == "??":
+            if not path.startswith(OUTPUT_DIRS):
+                untracked.append(path)
+        else:
+            changed.append(path)
+    state.update(commit=commit, clean=not changed and not untracked)
+    if not state["clean"]:
+        digest = hashlib.sha256(diff)
+        for path in sorted(untracked):
+            digest.update(b"\0" + path.encode() + b"\0")
+            try:
+                with open(os.path.join(repo, path), "rb") as f:
+                    digest.update(f.read())
+            except OSError:
+                pass
+        state.update(dirty_paths=sorted(changed + untracked), diff_sha256=digest.hexdigest())
+    return state
+
+
+@functools.cache
+def run_source(repo: str = REPO) -> dict:
+    """`source_state` once per process (the code this run imported), saying on stderr, in one line, when
+    the results will not name a clean commit. `write_json` records it in every result as ``source``."""
+    state = source_state(repo)
+    if state["clean"] is False:
+        print(f"WARNING: results from a dirty tree: {len(state['dirty_paths'])} files differ from "
+              f"{state['commit']}; diff sha256 {state['diff_sha256']}", file=sys.stderr, flush=True)
+    elif state["clean"] is None:
+        print(f"WARNING: results without a clean commit: {state['reason']}", file=sys.stderr, flush=True)
+    return state
 
 
 def machine_info() -> dict:
-    """Where a result was measured: GPU, library versions, host basics (no secrets, no environment dump), and
-    the commit it was measured at (`source_state`)."""
+    """Where a result was measured: GPU, library versions, host basics (no secrets, no environment dump). The
+    code it was measured with is `write_json`'s ``source``; taken here too (`run_source`), so that a run from
+    a dirty tree says so when it starts."""
+    run_source()
     info = {
-        **source_state(),
         "python": platform.python_version(),
         "platform": platform.platform(),
         "cpu_count": os.cpu_count(),
@@ -136,9 +194,12 @@ def _default_measure(fn) -> float:
     return (time.perf_counter() - start) * 1e3
 
 
-def write_json(path, obj) -> None:
-    """Write ``obj`` as indented JSON, creating parent folders."""
+def write_json(path, obj, repo: str = REPO) -> None:
+    """Write ``obj`` as indented JSON, creating parent folders. A dict gets ``source``: the code that
+    produced it (`run_source`: commit, clean, and on a dirty tree the diff's hash and paths)."""
     path = os.fspath(path)
+    if isinstance(obj, dict):
+        obj = {"source": run_source(repo), **{k: v for k, v in obj.items() if k != "source"}}
     parent = os.path.dirname(path)
     if parent:
         os.makedirs(parent, exist_ok=True)

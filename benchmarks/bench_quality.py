@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import subprocess
 import sys
 import time
 
@@ -237,16 +236,6 @@ def _summary(values: np.ndarray) -> dict:
                 else "inf") for k, v in out.items()}
 
 
-def _commit() -> str | None:
-    if os.environ.get("BCG_COMMIT"):
-        return os.environ["BCG_COMMIT"]
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=HERE, capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return None
-
-
 def run(args) -> dict:
     import torch
 
@@ -266,7 +255,7 @@ def run(args) -> dict:
     names.insert(0, reference)
     truth, captions, _ = make_batch(EVAL_SEED, args.prompts)
     seeds = list(range(args.prompts))
-    result = {"machine": machine_info(), "commit": _commit(), "command": " ".join(sys.argv),
+    result = {"machine": machine_info(), "command": " ".join(sys.argv),
               "model": "shapes-flux", "prompts": args.prompts, "steps": args.steps, "size": "64x64",
               "text_tokens": args.text_tokens, "reference": reference,
               "truth_adherence": adherence(truth, captions)["rates"], "variants": {}}

@@ -19,7 +19,6 @@ repository on PYTHONPATH through the job's runtime_env (the GPU host has no pip-
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import random
@@ -185,6 +184,9 @@ def main(argv=None) -> int:
         return 2
     keys = [k.strip() for k in (a.keys or (GPU_KEYS if cuda else CPU_KEYS)).split(",") if k.strip()]
     gpus = a.gpus_per_replica if cuda else 0.0
+    from benchmarks._common import run_source, write_json
+
+    run_source()  # a dirty tree is said at the start, not only in the result's ``source``
     machine = _machine()
     _say(f"machine: {machine}")
     path = os.pathsep.join(x for x in (str(REPO), os.environ.get("PYTHONPATH")) if x)
@@ -208,9 +210,7 @@ def main(argv=None) -> int:
                              "p50_speedup": d["p50_ms"] / s["p50_ms"], "p99_speedup": d["p99_ms"] / s["p99_ms"]}
         _say(f"shape_affinity vs power_of_two: warm-hit {s['warm_hit_rate']:.1%} vs {d['warm_hit_rate']:.1%}, "
              f"p50 x{out['comparison']['p50_speedup']:.2f}, p99 x{out['comparison']['p99_speedup']:.2f}")
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(out, indent=2, default=str))
-    _say(f"wrote {a.out}")
+    write_json(a.out, out)
     return 0
 
 

@@ -20,9 +20,13 @@ cold requests, the kernels (`quantize`, attention choice) and compile stats of e
 that fails is recorded with its error; the run goes on. ``start_s``: from the deploy until every app runs.
 
 ``--caches`` (JSON: ``{name: a request's "cache" option or null}``) times each variant once per cache, on
-one app (started with ``step_cache`` threshold 0: nothing caches unless the request asks): a row's
-variants are then ``<variant>+<cache>``, interleaved like the rest, and each answer records its
-``steps_computed`` / ``steps_cached``.
+an app started with ``step_cache`` threshold 0 (nothing caches unless the request asks; deployed as
+``<variant>.step_cache``), and once on a plain app (no ``step_cache``; deployed and labelled
+``<variant>``): a row's labels are then ``<variant>`` and ``<variant>+<cache>``, all interleaved, and
+each answer records its ``steps_computed`` / ``steps_cached``. The plain app is the baseline of a step
+cache's speed-up (``speedup_over_plain_app``: plain / cached, per round); the step-cache app uncached (a
+null cache, added as ``uncached`` where ``--caches`` has none) against it is ``step_cache_tax``
+(uncached / plain, per round), what turning step caching on costs a request that caches nothing.
 
 The JSON is rewritten after every round (a timeout keeps what ran); a PNG next to it draws seconds per
 request per size and variant (bars: median, whiskers: min-max, speed-up on top). Needs CUDA unless
@@ -83,14 +87,41 @@ def _key(args, size: str) -> str:
     return f"{size}.f{args.frames}.cfg" if getattr(args, "frames", None) else size
 
 
-def app_args(args, name: str, fields: dict, share: float) -> dict:
-    """``build_app`` args of one variant: one replica with `share` of the GPU, every size warm at start."""
+def _caching(args) -> bool:
+    """Whether the run times step caching (a cache in ``--caches`` or ``--batch-caches``)."""
+    return any(c is not None for c in [*(getattr(args, "caches", None) or {}).values(),
+                                       *(getattr(args, "batch_caches", None) or [])])
+
+
+def deploys(args) -> dict[str, dict]:
+    """The apps to start, ``{app label: {"variant": name, "step_cache": bool}}``: one per variant; where the
+    run times step caching, two: ``<variant>`` plain (no ``step_cache``: the baseline) and
+    ``<variant>.step_cache`` (step caching on at threshold 0)."""
+    out = {}
+    for name in args.variants:
+        out[name] = {"variant": name, "step_cache": False}
+        if _caching(args):
+            out[f"{name}.step_cache"] = {"variant": name, "step_cache": True}
+    return out
+
+
+def timed_caches(args) -> dict:
+    """``--caches`` as timed: ``{None: None}`` without it; else with a null (uncached) cache first, added as
+    ``uncached`` where none is given (the step-cache app's tax over the plain app)."""
+    if not args.caches:
+        return {None: None}
+    if any(c is None for c in args.caches.values()):
+        return dict(args.caches)
+    return {"uncached": None, **args.caches}
+
+
+def app_args(args, name: str, fields: dict, share: float, step_cache: bool = False) -> dict:
+    """``build_app`` args of one variant: one replica with `share` of the GPU, every size warm at start; with
+    `step_cache`, step caching on at threshold 0 (a request caches only what its ``cache`` asks)."""
     cuda = args.device == "cuda"
     runner = {k: v for k, v in fields.items() if k not in APP_FIELDS}
-    caching = any(c is not None for c in [*(getattr(args, "caches", None) or {}).values(),
-                                          *(getattr(args, "batch_caches", None) or [])])
     return {
-        **({"step_cache": {"method": "first_block", "threshold": 0.0}} if caching else {}),
+        **({"step_cache": {"method": "first_block", "threshold": 0.0}} if step_cache else {}),
         "model": args.model_dir, "num_replicas": 1, "num_gpus_per_replica": share if cuda else 0,
         "num_cpus_per_replica": 0, "device": args.device, "cpu_threads": None if cuda else 1,
         "warmup": [_key(args, s) for s in args.sizes], "placement": "all", "warmup_steps": 2, "default_steps": args.steps,
@@ -143,12 +174,14 @@ def run(args, result: dict, save) -> None:
 
     from deployments.app import build_app
 
-    names = list(args.variants)
+    plan = deploys(args)
+    names = list(plan)
     share = round(1.0 / len(names), 3)
     apps = {name: f"variant_{i}_{name}".replace(".", "_").replace("-", "_") for i, name in enumerate(names)}
-    result["variants"] = {name: {"fields": fields, "app": apps[name],
-                                 "app_args": app_args(args, name, fields, share)}
-                          for name, fields in args.variants.items()}
+    result["variants"] = {
+        name: {"fields": args.variants[d["variant"]], "app": apps[name], "step_cache": d["step_cache"],
+               "app_args": app_args(args, name, args.variants[d["variant"]], share, d["step_cache"])}
+        for name, d in plan.items()}
     save()
     port = start_local_serve(reuse_running=False)[0]
 
@@ -165,10 +198,13 @@ def run(args, result: dict, save) -> None:
     result["start_s"] = round(time.perf_counter() - begin, 2)  # load + start-up warmup of the slowest app
     _say(f"all apps running after {result['start_s']} s")
     save()
-    caches = args.caches or {None: None}
-    # what a row times: each variant's app once per request cache (``<variant>+<cache>``)
-    timed = [(n, c) for n in names for c in caches]
-    label = {(n, c): n if c is None else f"{n}+{c}" for n, c in timed}
+    caches = timed_caches(args)
+    # what a row times: a plain app uncached (``<variant>``), a step-cache app once per request cache
+    # (``<variant>+<cache>``)
+    timed = [(n, c) for n in names for c in (caches if plan[n]["step_cache"] else [None])]
+    label = {(n, c): n if c is None else f"{plan[n]['variant']}+{c}" for n, c in timed}
+    plain_of = {label[n, c]: plan[n]["variant"] for n, c in timed if plan[n]["step_cache"]}
+    uncached = [label[n, c] for n, c in timed if plan[n]["step_cache"] and caches[c] is None]
     running = names
     with contextlib.ExitStack() as stack:
         clients = {n: stack.enter_context(httpx.Client(base_url=f"http://127.0.0.1:{port}/{apps[n]}",
@@ -211,15 +247,16 @@ def run(args, result: dict, save) -> None:
                         continue
                     row["ms"].setdefault(label[name, cache], []).append(ms)
                     row["answers"].setdefault(label[name, cache], []).append(info)
-                _summarize(row, [label[t] for t in timed])
+                _summarize(row, [label[t] for t in timed], plain_of, uncached)
             _say(f"round {index + 1}/{args.rounds}: " + "; ".join(
                 f"{r['size']} " + ", ".join(f"{n} {r['summary'][n]['median']:.0f} ms" for n in r["summary"])
                 for r in rows))
             save()
         if getattr(args, "batch_caches", None):
-            result["batches"] = [run_batches(args, post, name, f"http://127.0.0.1:{port}/{apps[name]}", size,
-                                             save, result)
-                                 for size in args.sizes for name in running]
+            url = f"http://127.0.0.1:{port}/"
+            result["batches"] = [run_batches(args, post, name, url + apps[name], size, save, result,
+                                             plain_url=url + apps[plan[name]["variant"]])
+                                 for size in args.sizes for name in running if plan[name]["step_cache"]]
         for name in running:
             try:
                 result["variants"][name]["stats"] = _app_stats(clients[name].get("/v1/stats").json())
@@ -240,20 +277,22 @@ def _pixels(b64: str) -> np.ndarray:
     return np.asarray(Image.open(io.BytesIO(base64.b64decode(b64))).convert("RGB"), dtype=np.int16)
 
 
-def run_batches(args, post, name: str, base_url: str, size: str, save, result: dict) -> dict:
+def run_batches(args, post, name: str, base_url: str, size: str, save, result: dict, plain_url: str) -> dict:
     """``--batch-caches``: per round, the N requests (seeds 0..N-1, each with its cache) sent together, then
-    the same N uncached sent together (interleaved rounds); first, each request alone (untimed), whose image
-    the batched one must equal within 3/255. Wall time from the first send to the last answer."""
+    the same N uncached sent together, then the same N to the plain app (``plain_url``, no ``step_cache``:
+    the baseline), interleaved rounds; first, each request alone (untimed), whose image the batched one must
+    equal within 3/255. Wall time from the first send to the last answer."""
     import concurrent.futures
 
     import httpx
 
     caches = list(args.batch_caches)
     n = len(caches)
-    out = {"variant": name, "size": size, "caches": caches, "ms": {"mixed": [], "uncached": []},
-           "answers": {"mixed": [], "uncached": []}, "errors": []}
+    out = {"variant": name, "size": size, "caches": caches, "ms": {"mixed": [], "uncached": [], "plain": []},
+           "answers": {"mixed": [], "uncached": [], "plain": []}, "errors": []}
     result.setdefault("batches_partial", []).append(out)
     clients = [httpx.Client(base_url=base_url, timeout=args.timeout_s) for _ in range(n)]
+    plain_clients = [httpx.Client(base_url=plain_url, timeout=args.timeout_s) for _ in range(n)]
     try:
         alone = []
         for i, cache in enumerate(caches):
@@ -261,18 +300,19 @@ def run_batches(args, post, name: str, base_url: str, size: str, save, result: d
             alone.append((_pixels(b64), info))
         out["alone"] = [{"steps_cached": info.get("steps_cached")} for _, info in alone]
 
-        def together(with_caches):
+        def together(with_caches, to=clients):
             with concurrent.futures.ThreadPoolExecutor(n) as pool:
                 begin = time.perf_counter()
-                futures = [pool.submit(post, name, size, 100 + i, None, c, clients[i], True)
+                futures = [pool.submit(post, name, size, 100 + i, None, c, to[i], True)
                            for i, c in enumerate(with_caches)]
                 answers = [f.result() for f in futures]
                 return (time.perf_counter() - begin) * 1e3, answers
 
         for index in range(args.rounds):
-            for label, with_caches in (("mixed", caches), ("uncached", [None] * n)):
+            for label, with_caches, to in (("mixed", caches, clients), ("uncached", [None] * n, clients),
+                                           ("plain", [None] * n, plain_clients)):
                 try:
-                    ms, answers = together(with_caches)
+                    ms, answers = together(with_caches, to)
                 except Exception as exc:  # noqa: BLE001 -- recorded; the run goes on
                     out["errors"].append(f"round {index} {label}: {exc}"[:500])
                     continue
@@ -287,20 +327,29 @@ def run_batches(args, post, name: str, base_url: str, size: str, save, result: d
             _say(f"batch round {index + 1}/{args.rounds} {name} {size}: " +
                  ", ".join(f"{k} {v[-1]:.0f} ms" for k, v in done.items()))
             save()
-        if out["ms"]["mixed"] and len(out["ms"]["mixed"]) == len(out["ms"]["uncached"]):
-            out["images_per_s"] = {k: _summary([n * 1e3 / t for t in v]) for k, v in out["ms"].items()}
-            out["speedup_mixed_over_uncached"] = _summary(
-                [u / m for m, u in zip(out["ms"]["mixed"], out["ms"]["uncached"])])
+        ms = out["ms"]
+        if ms["mixed"] and len(ms["mixed"]) == len(ms["uncached"]) == len(ms["plain"]):
+            out["images_per_s"] = {k: _summary([n * 1e3 / t for t in v]) for k, v in ms.items()}
+            out["speedup_mixed_over_plain_app"] = _summary([p / m for m, p in zip(ms["mixed"], ms["plain"])])
+            out["speedup_mixed_over_uncached"] = _summary([u / m for m, u in zip(ms["mixed"], ms["uncached"])])
+            out["step_cache_tax"] = _summary([u / p for u, p in zip(ms["uncached"], ms["plain"])])
     except Exception as exc:  # noqa: BLE001
         out["errors"].append(f"{type(exc).__name__}: {exc}"[:500])
     finally:
-        for c in clients:
+        for c in clients + plain_clients:
             c.close()
         result["batches_partial"].remove(out)
     return out
 
 
-def _summarize(row: dict, names: list[str]) -> None:
+def _ratios(row: dict, numerator: str, denominator: str) -> dict:
+    return _summary([a / b for a, b in zip(row["ms"][numerator], row["ms"][denominator])])
+
+
+def _summarize(row: dict, names: list[str], plain_of: dict | None = None, uncached=()) -> None:
+    """A row's per-label summary and its ratios, each per round (labels timed next to each other): every
+    label over the first, and with step caching (`plain_of`: a step-cache label -> its variant's plain
+    label) each cache's speed-up over the plain app and the `uncached` labels' tax over it."""
     row["summary"] = {}
     for name, times in row["ms"].items():
         answers = row["answers"][name]
@@ -309,9 +358,14 @@ def _summarize(row: dict, names: list[str]) -> None:
                                 "steps_cached": [a.get("steps_cached", 0) for a in answers],
                                 "eager_calls": [a.get("eager_calls", 0) for a in answers]}
     first = names[0]
-    row["speedup_over_" + first] = {
-        name: _summary([a / b for a, b in zip(row["ms"][first], row["ms"][name])])
-        for name in row["ms"] if name != first and first in row["ms"]}
+    row["speedup_over_" + first] = {name: _ratios(row, first, name)
+                                    for name in row["ms"] if name != first and first in row["ms"]}
+    if plain_of:
+        timed = {name: plain for name, plain in plain_of.items() if name in row["ms"] and plain in row["ms"]}
+        row["speedup_over_plain_app"] = {name: _ratios(row, plain, name) for name, plain in timed.items()
+                                         if name not in uncached}
+        row["step_cache_tax"] = {name: _ratios(row, name, plain) for name, plain in timed.items()
+                                 if name in uncached}
 
 
 def plot(result: dict, png: str) -> bool:

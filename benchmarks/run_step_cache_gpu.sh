@@ -3,12 +3,15 @@
 #   bash benchmarks/run_gpu.sh steps 'bash benchmarks/run_step_cache_gpu.sh tests wan'
 # Parts (any of, in order given):
 #   tests  the step-cache GPU tests (tiny Flux and Wan: replays only, equality with eager, a mixed batch)
-#   flux   FLUX.1-dev 1024², 28 steps, FP8 + fa3_fp8 + regional compile, served: uncached against a schedule
-#          computing 16 of 28 steps (43% cached), interleaved on one app
-#   wan    Wan2.1-1.3B 832x480, 33 frames, 50 steps, CFG, FP8 + fa3_fp8 + regional compile, served: uncached
-#          against schedules computing 25 (50% cached) and 20 (60% cached) of 50 steps, interleaved on one app
+#   flux   FLUX.1-dev 1024², 28 steps, FP8 + fa3_fp8 + regional compile, served: a plain app (no step_cache,
+#          the baseline), the step-cache app uncached (its tax) and a schedule computing 16 of 28 steps (43%
+#          cached), interleaved
+#   wan    Wan2.1-1.3B 832x480, 33 frames, 50 steps, CFG, FP8 + fa3_fp8 + regional compile, served: a plain app,
+#          the step-cache app uncached and schedules computing 25 (50% cached) and 20 (60% cached) of 50 steps,
+#          interleaved
 #   batch  FLUX.1-dev 1024², 28 steps, bf16 plain graphs, served with step batches of 4: four requests caching
-#          differently (one uncached) sent together against the same four uncached, and each one alone
+#          differently (one uncached) sent together against the same four uncached and the same four to a plain
+#          app (two bf16 FLUX.1-dev apps on one GPU), and each one alone
 #   compile  FLUX.1-dev 1024², 28 steps, FP8 + fa3_fp8 + regional compile: every component compiled
 #          (compile_components=all) against the transformer alone (the app's default; plain graphs for the
 #          text encoders and the VAE decoder), two apps side by side, interleaved: warmup and per-request cost

@@ -49,19 +49,3 @@ def test_bad_levels_and_policies_are_refused(capsys):
         with pytest.raises(SystemExit):
             bench_admission.parse_args(argv)
         assert named in capsys.readouterr().err
-
-
-@pytest.mark.slow
-def test_cpu_smoke_run_through_one_served_replica_switches_its_policy_per_burst(tmp_path):
-    out = tmp_path / "bench_admission_http.json"
-    costs = {"64x64": {"1": 10, "2": 20}}  # served requests: the pipeline's own text length, no prompt bucket
-    code = bench_admission.main(["--allow-cpu", "--via", "http", "--size", "64x64", "--steps", "2", "--rounds", "1",
-                                 "--concurrency", "1,2", "--max-batch-size", "2", "--buckets", "1,2",
-                                 "--step-costs-ms", json.dumps(costs), "--out", str(out)])
-    result = json.loads(out.read_text())
-    assert code == 0 and result["via"] == "http" and result["step_costs_ms"] == {"64x64": {"1": 10.0, "2": 20.0}}
-    runs = {(r["concurrency"], r["policy"]): r for r in result["runs"]}
-    # every request's 2 steps ran on the replica, one row each under auto (the costs say 2 rows do not pay)
-    assert runs[(2, "auto")]["batch_size_histogram"] == {"1": 4}
-    assert all(sum(int(k) * v for k, v in r["batch_size_histogram"].items()) == 2 * r["concurrency"]
-               for r in runs.values())

@@ -87,23 +87,3 @@ def test_cpu_smoke_run_answers_every_request_once(tmp_path, saved_figures):
     (fig,) = saved_figures  # the histogram panel shows the batched run's rows per step
     assert {round(x): top for x, top in stacks(fig.axes[2]).items()} == batched
     png_of(fig, tmp_path / "bench_batching.png")
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("via", ["handle", "http"])
-def test_cpu_smoke_run_through_one_served_replica_answers_every_request_once(tmp_path, via):
-    out = tmp_path / f"bench_batching_{via}.json"
-    code = bench_batching.main(["--allow-cpu", "--via", via, "--size", "64x64", "--steps", "2", "--requests", "4",
-                                "--rate-factors", "inf", "--max-batch-size", "2", "--buckets", "1,2",
-                                "--direct-iters", "1", "--output-format", "jpeg" if via == "http" else "png",
-                                "--out", str(out)])
-    result = json.loads(out.read_text())
-    assert code == 0 and result["via"] == via
-    assert result["warmup"]["batched"]["batch_pool_bytes"] == {"64x64": {"1": 0, "2": 0}}
-    # one request's time split from the response's timings: each part measured
-    split = result["serial_ms"]["batched"]["split_ms"]
-    assert set(split) == {"client_hop", "ingress", "replica_run", "encode"}
-    assert all(v is not None for v in split.values()) and split["encode"] > 0 and split["replica_run"] > 0
-    for run in result["runs"]:
-        assert (run["answered_ok"], run["failed"], run["lost"]) == (4, 0, 0)
-        assert sum(int(k) * v for k, v in run["batch_size_histogram"].items()) == 8   # 4 requests x 2 steps

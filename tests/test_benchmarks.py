@@ -192,31 +192,3 @@ def test_fp8_smoke_run_reports_why_fp8_is_off_and_times_both_variants_interleave
                            "--sizes", "32", "--out", str(errors)]) == 0
     (error_row,) = json.loads(errors.read_text())["errors"]
     assert "fp8_eager_vs_bf16" not in error_row and error_row["quantize"]["mode"] == "fp8"
-
-
-def test_machine_info_records_the_commit_and_whether_the_tree_was_dirty(tmp_path, monkeypatch):
-    import subprocess
-
-    import _common
-
-    repo = tmp_path / "repo"
-    repo.mkdir()
-    git = ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t"]
-    subprocess.run([*git, "init", "-q"], check=True)
-    (repo / "a.py").write_text("x = 1\n")
-    subprocess.run([*git, "add", "a.py"], check=True)
-    subprocess.run([*git, "commit", "-qm", "a"], check=True)
-    head = subprocess.run([*git, "rev-parse", "HEAD"], check=True, capture_output=True, text=True).stdout.strip()
-    assert _common.source_state(str(repo)) == {"commit": head, "dirty": False}
-    (repo / "result.json").write_text("{}")   # untracked: a result being written leaves it clean
-    assert _common.source_state(str(repo))["dirty"] is False
-    (repo / "a.py").write_text("x = 2\n")
-    assert _common.source_state(str(repo)) == {"commit": head, "dirty": True}
-    plain = tmp_path / "copy"  # a copied tree without .git
-    plain.mkdir()
-    assert _common.source_state(str(plain)) == {"commit": None, "dirty": None}
-    monkeypatch.setenv("PATH", str(tmp_path / "nothing"))  # no git at all
-    assert _common.source_state(str(repo)) == {"commit": None, "dirty": None}
-    monkeypatch.undo()
-    info = _common.machine_info()   # the benchmarks' own checkout (None in a copy without .git)
-    assert {k: info[k] for k in ("commit", "dirty")} == _common.source_state(_common.REPO)
