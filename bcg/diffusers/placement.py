@@ -143,7 +143,7 @@ class AutoPlacement:
         if torch.compiler.is_compiling():
             return self.original(*args, **kwargs)
         if is_capturing():
-            return (self._capture_forward or self.original)(*args, **kwargs)
+            return self._forward_for_capture()(*args, **kwargs)
         if self.probing:
             device = device_of(self.module)
             key = (device.type, len(args), tuple(sorted(k for k, v in kwargs.items() if v is not None)))
@@ -177,6 +177,19 @@ class AutoPlacement:
                         type(self.module).__name__, key[1:], key[0], probe_ms, len(probe.findings),
                         len(probe.unplaced))
             return out
+
+    def _forward_for_capture(self):
+        """What a capture runs: the module's own forward rebuilt with its function places as breaks, where
+        the forward below the placement is that very forward. Where a hook registered before the placement
+        replaced it (step caching's forward, in diffusers' registry), the rebuilt class forward would run
+        instead of that hook's and capture the model uncached: the hook's forward runs, and the function
+        places of the class's forward (remembered from another instance, or probed before the hook came)
+        do not apply to it."""
+        original = self.original
+        if self._capture_forward is not None and getattr(original, "__func__", None) is \
+                inspect.getattr_static(type(self.module), "forward", None):
+            return self._capture_forward
+        return original
 
     # -- places -----------------------------------------------------------------------------------
 

@@ -473,3 +473,26 @@ def test_compiled_segments_get_attention_breaks_only_from_an_explicit_policy():
     assert breaks_hook(transformer).compiled_breaks is None
     remove_breaks(transformer)
     assert breaks_hook(transformer) is None
+
+
+def test_a_capture_runs_step_cachings_forward_not_the_class_forward_with_its_function_places():
+    """A function place of the class's own forward (Qwen-Image's, remembered for the class from an uncached
+    instance) must not make a capture run that rebuilt class forward where step caching's forward sits below
+    the placement: the capture would hold the model uncached (the GPU suite's Qwen-Image failure: replays
+    equal to uncached, no step counted)."""
+    from bcg.diffusers.step_cache import enable_step_cache
+
+    plain = tiny_qwen_image("cpu")
+    install_breaks(plain, QWEN_IMAGE_PLACES)
+    with recording_capture() as rec:
+        plain(**qwen_image_inputs("cpu"))
+    assert "compute_text_seq_len_from_mask" in met_breaks(rec)
+
+    cached = tiny_qwen_image("cpu")
+    enable_step_cache(cached, None)
+    install_breaks(cached, QWEN_IMAGE_PLACES)
+    with recording_capture() as rec:
+        cached(**qwen_image_inputs("cpu"))
+    met = met_breaks(rec)
+    assert "_StepCacheLogic._middle_impl" in met and "compute_text_seq_len_from_mask" not in met, met
+    assert "QwenEmbedRope._get_device_freqs" in met   # a submodule's place still applies
