@@ -117,7 +117,7 @@ def _build(args, model):
 
         return diffusers.AutoModel.from_pretrained(args.model_dir, subfolder="transformer",
                                                    torch_dtype=torch.bfloat16).to(args.device).eval()
-    return real.build_model(model, args.device, torch.bfloat16, args.num_layers)
+    return real.build_model(model, args.device, torch.bfloat16, args.num_layers, args.num_heads)
 
 
 def _inputs(args, model, size):
@@ -349,6 +349,7 @@ def main(argv=None):
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--num-layers", type=int, default=None, help="override depth (smoke runs)")
+    p.add_argument("--num-heads", type=int, default=None, help="override attention heads, so width (smoke runs)")
     p.add_argument("--model-dir", default=None, help="a diffusers directory: its transformer, real weights")
     p.add_argument("--errors-only", action="store_true")
     p.add_argument("--attention-only", action="store_true", help="only the attention kernels table")

@@ -81,8 +81,10 @@ def log(msg):
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-def model_config(name, num_layers=None):
+def model_config(name, num_layers=None, num_heads=None):
     config = dict(MODELS[name]["config"])
+    if num_heads is not None:  # smoke runs: a narrower model (width = heads x head dim), the same inputs
+        config["num_attention_heads"] = num_heads
     if num_layers is not None:
         config.update({k: num_layers for k in LAYER_KEYS if k in config})
         if "dual_attention_layers" in config:
@@ -90,7 +92,7 @@ def model_config(name, num_layers=None):
     return config
 
 
-def build_model(name, device, dtype, num_layers=None):
+def build_model(name, device, dtype, num_layers=None, num_heads=None):
     import diffusers
     import torch
 
@@ -100,7 +102,7 @@ def build_model(name, device, dtype, num_layers=None):
     torch.set_default_dtype(dtype)  # built in bf16 directly: a 20 B model in fp32 would need 82 GB
     try:
         with torch.device(device):
-            model = cls(**model_config(name, num_layers))
+            model = cls(**model_config(name, num_layers, num_heads))
     finally:
         torch.set_default_dtype(previous)
     keep = getattr(model, "_keep_in_fp32_modules", None) or ()

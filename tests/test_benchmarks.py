@@ -168,7 +168,7 @@ def test_fp8_smoke_run_reports_why_fp8_is_off_and_times_both_variants_interleave
     import bench_fp8
 
     out = tmp_path / "fp8.json"
-    assert bench_fp8.main(["--allow-cpu", "--num-layers", "1", "--models", "flux.1-dev", "--sizes", "32",
+    assert bench_fp8.main(["--allow-cpu", "--num-layers", "1", "--num-heads", "2", "--models", "flux.1-dev", "--sizes", "32",
                            "--iters", "1", "--profile-warmup", "--out", str(out)]) == 0
     (row,) = json.loads(out.read_text())["timing"]
     assert row["quantize"]["applied"] is False and "CUDA" in row["quantize"]["reason"]
@@ -180,7 +180,7 @@ def test_fp8_smoke_run_reports_why_fp8_is_off_and_times_both_variants_interleave
     assert row["bf16"]["vs_bf16_eager"]["ref_max_abs"] > 0                # of a real output, not of zeros
     assert row["bf16"]["warmup_profile"] and row["bf16"]["warmup_profile"][0]["cumulative_s"] > 0
     kernels = tmp_path / "kernels.json"  # a variant naming its attention kernel: a copy of its own
-    assert bench_fp8.main(["--allow-cpu", "--num-layers", "1", "--models", "flux.1-dev", "--sizes", "32",
+    assert bench_fp8.main(["--allow-cpu", "--num-layers", "1", "--num-heads", "2", "--models", "flux.1-dev", "--sizes", "32",
                            "--iters", "1", "--variants", "fp8,fp8+fa3_fp8", "--out", str(kernels)]) == 0
     (kernel_row,) = json.loads(kernels.read_text())["timing"]
     assert set(kernel_row["speedup_vs_fp8"]) == {"fp8+fa3_fp8"}
@@ -188,7 +188,7 @@ def test_fp8_smoke_run_reports_why_fp8_is_off_and_times_both_variants_interleave
     assert attention["backend"] == "fa3_fp8" and "CUDA" in attention["unavailable"]["fa3_fp8"]
     assert set(attention["calls"]) == {"sdpa"}  # what ran: the fallback, reported as such
     errors = tmp_path / "errors.json"
-    assert bench_fp8.main(["--allow-cpu", "--errors-only", "--num-layers", "1", "--models", "flux.1-dev",
+    assert bench_fp8.main(["--allow-cpu", "--errors-only", "--num-layers", "1", "--num-heads", "2", "--models", "flux.1-dev",
                            "--sizes", "32", "--out", str(errors)]) == 0
     (error_row,) = json.loads(errors.read_text())["errors"]
     assert "fp8_eager_vs_bf16" not in error_row and error_row["quantize"]["mode"] == "fp8"
