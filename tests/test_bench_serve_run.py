@@ -1,5 +1,6 @@
-"""benchmarks/bench_serve_run.py: the targets read from two starts, the plot from a JSON, and (slow) a CPU
-smoke run: Ray Serve's own `serve run` started twice on a tiny FLUX.1-dev directory, timed from outside."""
+"""benchmarks/bench_serve_run.py: the targets read from two starts, the plot from a JSON, and a CPU smoke run:
+Ray Serve's own `serve run` started on a tiny FLUX.1-dev directory, timed from outside (one start: a second
+start on CPU replicas differs only in its replica's id, and each start costs the suite tens of seconds)."""
 import json
 import sys
 
@@ -34,18 +35,17 @@ def test_targets_need_the_first_compile_the_second_warmup_from_artifacts_and_a_w
     assert bench_serve_run.main(["--plot-only", str(path)]) == 0 and (tmp_path / "serve_run.png").stat().st_size > 0
 
 
-@pytest.mark.slow
-def test_cpu_smoke_run_starts_serve_run_twice_and_reads_each_replicas_start(tmp_path):
-    result, proc = run_smoke("bench_serve_run.py", tmp_path / "bench_serve_run.json", "--requests", "1")
+def test_cpu_smoke_run_starts_serve_run_and_reads_its_replicas_start(tmp_path):
+    result, proc = run_smoke("bench_serve_run.py", tmp_path / "bench_serve_run.json", "--requests", "1",
+                             "--starts", "1")
     assert "error" not in result, result.get("error")
-    assert [s["start"] for s in result["starts"]] == [1, 2]
+    assert [s["start"] for s in result["starts"]] == [1]
     for start in result["starts"]:
         assert start["command"].startswith("serve run ") and "warmup=64x64" in start["command"]
         assert start["answers"][0]["warm"] is True and len(start["request_ms"]) == 1
         (replica,) = start["replicas"]
         assert replica["device"] == "cpu" and replica["warmup"]["artifacts"] == {"64x64": "off"}
         assert 0 < replica["ray_start_s"] < start["first_image_s"] and replica["load_pipeline_s"] > 0
-    assert result["starts"][0]["replicas"][0]["replica"] != result["starts"][1]["replicas"][0]["replica"]
     assert proc.returncode == 0 and (tmp_path / "bench_serve_run.png").stat().st_size > 0
 
 
