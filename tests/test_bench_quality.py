@@ -123,3 +123,14 @@ def test_colour_misses_tell_a_swap_from_another_colour():
     assert (swaps["misses"], swaps["swapped"], len(swaps["examples"])) == (6, 6, 2)
     assert swaps["examples"][0]["caption"] == captions[0] and swaps["examples"][0]["kind"] == "swapped"
     assert train_shapes_flux.colour_misses(other, captions)["other"] == 6
+
+
+def test_training_data_draws_only_the_train_split():
+    from bcg.diffusers.shapes.data import caption_split, split_seeds
+
+    pixels, captions = train_shapes_flux.make_data(520, workers=1)
+    assert pixels.shape == (520, 64, 64, 3) and len(captions) == 520  # across two chunks of seeds
+    assert all(caption_split(c) == "train" for c in captions)
+    assert captions == [make_batch(seed, 1)[1][0] for seed in split_seeds("train", 520)]
+    assert train_shapes_flux.make_data(520, workers=1, pictures=False)[1] == captions
+    assert train_shapes_flux.training_captions({"data": {"n": 520, "split": "train"}}, 1) == set(captions)
