@@ -5,7 +5,7 @@
     python3 benchmarks/train_shapes_flux.py --plot-only benchmarks/results/train_shapes_flux.json
     python3 benchmarks/train_shapes_flux.py --diagnose bcg/diffusers/shapes/weights --out DIR   # CPU, a minute
     python3 benchmarks/train_shapes_flux.py --evaluate bcg/diffusers/shapes/weights --out DIR --device cpu \
-        --eval-n 64 --eval-text-tokens 64                                         # CPU: ~10 min on 2 cores
+        --eval-n 64 --eval-text-tokens 64                                  # CPU: ~15 min on 2 shared cores
     python3 benchmarks/train_shapes_flux.py --grid $R/bench_quality_samples.npz bf16 samples.png
 
 Stages, each checkpointed under ``--ckpt`` (default ``--out/ckpt``; a run started again over the same ``--out`` goes on where
@@ -59,7 +59,7 @@ import numpy as np  # noqa: E402
 
 from _common import machine_info, pyplot, save_figure, write_json  # noqa: E402
 
-from bcg.diffusers.shapes.data import EVAL_SEED  # noqa: E402
+from bcg.diffusers.shapes.data import EVAL_SEED, HELD_OUT_FRACTION  # noqa: E402
 
 PROMPT_LENGTHS = (32, 64, 128, 256, 512)   # the FLUX family's prompt buckets (bcg.diffusers.buckets)
 LENGTH_WEIGHTS = (0.1, 0.5, 0.1, 0.15, 0.15)  # captions are 21-50 T5 tokens: served at 32 or 64
@@ -98,8 +98,6 @@ def make_data(n: int, workers: int, pictures: bool = True):
     """Pictures (uint8 (n, 64, 64, 3); empty without `pictures`) and captions of the first n seeds of the
     ``"train"`` split (`bcg.diffusers.shapes.data.split_seeds`): no held-out caption is ever drawn."""
     import functools
-
-    from bcg.diffusers.shapes.data import HELD_OUT_FRACTION
 
     chunk, first, parts, have = 500, 0, [], 0
     while have < n:  # seeds enough for n train captions, and a little more: the surplus is dropped
@@ -492,7 +490,7 @@ def evaluate(pipe, args, log, trained_on: set[str] | None = None):
     """Sample and score each evaluation split (`bcg.diffusers.shapes.data.split_seeds`: ``unseen`` first, the
     headline, then ``seen``) into ``log["eval"]``; `trained_on`, the captions the weights were trained on,
     counts each split's captions that training saw word for word. Pictures go to ``--out/samples.npz``."""
-    from bcg.diffusers.shapes.data import HELD_OUT_FRACTION, make_split_batch
+    from bcg.diffusers.shapes.data import make_split_batch
     from bcg.diffusers.shapes.score import adherence
 
     lengths = list(args.eval_text_tokens) or [512]
@@ -575,7 +573,6 @@ def run(args) -> dict:
                      for name in ("transformer", "vae", "text_encoder", "text_encoder_2")}
     say("parameters:", log["params"])
     pixels, captions = make_data(args.n_data, args.workers)
-    from bcg.diffusers.shapes.data import HELD_OUT_FRACTION
     log["data"] = {"n": len(captions), "split": "train", "held_out_fraction": HELD_OUT_FRACTION,
                    "seconds": round(time.perf_counter() - t0, 1)}
     say(f"data: {len(captions)} pictures in {log['data']['seconds']} s")
