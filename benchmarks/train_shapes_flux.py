@@ -4,13 +4,16 @@
     python3 benchmarks/train_shapes_flux.py --out /tmp/s --device cpu --smoke     # a minute on a CPU
     python3 benchmarks/train_shapes_flux.py --plot-only benchmarks/results/train_shapes_flux.json
     python3 benchmarks/train_shapes_flux.py --diagnose bcg/diffusers/shapes/weights --out DIR   # CPU, a minute
+    python3 benchmarks/train_shapes_flux.py --evaluate bcg/diffusers/shapes/weights --out DIR --device cpu \
+        --eval-n 64 --eval-text-tokens 64                                  # CPU: ~15 min on 2 shared cores
     python3 benchmarks/train_shapes_flux.py --grid $R/bench_quality_samples.npz bf16 samples.png
 
 Stages, each checkpointed under ``--ckpt`` (default ``--out/ckpt``; a run started again over the same ``--out`` goes on where
 the last one stopped; ``--init DIR`` starts the transformer and VAE from exported weights instead, e.g. the
 parts a cut-off device call brought back):
 
-1. data: ``--n-data`` pictures of seeds 0.. (64x64), drawn over worker processes;
+1. data: ``--n-data`` pictures (64x64) of the caption split's ``"train"`` seeds (`bcg.diffusers.shapes.data.
+   split_seeds`: seeds 0.. whose captions are not held out), drawn over worker processes;
 2. the VAE (`AutoencoderKL`): MSE + L1 on pixels and a small KL, then the latents' mean and spread become
    its ``shift_factor`` / ``scaling_factor`` (as FLUX's VAE declares them);
 3. the transformer (`FluxTransformer2DModel`): rectified flow matching as FLUX trains, the latent
@@ -21,13 +24,18 @@ parts a cut-off device call brought back):
    an EMA of the weights, which is what ships. The encoders are frozen, so the latents and every caption's
    embeddings at every length are computed once and stay on the device (`TextTable`): a step is a gather,
    the transformer's forward and backward in bf16 autocast, a fused AdamW step and an EMA update;
-4. evaluation: the exported pipeline samples ``--eval-n`` held-out captions (seeds from 10,000,000, each
-   its own generator seed) at the pipeline's defaults (64x64, 28 steps, 512 text tokens), and again at
-   ``--eval-text-tokens`` (64: bench_quality's), scored by `bcg.diffusers.shapes.score.adherence`; the
-   same captions' own pictures through the VAE alone give the ceiling the VAE sets.
+4. evaluation, of each split apart: ``--eval-n`` ``"unseen"`` captions (held out of training: never drawn by
+   the training data) and ``--eval-n`` ``"seen"`` ones (the training data's first captions), the i-th of each
+   sampled from generator seed i, at 64x64 and 28 steps, at each of ``--eval-text-tokens`` (512, the
+   pipeline's default, and 64, bench_quality's; the first is the headline), scored by
+   `bcg.diffusers.shapes.score.adherence`; the same captions' own pictures through the VAE alone give the
+   ceiling the VAE sets. Each split also counts its captions that appear word for word in the weights'
+   training data (none of the unseen ones for weights trained under the split). ``--evaluate WEIGHTS`` runs
+   this stage alone on exported weights (``--out/shapes_flux_split_eval.json``).
 
 Writes ``--out/train_shapes_flux.json`` (losses, timings, adherence, machine), ``samples.npz`` (the
-evaluation pictures and captions) and the weights (``--weights``, default the package's
+evaluation pictures and captions: the unseen split's under ``pictures``, ``captions``, ``ok``, ``truth``, the
+seen split's under the same names ending ``_seen``) and the weights (``--weights``, default the package's
 ``bcg/diffusers/shapes/weights``); ``--parts DIR`` also packs the weights into <= 15 MB pieces there (what a
 device call can bring back). PNGs (loss curves, a grid of samples with their captions) come from
 ``--plot-only`` where matplotlib is installed.
@@ -51,7 +59,8 @@ import numpy as np  # noqa: E402
 
 from _common import machine_info, pyplot, save_figure, write_json  # noqa: E402
 
-EVAL_SEED = 10_000_000
+from bcg.diffusers.shapes.data import EVAL_SEED, HELD_OUT_FRACTION  # noqa: E402
+
 PROMPT_LENGTHS = (32, 64, 128, 256, 512)   # the FLUX family's prompt buckets (bcg.diffusers.buckets)
 LENGTH_WEIGHTS = (0.1, 0.5, 0.1, 0.15, 0.15)  # captions are 21-50 T5 tokens: served at 32 or 64
 PART_BYTES = 15_000_000
@@ -61,26 +70,59 @@ def say(*args):
     print(f"[{time.strftime('%H:%M:%S')}]", *args, flush=True)
 
 
-def _examples(span):
-    from bcg.diffusers.shapes.data import make_batch
+def _examples(span, pictures: bool = True):
+    """The pictures (with `pictures`) and captions of the train split's seeds in ``range(first, first + count)``."""
+    from bcg.diffusers.shapes.data import caption_of, caption_split, draw, scene_of
 
     first, count = span
-    pixels, captions, _ = make_batch(first, count)
-    return pixels, captions
+    pixels, captions = [], []
+    for seed in range(first, first + count):
+        scene, centres = scene_of(seed)
+        if caption_split(scene) == "train":
+            if pictures:
+                pixels.append(draw(scene, centres))
+            captions.append(caption_of(scene))
+    return np.stack(pixels) if pixels else np.zeros((0, 64, 64, 3), np.uint8), captions
 
 
-def make_data(n: int, workers: int):
-    """Pictures (uint8 (n, 64, 64, 3)) and captions of seeds 0..n-1."""
-    chunk = 500
-    spans = [(i, min(chunk, n - i)) for i in range(0, n, chunk)]
+def _map(fn, items, workers: int):
     if workers > 1:
         import multiprocessing as mp
 
         with mp.get_context("fork").Pool(workers) as pool:
-            parts = pool.map(_examples, spans)
-    else:
-        parts = [_examples(s) for s in spans]
-    return np.concatenate([p[0] for p in parts]), [c for p in parts for c in p[1]]
+            return pool.map(fn, items)
+    return [fn(item) for item in items]
+
+
+def make_data(n: int, workers: int, pictures: bool = True):
+    """Pictures (uint8 (n, 64, 64, 3); empty without `pictures`) and captions of the first n seeds of the
+    ``"train"`` split (`bcg.diffusers.shapes.data.split_seeds`): no held-out caption is ever drawn."""
+    import functools
+
+    chunk, first, parts, have = 500, 0, [], 0
+    while have < n:  # seeds enough for n train captions, and a little more: the surplus is dropped
+        end = first + max(chunk, int((n - have) / (1 - HELD_OUT_FRACTION) * 1.03))
+        parts += _map(functools.partial(_examples, pictures=pictures),
+                      [(i, min(chunk, end - i)) for i in range(first, end, chunk)], workers)
+        first, have = end, sum(len(p[1]) for p in parts)
+    return np.concatenate([p[0] for p in parts])[:n], [c for p in parts for c in p[1]][:n]
+
+
+def _captions(span):
+    from bcg.diffusers.shapes.data import caption_of, scene_of
+
+    return [caption_of(scene_of(seed)[0]) for seed in range(*span)]
+
+
+def training_captions(record: dict, workers: int) -> set[str]:
+    """The captions the weights of `record` (their ``shapes_flux.json`` record) were trained on: the train
+    split's first ``data.n`` seeds where the record names the split, else (weights trained before the split
+    existed) every caption of seeds 0..n-1."""
+    n = record["data"]["n"]
+    if record["data"].get("split") == "train":
+        return set(make_data(n, workers, pictures=False)[1])
+    return {c for part in _map(_captions, [(i, min(i + 2000, n)) for i in range(0, n, 2000)], workers)
+            for c in part}
 
 
 def _to_tensor(pixels, device):
@@ -444,42 +486,69 @@ def colour_misses(pictures, captions, examples: int = 8) -> dict:
     return out
 
 
-def evaluate(pipe, args, log):
-    from bcg.diffusers.shapes.data import make_batch
+def evaluate(pipe, args, log, trained_on: set[str] | None = None):
+    """Sample and score each evaluation split (`bcg.diffusers.shapes.data.split_seeds`: ``unseen`` first, the
+    headline, then ``seen``) into ``log["eval"]``; `trained_on`, the captions the weights were trained on,
+    counts each split's captions that training saw word for word. Pictures go to ``--out/samples.npz``."""
+    from bcg.diffusers.shapes.data import make_split_batch
     from bcg.diffusers.shapes.score import adherence
 
-    truth, captions, _ = make_batch(EVAL_SEED, args.eval_n)
-    seeds = list(range(args.eval_n))
-    result = {"n": args.eval_n, "steps": args.eval_steps, "seed_first_caption": EVAL_SEED,
-              "truth": adherence(truth, captions)["rates"]}
-    recon = reconstruct(pipe.vae, truth, args.device)  # the ceiling the VAE sets: its own reconstructions
-    result["vae_reconstruction"] = adherence(recon, captions)["rates"]
-    say("adherence of the VAE's reconstructions:",
-        json.dumps({k: round(v, 3) for k, v in result["vae_reconstruction"].items()}))
-    start = time.perf_counter()
-    pictures = sample(pipe, captions, seeds, args.device, args.eval_steps)
-    result["sample_s"] = round(time.perf_counter() - start, 2)
-    scored = adherence(pictures, captions)
-    result["model"] = scored["rates"]
-    say("adherence:", json.dumps({k: round(v, 3) for k, v in scored["rates"].items()}))
-    result["model_colour_misses"] = colour_misses(pictures, captions)
-    extra = {"vae_reconstruction": recon}
-    for tokens in args.eval_text_tokens:  # the served text lengths (bench_quality samples at 64)
-        short = sample(pipe, captions, seeds, args.device, args.eval_steps, max_sequence_length=tokens)
-        result[f"model_{tokens}_tokens"] = adherence(short, captions)["rates"]
-        say(f"adherence at {tokens} text tokens:",
-            json.dumps({k: round(v, 3) for k, v in result[f"model_{tokens}_tokens"].items()}))
-        extra[f"tokens_{tokens}"] = short
-    if args.eval_cfg:
-        cfg = sample(pipe, captions, seeds, args.device, args.eval_steps, negative_prompt="",
-                     true_cfg_scale=args.eval_cfg)
-        result["model_cfg"] = {"true_cfg_scale": args.eval_cfg, **adherence(cfg, captions)["rates"]}
-        say("adherence with CFG:", json.dumps({k: round(v, 3) for k, v in result["model_cfg"].items()}))
-        extra["cfg"] = cfg
+    lengths = list(args.eval_text_tokens) or [512]
+    result = {"n": args.eval_n, "steps": args.eval_steps, "text_tokens": lengths[0],
+              "held_out_fraction": HELD_OUT_FRACTION, "generator_seeds": f"0..{args.eval_n - 1}"}
+    arrays = {}
+    for split in ("unseen", "seen"):
+        truth, captions, _, caption_seeds = make_split_batch(split, args.eval_n)
+        seeds = list(range(args.eval_n))
+        part = {"caption_seeds": [caption_seeds[0], caption_seeds[-1]], "distinct_captions": len(set(captions))}
+        if trained_on is not None:
+            part["in_training_data"] = sum(c in trained_on for c in captions)
+        part["vae_reconstruction"] = adherence(reconstruct(pipe.vae, truth, args.device), captions)["rates"]
+        start = time.perf_counter()
+        for i, tokens in enumerate(lengths):  # the served text lengths (bench_quality samples at 64)
+            pictures = sample(pipe, captions, seeds, args.device, args.eval_steps, max_sequence_length=tokens)
+            scored = adherence(pictures, captions)
+            ok = [r["colour_shape"] for r in scored["per_image"]]
+            key = "model" if i == 0 else f"model_{tokens}_tokens"
+            part[key] = scored["rates"]
+            if i == 0:
+                part.update(colour_shape_right=int(sum(ok)), model_colour_misses=colour_misses(pictures, captions))
+                if trained_on is not None:  # the headline again, over the captions training did not see
+                    new = [k for k, c in enumerate(captions) if c not in trained_on]
+                    part["not_in_training_data"] = {"n": len(new), "colour_shape_right": int(sum(ok[k] for k in new))}
+                suffix = "" if split == "unseen" else "_seen"
+                arrays.update({f"pictures{suffix}": pictures, f"truth{suffix}": truth,
+                               f"captions{suffix}": np.array(captions), f"ok{suffix}": np.array(ok)})
+            say(f"{split}: adherence at {tokens} text tokens:",
+                json.dumps({k: round(v, 3) for k, v in scored["rates"].items()}))
+        if args.eval_cfg:
+            cfg = sample(pipe, captions, seeds, args.device, args.eval_steps, negative_prompt="",
+                         true_cfg_scale=args.eval_cfg, max_sequence_length=lengths[0])
+            part["model_cfg"] = {"true_cfg_scale": args.eval_cfg, **adherence(cfg, captions)["rates"]}
+            say(f"{split}: adherence with CFG:", json.dumps({k: round(v, 3) for k, v in part["model_cfg"].items()}))
+        part["sample_s"] = round(time.perf_counter() - start, 1)
+        result[split] = part
     log["eval"] = result
-    np.savez_compressed(os.path.join(args.out, "samples.npz"), pictures=pictures, truth=truth,
-                        captions=np.array(captions), ok=np.array([r["colour_shape"] for r in scored["per_image"]]),
-                        **extra)
+    os.makedirs(args.out, exist_ok=True)
+    np.savez_compressed(os.path.join(args.out, "samples.npz"), **arrays)
+
+
+def evaluate_weights(weights: str, args) -> dict:
+    """`evaluate` on exported weights, as `load_pipeline` loads them (float32), with the captions their record
+    says they were trained on."""
+    from bcg.diffusers.shapes.model import build_shapes_flux
+
+    record = json.loads(open(os.path.join(weights, "shapes_flux.json")).read())["record"]
+    start = time.perf_counter()
+    trained_on = training_captions(record, args.workers)
+    log = {"machine": machine_info(), "command": " ".join(sys.argv), "weights": weights,
+           "weights_data": record["data"], "weights_steps": record.get("steps"),
+           "training_captions": {"distinct": len(trained_on), "seconds": round(time.perf_counter() - start, 1)}}
+    pipe = build_shapes_flux(weights).to(args.device)
+    start = time.perf_counter()
+    evaluate(pipe, args, log, trained_on)
+    log["eval_s"] = round(time.perf_counter() - start, 1)
+    return log
 
 
 def run(args) -> dict:
@@ -504,7 +573,8 @@ def run(args) -> dict:
                      for name in ("transformer", "vae", "text_encoder", "text_encoder_2")}
     say("parameters:", log["params"])
     pixels, captions = make_data(args.n_data, args.workers)
-    log["data"] = {"n": len(captions), "seconds": round(time.perf_counter() - t0, 1)}
+    log["data"] = {"n": len(captions), "split": "train", "held_out_fraction": HELD_OUT_FRACTION,
+                   "seconds": round(time.perf_counter() - t0, 1)}
     say(f"data: {len(captions)} pictures in {log['data']['seconds']} s")
     if not args.init:
         train_vae(pipe.vae, pixels, args, log, ckpt)
@@ -532,8 +602,8 @@ def run(args) -> dict:
     say("weights:", log["weights_bytes"])
     # evaluate what ships: the exported weights, loaded as load_pipeline loads them (float32)
     shipped = build_shapes_flux(args.weights).to(args.device)
-    evaluate(shipped, args, log)
-    record.update(eval={k: v for k, v in log["eval"].items() if k != "truth"},
+    evaluate(shipped, args, log, set(captions))
+    record.update(eval=log["eval"],
                   transformer_seconds=log["transformer"]["seconds"], vae_seconds=log.get("vae", {}).get("seconds"))
     export(pipe, args.weights, args.parts, record)  # again: the record now holds the adherence it reached
     log["total_s"] = round(time.perf_counter() - t0, 1)
@@ -562,10 +632,10 @@ def plot(log: dict, png: str, samples: str | None = None) -> bool:
     save_figure(fig, png)
     if samples and os.path.isfile(samples):
         data = np.load(samples)
-        rates = log["eval"]["model"]
+        rates = (log["eval"]["unseen"] if "unseen" in log["eval"] else log["eval"])["model"]
         sample_grid(data["pictures"], data["captions"], data["ok"], os.path.splitext(png)[0] + "_samples.png",
                     f"shapes-flux samples (64x64, {log['eval']['steps']} steps, seed = index); colour and shape "
-                    f"right: {rates['colour_shape']:.0%} of {log['eval']['n']} (red titles: wrong)")
+                    f"right: {rates['colour_shape']:.0%} of {log['eval']['n']} unseen captions (red titles: wrong)")
     return True
 
 
@@ -683,12 +753,16 @@ def main(argv=None) -> int:
     parser.add_argument("--eval-n", type=int, default=128)
     parser.add_argument("--eval-steps", type=int, default=28)
     parser.add_argument("--eval-cfg", type=float, default=0.0, help="also score with true CFG at this scale")
-    parser.add_argument("--eval-text-tokens", type=int, nargs="*", default=[64],
-                        help="also score at these max_sequence_length (besides the pipeline's default, 512)")
+    parser.add_argument("--eval-text-tokens", type=int, nargs="*", default=[512, 64],
+                        help="score at these max_sequence_length; the first is the headline (512: the pipeline's "
+                             "default)")
     parser.add_argument("--smoke", action="store_true", help="tiny budgets (a CPU check of the whole script)")
     parser.add_argument("--diagnose", metavar="WEIGHTS",
                         help="only measure what bounds these weights before training (the VAE's reconstructions "
                              "scored, the text encoders' separation of captions) into --out/shapes_flux_diagnosis.json")
+    parser.add_argument("--evaluate", metavar="WEIGHTS",
+                        help="only evaluate these exported weights on the unseen and seen captions into "
+                             "--out/shapes_flux_split_eval.json (runs on a CPU: float32, as load_pipeline loads)")
     parser.add_argument("--colour-misses", metavar="NPZ",
                         help="only sort the colour misses of a run's samples.npz (`colour_misses`) into "
                              "--out/shapes_flux_colour_misses.json")
@@ -722,6 +796,10 @@ def main(argv=None) -> int:
         os.makedirs(args.out, exist_ok=True)
         write_json(os.path.join(args.out, "shapes_flux_diagnosis.json"), result)
         say("vae reconstructions:", json.dumps(result["vae_reconstruction"]))
+        return 0
+    if args.evaluate:
+        log = evaluate_weights(args.evaluate, args)
+        write_json(os.path.join(args.out, "shapes_flux_split_eval.json"), log)
         return 0
     if args.smoke:
         args.n_data, args.vae_steps, args.dit_steps, args.eval_n, args.eval_steps = 512, 4, 4, 8, 2

@@ -123,3 +123,41 @@ def test_colour_misses_tell_a_swap_from_another_colour():
     assert (swaps["misses"], swaps["swapped"], len(swaps["examples"])) == (6, 6, 2)
     assert swaps["examples"][0]["caption"] == captions[0] and swaps["examples"][0]["kind"] == "swapped"
     assert train_shapes_flux.colour_misses(other, captions)["other"] == 6
+
+
+def test_training_data_draws_only_the_train_split():
+    from bcg.diffusers.shapes.data import caption_split, split_seeds
+
+    pixels, captions = train_shapes_flux.make_data(520, workers=1)
+    assert pixels.shape == (520, 64, 64, 3) and len(captions) == 520  # across two chunks of seeds
+    assert all(caption_split(c) == "train" for c in captions)
+    assert captions == [make_batch(seed, 1)[1][0] for seed in split_seeds("train", 520)]
+    assert train_shapes_flux.make_data(520, workers=1, pictures=False)[1] == captions
+    assert train_shapes_flux.training_captions({"data": {"n": 520, "split": "train"}}, 1) == set(captions)
+
+
+def test_evaluate_scores_the_unseen_and_seen_captions_apart(tmp_path):
+    """`--evaluate` on the shipped weights with a record cut to 300 pictures trained before the split: the seen
+    captions (seeds 0..) are all in that training data, and each split is scored on its own captions."""
+    import shutil
+
+    from bcg.diffusers.shapes.data import caption_split
+    from bcg.diffusers.shapes.model import WEIGHTS_DIR
+
+    weights = tmp_path / "weights"
+    shutil.copytree(WEIGHTS_DIR, weights)
+    meta = json.loads((weights / "shapes_flux.json").read_text())
+    meta["record"]["data"] = {"n": 300}  # no "split": every caption of seeds 0..299
+    (weights / "shapes_flux.json").write_text(json.dumps(meta))
+    assert train_shapes_flux.main(["--evaluate", str(weights), "--out", str(tmp_path), "--device", "cpu",
+                                   "--eval-n", "2", "--eval-steps", "1", "--eval-text-tokens", "32",
+                                   "--workers", "1"]) == 0
+    result = json.loads((tmp_path / "shapes_flux_split_eval.json").read_text())
+    seen, unseen = result["eval"]["seen"], result["eval"]["unseen"]
+    assert seen["in_training_data"] == 2 and seen["not_in_training_data"]["n"] == 0
+    assert unseen["in_training_data"] + unseen["not_in_training_data"]["n"] == 2
+    assert result["training_captions"]["distinct"] <= 300 and result["eval"]["text_tokens"] == 32
+    samples = np.load(tmp_path / "samples.npz")
+    assert all(caption_split(str(c)) == "unseen" for c in samples["captions"])
+    assert all(caption_split(str(c)) == "train" for c in samples["captions_seen"])
+    assert samples["pictures"].shape == samples["pictures_seen"].shape == (2, 64, 64, 3)

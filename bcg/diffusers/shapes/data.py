@@ -10,18 +10,29 @@ gives the same scene and pixels at every size, scaled); seeds are unlimited. Num
 Drawing keeps what the scorer relies on: shape colours stay at least `MIN_CONTRAST` (RGB distance) from
 every colour of the background, shapes keep a gap between them and a margin from the border, and their
 mean centre lies in the region the caption names (`position_of` decides both here and in the scorer).
+
+The caption split: `caption_split(caption)` puts a fixed `HELD_OUT_FRACTION` of all captions (whole
+captions: count, size, colour, shape, position and background together, by a stable hash of the caption's
+text) in ``"unseen"`` and the rest in ``"train"``. Every colour, shape, position and background stays in
+training in other captions; only the combinations are held out. `split_seeds(split, count)` names the seeds
+of each use: ``"train"`` the training data (seeds 0.. whose caption is not held out), ``"seen"`` the first of
+those same seeds (captions training saw word for word), ``"unseen"`` seeds from `EVAL_SEED` whose caption is
+held out (never drawn by ``"train"``). A caption's split depends on its text alone, so the two evaluation
+sets draw their captions from the same distribution and differ only in whether training saw them.
 """
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import re
 from typing import Sequence
 
 import numpy as np
 
 __all__ = [
-    "BACKGROUND_COLOURS", "COLOURS", "COUNTS", "MIN_CONTRAST", "POSITIONS", "SHAPES", "SIZES", "Scene",
-    "caption_of", "contrast", "draw", "make_batch", "make_example", "parse_caption", "position_of", "sample_scene",
+    "BACKGROUND_COLOURS", "COLOURS", "COUNTS", "EVAL_SEED", "HELD_OUT_FRACTION", "MIN_CONTRAST", "POSITIONS",
+    "SHAPES", "SIZES", "SPLITS", "Scene", "caption_of", "caption_split", "contrast", "draw", "make_batch",
+    "make_example", "make_split_batch", "parse_caption", "position_of", "sample_scene", "scene_of", "split_seeds",
 ]
 
 # Named colours (RGB). Shapes take these; backgrounds take these and gray.
@@ -36,6 +47,13 @@ SIZES: dict[str, float] = {"small": 10 / 64, "medium": 16 / 64, "large": 24 / 64
 COUNTS = (1, 2, 3)
 POSITIONS = ("left", "right", "top", "bottom", "center")
 MIN_CONTRAST = 110.0  # RGB distance between a shape's colour and any colour of its background
+
+# The caption split (see the module's docstring). Changing either constant changes which captions a model
+# trained under the split has seen: a new split needs a new training run.
+HELD_OUT_FRACTION = 0.15
+_SPLIT_SALT = b"shapes-split-1"
+SPLITS = ("train", "seen", "unseen")
+EVAL_SEED = 10_000_000  # the unseen captions' first seed: far past any training data's seeds
 
 _COUNT_WORDS = {1: "a", 2: "two", 3: "three"}
 _WORD_COUNTS = {"a": 1, "an": 1, "one": 1, "two": 2, "three": 3}
@@ -191,14 +209,52 @@ def draw(scene: Scene, centres: np.ndarray, size: int = 64, supersample: int = 4
     return np.round(pixels).astype(np.uint8)
 
 
+def scene_of(seed: int) -> tuple[Scene, np.ndarray]:
+    """The scene of `seed` and its shapes' centres, without drawing it."""
+    return sample_scene(np.random.default_rng([0x5A4E, int(seed)]))
+
+
 def make_example(seed: int, size: int = 64) -> tuple[np.ndarray, str, Scene]:
     """``(pixels, caption, scene)`` for `seed`: size x size x 3 uint8, deterministic in the seed."""
-    scene, centres = sample_scene(np.random.default_rng([0x5A4E, int(seed)]))
+    scene, centres = scene_of(seed)
     return draw(scene, centres, size), caption_of(scene), scene
+
+
+def caption_split(caption: str | Scene) -> str:
+    """``"unseen"`` for a held-out caption, ``"train"`` otherwise: a hash of the caption as `caption_of` writes
+    it (so "one" and "a" are the same caption), the same on every machine and Python."""
+    scene = caption if isinstance(caption, Scene) else parse_caption(caption)
+    digest = hashlib.blake2b(caption_of(scene).encode(), digest_size=8, key=_SPLIT_SALT).digest()
+    return "unseen" if int.from_bytes(digest, "big") / 2.0 ** 64 < HELD_OUT_FRACTION else "train"
+
+
+def split_seeds(split: str, count: int, first_seed: int | None = None) -> list[int]:
+    """The first `count` seeds from `first_seed` whose captions fall in `split`: ``"train"`` and ``"seen"``
+    from 0 (the training data, and the first of its captions), ``"unseen"`` from `EVAL_SEED` (held out)."""
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+    want = "unseen" if split == "unseen" else "train"
+    seed = (EVAL_SEED if split == "unseen" else 0) if first_seed is None else int(first_seed)
+    seeds = []
+    while len(seeds) < count:
+        if caption_split(scene_of(seed)[0]) == want:
+            seeds.append(seed)
+        seed += 1
+    return seeds
 
 
 def make_batch(first_seed: int, count: int, size: int = 64) -> tuple[np.ndarray, list[str], list[Scene]]:
     """`count` examples of seeds ``first_seed, first_seed + 1, ...``: ``(uint8 (n, size, size, 3), captions,
     scenes)``."""
-    examples = [make_example(first_seed + i, size) for i in range(count)]
+    return _stack([make_example(first_seed + i, size) for i in range(count)])
+
+
+def make_split_batch(split: str, count: int, size: int = 64, first_seed: int | None = None
+                     ) -> tuple[np.ndarray, list[str], list[Scene], list[int]]:
+    """`count` examples of `split` (`split_seeds`): ``(uint8 (n, size, size, 3), captions, scenes, seeds)``."""
+    seeds = split_seeds(split, count, first_seed)
+    return (*_stack([make_example(seed, size) for seed in seeds]), seeds)
+
+
+def _stack(examples):
     return (np.stack([e[0] for e in examples]), [e[1] for e in examples], [e[2] for e in examples])

@@ -6,7 +6,9 @@ import numpy as np
 import pytest
 
 from bcg.diffusers.shapes.data import (
-    COLOURS, MIN_CONTRAST, POSITIONS, SHAPES, Scene, caption_of, contrast, draw, make_batch, make_example, parse_caption, sample_scene,
+    BACKGROUND_COLOURS, COLOURS, COUNTS, EVAL_SEED, HELD_OUT_FRACTION, MIN_CONTRAST, POSITIONS, SHAPES, SIZES, Scene,
+    caption_of, caption_split, contrast, draw, make_batch, make_example, make_split_batch, parse_caption, sample_scene,
+    scene_of, split_seeds,
 )
 from bcg.diffusers.shapes.score import adherence, read_picture, score
 
@@ -71,3 +73,52 @@ def test_read_picture_names_each_shape():
     assert {(b.colour, b.shape, b.size) for b in reading.blobs} == {(scene.colour, scene.shape, scene.size)}
     with pytest.raises(ValueError, match=r"\(H, W, 3\)"):
         read_picture(pixels[..., 0])
+
+
+def _caption_space():
+    """Every scene the generator can draw (shape colours keep their contrast with the background)."""
+    backgrounds = [(b,) for b in BACKGROUND_COLOURS] + [(a, b) for a in BACKGROUND_COLOURS
+                                                        for b in BACKGROUND_COLOURS if a != b]
+    pairs = [(c, b) for c in COLOURS for b in backgrounds if contrast(c, b) >= MIN_CONTRAST]
+    return [Scene(n, size, colour, shape, position, background) for colour, background in pairs
+            for n in COUNTS for size in SIZES for shape in SHAPES for position in POSITIONS]
+
+
+def test_the_split_holds_out_combinations_and_trains_on_every_value():
+    space = _caption_space()
+    train = [s for s in space if caption_split(s) == "train"]
+    held_out = len(space) - len(train)
+    assert abs(held_out / len(space) - HELD_OUT_FRACTION) < 0.01, (held_out, len(space))
+    # every value of every attribute, and every colour with every shape and with every background it can
+    # take, is trained on: only whole captions are held out
+    for attribute in ("count", "size", "colour", "shape", "position", "background"):
+        assert {getattr(s, attribute) for s in train} == {getattr(s, attribute) for s in space}, attribute
+    assert {(s.colour, s.shape) for s in train} == {(s.colour, s.shape) for s in space}
+    assert {(s.colour, s.background) for s in train} == {(s.colour, s.background) for s in space}
+
+
+def test_the_split_is_fixed_and_reads_the_caption_not_its_wording():
+    # pinned: weights trained under the split are measured against exactly these captions
+    assert split_seeds("unseen", 5) == [10000002, 10000011, 10000012, 10000018, 10000040]
+    assert split_seeds("train", 5) == split_seeds("seen", 5) == [0, 1, 3, 4, 5]
+    scene = scene_of(10000002)[0]
+    assert caption_split(scene) == caption_split(caption_of(scene)) == "unseen"
+    if scene.count == 1:  # "a" and "one" are the same caption
+        assert caption_split(caption_of(scene).replace("a ", "one ", 1).replace("an ", "one ", 1)) == "unseen"
+    with pytest.raises(ValueError, match="split must be one of"):
+        split_seeds("test", 1)
+
+
+def test_the_training_seeds_never_draw_an_unseen_caption():
+    train_seeds = split_seeds("train", 600)
+    train = {caption_of(scene_of(seed)[0]) for seed in train_seeds}
+    unseen_seeds = split_seeds("unseen", 60)
+    unseen = {caption_of(scene_of(seed)[0]) for seed in unseen_seeds}
+    assert all(caption_split(c) == "train" for c in train) and all(caption_split(c) == "unseen" for c in unseen)
+    assert not train & unseen
+    # the training seeds skip exactly the held-out ones among 0..
+    skipped = sorted(set(range(train_seeds[-1])) - set(train_seeds))
+    assert skipped and all(caption_split(scene_of(seed)[0]) == "unseen" for seed in skipped)
+    assert unseen_seeds[0] >= EVAL_SEED
+    pixels, captions, scenes, seeds = make_split_batch("unseen", 3)
+    assert seeds == unseen_seeds[:3] and captions == [caption_of(s) for s in scenes] and pixels.shape == (3, 64, 64, 3)

@@ -96,9 +96,9 @@ def test_samples_follow_their_own_captions_far_better_than_their_neighbours():
     """The shipped weights condition on the text: 16 held-out captions (the evaluation's seeds), 8 steps on
     the CPU; each picture scored against its own caption and against the next one's: a model that ignored
     its captions would score both alike."""
-    from bcg.diffusers.shapes.data import make_batch
+    from bcg.diffusers.shapes.data import EVAL_SEED, make_batch
 
-    _, captions, scenes = make_batch(RECORD["eval"]["seed_first_caption"], 16)
+    _, captions, scenes = make_batch(EVAL_SEED, 16)
     pictures = _sample(load_pipeline("shapes-flux"), captions, steps=8)
     own = [score(p, scene) for p, scene in zip(pictures, scenes)]
     nxt = [score(p, scenes[(i + 1) % len(scenes)]) for i, p in enumerate(pictures)]
