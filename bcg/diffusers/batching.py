@@ -39,10 +39,14 @@ requests with arguments the hooks do not batch run alone through ``pipe(**kwargs
 `step()`, taking their turn in the round-robin; their PIL images are made from 8 bits converted on the
 device, answered from the answers thread (`bcg.diffusers.steps.pipeline_call_async`).
 
-LoRA adapters (`bcg.lora`): a request may name a loaded adapter (its plan's ``lora``); before
-each transformer call the batcher writes each row's adapter and scale into the transformer's LoRA bank
-(`StepFamily.row_owners` says whose each row is), so requests with different adapters and the base model
-share a step, and the graphs replayed are the same for all of them.
+Rows (`bcg.runtime.rows`): around each batched transformer call the batcher sets one `RowsContext`
+(``with rows_context(transformer, ctx):``), built from `StepFamily.row_owners` / `row_branches` and the
+requests' plans: each row's owner, LoRA adapter (its plan's ``lora``), step-cache config (its ``cache``),
+step and CFG branch. The features installed on the transformer read it through its hook registry: the LoRA
+bank writes each row's adapter where the graphs read it, step caching decides per request and writes each
+request's decision into ``ctx.outcome``, which the batcher reads after the call (a request's steps computed
+and cached). So requests of different adapters and caching share a step and the same graphs. A request
+that leaves is told to every feature once (`release_rows`).
 
 Threads: every pipeline call runs on the thread that calls `step()`: `start()` runs a daemon loop thread
 that does, tests may call `step()` themselves. `submit` / `submit_planned` are thread-safe and return a
@@ -72,11 +76,12 @@ from bcg.diffusers.families import family_of
 from bcg.diffusers.accelerated import pipeline_call_scope
 from bcg.diffusers.cache_config import StepCacheConfig
 from bcg.diffusers.request_plan import LoraChoice, RequestPlan
-from bcg.diffusers.step_cache import CacheRow, step_cache_of
+from bcg.diffusers.step_cache import step_cache_of
 from bcg.diffusers.step_costs import StepCosts, time_buckets
 from bcg.diffusers.steps import StepFamily, pipeline_call_async
 from bcg.lora.bank import UnknownAdapterError, lora_bank
 from bcg.runtime.call_record import CallRecord, recording
+from bcg.runtime.rows import Row, RowsContext, release_rows, rows_context
 
 logger = logging.getLogger(__name__)
 
@@ -101,12 +106,10 @@ class StepBatcher:
         self.config = config or BatcherConfig(**settings)
         self.family = family_of(pipe).batching_hooks() if family == "auto" else family
         self._info = info
-        # the transformer's LoRA slots (`bcg.lora`): each step writes which adapter each of its rows uses
+        # the transformer's LoRA slots (`bcg.lora`) and step caching (`bcg.diffusers.step_cache`): both read
+        # each call's rows from the rows context (`_rows_context`); kept here for checks, warmups and stats
         self.lora = lora_bank(getattr(pipe, "transformer", None))
-        # step caching (`bcg.diffusers.step_cache`): each step says whose each row is and how it caches
         self.step_cache = step_cache_of(pipe)
-        if self.step_cache is not None and self.lora is not None:
-            self.step_cache.lora_rows = self.lora.rows  # gathered rows keep their adapters
         if self.config.max_batch_size > self.config.batch_buckets[-1]:
             logger.warning("max_batch_size %d exceeds the largest batch bucket %d: larger batches run unpadded",
                            self.config.max_batch_size, self.config.batch_buckets[-1])
@@ -359,47 +362,44 @@ class StepBatcher:
             states = [r.state for r in batch]
             rows = sum(s.rows for s in states)
             bucket = self.config.bucket_for(rows)
-            owners = self.family.row_owners(states, bucket)
-            if self.lora is not None:  # each row's adapter, written where the graphs read it
-                self.lora.set_rows([batch[i].lora for i in owners])
+            ctx = self._rows_context(batch, rows, bucket)
+            if self.lora is not None:
                 self._count_adapters(batch)
-            if self.step_cache is not None:
-                self.step_cache.set_rows(self._cache_rows(batch, owners, rows, bucket))
-            try:
-                with _recording_for(batch):
-                    preds = self.family.forward(self.pipe, states, bucket)
-            finally:
-                if self.step_cache is not None:
-                    self.step_cache.set_rows(None)
+            with _recording_for(batch), rows_context(self.pipe.transformer, ctx):
+                preds = self.family.forward(self.pipe, states, bucket)
             self._count_step(rows, bucket)
-            self._count_cached(batch)
+            self._count_cached(batch, ctx.outcome)
             return {r.id: p for r, p in zip(batch, preds)}
 
         return self._isolated(requests, forward, "step")
 
-    def _cache_rows(self, batch: list[QueuedRequest], owners: list[int], rows: int, bucket: int) -> list:
-        """A `CacheRow` per row of a step (None for padding): each request's rows keyed by its id and row.
-        `owners` may hold the `bucket` rows twice (CFG in one call, SD3's ``[negatives; positives]``): each copy
-        has its padding after its `rows` real rows."""
+    def _rows_context(self, batch: list[QueuedRequest], rows: int, bucket: int) -> RowsContext:
+        """The rows of one step's transformer call (`bcg.runtime.rows`), made once: each row's request (by
+        id), its place among that request's rows of its branch, its plan's LoRA choice and cache config,
+        its step and CFG branch. The family's layout may hold the `bucket` rows twice (CFG in one call,
+        SD3's ``[negatives; positives]``): each copy has its padding after its `rows` real rows; a padding
+        row has no owner and repeats the LoRA choice of the row it copies."""
+        states = [r.state for r in batch]
+        owners = self.family.row_owners(states, bucket)
+        branches = self.family.row_branches(states, bucket)
         seen: collections.Counter = collections.Counter()
         out = []
-        for position, owner in enumerate(owners):
-            if position % bucket >= rows:
-                out.append(None)
-                continue
+        for position, (owner, branch) in enumerate(zip(owners, branches)):
             request = batch[owner]
-            out.append(CacheRow(key=(request.id, seen[owner]), group=request.id,
-                                config=request.cache,
-                                step=request.state.step_index))
-            seen[owner] += 1
-        return out
+            if position % bucket >= rows:
+                out.append(Row(lora=request.lora, branch=branch))
+                continue
+            out.append(Row(owner=request.id, index=seen[owner, branch], lora=request.lora, cache=request.cache,
+                           step=request.state.step_index, branch=branch))
+            seen[owner, branch] += 1
+        return RowsContext(rows=tuple(out))
 
-    def _count_cached(self, batch: list[QueuedRequest]) -> None:
-        """Each request's step: computed, or cached where step caching decided so (its records count it).
-        Without step caching every step computes: a response's counts are its steps either way."""
-        decisions = self.step_cache.last_decisions() if self.step_cache is not None else {}
+    def _count_cached(self, batch: list[QueuedRequest], outcome: dict) -> None:
+        """Each request's step: computed, or cached where step caching decided so (`outcome`, the rows
+        context's; its records count it). Without step caching every step computes: a response's counts
+        are its steps either way."""
         for request in batch:
-            computed = decisions.get(request.id, True)
+            computed = outcome.get(request.id, True)
             for record in request.records:
                 if computed:
                     record.steps_computed += 1
@@ -473,7 +473,7 @@ class StepBatcher:
             images = None
         for request, result in zip(requests, images or ()):
             request.state = None  # the latents and embeddings go now, not when the caller drops the future
-            self._release_cache(request)
+            self._release(request)
             self._count("leaves")
             request.future.set_result(result)
         self._add_seconds(answer=time.perf_counter() - t0)
@@ -561,13 +561,13 @@ class StepBatcher:
             self._rows_hist[rows] += 1
             self._bucket_hist[bucket] += 1
 
-    def _release_cache(self, request: QueuedRequest) -> None:
-        if self.step_cache is not None:
-            self.step_cache.release(request.id)
+    def _release(self, request: QueuedRequest) -> None:
+        """The request left: every feature on the transformer frees what it kept for it (step caching's state)."""
+        release_rows(getattr(self.pipe, "transformer", None), request.id)
 
     def _fail(self, request: QueuedRequest, exc: BaseException) -> None:
         request.state = None
-        self._release_cache(request)
+        self._release(request)
         self._count("failed")
         if request.future.done():
             return
@@ -686,15 +686,10 @@ class StepBatcher:
         return {group: {b: round(ms, 4) for b, ms in costs.items()} for group, costs in measured.items()}
 
     def _cost_step(self, state, bucket: int) -> None:
-        if self.lora is not None:  # the base model's rows
-            self.lora.set_all(None)
-        if self.step_cache is not None:  # rows without a cache config: every row computes, no state kept
-            self.step_cache.set_rows([None] * bucket)
-        try:
+        # rows of nobody's: the base model's (LoRA), no cache config (every row computes, no state kept)
+        rows = RowsContext(rows=(Row(),) * len(self.family.row_owners([state], bucket)))
+        with rows_context(self.pipe.transformer, rows):
             self.family.forward(self.pipe, [state], bucket)
-        finally:
-            if self.step_cache is not None:
-                self.step_cache.set_rows(None)
 
     def _sync(self) -> None:
         device = self._transformer_device()

@@ -21,17 +21,24 @@ Host reads: at most one per call (the distances, ``.tolist()``), only when a row
 counted in `StepCacheHook.stats`. Thresholds and schedules are host values, never part of a graph's
 signature: changing them never captures or compiles.
 
-State: per row of a request (its key) in slot-indexed buffers per activation shape: the middle residual of
-its last computed step and that step's first-blocks residual. A request starts clean (no slot yet) and its
-slots are freed by `StepCacheHook.release` (the step batcher calls it when the request leaves), by
+State: per row of a request (its owner, branch and index) in slot-indexed buffers per activation shape: the
+middle residual of its last computed step and that step's first-blocks residual. A request starts clean (no
+slot yet) and its slots are freed by `StepCacheHook.release` (when the request leaves: the step batcher's
+`bcg.runtime.rows.release_rows` reaches it through the transformer's bcg registry), by
 `StepCacheHook.plain_request` (around one ``pipe(...)``) or by `reset_state` (diffusers' pipelines reset
 stateful hooks at the end of ``pipe(...)``, where the transformer has diffusers' ``CacheMixin``: Flux, Wan,
 Qwen-Image; SD3's has not, so a bare ``pipe(...)`` there goes in ``plain_request`` or is followed by
 ``hook.reset()``).
 
-Rows: the step batcher says whose each row is before each call (`StepCacheHook.set_rows`: a `CacheRow`
-per row, None for a padding row). Without that (a plain ``pipe(...)``), every row belongs to one request
-with the installed default config, its step counted per cache context (``"cond"`` / ``"uncond"``).
+Rows: read from the `bcg.runtime.rows.RowsContext` set around the call (the step batcher's: each row's
+owner, cache config, step and CFG branch; a padding row has no owner), held by the transformer's bcg
+`HookRegistry`; each request's decision goes into the context's ``outcome`` (owner -> computed). The hook
+is in diffusers' registry (item 3 of `bcg.runtime.hooks`); its face in bcg's, ``bcg_step_cache``
+(`StepCacheRows`), registered and removed with it, frees a request's state when it leaves. The middle
+call on the gathered rows sets a gathered context around itself (`RowsContext.gathered`), so that
+features reading rows (LoRA) read those rows; this module writes no other feature's buffers. Without a
+context (a plain ``pipe(...)``), every row belongs to one request with the installed default config (or
+`plain_request`'s), its step counted per cache context (``"cond"`` / ``"uncond"``).
 
 Graphs: inside a breakable capture the break runs a stub (outputs of the right shapes); at replay the real
 decision runs. With `attach_runner` (``accelerate`` calls it) the middle blocks run in a runner of their
@@ -48,7 +55,7 @@ import functools
 import logging
 import math
 import threading
-from typing import Any, Hashable, Sequence
+from typing import Any, Sequence
 
 import torch
 from torch import nn
@@ -56,25 +63,29 @@ from torch import nn
 from bcg.diffusers.cache_config import METHODS, StepCacheConfig
 from bcg.diffusers.cache_forwards import FAMILIES, MiddleBlocks, family_of
 from bcg.graphs.capture import eager_on_graph
+from bcg.runtime.hooks import HookRegistry as BcgHookRegistry, ModelHook as BcgModelHook
+from bcg.runtime.rows import Row, rows_context
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CacheRow", "HOOK_NAME", "METHODS", "StepCacheConfig", "StepCacheHook", "disable_step_cache",
+__all__ = ["HOOK_NAME", "METHODS", "StepCacheConfig", "StepCacheHook", "StepCacheRows", "disable_step_cache",
            "enable_step_cache", "attach_step_cache", "step_cache_of", "supports_step_cache"]
 
 HOOK_NAME = "bcg_step_cache"
 _DEFAULT_BUCKETS = (1, 2, 3, 4, 8)   # 3: where the computing rows follow the rows (large sizes), 3 padded to 4 costs a row
 
 
-@dataclasses.dataclass(frozen=True)
-class CacheRow:
-    """One row of a transformer call: `key` names its state (a request and its row), rows of one `group`
-    (a request) decide together, `config` (None: always compute) at denoising step `step`."""
+class StepCacheRows(BcgModelHook):
+    """``bcg_step_cache`` in the transformer's bcg `HookRegistry`: step caching's part of the rows protocol
+    (`bcg.runtime.rows`). A request that leaves frees its state; wraps nothing (the hook that runs the
+    forward is in diffusers' registry)."""
 
-    key: Hashable
-    group: Hashable
-    config: StepCacheConfig | None
-    step: int
+    def __init__(self, cache: "_StepCacheLogic"):
+        super().__init__()
+        self.cache = cache
+
+    def release(self, module, owner) -> None:
+        self.cache.release(owner)
 
 
 class _Store:
@@ -192,15 +203,12 @@ class _StepCacheLogic:
         self.last_blocks = last_blocks
         self.buckets = tuple(sorted(set(int(b) for b in buckets)))
         self.inner = None            # a BreakableGraphRunner over the middle blocks (attach_runner)
-        self.lora_rows = None        # the transformer's `bcg.lora.LoraRows`, where LoRA layers are installed
         self._warmups = 0            # depth of `warmup()`
         self._pending: dict = {}     # row bucket and shapes -> the middle runner's example inputs (warmup)
         self._lock = threading.RLock()
-        self._rows: list | None = None
         self._stores: dict = {}
         self._plain_steps: dict = {}     # branch -> steps counted for the plain (unbatched) request
         self._decided: dict = {}         # (group, step) -> computes: the branches of one request agree
-        self._last: dict = {}            # group -> computed (bool) in the last call
         self._plain_config: tuple = ()   # (config,) of the plain request running now (`plain_request`)
         self._plain_counts: dict | None = None
         self._counts = dict(calls=0, host_reads=0, rows_computed=0, rows_cached=0, middle_calls=0,
@@ -220,11 +228,17 @@ class _StepCacheLogic:
             raise ValueError(f"first_blocks + last_blocks must leave middle blocks: {len(blocks)} blocks, "
                              f"{self.first_blocks} + {self.last_blocks}")
         self.family = family
+        self._module = module
+        # its face in bcg's registry, where the rows of a call are set and a request's leaving is told
+        BcgHookRegistry.check_if_exists_or_initialize(module).register_hook(StepCacheRows(self), HOOK_NAME)
         self._first = blocks[:self.first_blocks]
         self._last_blocks = blocks[len(blocks) - self.last_blocks:]
         self.middle = MiddleBlocks(blocks[self.first_blocks:len(blocks) - self.last_blocks], family)
 
     def _unbind(self) -> None:
+        registry = BcgHookRegistry.of(self._module)
+        if registry is not None and registry.get_hook(HOOK_NAME) is not None:
+            registry.remove_hook(HOOK_NAME, recurse=False)
         self.inner = None
         self.reset()
 
@@ -239,22 +253,18 @@ class _StepCacheLogic:
 
     # -- rows ------------------------------------------------------------------------------------
 
-    def set_rows(self, rows: list[CacheRow | None] | None) -> None:
-        """Whose each row of the next call is (None: a padding row); None: the plain request."""
-        self._rows = None if rows is None else list(rows)
-
-    def release(self, group) -> None:
-        """Free the state of every row of request `group` (it left its batch)."""
+    def release(self, owner) -> None:
+        """Free the state of every row of request `owner` (it left its batch; `StepCacheRows` calls this)."""
         with self._lock:
             for store in self._stores.values():
-                store.release([k for k in store.slots if k[0] == group])
-            self._last.pop(group, None)
-            for key in [k for k in self._decided if k[0] == group]:
+                store.release([k for k in store.slots if k[0] == owner])
+            for key in [k for k in self._decided if k[0] == owner]:
                 del self._decided[key]
 
-    def last_decisions(self) -> dict:
-        """Group -> whether its rows computed the middle blocks in the last call."""
-        return dict(self._last)
+    def _call_rows(self):
+        """The `bcg.runtime.rows.RowsContext` set around the call running now, or None (a plain call)."""
+        registry = BcgHookRegistry.of(self._module)
+        return None if registry is None else registry.rows_context
 
     def reset(self) -> None:
         """Forget every request's state (the buffers stay allocated for reuse)."""
@@ -263,8 +273,6 @@ class _StepCacheLogic:
                 store.release(list(store.slots))
             self._plain_steps.clear()
             self._decided.clear()
-            self._last.clear()
-            self._rows = None
             self.context.reset()
 
     def stats(self) -> dict:
@@ -297,14 +305,13 @@ class _StepCacheLogic:
         self._plain_steps.clear()
         self.release("plain")
 
-    def _plain_rows(self, batch: int) -> list[CacheRow]:
+    def _plain_rows(self, batch: int) -> list[Row]:
         branch = self.context.name
         step = self._plain_steps.get(branch, 0)
         self._plain_steps[branch] = step + 1
         config = self._plain_config[0] if self._plain_config else self.config
         # CFG's branches are one request: their rows decide together, each keeps its own residuals
-        return [CacheRow(key=("plain", branch, i), group="plain", config=config, step=step)
-                for i in range(batch)]
+        return [Row(owner="plain", index=i, cache=config, step=step, branch=branch) for i in range(batch)]
 
     # -- the forward -----------------------------------------------------------------------------
 
@@ -386,17 +393,21 @@ class _StepCacheLogic:
                             **({} if mask is None else {"encoder_hidden_states_mask": mask[:b].clone()})})
                 return self.middle(h, e, temb, image_rotary_emb, **({} if mask is None else
                                                                    {"encoder_hidden_states_mask": mask}))
-            rows = self._rows if self._rows is not None else self._plain_rows(batch)
-            if all(r is None or r.config is None for r in rows):
+            ctx = self._call_rows()
+            rows = self._plain_rows(batch) if ctx is None else [r if r.owner is not None else None for r in ctx.rows]
+            if all(r is None or r.cache is None for r in rows):
                 # nobody in this step caches (nor ever will: a request's config is fixed): no state to keep
                 self._counts["calls"] += 1
                 self._counts["rows_computed"] += sum(r is not None for r in rows)
-                self._last = {r.group: True for r in rows if r is not None}
+                if ctx is not None:
+                    ctx.outcome.update((r.owner, True) for r in rows if r is not None)
                 return self._run_middle(h, e, temb, image_rotary_emb, mask)
             if len(rows) < batch:  # rows the caller did not describe: padding
                 rows = rows + [None] * (batch - len(rows))
             store = self._store(h, e)
             computes = self._decide(rows[:batch], store, h - first_in)
+            if ctx is not None:  # a request's rows decide together: any of its rows says
+                ctx.outcome.update((r.owner, c) for r, c in zip(rows, computes) if r is not None)
             self._counts["calls"] += 1
             index = [i for i, c in enumerate(computes) if c]
             self._counts["rows_computed"] += sum(1 for r, c in zip(rows, computes) if r is not None and c)
@@ -418,8 +429,10 @@ class _StepCacheLogic:
                 out_h.index_copy_(0, real, mh.index_select(0, real))
                 out_e.index_copy_(0, real, me.index_select(0, real))
                 return out_e, out_h
-            rows_index = torch.tensor(index + index[-1:] * (bucket - len(index)), device=h.device)
-            with self._lora_rows(rows_index):
+            gather = index + index[-1:] * (bucket - len(index))
+            rows_index = torch.tensor(gather, device=h.device)
+            # the middle call's rows are the gathered ones: features that read rows (LoRA) read them there
+            with contextlib.nullcontext() if ctx is None else rows_context(self._module, ctx.gathered(gather)):
                 me, mh = self._run_middle(h.index_select(0, rows_index), e.index_select(0, rows_index),
                                           temb.index_select(0, rows_index), image_rotary_emb,
                                           None if mask is None else mask.index_select(0, rows_index))
@@ -436,8 +449,8 @@ class _StepCacheLogic:
         res_h, res_e = store.res_h.index_select(0, slot_index), store.res_e.index_select(0, slot_index)
         coef = []
         for row, slot in zip(rows, slots):
-            steps = store.steps.get(slot) if row is not None and row.config is not None \
-                and row.config.taylorseer_order else None
+            steps = store.steps.get(slot) if row is not None and row.cache is not None \
+                and row.cache.taylorseer_order else None
             if steps is None or steps[0] is None or steps[1] == steps[0]:
                 coef.append(0.0)
             else:
@@ -458,7 +471,7 @@ class _StepCacheLogic:
         slot_at = torch.tensor([slots[index[j]] for j in keep], device=h.device)
         pick = torch.tensor(keep, device=h.device) if gathered else rows_at
         h_in, e_in = h.index_select(0, rows_at), e.index_select(0, rows_at)
-        if any(rows[index[j]].config is not None and rows[index[j]].config.taylorseer_order for j in keep):
+        if any(rows[index[j]].cache is not None and rows[index[j]].cache.taylorseer_order for j in keep):
             store.keep_previous()
             store.prev_h.index_copy_(0, slot_at, store.res_h.index_select(0, slot_at))
             store.prev_e.index_copy_(0, slot_at, store.res_e.index_select(0, slot_at))
@@ -480,13 +493,13 @@ class _StepCacheLogic:
                 decided[i] = False          # padding: nobody reads it
                 continue
             slot, new = store.slot(self._state_key(row))
-            memo = self._decided.get((row.group, row.step))
-            if new or row.config is None:
+            memo = self._decided.get((row.owner, row.step))
+            if new or row.cache is None:
                 decided[i] = True
             elif memo is not None:
                 decided[i] = memo
             else:
-                decided[i] = row.config.computes(row.step)
+                decided[i] = row.cache.computes(row.step)
                 if decided[i] is None:
                     measure.append((i, slot))
         if measure:
@@ -499,31 +512,31 @@ class _StepCacheLogic:
             values = distance.tolist()          # the one host read of this step
             worst: dict = {}
             for (i, _), d in zip(measure, values):
-                group = rows[i].group
+                group = rows[i].owner
                 d = math.inf if math.isnan(d) else d
                 worst[group] = max(worst.get(group, 0.0), d)
             for i, _ in measure:
-                decided[i] = not worst[rows[i].group] < rows[i].config.threshold
+                decided[i] = not worst[rows[i].owner] < rows[i].cache.threshold
         # one request's rows decide together: any row that computes makes its group compute
         groups: dict = {}
         for row, c in zip(rows, decided):
             if row is not None:
-                groups[row.group] = groups.get(row.group, False) or bool(c)
-        out = [False if row is None else groups[row.group] for row in rows]
-        self._last = dict(groups)
+                groups[row.owner] = groups.get(row.owner, False) or bool(c)
+        out = [False if row is None else groups[row.owner] for row in rows]
         for row in rows:
-            if row is not None and (row.group, row.step) not in self._decided:
-                self._decided[(row.group, row.step)] = groups[row.group]
-                if row.group == "plain" and self._plain_counts is not None:  # once per step, not per branch
-                    self._plain_counts["computed" if groups[row.group] else "cached"] += 1
+            if row is not None and (row.owner, row.step) not in self._decided:
+                self._decided[(row.owner, row.step)] = groups[row.owner]
+                if row.owner == "plain" and self._plain_counts is not None:  # once per step, not per branch
+                    self._plain_counts["computed" if groups[row.owner] else "cached"] += 1
         if len(self._decided) > 4096:   # bounded: old steps of finished requests
             self._decided.clear()
         return out
 
-    def _state_key(self, row: CacheRow) -> tuple:
-        """Where a row's state lives: its request, its row, and the call's branch (CFG's cond and uncond
-        calls of one step keep residuals of their own; diffusers' ``cache_context`` names the branch)."""
-        return row.group, row.key, self.context.name
+    @staticmethod
+    def _state_key(row: Row) -> tuple:
+        """Where a row's state lives: its request, its CFG branch and its place among the request's rows of
+        that branch (CFG's cond and uncond rows of one step keep residuals of their own)."""
+        return row.owner, row.branch, row.index
 
     def _store(self, h, e) -> _Store:
         key = (tuple(h.shape[1:]), tuple(e.shape[1:]), h.dtype, h.device)
@@ -531,26 +544,6 @@ class _StepCacheLogic:
         if store is None:
             store = self._stores[key] = _Store(h, e)
         return store
-
-    def _lora_rows(self, index: torch.Tensor):
-        """The LoRA rows (`bcg.lora`) reordered like the gathered rows for the middle call, restored after."""
-        rows = self.lora_rows
-        if rows is None:
-            return contextlib.nullcontext()
-
-        @contextlib.contextmanager
-        def reordered():
-            slots, scales = rows.slots.clone(), rows.scales.clone()
-            n = index.shape[0]
-            rows.slots[:n].copy_(slots.index_select(0, index))
-            rows.scales[:n].copy_(scales.index_select(0, index))
-            try:
-                yield
-            finally:
-                rows.slots.copy_(slots)
-                rows.scales.copy_(scales)
-
-        return reordered()
 
 
 @functools.cache

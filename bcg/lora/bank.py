@@ -8,7 +8,9 @@ rank ``max_rank`` at most. From then on:
   slot, its rank padded with zeros to the slot's; everything is checked before the first copy, so an
   adapter that does not fit leaves every slot as it was. `unload(name)` zeroes its slot and frees it.
 * `set_rows(choices)` writes the per-row slot and scale of the next transformer call (a choice per row:
-  None for the base model, or ``(adapter name, scale)``); an adapter that is not loaded raises
+  None for the base model, or ``(adapter name, scale)``). The step batcher does not call it: it sets a
+  `bcg.runtime.rows.RowsContext` around each call, which the ``bcg_lora`` hook reads (`read_rows`), the
+  rows of a part of the call too (step caching's gathered middle call). An adapter that is not loaded raises
   `UnknownAdapterError` before anything is written. A call with the rows of the last one writes nothing.
   A call whose rows are all the base model's computes no low-rank update (`LoraRows.enabled` off): the
   transformer's signature says so (``lora=off``, through the hook: ``HookRegistry.signature_context``), so base steps
@@ -53,6 +55,12 @@ class LoraHook(ModelHook):
     def signature_context(self, transformer) -> tuple:
         """``lora=off`` in a runner's signature while the layers compute no update (`LoraBank.signature_context`)."""
         return self.bank.signature_context()
+
+    def set_rows_context(self, transformer, ctx) -> None:
+        """The rows of the next call (`bcg.runtime.rows`): each row's adapter into the bank's row buffers
+        (`LoraBank.read_rows`). Without a context the buffers stay as they are (`set_all`'s)."""
+        if ctx is not None:
+            self.bank.read_rows(ctx)
 
     def deinitialize_hook(self, transformer):
         for parent, child, base in self.replaced.values():
@@ -244,6 +252,12 @@ class LoraBank:
         self.rows.write(slots, scales)
         self._written = written
         self.row_writes += 1
+
+    def read_rows(self, ctx) -> None:
+        """`set_rows` from a `bcg.runtime.rows.RowsContext`: each row's ``lora``. A part of a call (its
+        ``gather``: step caching's middle call on the rows that compute) keeps the call's `enabled`: the
+        call's signature chose the graphs that run, this part included."""
+        self.set_rows([row.lora for row in ctx.rows], enabled=None if ctx.gather is None else self.rows.enabled)
 
     def set_all(self, choice, enabled: Optional[bool] = None) -> None:
         """Every row of the buffers to one choice (a call whose row layout is the pipeline's own); `enabled`

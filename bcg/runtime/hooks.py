@@ -25,12 +25,20 @@ class and config, a pipeline class's call defaults) is one dict under one class 
   ``(name, str)`` pairs) add to the signature of every call a runner makes of the object
   (`bcg.runtime.runner`): host state of a hook's that changes what the forward runs, so that each state
   replays graphs of its own (``bcg_lora``: ``lora=off`` while every row is the base model's). ``()`` when none does.
+- Rows (`bcg.runtime.rows`): ``registry.rows_context`` is the `RowsContext` of the call running now (whose
+  each row is: owner, LoRA choice, cache config, step, CFG branch; None outside one).
+  ``registry.set_rows_context(ctx)`` sets it and calls every hook's ``set_rows_context(obj, ctx)``;
+  ``registry.release(owner)`` every hook's ``release(obj, owner)`` (a request left). Both no-ops unless a
+  hook overrides them: ``bcg_lora`` writes its row buffers from the rows, step caching frees a request's
+  state. Callers use `bcg.runtime.rows.rows_context` / `release_rows`, not these.
 
 Names and order of what bcg installs (a new installer picks a ``bcg_`` name and its place here):
 
 0. Before `bcg.diffusers.accelerate`, by their own calls: ``bcg_lora`` (`bcg.lora.LoraBank.install`: LoRA
-   layers in place of linear layers; removing the hook puts them back) and ``bcg_compile_artifacts`` (a
-   pipeline's artifact source, `deployments.compile_cache`). ``unaccelerate`` leaves them.
+   layers in place of linear layers; removing the hook puts them back), ``bcg_step_cache`` (step caching's
+   face in this registry, registered and removed with its hook in diffusers' registry, item 3: it reads
+   rows and frees a request's state; it wraps nothing) and ``bcg_compile_artifacts`` (a pipeline's artifact
+   source, `deployments.compile_cache`). ``unaccelerate`` leaves them.
 1. ``bcg_quantize`` (the transformer): float8 linears, before anything is timed, compiled or captured.
 2. ``bcg_attention`` (the transformer): the attention kernel per shape (processors routed to one
    `AttentionDispatch`); before breaks, so a break at the attention core wraps the chosen kernel.
@@ -103,6 +111,13 @@ class ModelHook:
     def post_forward(self, module, output: Any) -> Any:
         return output
 
+    def set_rows_context(self, module, ctx) -> None:
+        """The rows of the call about to run (a `bcg.runtime.rows.RowsContext`; None: no caller describes
+        them). A hook that reads rows overrides this."""
+
+    def release(self, module, owner) -> None:
+        """`owner` (a request) left: free what this hook keeps for it."""
+
     def reset_state(self, module):
         if self._is_stateful:
             raise NotImplementedError(f"{type(self).__name__} is stateful and must implement reset_state")
@@ -150,6 +165,7 @@ class HookRegistry:
         self._forward_in_dict = False  # whether the forward before the first wrapping hook was an instance attribute
         self._forward_before = None
         self._context_hooks: tuple = ()  # hooks that define signature_context, in registration order
+        self.rows_context = None  # the rows of the call running now (`bcg.runtime.rows`)
 
     # -- finding --------------------------------------------------------------------------------------
 
@@ -178,6 +194,18 @@ class HookRegistry:
         for hook in self._context_hooks:
             context += hook.signature_context(self._obj)
         return context
+
+    def set_rows_context(self, ctx) -> None:
+        """The rows of the calls from now on (`bcg.runtime.rows.rows_context` sets them around a call):
+        held here and told to every hook, in registration order."""
+        self.rows_context = ctx
+        for name in self._hook_order:
+            self.hooks[name].set_rows_context(self._obj, ctx)
+
+    def release(self, owner) -> None:
+        """`owner` (a request) left: every hook frees what it keeps for it."""
+        for name in self._hook_order:
+            self.hooks[name].release(self._obj, owner)
 
     def _find_context_hooks(self) -> None:
         self._context_hooks = tuple(self.hooks[n] for n in self._hook_order

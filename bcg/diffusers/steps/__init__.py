@@ -16,6 +16,9 @@ pipeline's ``__call__`` does, cut at the step boundary:
 - `StepFamily.forward(pipe, states, bucket) -> [noise per state]`: one transformer call (two for Flux's
   true CFG, as the pipeline makes them) on the states' rows concatenated, each row at its own timestep,
   padded to `bucket` rows by repeating the last real row; guidance applied per request with its own scale;
+  `StepFamily.row_owners` / `row_branches` say whose each row of that call is and its CFG branch (the
+  batcher's `bcg.runtime.rows.RowsContext` around it; a family calling once per branch narrows it per call
+  with `bcg.runtime.rows.call_branch`);
 - `StepFamily.finish(pipe, state) -> list`: what the pipeline does after its loop, for one request
   (decode and post-process); `finish_batch` decodes the requests that leave at one step together (their
   rows padded to a bucket: the VAE decoder's graphs per bucket come from the same warmup);

@@ -188,6 +188,11 @@ class StepFamily:
         owners = [i for i, s in enumerate(states) for _ in range(s.rows)]
         return owners + owners[-1:] * max(0, bucket - len(owners))
 
+    def row_branches(self, states: list[RequestState], bucket: int) -> list[str]:
+        """The CFG branch of each row of `forward`'s transformer call, beside `row_owners`: ``"cond"`` for
+        every row (a family whose negative rows share the call says otherwise: SD3)."""
+        return ["cond"] * len(self.row_owners(states, bucket))
+
     def decode_latents(self, pipe, latents: torch.Tensor, state: RequestState) -> torch.Tensor:
         """The VAE's images of `latents` (rows of requests laid out like `state`'s), before post-processing."""
         raise NotImplementedError

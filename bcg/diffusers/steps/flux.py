@@ -12,6 +12,7 @@ import torch
 
 from bcg.diffusers.steps.base import StepFamily, guided, prompt_columns
 from bcg.diffusers.steps.state import RequestState, cat_rows, layout_of
+from bcg.runtime.rows import call_branch
 
 __all__ = ["FluxStepFamily"]
 
@@ -108,7 +109,8 @@ class FluxStepFamily(StepFamily):
 
         def call(branch, inputs):
             guidance = inputs[0]["guidance"]
-            with _cache_context(transformer, branch):
+            # diffusers' cache hooks read the branch from their cache context, bcg's from the rows context
+            with _cache_context(transformer, branch), call_branch(transformer, branch):
                 return transformer(
                     hidden_states=latents, timestep=timestep / 1000,
                     guidance=None if guidance is None else cat_rows([i["guidance"] for i in inputs], bucket),

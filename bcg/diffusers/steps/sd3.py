@@ -123,6 +123,12 @@ class SD3StepFamily(StepFamily):
         owners = super().row_owners(states, bucket)
         return owners * 2 if states[0].neg_inputs is not None else owners  # [negatives; positives]
 
+    def row_branches(self, states, bucket):
+        owners = super().row_owners(states, bucket)
+        if states[0].neg_inputs is None:
+            return ["cond"] * len(owners)
+        return ["uncond"] * len(owners) + ["cond"] * len(owners)
+
     def decode_latents(self, pipe, latents, state):
         latents = (latents / pipe.vae.config.scaling_factor) + pipe.vae.config.shift_factor
         return pipe.vae.decode(latents, return_dict=False)[0]

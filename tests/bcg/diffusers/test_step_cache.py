@@ -14,9 +14,10 @@ import torch
 from bcg.diffusers.batching import StepBatcher
 from bcg.diffusers.models import load_pipeline
 from bcg.diffusers.pipelines import plan_request
-from bcg.diffusers.step_cache import (CacheRow, StepCacheConfig, disable_step_cache, enable_step_cache,
+from bcg.diffusers.step_cache import (StepCacheConfig, disable_step_cache, enable_step_cache,
                                       step_cache_of)
 from bcg.runtime.call_record import CallRecord
+from bcg.runtime.rows import Row
 
 SIZE = "64x64"
 STEPS = 8
@@ -175,9 +176,8 @@ def test_padding_rows_and_rows_of_one_request_decide_together(cached):
     h = torch.randn(4, 16, 8)
     store = hook._store(h, torch.randn(4, 3, 8))
     config = StepCacheConfig(threshold=0.5, warmup_steps=0)
-    rows = [CacheRow(key=("a", 0), group="a", config=config, step=1),
-            CacheRow(key=("a", 1), group="a", config=config, step=1),
-            CacheRow(key=("b", 0), group="b", config=config, step=1), None]
+    rows = [Row(owner="a", index=0, cache=config, step=1), Row(owner="a", index=1, cache=config, step=1),
+            Row(owner="b", index=0, cache=config, step=1), None]
     for row in rows[:3]:
         slot, _ = store.slot(hook._state_key(row))
         store.first[slot] = 1.0
@@ -218,7 +218,7 @@ def test_taylorseer_order_one_forecasts_the_residual_from_the_last_two_computed_
     store.keep_previous()
     order1 = StepCacheConfig(method="schedule", schedule=[0, 2, 4], warmup_steps=0, taylorseer_order=1)
     order0 = StepCacheConfig(method="schedule", schedule=[0, 2, 4], warmup_steps=0)
-    rows = [CacheRow(key=0, group="a", config=order1, step=5), CacheRow(key=0, group="b", config=order0, step=5)]
+    rows = [Row(owner="a", cache=order1, step=5), Row(owner="b", cache=order0, step=5)]
     slots = [store.slot(hook._state_key(r))[0] for r in rows]
     for slot in slots:
         store.res_h[slot], store.prev_h[slot] = 2.0, 1.0

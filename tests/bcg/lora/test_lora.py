@@ -352,3 +352,35 @@ def test_warmup_runs_both_lora_states_and_leaves_the_base_rows(served):
     assert seen == ([True] * steps + [False] * steps) * len(report["keys"]) and len(report["keys"]) > 1
     assert not bank.rows.enabled and bank.signature_context() == (("lora", "off"),)
 
+
+
+def test_rows_that_compute_under_step_caching_keep_their_adapters(adapters):
+    """Step caching runs the middle blocks on the rows that compute only, gathered: the LoRA layers there
+    read the gathered rows (the rows context step caching narrows, `bcg.runtime.rows`), so each row keeps
+    its own adapter. A request that caches its steps beside two that compute gives its image alone."""
+    from bcg.diffusers.step_cache import StepCacheConfig, enable_step_cache
+
+    pipe = load_pipeline("tiny-flux")
+    install_lora(pipe, adapters, max_loras=3, max_rank=8)
+    enable_step_cache(pipe, None)
+    batcher = StepBatcher(pipe, max_batch_size=4, batch_buckets=(1, 2, 4))
+    bank = lora_bank(pipe.transformer)
+    caches = StepCacheConfig(method="schedule", schedule=[0], warmup_steps=0)  # steps 1, 2 cached
+    # the first request caches: from step 1 the rows that compute are rows 1 and 2, gathered to rows 0 and 1
+    requests = [("a cat", 1, ("a", 1.0), caches), ("a dog", 2, ("b", 1.0), None), ("a bird", 3, None, None)]
+
+    def serve(batch):
+        futures = []
+        for prompt, seed, lora, cache in batch:
+            key, kwargs = _plan(pipe, prompt, seed, steps=3)
+            futures.append(batcher.submit_planned(key, kwargs, lora=lora, cache=cache))
+        while not all(f.done() for f in futures):
+            batcher.step()
+        return [np.asarray(f.result()) for f in futures]
+
+    together = serve(requests)
+    assert batcher.stats()["steps_cached"] == 2 and 2 in batcher.stats()["step_cache"]["middle_buckets"]
+    assert bank.rows.slots[:3].tolist() == [1, 2, 0]   # the call's rows set back after the gathered call
+    for request, image in zip(requests, together):
+        (alone,) = serve([request])
+        assert np.abs(image - alone).max() <= BATCH_TOLERANCE, request[:3]
