@@ -7,7 +7,6 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import logging
-import os
 import threading
 import time
 from typing import Dict, List, Optional
@@ -16,6 +15,7 @@ from bcg.diffusers.buckets import ShapeKey
 from bcg.diffusers.request_plan import RequestPlan
 from bcg.runtime.call_record import CallRecord
 from deployments.encoding import encode_images
+from deployments.gpu import cuda_memory, describe_gpu, held_gpu, release_cached_memory  # noqa: F401 -- re-exported
 from deployments.memory import ReplicaMemory, format_bytes, plan_fits
 
 logger = logging.getLogger(__name__)
@@ -65,40 +65,6 @@ def resolve_hook(path: str):
     if not callable(fn):
         raise ValueError(f"pipeline_hook {path!r}: {module} has no function {name!r}")
     return fn
-
-
-def cuda_memory() -> dict:
-    """This process's CUDA allocator counters (zeros without CUDA)."""
-    import torch
-    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
-        return {"allocated_bytes": 0, "reserved_bytes": 0}
-    return {"allocated_bytes": torch.cuda.memory_allocated(), "reserved_bytes": torch.cuda.memory_reserved()}
-
-
-def held_gpu(device: str) -> Optional[dict]:
-    """The GPU this process computes on (None for a CPU device): torch's index and name for `device`, and
-    ``CUDA_VISIBLE_DEVICES``, through which Ray hands a replica its GPUs (index 0 is the first one listed)."""
-    import torch
-    dev = torch.device(device)
-    if dev.type != "cuda":
-        return None
-    index = dev.index if dev.index is not None else torch.cuda.current_device()
-    return {"index": index, "name": torch.cuda.get_device_name(index),
-            "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
-
-
-def describe_gpu(gpu: Optional[dict]) -> str:
-    """`held_gpu`'s answer for a log line."""
-    if gpu is None:
-        return "no GPU"
-    visible = gpu["cuda_visible_devices"]
-    return f"GPU {gpu['index']} ({gpu['name']}; CUDA_VISIBLE_DEVICES={visible if visible is not None else 'unset'})"
-
-
-def _release_cached_memory() -> None:
-    import torch
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
 
 
 # A replica engine that batches nothing: every request runs alone at its own image count (ReplicaEngine's
@@ -485,7 +451,7 @@ class ReplicaEngine:
         for name, sigs in by_component.items():
             self.runners[name].drop(sigs)
         self.refresh()
-        _release_cached_memory()
+        release_cached_memory()
 
     def memory_report(self) -> dict:
         """The replica's share, weights, used and stranded pool bytes (as of the last warmup), and per

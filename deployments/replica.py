@@ -73,7 +73,8 @@ from bcg.diffusers.request_plan import PlanDefaults, RequestPlan
 from deployments.artifacts import ReplicaArtifacts
 from deployments.attention_choices import ReplicaAttentionChoices
 from deployments.encoding import encode_images, encoding_threads
-from deployments.engine import ReplicaEngine, _release_cached_memory, cuda_memory, describe_gpu
+from deployments.engine import ReplicaEngine
+from deployments.gpu import cuda_memory, describe_gpu, release_cached_memory
 from deployments.lora import LoraChoice, LoraPaths
 from deployments.metrics import ReplicaMetrics
 from deployments.router import (BATCH_FREE_ROWS, LORA_ADAPTERS, POOL_BYTES, QUEUE_LEN, WARM_BATCH_KEYS, WARM_KEYS,
@@ -432,7 +433,7 @@ class Replica:
             if "CUDA error" in str(exc):
                 self._broken = str(exc)  # a sticky CUDA error: let Serve replace the replica
             elif type(exc).__name__ == "OutOfMemoryError":
-                await self._in_thread(_release_cached_memory)  # this request fails, the next may fit
+                await self._in_thread(release_cached_memory)  # this request fails, the next may fit
             raise
         finally:
             self._ongoing -= 1

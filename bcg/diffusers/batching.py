@@ -56,31 +56,35 @@ the answers thread (the loop thread for a failure before the decode; the caller 
 answers the requests already decoded before it returns.
 `call_between_steps(fn)` runs `fn` on the loop thread between two steps (runner stats); `warmup(keys)`
 captures every bucket of `keys` there.
+
+The warmup, step costs and admission setting are `BatcherWarmup`'s (`bcg.diffusers.batch_warmup`), the
+counters and `stats()` `BatcherCounters`' (`bcg.diffusers.batch_stats`): mixins of `StepBatcher`.
 """
 from __future__ import annotations
 
 import collections
 import concurrent.futures
-import dataclasses
 import itertools
 import logging
 import threading
 import time
-from typing import Any, Callable, Iterable
+from typing import Any, Callable
 
 import torch
 
 from bcg.diffusers.batch_queue import ALONE, BatcherConfig, QueuedRequest, RequestQueue
-from bcg.diffusers.buckets import ShapeKey, parse_plan
+from bcg.diffusers.batch_stats import BatcherCounters
+from bcg.diffusers.batch_warmup import BatcherWarmup
+from bcg.diffusers.buckets import ShapeKey
 from bcg.diffusers.families import family_of
 from bcg.diffusers.accelerated import pipeline_call_scope
 from bcg.diffusers.cache_config import StepCacheConfig
 from bcg.diffusers.request_plan import LoraChoice, RequestPlan
 from bcg.diffusers.step_cache import step_cache_of
-from bcg.diffusers.step_costs import StepCosts, time_buckets
+from bcg.diffusers.step_costs import StepCosts
 from bcg.diffusers.steps import StepFamily, pipeline_call_async
 from bcg.lora.bank import UnknownAdapterError, lora_bank
-from bcg.runtime.call_record import CallRecord, recording
+from bcg.runtime.call_record import recording
 from bcg.runtime.rows import Row, RowsContext, release_rows, rows_context
 
 logger = logging.getLogger(__name__)
@@ -88,7 +92,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["BatcherConfig", "StepBatcher"]
 
 
-class StepBatcher:
+class StepBatcher(BatcherWarmup, BatcherCounters):
     """Step-wise continuous batching on one pipeline (see the module docstring).
 
     ``StepBatcher(pipe, max_batch_size=8, batch_buckets=(1, 2, 4, 8), max_wait_ms=0)`` or
@@ -122,13 +126,7 @@ class StepBatcher:
         # the loop thread goes on; None until start(): a caller driving step() itself gets them inline
         self._answers: concurrent.futures.ThreadPoolExecutor | None = None
         self._thread_lock = threading.Lock()
-        self._stats_lock = threading.Lock()
-        self._counts = collections.Counter()
-        self._rows_hist = collections.Counter()    # real rows per step -> steps
-        self._bucket_hist = collections.Counter()  # bucket per step -> steps
-        self._prompts_hist = collections.Counter()  # real prompts per encode -> encodes
-        self._alone_reasons = collections.Counter()
-        self._seconds = collections.Counter()  # phase of a group step -> host seconds in it
+        self._init_counters()
 
     # ------------------------------------------------------------------------------------------------
     # submitting (any thread)
@@ -528,39 +526,6 @@ class StepBatcher:
         if not requests:
             self._layouts.pop(group, None)
 
-    def _count(self, name: str, n: int = 1) -> None:
-        with self._stats_lock:
-            self._counts[name] += n
-
-    def _count_adapters(self, batch: list[QueuedRequest]) -> None:
-        adapters = {r.lora[0] if r.lora is not None else None for r in batch}
-        with self._stats_lock:
-            if adapters != {None}:
-                self._counts["adapter_steps"] += 1
-            if len(adapters) > 1:
-                self._counts["mixed_adapter_steps"] += 1
-
-    def _count_prepare(self, requests: int, prompts: int | None, bucket: int | None) -> None:
-        with self._stats_lock:
-            self._counts["prepares"] += 1
-            if requests > 1:
-                self._counts["batched_prepares"] += 1
-            if prompts is not None:
-                self._prompts_hist[prompts] += 1
-                self._counts["padded_prompts"] += bucket - prompts
-
-    def _add_seconds(self, **phases: float) -> None:
-        with self._stats_lock:
-            self._seconds.update(phases)
-
-    def _count_step(self, rows: int, bucket: int) -> None:
-        with self._stats_lock:
-            self._counts["steps"] += 1
-            self._counts["rows"] += rows
-            self._counts["padded_rows"] += bucket - rows
-            self._rows_hist[rows] += 1
-            self._bucket_hist[bucket] += 1
-
     def _release(self, request: QueuedRequest) -> None:
         """The request left: every feature on the transformer frees what it kept for it (step caching's state)."""
         release_rows(getattr(self.pipe, "transformer", None), request.id)
@@ -575,188 +540,9 @@ class StepBatcher:
             return
         request.future.set_exception(exc)
 
-    def warmup_plan(self, keys: Iterable[ShapeKey | str]) -> list[ShapeKey]:
-        """The shape keys that capture the graphs this batcher replays for `keys`: one per batch bucket
-        up to ``max_batch_size`` (``<key>.b<bucket>``), and the bucket of a key's own image count (a
-        request of ``n`` images alone pads to it), for `warmup_pipeline`."""
-        if self.family is None:  # every request runs alone, at its own image count
-            return parse_plan(keys)
-        return parse_plan([key.with_batch(b) for key in parse_plan(keys) for b in self._key_buckets(key)])
-
-    def _key_buckets(self, key: ShapeKey) -> list[int]:
-        """The row buckets a warmup of `key` captures, and so the ones its step costs are timed at: every
-        join bucket and the bucket of the key's own image count."""
-        return sorted({*self._join_buckets(), self.config.bucket_for(key.batch_size)})
-
-    def _join_buckets(self) -> list[int]:
-        """The buckets that requests joining one group pad to: their rows per step, and their prompts per
-        joint encode (both at most ``max_batch_size``)."""
-        buckets = [b for b in self.config.batch_buckets if b < self.config.max_batch_size]
-        buckets.append(self.config.bucket_for(self.config.max_batch_size))
-        return buckets
-
-    def warmup(self, keys: Iterable[ShapeKey | str], num_inference_steps: int = 2,
-               record: CallRecord | None = None) -> dict:
-        """Capture what this batcher replays for `keys` (`warmup_plan`: every bucket) with `warmup_pipeline`;
-        on the loop thread when it runs (between two steps), else here. Returns the warmup report; its
-        runner calls add to `record` when given.
-
-        A join bucket b runs as b prompts of one image each (``batched_prompts``), so the text encoders are
-        captured at the batch of a joint encode of b prompts as well; a key's own image count (a request of
-        n images alone: one prompt) runs as one prompt of n images."""
-        from bcg.diffusers.pipelines import warmup_pipeline
-
-        keys = parse_plan(keys)
-        plan = self.warmup_plan(keys)
-        batched = () if self.family is None else self._join_buckets()
-
-        def run():
-            if self.lora is not None:  # warmups run the base model
-                self.lora.set_all(None)
-            with recording(*([record] if record is not None else [])):
-                report = warmup_pipeline(self.pipe, plan, num_inference_steps=num_inference_steps,
-                                         batched_prompts=batched)
-            if self._measures_costs() and not report["failed"]:  # not the warmup's runner calls: timings
-                report["step_costs_ms"] = self.measure_step_costs(keys, only_missing=True)
-            return report
-
-        with self._thread_lock:
-            thread = self._thread
-        if thread is None or not thread.is_alive() or thread is threading.current_thread():
-            return run()
-        return self.call_between_steps(run).result()
-
-    def set_admission(self, policy: str | None = None, margin: float | None = None) -> dict:
-        """Change ``admission_policy`` and/or ``admission_margin`` from the next step boundary on (checked as
-        `BatcherConfig` checks them); returns the ``admission`` part of `stats()`. Requests running keep
-        their rows; only who joins next is decided anew (a benchmark interleaves policies on one batcher)."""
-        changes = {k: v for k, v in (("admission_policy", policy), ("admission_margin", margin)) if v is not None}
-        config = dataclasses.replace(self.config, **changes)
-        self._queue.set_config(config)
-        self.config = config
-        return self.stats()["admission"]
-
-    def _measures_costs(self) -> bool:
-        """Whether a warmup times its buckets' steps: ``admission_policy="auto"``, step hooks, several
-        buckets, and a transformer on CUDA (on a CPU pipeline requests batch as they always did)."""
-        if self.family is None or self.config.admission_policy != "auto" or len(self._join_buckets()) < 2:
-            return False
-        device = self._transformer_device()
-        return device is not None and device.type == "cuda"
-
-    def _transformer_device(self) -> torch.device | None:
-        from bcg.runtime.proxy import unwrap_runner
-
-        transformer = unwrap_runner(getattr(self.pipe, "transformer", None))
-        parameter = next(transformer.parameters(), None) if isinstance(transformer, torch.nn.Module) else None
-        return None if parameter is None else parameter.device
-
-    def measure_step_costs(self, keys: Iterable[ShapeKey | str], repeats: int = 3, only_missing: bool = False) -> dict:
-        """Time one step (the family's transformer calls) of every row bucket of each key's group on this
-        pipeline, as warmed: a request's rows padded to the bucket, median of `repeats` interleaved rounds
-        after one untimed call each (`time_buckets`), synchronized with the device; record them in
-        `step_costs` and return ``{group key: {bucket: ms}}`` (what was timed). `only_missing` (a warmup's):
-        only the buckets of a group the table lacks, so a table fed in (or a group warmed before: ``K`` and
-        ``K.b2`` are one group) is not timed again. About ``(1 + repeats)`` times the sum of the buckets'
-        step times. Runs where it is called (the loop thread during `warmup`); the step is the base
-        model's, every row computing (no step caching), and changes no request's state."""
-        from bcg.diffusers.pipelines import _warmup_request, pipeline_info
-
-        if self.family is None:
-            raise ValueError(f"{type(self.pipe).__name__} has no step hooks: its requests run alone, unbatched")
-        if self._info is None:
-            self._info = pipeline_info(self.pipe)
-        info = self._info
-        measured = {}
-        with torch.no_grad(), pipeline_call_scope(self.pipe):
-            for key in parse_plan(keys):
-                group = key.group
-                buckets = self._key_buckets(key)
-                if only_missing:
-                    known = self.step_costs.for_group(group.key)
-                    buckets = [b for b in buckets if b not in known]
-                if not buckets:
-                    continue
-                kwargs = _warmup_request(self.pipe, group, info, 2, "a photo of a cat", output_type="latent")
-                state = self.family.prepare(self.pipe, kwargs)
-                measured[group.key] = time_buckets(lambda bucket: self._cost_step(state, bucket), buckets,
-                                                   repeats, sync=self._sync)
-        self.step_costs.update(measured)
-        logger.info("step costs (ms per step and row bucket): %s", self.step_costs.as_dict())
-        return {group: {b: round(ms, 4) for b, ms in costs.items()} for group, costs in measured.items()}
-
-    def _cost_step(self, state, bucket: int) -> None:
-        # rows of nobody's: the base model's (LoRA), no cache config (every row computes, no state kept)
-        rows = RowsContext(rows=(Row(),) * len(self.family.row_owners([state], bucket)))
-        with rows_context(self.pipe.transformer, rows):
-            self.family.forward(self.pipe, [state], bucket)
-
-    def _sync(self) -> None:
-        device = self._transformer_device()
-        if device is not None and device.type == "cuda":
-            torch.cuda.synchronize(device)
-
     def load(self) -> dict:
         """Per group key: rows running, rows queued, free rows in the running batch (for a router)."""
         return self._queue.load()
-
-    def stats(self) -> dict:
-        """Counters since construction: requests (submitted, joins, leaves, failed, ran alone), steps,
-        rows and padded rows, request steps computed and cached (``steps_computed`` / ``steps_cached``; the
-        step cache's own counters under ``step_cache``), steps with LoRA adapter rows (``adapter_steps``; ``mixed_adapter_steps``: rows
-        of several adapters, or of adapters and the base model), histograms of real rows and of buckets
-        per step, preparations (``prepares``;
-        ``batched_prepares`` of several requests; ``prepare_prompts_histogram``: real prompts per joint
-        encode; ``padded_prompts``), ``phase_seconds``: wall seconds of the loop thread in each phase of
-        the group steps (``prepare``: joining requests' preparation; ``forward``: the batched transformer
-        calls; ``scheduler``: the requests' scheduler steps; ``finish``: queueing the decode and its copy
-        to the host) and ``answer``: the answers thread's (waiting for that copy, the images, the
-        futures; inline when `step()` is driven without `start()`), measured on the host without a
-        device sync (in a loop bound by the host, where the time goes; on CUDA a phase that waits for the
-        device absorbs the device time queued before it),
-        what is running now."""
-        running, queued = self._queue.snapshot()
-        with self._stats_lock:
-            counts = dict(self._counts)
-            steps = counts.get("steps", 0)
-            return {
-                "family": None if self.family is None else self.family.name,
-                "config": dataclasses.asdict(self.config),
-                # batching where it pays: the policy, the step costs it reads, the requests it held back
-                "admission": {"policy": self.config.admission_policy, "margin": self.config.admission_margin,
-                              "step_costs_ms": self.step_costs.as_dict(),
-                              "deferred_requests": self._queue.deferrals.get("requests", 0),
-                              "deferred_boundaries": self._queue.deferrals.get("boundaries", 0)},
-                "submitted": counts.get("submitted", 0),
-                "admitted_at_start": counts.get("admitted_at_start", 0),
-                "joins_mid_run": counts.get("joins_mid_run", 0),
-                "leaves": counts.get("leaves", 0),
-                "failed": counts.get("failed", 0),
-                "cancelled": counts.get("cancelled", 0),
-                "ran_alone": counts.get("ran_alone", 0),
-                "alone_reasons": dict(self._alone_reasons),
-                "isolation_retries": counts.get("isolation_retries", 0),
-                "batched_decodes": counts.get("batched_decodes", 0),
-                "adapter_steps": counts.get("adapter_steps", 0),
-                "mixed_adapter_steps": counts.get("mixed_adapter_steps", 0),
-                # request steps whose middle blocks ran / were cached (step caching; a request's own)
-                "steps_computed": counts.get("steps_computed", 0),
-                "steps_cached": counts.get("steps_cached", 0),
-                "step_cache": None if self.step_cache is None else self.step_cache.stats(),
-                "prepares": counts.get("prepares", 0),
-                "batched_prepares": counts.get("batched_prepares", 0),
-                "padded_prompts": counts.get("padded_prompts", 0),
-                "prepare_prompts_histogram": dict(sorted(self._prompts_hist.items())),
-                "phase_seconds": {k: round(v, 6) for k, v in sorted(self._seconds.items())},
-                "steps": steps,
-                "rows": counts.get("rows", 0),
-                "padded_rows": counts.get("padded_rows", 0),
-                "mean_rows_per_step": round(counts.get("rows", 0) / steps, 3) if steps else 0.0,
-                "batch_size_histogram": dict(sorted(self._rows_hist.items())),
-                "bucket_histogram": dict(sorted(self._bucket_hist.items())),
-                "running_requests": running,
-                "queued_requests": queued,
-            }
 
 
 def _recording_for(requests: list[QueuedRequest]):

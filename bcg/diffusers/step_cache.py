@@ -22,8 +22,9 @@ counted in `StepCacheHook.stats`. Thresholds and schedules are host values, neve
 signature: changing them never captures or compiles.
 
 State: per row of a request (its owner, branch and index) in slot-indexed buffers per activation shape: the
-middle residual of its last computed step and that step's first-blocks residual. A request starts clean (no
-slot yet) and its slots are freed by `StepCacheHook.release` (when the request leaves: the step batcher's
+middle residual of its last computed step and that step's first-blocks residual (`RowStore`,
+`bcg.diffusers.cache_store`). A request starts clean (no slot yet) and its slots are freed by
+`StepCacheHook.release` (when the request leaves: the step batcher's
 `bcg.runtime.rows.release_rows` reaches it through the transformer's bcg registry), by
 `StepCacheHook.plain_request` (around one ``pipe(...)``) or by `reset_state` (diffusers' pipelines reset
 stateful hooks at the end of ``pipe(...)``, where the transformer has diffusers' ``CacheMixin``: Flux, Wan,
@@ -62,6 +63,7 @@ from torch import nn
 
 from bcg.diffusers.cache_config import METHODS, StepCacheConfig
 from bcg.diffusers.cache_forwards import FAMILIES, MiddleBlocks, family_of
+from bcg.diffusers.cache_store import RowStore, cached_outputs, remember_computed
 from bcg.graphs.capture import eager_on_graph
 from bcg.runtime.hooks import HookRegistry as BcgHookRegistry, ModelHook as BcgModelHook
 from bcg.runtime.rows import Row, rows_context
@@ -73,6 +75,7 @@ __all__ = ["HOOK_NAME", "METHODS", "StepCacheConfig", "StepCacheHook", "StepCach
 
 HOOK_NAME = "bcg_step_cache"
 _DEFAULT_BUCKETS = (1, 2, 3, 4, 8)   # 3: where the computing rows follow the rows (large sizes), 3 padded to 4 costs a row
+_Store = RowStore   # its name before it moved to `bcg.diffusers.cache_store`
 
 
 class StepCacheRows(BcgModelHook):
@@ -86,56 +89,6 @@ class StepCacheRows(BcgModelHook):
 
     def release(self, module, owner) -> None:
         self.cache.release(owner)
-
-
-class _Store:
-    """Slot-indexed buffers for one activation shape: the middle residuals (hidden and text streams) of a
-    row's last computed step, and that step's first-blocks residual. Slot 0 is zeros (padding rows).
-    A row forecasting its residual (``taylorseer_order`` 1) also keeps the computed step before
-    (``prev_h``/``prev_e``, allocated when first needed); ``steps`` holds the step indices of both."""
-
-    _BUFFERS = ("res_h", "res_e", "first", "prev_h", "prev_e")
-
-    def __init__(self, h: torch.Tensor, e: torch.Tensor, capacity: int = 4):
-        self.slots: dict = {}
-        self.res_h = h.new_zeros((capacity, *h.shape[1:]))
-        self.res_e = e.new_zeros((capacity, *e.shape[1:]))
-        self.first = h.new_zeros((capacity, *h.shape[1:]))
-        self.prev_h = self.prev_e = None
-        self.steps: dict = {}   # slot -> (step before the last computed one or None, last computed step)
-        self.free = list(range(capacity - 1, 0, -1))
-
-    def keep_previous(self) -> None:
-        if self.prev_h is None:
-            self.prev_h, self.prev_e = torch.zeros_like(self.res_h), torch.zeros_like(self.res_e)
-
-    def slot(self, key) -> tuple[int, bool]:
-        """The slot of `key` and whether it is new (no state yet)."""
-        slot = self.slots.get(key)
-        if slot is not None:
-            return slot, False
-        if not self.free:
-            self._grow()
-        slot = self.slots[key] = self.free.pop()
-        return slot, True
-
-    def release(self, keys) -> None:
-        for key in keys:
-            slot = self.slots.pop(key, None)
-            if slot is not None:
-                self.free.append(slot)
-                self.steps.pop(slot, None)
-
-    def _grow(self) -> None:
-        old = self.res_h.shape[0]
-        for name in self._BUFFERS:
-            buf = getattr(self, name)
-            if buf is None:
-                continue
-            grown = buf.new_zeros((2 * old, *buf.shape[1:]))
-            grown[:old].copy_(buf)
-            setattr(self, name, grown)
-        self.free.extend(range(2 * old - 1, old - 1, -1))
 
 
 def _model_hook_base():
@@ -442,48 +395,10 @@ class _StepCacheLogic:
             self._remember(store, slots, index, h, e, mh, me, first_in, rows, gathered=True)
             return out_e, out_h
 
-    @staticmethod
-    def _cached(store, rows, slots, slot_index, h, e):
-        """Every row's output as a cached step: its input plus its stored middle residual, or that residual's
-        first-order forecast (``taylorseer_order`` 1, from its last two computed steps)."""
-        res_h, res_e = store.res_h.index_select(0, slot_index), store.res_e.index_select(0, slot_index)
-        coef = []
-        for row, slot in zip(rows, slots):
-            steps = store.steps.get(slot) if row is not None and row.cache is not None \
-                and row.cache.taylorseer_order else None
-            if steps is None or steps[0] is None or steps[1] == steps[0]:
-                coef.append(0.0)
-            else:
-                coef.append((row.step - steps[1]) / (steps[1] - steps[0]))
-        if any(coef) and store.prev_h is not None:
-            c = torch.tensor(coef, device=h.device, dtype=torch.float32)
-            prev_h, prev_e = store.prev_h.index_select(0, slot_index), store.prev_e.index_select(0, slot_index)
-            res_h = res_h + (res_h - prev_h) * c.view(-1, *[1] * (h.dim() - 1)).to(h.dtype)
-            res_e = res_e + (res_e - prev_e) * c.view(-1, *[1] * (e.dim() - 1)).to(e.dtype)
-        return h + res_h, e + res_e
+    _cached = staticmethod(cached_outputs)
+    _remember = staticmethod(remember_computed)
 
-    def _remember(self, store, slots, index, h, e, mh, me, first_in, rows, gathered=False):
-        """Store the middle residuals (and the first-blocks residual) of the rows that computed."""
-        keep = [j for j, i in enumerate(index) if rows[i] is not None]
-        if not keep:
-            return
-        rows_at = torch.tensor([index[j] for j in keep], device=h.device)
-        slot_at = torch.tensor([slots[index[j]] for j in keep], device=h.device)
-        pick = torch.tensor(keep, device=h.device) if gathered else rows_at
-        h_in, e_in = h.index_select(0, rows_at), e.index_select(0, rows_at)
-        if any(rows[index[j]].cache is not None and rows[index[j]].cache.taylorseer_order for j in keep):
-            store.keep_previous()
-            store.prev_h.index_copy_(0, slot_at, store.res_h.index_select(0, slot_at))
-            store.prev_e.index_copy_(0, slot_at, store.res_e.index_select(0, slot_at))
-        for j in keep:
-            slot, step = slots[index[j]], rows[index[j]].step
-            last = store.steps.get(slot)
-            store.steps[slot] = (None if last is None else last[1], step)
-        store.res_h.index_copy_(0, slot_at, mh.index_select(0, pick) - h_in)
-        store.res_e.index_copy_(0, slot_at, me.index_select(0, pick) - e_in)
-        store.first.index_copy_(0, slot_at, h_in - first_in.index_select(0, rows_at))
-
-    def _decide(self, rows: list, store: _Store, first_residual: torch.Tensor) -> list[bool]:
+    def _decide(self, rows: list, store: RowStore, first_residual: torch.Tensor) -> list[bool]:
         """Whether each row computes the middle blocks. At most one host read (the distances of the rows
         that decide by distance)."""
         decided: list = [None] * len(rows)
@@ -538,11 +453,11 @@ class _StepCacheLogic:
         that branch (CFG's cond and uncond rows of one step keep residuals of their own)."""
         return row.owner, row.branch, row.index
 
-    def _store(self, h, e) -> _Store:
+    def _store(self, h, e) -> RowStore:
         key = (tuple(h.shape[1:]), tuple(e.shape[1:]), h.dtype, h.device)
         store = self._stores.get(key)
         if store is None:
-            store = self._stores[key] = _Store(h, e)
+            store = self._stores[key] = RowStore(h, e)
         return store
 
 

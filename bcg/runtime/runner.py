@@ -78,6 +78,7 @@ import torch
 
 from bcg.graphs.capture import BreakOutputMismatchError, replay_token_scope
 from bcg.runtime.call_record import active_records, note_capture, note_eager, note_replay
+from bcg.runtime.capture_limits import CaptureLimits
 from bcg.runtime.compile import compiled_in_capture
 from bcg.runtime.config import RunnerConfig
 from bcg.runtime.entries import CaptureEntry, EntryCache
@@ -131,7 +132,7 @@ def _resolve_device(module, device):
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
-class BreakableGraphRunner(ModuleProxy):
+class BreakableGraphRunner(CaptureLimits, ModuleProxy):
     """Replays captured breakable CUDA graphs of `module` per input signature; see the module docstring.
 
     Unknown attributes proxy to the module (``runner.config``, ``runner.dtype``, ...), so a runner can
@@ -523,50 +524,6 @@ class BreakableGraphRunner(ModuleProxy):
                 logger.info("capture of %s (%s) failed on %s; retrying (%d of at most %d)", signature.key,
                             signature.summary(), change, retries, limit)
 
-    def _record_evicting_on_oom(self, signature, args, kwargs, leaves, token, compiled):
-        """`_record`; when it runs out of memory with graphs cached, evict them all and try once more."""
-        try:
-            return self._record(signature, args, kwargs, leaves, token, compiled)
-        except torch.cuda.OutOfMemoryError:
-            if not len(self._entries):
-                raise
-            logger.warning("out of memory capturing %s; evicting %d graphs and retrying once",
-                           signature.summary(), len(self._entries))
-            while len(self._entries):
-                self._evict_lru_locked("out of memory")
-            torch.cuda.empty_cache()  # lets the pool grow into memory the eager cache held
-            return self._record(signature, args, kwargs, leaves, token, compiled)
-
-    def _within_max_segments(self, signature, entry):
-        """False (and the runner disabled until reset()) when the capture has more than max_segments."""
-        limit = self._runner_config.max_segments
-        if entry.segments <= limit:
-            return True
-        entry.release()
-        self._runtime_disabled = (
-            f"capture of {signature.summary()} produced {entry.segments} graph segments > "
-            f"max_segments={limit}; place fewer breaks or raise BCG_MAX_SEGMENTS")
-        self._counts["capture_failures"] += 1
-        logger.warning("disabling graph runner: %s", self._runtime_disabled)
-        self._reset_locked()
-        self._off = self._off_reason()
-        return False
-
-    def _within_pool_budget(self, signature, entry):
-        """Evict least recently used entries until `entry` fits the pool budget; False (and the signature
-        blocked) when it exceeds the budget on its own."""
-        budget = self._runner_config.pool_budget_bytes
-        if budget is None:
-            return True
-        if entry.pool_bytes > budget:
-            entry.release()
-            self._block_locked(signature, f"capture needs {entry.pool_bytes} pool bytes > "
-                                          f"pool_budget_bytes={budget}; raise BCG_POOL_BUDGET_BYTES")
-            return False
-        while len(self._entries) and self._entries.pool_bytes + entry.pool_bytes > budget:
-            self._evict_lru_locked("pool budget")
-        return True
-
     def _record(self, signature, args, kwargs, leaves, token, compiled):
         """A new CaptureEntry (not yet in the cache) of `signature`; of the module's own code when not
         `compiled`. The pools of live entries may be shared."""
@@ -598,12 +555,6 @@ class BreakableGraphRunner(ModuleProxy):
         self._counts["capture_failures"] += 1
         logger.warning("graph capture failed for %s (%s), running it eagerly from now on: %s",
                        signature.key, signature.summary(), reason)
-
-    def _evict_lru_locked(self, why):
-        entry = self._entries.pop_lru()
-        entry.release()
-        self._counts["evictions"] += 1
-        logger.info("evicted graph %s (%s) to make room: %s", entry.key, entry.signature.summary(), why)
 
     def _reset_locked(self):
         for entry in self._entries.entries():
