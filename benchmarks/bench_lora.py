@@ -97,10 +97,17 @@ def _request(args, seed: int = 1):
 
 
 def _key(args, engine):
-    """The shape key `engine` serves `_request` at (checked as the ingress checks a request)."""
+    """The plan `engine` runs `_request` by (planned as the ingress plans a request); `_submit` varies its
+    seed and adapter."""
     from deployments.schemas import RequestLimits, check_request
     limits = RequestLimits(max_steps=max(50, args.steps), max_pixels=args.size * args.size * 4)
     return check_request(_request(args), limits, args.model, engine.info)
+
+
+def _submit(engine, plan, seed: int = 1, lora=None):
+    """Queue `plan` on `engine` with its seed and LoRA choice (None: the base model) replaced."""
+    import dataclasses
+    return engine.submit(dataclasses.replace(plan, seed=seed, lora=lora))
 
 
 def _lora_settings(args, adapters: dict) -> dict:
@@ -146,8 +153,8 @@ def run(args) -> dict:
     result["lora"] = engine.lora_stats()
     request = functools.partial(_request, args)
     key = _key(args, engine)
-    log(f"warming {key.key}")
-    result["warmup"] = engine.call(engine.warmup_key, key.key).result()
+    log(f"warming {key.shape_key.key}")
+    result["warmup"] = engine.call(engine.warmup_key, key.shape_key.key).result()
     result["warmup"].pop("memory", None)
     save()
 
@@ -155,7 +162,7 @@ def run(args) -> dict:
         return None if lora is None else LoraChoice(lora, 1.0)
 
     def answer(lora, seed=1):
-        return engine.submit(request(seed), key, args.steps, lora=choice(lora)).result()
+        return _submit(engine, key, seed, choice(lora)).result()
 
     def serve(lora, seed=1):
         return answer(lora, seed)["images"][0]
@@ -191,7 +198,7 @@ def run(args) -> dict:
 
     def batch(loras):
         def queue_all():  # one task on the loop thread: all four are queued before the next step
-            return [engine.submit(request(seed), key, args.steps, lora=choice(lora))
+            return [_submit(engine, key, seed, choice(lora))
                     for seed, lora in enumerate(loras, 1)]
         return [np.asarray(f.result()["images"][0]) for f in engine.call(queue_all).result()]
 
@@ -246,8 +253,8 @@ def fast_path(args, result: dict, save, adapters: dict, runner: dict) -> None:
         engine = engines[name] = ReplicaEngine(args.model, runner_config=runner, warmup_steps=2,
                                                batching=one_bucket, **extra)
         key = _key(args, engine)
-        log(f"{name}: loaded in {time.perf_counter() - t0:.1f} s, warming {key.key}")
-        warm = engine.call(engine.warmup_key, key.key).result()
+        log(f"{name}: loaded in {time.perf_counter() - t0:.1f} s, warming {key.shape_key.key}")
+        warm = engine.call(engine.warmup_key, key.shape_key.key).result()
         warm.pop("memory", None)
         result["fast_path"]["warmup"][name] = {"load_and_warmup_s": round(time.perf_counter() - t0, 2), **warm}
         save()
@@ -258,7 +265,7 @@ def fast_path(args, result: dict, save, adapters: dict, runner: dict) -> None:
         def run():
             t = time.perf_counter()
             choice = None if lora is None else LoraChoice(lora, 1.0)
-            engines[engine].submit(_request(args), key, args.steps, lora=choice).result()
+            _submit(engines[engine], key, 1, choice).result()
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
             return (time.perf_counter() - t) * 1e3
@@ -296,8 +303,8 @@ def baseline(args, request, key, wall_ms, runner, result) -> dict:
         torch.cuda.empty_cache()
     plain = ReplicaEngine(args.model, runner_config=runner, warmup_steps=2,
                           batching={"max_batch_size": 4, "batch_buckets": [1, 2, 4], "admission_policy": "always"})
-    plain.call(plain.warmup_key, key.key).result()
-    rounds = [wall_ms(lambda: plain.submit(request(), key, args.steps).result()) for _ in range(args.rounds)]
+    plain.call(plain.warmup_key, key.shape_key.key).result()
+    rounds = [wall_ms(lambda: _submit(plain, key).result()) for _ in range(args.rounds)]
     plain.close()
     ms = ratio({"ms": {"rounds": rounds}, "one": {"rounds": [1.0] * len(rounds)}}, "ms", "one")
     lora_base = result["interleaved"]["ms"]["base"]["median"]
