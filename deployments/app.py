@@ -95,12 +95,15 @@ class AppArgs(BaseModel):
     # "step": requests join a running batch at any step boundary; "batch": only a batch not yet started
     join_policy: Literal["step", "batch"] = "step"
     # "auto": a request joins a running batch only where the step costs measured at warmup say the bigger
-    # row bucket buys throughput (by admission_margin per row), else it waits for rows to free; "always":
-    # whenever its rows fit (bcg.diffusers.step_batching.costs). step_costs_ms: {group key: {bucket: ms}} to start
-    # from (e.g. a replica's /v1/stats "admission"); a CUDA warmup times only the buckets it lacks
-    admission_policy: Literal["auto", "always"] = "auto"
+    # batch raises images/s by admission_margin, each row priced by what it computes (a cached row: the
+    # first/last blocks), else it waits for rows to free; "always": whenever its rows fit; "never": one after
+    # another (bcg.diffusers.step_batching.costs). step_costs_ms / cached_step_costs_ms: {group key: {bucket:
+    # ms}} of steps whose rows compute / are cached, to start from (e.g. a replica's /v1/stats "admission");
+    # a CUDA warmup times only the buckets they lack
+    admission_policy: Literal["auto", "always", "never"] = "auto"
     admission_margin: float = Field(0.1, ge=0, lt=1)
     step_costs_ms: Dict[str, Dict[int, float]] = Field(default_factory=dict)
+    cached_step_costs_ms: Dict[str, Dict[int, float]] = Field(default_factory=dict)
     autoscaling: Optional[AutoscalingArgs] = None
     router: Literal["shape_affinity", "power_of_two"] = "shape_affinity"  # power_of_two: Serve's default
     spill_threshold: Optional[int] = Field(DEFAULT_SPILL_THRESHOLD, ge=1)
@@ -245,7 +248,7 @@ class AppArgs(BaseModel):
                 "root": self.lora_root if self.allow_runtime_lora_updating else None,
                 "start_paths": sorted(set(self.lora_modules.values()))}
 
-    @field_validator("step_costs_ms", mode="before")
+    @field_validator("step_costs_ms", "cached_step_costs_ms", mode="before")
     @classmethod
     def _step_costs(cls, v):
         if isinstance(v, str):  # JSON from a command line: '{"512x512": {"1": 61.2, "2": 122.5}}'
@@ -282,7 +285,8 @@ class AppArgs(BaseModel):
         return {"max_batch_size": size, "batch_buckets": list(self.batch_buckets), "max_wait_ms": self.max_wait_ms,
                 "join_policy": self.join_policy, "admission_policy": self.admission_policy,
                 "admission_margin": self.admission_margin,
-                "step_costs_ms": {g: dict(c) for g, c in self.step_costs_ms.items()}}
+                "step_costs_ms": {g: dict(c) for g, c in self.step_costs_ms.items()},
+                "cached_step_costs_ms": {g: dict(c) for g, c in self.cached_step_costs_ms.items()}}
 
     @model_validator(mode="after")
     def _target_fits_ongoing(self):

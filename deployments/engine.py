@@ -107,8 +107,8 @@ class ReplicaEngine:
 
     One `StepBatcher` loop thread owns the pipeline: requests (`submit`), warmups and runner-stats reads
     (`call`) all run there. ``batching`` holds `BatcherConfig` fields (default `NO_BATCHING`) and
-    ``step_costs_ms``, a table of step costs the batcher's ``"auto"`` admission starts from
-    (`bcg.diffusers.step_batching.costs.StepCosts`)."""
+    ``step_costs_ms`` / ``cached_step_costs_ms``, tables of step costs the batcher's ``"auto"`` admission
+    starts from (`bcg.diffusers.step_batching.costs.StepCosts`)."""
 
     def __init__(self, model: str, device: Optional[str] = None, dtype: Optional[str] = None,
                  runner_config: Optional[dict] = None, warmup_steps: int = 2,
@@ -121,6 +121,7 @@ class ReplicaEngine:
         from bcg.runtime.config import RunnerConfig, TransformerOptions
         from bcg.diffusers import accelerate, pipeline_info, pipeline_runners
         from bcg.diffusers.step_batching.batcher import BatcherConfig, StepBatcher
+        from bcg.diffusers.step_batching.costs import StepCosts
         from bcg.diffusers.models import LoadTimes, load_pipeline
         imports_s = time.perf_counter() - t0
 
@@ -192,7 +193,8 @@ class ReplicaEngine:
         self._used_bytes = self.memory.used_bytes(0)
         self.refresh()
         batching = dict(batching or {})
-        step_costs = batching.pop("step_costs_ms", None)  # fed in; a CUDA warmup times what it lacks
+        # fed in; a CUDA warmup times what they lack
+        step_costs = StepCosts(batching.pop("step_costs_ms", None), cached=batching.pop("cached_step_costs_ms", None))
         config = BatcherConfig(**{**NO_BATCHING, **batching})
         self.batcher = StepBatcher(self.pipe, config, info=self.info, step_costs=step_costs).start()
         self.startup = _load_phases(time.perf_counter() - t0, imports_s, load, accelerate_s, self.kernel_stats())

@@ -30,7 +30,7 @@ from bcg.runtime.proxy import unwrap_runner
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["count_prompt_tokens", "generate", "pipeline_info", "plan_request", "warmup_pipeline"]
+__all__ = ["count_prompt_tokens", "generate", "pipeline_info", "plan_request", "warmup_pipeline", "warmup_request"]
 
 # --------------------------------------------------------------------------------------------------
 # pipeline facts
@@ -255,7 +255,7 @@ def generate(pipe, prompt: str, **request) -> list:
 # warmup
 
 
-def _warmup_request(pipe, key: ShapeKey, info: dict, steps: int, prompt: str, batched: bool = False,
+def warmup_request(pipe, key: ShapeKey, info: dict, steps: int, prompt: str, batched: bool = False,
                     output_type: str = "np") -> dict:
     """The call arguments of a request at `key`: its guidance runs CFG exactly when the key does; `batched`:
     its images come from as many prompts (one image each), so the text encoders see that batch too."""
@@ -303,7 +303,7 @@ def warmup_pipeline(pipe, plan, num_inference_steps: int = 2, prompt: str = "a p
                   for name, r in runners.items()}
         error = None
         try:
-            kwargs = _warmup_request(pipe, key, info, num_inference_steps, prompt,
+            kwargs = warmup_request(pipe, key, info, num_inference_steps, prompt,
                                      batched=key.batch_size in batched_prompts)
             with contextlib.ExitStack() as stack:
                 for runner in runners.values():

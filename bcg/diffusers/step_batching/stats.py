@@ -3,7 +3,7 @@
 Counted under one lock from the loop thread and the answers thread: requests (joins, leaves, failures,
 those run alone and why), steps and rows per step, preparations and prompts per joint encode, the host
 seconds of each phase of a group step; `stats()` reports them with the batcher's config, admission (the
-step costs it reads, the requests it held back), step caching's own counters and what runs now. A mixin:
+step costs it reads, computed and cached, the cached fractions observed, the requests it held back), step caching's own counters and what runs now. A mixin:
 `_init_counters` makes them, the batcher's ``__init__`` calls it.
 """
 from __future__ import annotations
@@ -87,6 +87,8 @@ class BatcherCounters:
                 # batching where it pays: the policy, the step costs it reads, the requests it held back
                 "admission": {"policy": self.config.admission_policy, "margin": self.config.admission_margin,
                               "step_costs_ms": self.step_costs.as_dict(),
+                              "cached_step_costs_ms": self.step_costs.as_dict(cached=True),
+                              "cached_fractions": self.step_costs.observed(),
                               "deferred_requests": self._queue.deferrals.get("requests", 0),
                               "deferred_boundaries": self._queue.deferrals.get("boundaries", 0)},
                 "submitted": counts.get("submitted", 0),

@@ -2,12 +2,14 @@
 
 What a batcher's warmup captures (`warmup_plan`: every row bucket of each key's group, ``<key>.b<bucket>``),
 the warmup itself (``warmup(keys)``, on the loop thread when it runs), and batching where it pays: timing one
-step of every row bucket (`measure_step_costs`, after a CUDA warmup with ``admission_policy="auto"``) into
-the batcher's `StepCosts`, and changing the admission rule between steps (`set_admission`). A mixin: it reads
-the batcher's ``pipe``, ``config``, ``family``, ``lora``, ``step_costs``, queue and loop thread.
+step of every row bucket (`measure_step_costs`, after a CUDA warmup with ``admission_policy="auto"``) and,
+with step caching, one whose rows are all cached (`measure_cached_step_costs`) into the batcher's
+`StepCosts`, and changing the admission rule between steps (`set_admission`). A mixin: it reads the
+batcher's ``pipe``, ``config``, ``family``, ``lora``, ``step_cache``, ``step_costs``, queue and loop thread.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import threading
@@ -18,12 +20,16 @@ import torch
 from bcg.diffusers.accelerated import pipeline_call_scope
 from bcg.diffusers.buckets import ShapeKey, parse_plan
 from bcg.diffusers.step_batching.costs import time_buckets
+from bcg.diffusers.step_caching.config import StepCacheConfig
 from bcg.runtime.call_record import CallRecord, recording
-from bcg.runtime.rows import Row, RowsContext, rows_context
+from bcg.runtime.rows import Row, RowsContext, release_rows, rows_context
 
 logger = logging.getLogger("bcg.diffusers.step_batching.batcher")
 
 __all__ = ["BatcherWarmup"]
+
+# the rows of a timed cached step: their first step computes (their state made), every later one is cached
+_CACHED_AFTER_FIRST = StepCacheConfig(method="schedule", schedule=(0,), warmup_steps=0)
 
 
 class BatcherWarmup:
@@ -72,6 +78,8 @@ class BatcherWarmup:
                                          batched_prompts=batched)
             if self._measures_costs() and not report["failed"]:  # not the warmup's runner calls: timings
                 report["step_costs_ms"] = self.measure_step_costs(keys, only_missing=True)
+                if self.step_cache is not None:
+                    report["cached_step_costs_ms"] = self.measure_cached_step_costs(keys, only_missing=True)
             return report
 
         with self._thread_lock:
@@ -114,7 +122,22 @@ class BatcherWarmup:
         ``K.b2`` are one group) is not timed again. About ``(1 + repeats)`` times the sum of the buckets'
         step times. Runs where it is called (the loop thread during `warmup`); the step is the base
         model's, every row computing (no step caching), and changes no request's state."""
-        from bcg.diffusers.pipelines import _warmup_request, pipeline_info
+        return self._time_steps(keys, repeats, only_missing, cached=False)
+
+    def measure_cached_step_costs(self, keys: Iterable[ShapeKey | str], repeats: int = 3,
+                                  only_missing: bool = False) -> dict:
+        """As `measure_step_costs`, of steps whose rows are all cached (step caching's first and last blocks
+        and head, its cached outputs; the middle blocks skipped), into `step_costs`' ``cached`` table: the
+        price of a cached row (`bcg.diffusers.step_batching.costs.StepPrices`). The timed rows belong to no
+        request: their first call (untimed) computes and makes their state, the timed ones reuse it, and it
+        is freed after (`release_rows`); the step cache's row counters count them. ValueError without step
+        caching."""
+        if self.step_cache is None:
+            raise ValueError(f"{type(self.pipe).__name__}'s transformer has no step caching: every row computes")
+        return self._time_steps(keys, repeats, only_missing, cached=True)
+
+    def _time_steps(self, keys, repeats: int, only_missing: bool, cached: bool) -> dict:
+        from bcg.diffusers.pipelines import pipeline_info, warmup_request
 
         if self.family is None:
             raise ValueError(f"{type(self.pipe).__name__} has no step hooks: its requests run alone, unbatched")
@@ -127,22 +150,49 @@ class BatcherWarmup:
                 group = key.group
                 buckets = self._key_buckets(key)
                 if only_missing:
-                    known = self.step_costs.for_group(group.key)
+                    known = self.step_costs.for_group(group.key, cached=cached)
                     buckets = [b for b in buckets if b not in known]
                 if not buckets:
                     continue
-                kwargs = _warmup_request(self.pipe, group, info, 2, "a photo of a cat", output_type="latent")
+                kwargs = warmup_request(self.pipe, group, info, 2, "a photo of a cat", output_type="latent")
                 state = self.family.prepare(self.pipe, kwargs)
-                measured[group.key] = time_buckets(lambda bucket: self._cost_step(state, bucket), buckets,
-                                                   repeats, sync=self._sync)
-        self.step_costs.update(measured)
-        logger.info("step costs (ms per step and row bucket): %s", self.step_costs.as_dict())
+                owners: dict[int, tuple] = {}   # bucket -> the owner of its cached rows (its state made)
+                try:
+                    measured[group.key] = time_buckets(lambda bucket: self._cost_step(state, bucket, owners if cached
+                                                                                      else None),
+                                                       buckets, repeats, sync=self._sync)
+                finally:
+                    for owner in owners.values():
+                        release_rows(self.pipe.transformer, owner)
+        self.step_costs.update(measured, cached=cached)
+        logger.info("%s step costs (ms per step and row bucket): %s", "cached" if cached else "computed",
+                    self.step_costs.as_dict(cached=cached))
         return {group: {b: round(ms, 4) for b, ms in costs.items()} for group, costs in measured.items()}
 
-    def _cost_step(self, state, bucket: int) -> None:
-        # rows of nobody's: the base model's (LoRA), no cache config (every row computes, no state kept)
-        rows = RowsContext(rows=(Row(),) * len(self.family.row_owners([state], bucket)))
-        with rows_context(self.pipe.transformer, rows):
+    def _cost_step(self, state, bucket: int, owners: dict | None = None) -> None:
+        """One step of `bucket` rows of `state`, the base model's (LoRA). `owners` None: rows of nobody's, no
+        cache config (every row computes, no state kept). Else every row is cached: rows of one owner per
+        bucket (kept in `owners`), which first compute their step 0 (their state made: the first, untimed
+        call of a bucket), then run their step 1, which `_CACHED_AFTER_FIRST` caches."""
+        if owners is None:
+            self._step_rows(state, bucket, None, 0)
+            return
+        if bucket not in owners:
+            owners[bucket] = ("bcg-step-cost", bucket, id(state))
+            self._step_rows(state, bucket, owners[bucket], 0)
+        self._step_rows(state, bucket, owners[bucket], 1)
+
+    def _step_rows(self, state, bucket: int, owner, step: int) -> None:
+        branches = self.family.row_branches([state], bucket)
+        if owner is None:
+            rows = (Row(),) * len(branches)
+        else:
+            seen: collections.Counter = collections.Counter()
+            rows = []
+            for branch in branches:
+                rows.append(Row(owner=owner, index=seen[branch], cache=_CACHED_AFTER_FIRST, step=step, branch=branch))
+                seen[branch] += 1
+        with rows_context(self.pipe.transformer, RowsContext(rows=tuple(rows))):
             self.family.forward(self.pipe, [state], bucket)
 
     def _sync(self) -> None:

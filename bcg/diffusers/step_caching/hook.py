@@ -61,7 +61,7 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
-from bcg.diffusers.step_caching.config import METHODS, StepCacheConfig
+from bcg.diffusers.step_caching.config import METHODS, StepCacheConfig, middle_bucket
 from bcg.diffusers.step_caching.forwards import FAMILIES, MiddleBlocks, family_of
 from bcg.diffusers.step_caching.store import RowStore, cached_outputs, remember_computed
 from bcg.graphs.capture import eager_on_graph
@@ -327,7 +327,7 @@ class _StepCacheLogic:
                             self.inner(**example)
 
     def _bucket(self, rows: int, batch: int) -> int:
-        return next((b for b in self.buckets if rows <= b < batch), batch)
+        return middle_bucket(rows, batch, self.buckets)
 
     def _middle_impl(self, first_in, hidden_states, encoder_hidden_states, temb, image_rotary_emb, mask=None):
         h, e = hidden_states, encoder_hidden_states
