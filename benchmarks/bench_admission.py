@@ -1,10 +1,11 @@
 """Batching where it pays: admission policies side by side, bursts of 1, 4, 8 requests sent together.
 
     python3 benchmarks/bench_admission.py --via http --model /tmp/pipelines/flux.1-dev --steps 28 \\
-        --sizes 1024x1024,512x512 --caches '{"uncached": null, "sched16": {"method": "schedule", "schedule":
-        [0, 1, 2, 3, 4, 5, 7, 9, 11, 13, 15, 17, 19, 21, 24, 27]}}' --runner compile=true,quantize=fp8,\\
-        attention_backend=fa3_fp8 --components transformer,text_encoder,text_encoder_2,vae_decoder \\
-        --concurrency 1,4,8 --rounds 3 --out $R/bench_admission_flux_http.json
+        --sizes 1024x1024,512x512 --caches '{"uncached": null, "sched43": {"method": "schedule",
+        "warmup_steps": 0, "schedule": [0, 1, 2, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27]}}' \\
+        --runner compile=true,compile_regional=true,quantize=fp8,attention_backend=fa3_fp8 \\
+        --components transformer,text_encoder,text_encoder_2,vae_decoder --concurrency 1,4,8 --rounds 3 \\
+        --out $R/bench_admission_flux_http.json
     python3 benchmarks/bench_admission.py --model /tmp/pipelines/flux.1-dev --sizes 512x512 --steps 28 \\
         --components transformer,text_encoder,text_encoder_2,vae_decoder --out $R/bench_admission_flux_512.json
     python3 benchmarks/bench_admission.py --allow-cpu --sizes 64x64 --steps 2 --rounds 1 \\
