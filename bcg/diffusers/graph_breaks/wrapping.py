@@ -28,8 +28,8 @@ from bcg.runtime.runner import CAPTURE_FAILED_ATTR
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["BREAKS_HOOK", "BreaksHook", "PlacementHook", "breaks_hook", "core_of", "has_processor",
-           "remove_breaks", "with_globals"]
+__all__ = ["BREAKS_HOOK", "BreaksHook", "PlacementHook", "attention_cores", "breaks_hook", "core_of", "has_processor",
+           "processor_subclass", "remove_breaks", "with_globals"]
 
 
 class _FunctionalWithEagerAttention(types.ModuleType):
@@ -91,19 +91,33 @@ def _function_like(func, namespace, closure):
     return rebuilt
 
 
-def core_of(call) -> tuple[dict, str] | None:
-    """(module globals, name) of the attention core `call` uses directly, or None."""
+def attention_cores(call) -> tuple[dict, list[str]]:
+    """(module globals, names) of the attention cores `call` uses directly: diffusers'
+    ``dispatch_attention_fn``, then the globals naming ``torch.nn.functional`` where it calls
+    ``F.scaled_dot_product_attention`` (SD3's, PixArt's processors); no names where it uses none. The one
+    place an attention core is recognised (breaks, compiled breaks, the attention kernel's routing)."""
     func = getattr(call, "__func__", call)
     code, namespace = getattr(func, "__code__", None), getattr(func, "__globals__", None)
     if code is None or namespace is None:
-        return None
+        return {}, []
+    names = []
     if "dispatch_attention_fn" in code.co_names and callable(namespace.get("dispatch_attention_fn")):
-        return namespace, "dispatch_attention_fn"
+        names.append("dispatch_attention_fn")
     if "scaled_dot_product_attention" in code.co_names:
-        for name in code.co_names:
-            if namespace.get(name) is torch.nn.functional:
-                return namespace, name
-    return None
+        names += [name for name in code.co_names if namespace.get(name) is torch.nn.functional]
+    return namespace, names
+
+
+def core_of(call) -> tuple[dict, str] | None:
+    """(module globals, name) of the first attention core `call` uses directly (`attention_cores`), or None."""
+    namespace, names = attention_cores(call)
+    return (namespace, names[0]) if names else None
+
+
+def processor_subclass(base: type, call) -> type:
+    """A subclass of attention processor class `base` whose ``__call__`` is `call`: the same name, module
+    and docstring, so that it reads as `base` wherever a processor's class is shown."""
+    return type(base.__name__, (base,), {"__call__": call, "__module__": base.__module__, "__doc__": base.__doc__})
 
 
 def _eager_core(current):
@@ -129,8 +143,7 @@ def _breaking_class(base: type, whole: bool) -> tuple[type, bool]:
     __call__.__wrapped__ = original_call
     __call__.__name__, __call__.__qualname__ = "__call__", f"{base.__qualname__}.__call__"
     __call__.__doc__ = original_call.__doc__
-    cls = type(base.__name__, (base,), {"__call__": __call__, "__module__": base.__module__, "__doc__": base.__doc__})
-    return cls, breaks_core
+    return processor_subclass(base, __call__), breaks_core
 
 
 def has_processor(module) -> bool:
