@@ -26,6 +26,7 @@ from bcg.diffusers.buckets import ShapeKey, buckets_up_to, check_shape, parse_pl
 from bcg.diffusers.call_args import call_defaults, call_parameters
 from bcg.diffusers.families import family_named, family_of
 from bcg.diffusers.tokenizers import restore as restore_tokenizer
+from bcg.runtime.hooks import HookRegistry, ModelHook
 from bcg.runtime.proxy import unwrap_runner
 
 logger = logging.getLogger(__name__)
@@ -133,17 +134,39 @@ def _padded_encode_prompt(encode_prompt):
             mask = torch.nn.functional.pad(mask, (0, max_sequence_length - length))
         return embeds, mask
 
-    encode.__bcg_padded__ = True
     return encode
 
 
-def _pad_prompts(pipe) -> None:
-    """Make `pipe` (Qwen-Image) pad its prompt embeddings to ``max_sequence_length``; idempotent.
+class PaddedPromptsHook(ModelHook):
+    """``bcg_padded_prompts`` on a pipeline (Qwen-Image): its instance's ``encode_prompt`` pads embeddings and
+    mask to ``max_sequence_length`` (`_padded_encode_prompt`); removing the hook puts back what was there.
+    An instance attribute, so the class, other pipelines and ``save_pretrained`` are untouched."""
 
-    An instance attribute, so the class, other pipelines and ``save_pretrained`` are untouched.
-    """
-    if not getattr(pipe.encode_prompt, "__bcg_padded__", False):
-        pipe.encode_prompt = _padded_encode_prompt(pipe.encode_prompt)
+    NAME = "bcg_padded_prompts"
+
+    def __init__(self):
+        super().__init__()
+        self._before = None
+
+    def initialize_hook(self, pipe):
+        self._before = pipe.__dict__.get("encode_prompt")
+        object.__setattr__(pipe, "encode_prompt", _padded_encode_prompt(pipe.encode_prompt))
+        return pipe
+
+    def deinitialize_hook(self, pipe):
+        if self._before is None:
+            pipe.__dict__.pop("encode_prompt", None)
+        else:
+            object.__setattr__(pipe, "encode_prompt", self._before)
+        return pipe
+
+
+def _pad_prompts(pipe) -> None:
+    """Make `pipe` (Qwen-Image) pad its prompt embeddings to ``max_sequence_length`` (`PaddedPromptsHook`);
+    idempotent."""
+    registry = HookRegistry.check_if_exists_or_initialize(pipe)
+    if registry.get_hook(PaddedPromptsHook.NAME) is None:
+        registry.register_hook(PaddedPromptsHook(), PaddedPromptsHook.NAME)
 
 
 # --------------------------------------------------------------------------------------------------

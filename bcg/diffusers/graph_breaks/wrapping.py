@@ -24,7 +24,6 @@ from bcg.graphs.capture import eager_on_graph, is_capturing
 from bcg.runtime.compile import BREAKS_HOOK
 from bcg.runtime.hooks import HookRegistry, ModelHook
 from bcg.runtime.proxy import unwrap_runner
-from bcg.runtime.runner import CAPTURE_FAILED_ATTR
 
 logger = logging.getLogger(__name__)
 
@@ -267,8 +266,9 @@ class BreaksHook(ModelHook):
 
 class PlacementHook(BreaksHook):
     """``bcg_breaks`` of the automatic (or pinned) placement: its forward is the placement's
-    (`bcg.diffusers.graph_breaks.placement.AutoPlacement`), and with ``"auto"`` its capture-failure answer is the
-    runner's hook (`bcg.runtime.runner.CAPTURE_FAILED_ATTR`)."""
+    (`bcg.diffusers.graph_breaks.placement.AutoPlacement`), and with ``"auto"`` it answers a failed capture
+    (`capture_failed`, asked by the runner through the module's hook registry): the failing place becomes a
+    break."""
 
     def __init__(self, placement_factory, probing: bool):
         super().__init__()
@@ -278,16 +278,13 @@ class PlacementHook(BreaksHook):
 
     def initialize_hook(self, module):
         self.placement = self._factory(module, self)
-        if self.probing:
-            module.__dict__[CAPTURE_FAILED_ATTR] = self.placement.capture_failed
         return module
 
     def new_forward(self, module, *args, **kwargs):
         return self.placement._call(args, kwargs)
 
-    def deinitialize_hook(self, module):
-        module.__dict__.pop(CAPTURE_FAILED_ATTR, None)
-        return super().deinitialize_hook(module)
+    def capture_failed(self, module, exc: BaseException) -> str | None:
+        return self.placement.capture_failed(exc) if self.probing else None
 
 
 _ABSENT = object()
