@@ -71,7 +71,7 @@ def pipeline_artifacts(pipe):
 
 __all__ = ["ARTIFACTS_HOOK", "ARTIFACT_SUFFIX", "ArtifactsHook", "Artifact", "ArtifactFormatError", "ArtifactKey", "ArtifactStore", "CompileArtifacts",
            "FORMAT_VERSION", "Lookup", "NOT_COMPILE_FIELDS", "artifact_key", "decode", "encode", "open_store",
-           "pipeline_artifacts"]
+           "pipeline_artifacts", "safe_path_part"]
 
 MAGIC = b"BCGCART\n"
 FORMAT_VERSION = 1
@@ -96,7 +96,8 @@ def _canonical(value) -> str:
     return json.dumps(value, sort_keys=True, separators=(",", ":"), default=str)
 
 
-def _safe(text: str) -> str:
+def safe_path_part(text: str) -> str:
+    """`text` as one part of a store path: runs of anything but letters, digits, ``.``, ``_`` and ``-`` as ``_``."""
     return re.sub(r"[^A-Za-z0-9._-]+", "_", text).strip("_") or "_"
 
 
@@ -131,7 +132,7 @@ class ArtifactKey:
     @property
     def slot(self) -> str:
         """Where artifacts for the same model and shape live, whatever they were made under."""
-        return f"{_safe(self.name)}/{_safe(self.shape_key or 'any')}"
+        return f"{safe_path_part(self.name)}/{safe_path_part(self.shape_key or 'any')}"
 
     @property
     def path(self) -> str:
