@@ -96,15 +96,18 @@ def cli_marks(log_text: str, command_at: float) -> dict:
 
 
 def replica_view(replica: dict, command_at: float) -> dict:
-    """What a replica's stats say of its start: its GPU, the time from the command to its constructor, its
-    pipeline load and its start-up warmup's split."""
-    cold = replica.get("cold_start") or {}
-    began = (replica.get("warm_ready_at") or 0) - (cold.get("seconds") or 0)
-    warmup = cold.get("warmup") or {}
+    """What a replica's stats say of its start (its ``startup``): its GPU, the time from the command to its
+    constructor, its pipeline load (the load phases), from its constructor to warm, and its start-up
+    warmup's split."""
+    startup = replica.get("startup") or {}
+    phases = startup.get("phases") or {}
+    began = startup.get("constructor_at")
     return {"replica": replica.get("replica"), "device": replica.get("device"), "gpu": replica.get("gpu"),
-            "ray_start_s": round(began - command_at, 2) if cold else None,
-            "load_pipeline_s": cold.get("load_pipeline_s"), "constructor_s": cold.get("seconds"),
-            "warmup": warmup, "compile_artifacts": replica.get("compile_artifacts"),
+            "ray_start_s": round(began - command_at, 2) if began else None,
+            "load_pipeline_s": round(sum(v or 0.0 for k, v in phases.items() if k.startswith("load_")), 3),
+            "constructor_s": startup.get("ready_s"),
+            "warmup": startup.get("warmup") or {},
+            "compile_artifacts": replica.get("compile_artifacts"),
             "attention_choices": replica.get("attention_choices"),
             "compiled_while_serving": replica.get("compiled_while_serving"),
             "warm_requests": replica.get("warm_requests"), "cold_requests": replica.get("cold_requests")}

@@ -126,13 +126,12 @@ class Replica:
         self._cold_keys: Dict[str, int] = {}
         self._reports: List[dict] = []
         self._broken: Optional[str] = None
-        self.first_request_at: Optional[float] = None
         self.metrics = ReplicaMetrics()
         settings = runner_config if isinstance(runner_config, dict) else {}  # quantize travels with the runner's
         self._startup.warn(startup_warnings(settings.get("quantize"), settings, compile_components))
         self._coordinator = coordinator  # warmup progress goes there (see _push_progress)
         self._progress: Dict = {"replica": self.replica_id, "i": 0, "n": 0, "done": True, "failed": {}}
-        t0, t_start = time.perf_counter(), time.time()
+        t0 = time.perf_counter()
         self._lora_paths = LoraPaths.from_settings(lora)  # which adapter paths this replica reads
         if lora and coordinator is not None:  # the adapters every replica holds now (loads at run time too)
             lora = {**lora, "modules": self._allowed_adapters(await coordinator.lora_adapters.remote())}
@@ -143,7 +142,6 @@ class Replica:
                                             model, device, dtype, runner_config,
                                             warmup_steps, cpu_threads, gpu_memory_fraction, pipeline_hook,
                                             components)
-        loaded_at = time.time()
         self._startup.loaded(self.engine.startup)
         self.info = dict(self.engine.info)
         # compile artifacts: fetched from the coordinator before a key compiles, handed to it after
@@ -153,7 +151,6 @@ class Replica:
         self._attention = ReplicaAttentionChoices(self.replica_id, coordinator, asyncio.get_running_loop())
         await self._attention.attach(self.engine, self._in_thread)
         self._timing: Dict[str, Dict[str, float]] = {REQUEST_S: {}, COLD_REQUEST_S: {}, WARMUP_S: {}}
-        self._cold_start: Optional[dict] = None  # the start-up warmup: its time and where it went
         self._last_done_at: Optional[float] = None  # when the last request finished here
         # graphs compiled outside warmups (by a request: never expected) = all less those the warmups compiled
         self._compiled_outside_warmups = self.engine.compiled_graphs()
@@ -176,12 +173,7 @@ class Replica:
         self._startup.warmed(self._reports[-1]["timing"] if keys else None)
         if lora and coordinator is not None:  # adapters loaded or unloaded while this replica started
             await self._sync_adapters(await coordinator.lora_adapters.remote())
-        self.warm_ready_at = time.time()
         self._startup.warm()
-        # from the constructor's start: the pipeline's load, then the warmup (start of warmup to warm)
-        self._cold_start = {"seconds": round(self.warm_ready_at - t_start, 3),
-                            "load_pipeline_s": round(loaded_at - t_start, 3),
-                            "warmup": self._reports[-1]["timing"] if keys else None}
         logger.info("replica %s ready, warm for %s", self.replica_id, self.engine.warm_keys())
 
     async def _in_thread(self, fn, *args):
@@ -385,12 +377,11 @@ class Replica:
         # replays and eager calls: the runners' totals while serving (a request's own figures overlap
         # with those of the requests batched beside it)
         return {**self.replica_info(), **self._counters, **self.engine.served(), "cold_keys": dict(self._cold_keys),
-                "device": self.engine.device, "gpu": self.engine.gpu, "warm_ready_at": self.warm_ready_at,
-                "first_request_at": self.first_request_at, "warmups": list(self._reports),
+                "device": self.engine.device, "gpu": self.engine.gpu, "warmups": list(self._reports),
                 "runner": self.engine.runner_stats(), "kernels": self.engine.kernel_stats(), "ongoing": self._ongoing,
                 "batcher": self.engine.batcher.stats(), "batch_pool_bytes": self.engine.bucket_pool_bytes(),
                 "cuda_memory": cuda_memory(), "warmup_progress": dict(self._progress),
-                "memory": self.engine.memory_report(), "cold_start": self._cold_start,
+                "memory": self.engine.memory_report(),
                 "compile_artifacts": self._artifacts.stats(), "attention_choices": self._attention.stats(),
                 "lora": self.engine.lora_stats(),
                 "startup": self._startup.report(), "warnings": list(self._startup.warnings),
@@ -414,8 +405,6 @@ class Replica:
         key = plan.shape_key
         t0 = time.perf_counter()
         self._ongoing += 1
-        if self.first_request_at is None:
-            self.first_request_at = time.time()
         try:
             warm = key.key in self.engine.warm_set()  # what the router routed it by (routing_view.warm_set)
             answer = self.engine.submit(plan)

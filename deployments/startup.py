@@ -10,6 +10,10 @@ Contract:
   (``publish`` before Serve read the warm set, ``hand_off`` before the first answer); every other is a
   number >= 0. Where a phase is measured as "what is left of a span" it is clipped at 0.
 * Only the start-up warmup counts here; warmups asked later (``POST /v1/warmup``) are in ``warmups``.
+* The one record of a replica's start: when it was warm (``warm_at``) and answered its first request
+  (``first_request_at``, the replica's one first-request clock), and its start-up warmup as the replica
+  timed it (``warmup``: where its seconds went, each key's compile-artifact outcome, ``by_key``), which
+  the warmup phases are read from.
 * The process's start is the OS's (psutil, else ``/proc/self/stat``); a Ray worker may wait in Ray's
   pool of idle workers before it becomes this replica, and that wait is in ``process_start``.
 * `startup_warnings`: what a start-up configuration costs that the user may not know (float8 without
@@ -109,7 +113,7 @@ class ReplicaStartup:
         self.imports_began = min(max(imports_began, self.process_at), self.constructor_at)
         self.load: Dict[str, float] = {}
         self.loaded_at = self.warmup_began = self.warmup_done = self.warm_at = None
-        self.published_at = self.answered_at = None
+        self.published_at = self.first_request_at = None
         self.warmup: Optional[dict] = None  # the start-up warmup's timing (deployments.replica)
         self.warnings: List[str] = []
 
@@ -130,8 +134,9 @@ class ReplicaStartup:
             self.published_at = time.time()
 
     def answered(self) -> None:
-        if self.answered_at is None:
-            self.answered_at = time.time()
+        """A request was answered: the first one stops the start's clock."""
+        if self.first_request_at is None:
+            self.first_request_at = time.time()
 
     def warn(self, warnings: List[str]) -> None:
         for line in warnings:
@@ -153,16 +158,18 @@ class ReplicaStartup:
         out["warmup_other"] = _span(self.warmup_began, self.warmup_done) - measured
         out["adapters"] = _span(self.warmup_done, self.warm_at)
         out["publish"] = None if self.published_at is None else _span(self.warm_at, self.published_at)
-        out["hand_off"] = None if self.answered_at is None else _span(self.published_at, self.answered_at)
+        out["hand_off"] = None if self.first_request_at is None else _span(self.published_at, self.first_request_at)
         return {f"{phase}_s": _r(out[phase]) for phase in PHASES}
 
     def report(self) -> dict:
         """The ``startup`` section of the replica's stats."""
         return {"process_started_at": self.process_at, "constructor_at": self.constructor_at,
+                "warm_at": self.warm_at, "first_request_at": self.first_request_at,
                 "total_s": _r(time.time() - self.process_at),
                 "ready_s": None if self.warm_at is None else _r(self.warm_at - self.constructor_at),
-                "first_request_s": None if self.answered_at is None else _r(self.answered_at - self.process_at),
-                "phases": self.phases(), "by_key": dict((self.warmup or {}).get("by_key") or {}),
+                "first_request_s": None if self.first_request_at is None
+                else _r(self.first_request_at - self.process_at),
+                "phases": self.phases(), "warmup": None if self.warmup is None else dict(self.warmup),
                 "warnings": list(self.warnings)}
 
 

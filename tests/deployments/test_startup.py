@@ -30,7 +30,7 @@ def test_phases_are_none_until_reached_then_numbers_that_sum_within_the_total():
     assert report["first_request_s"] is None and report["ready_s"] >= 0
     assert report["phases"]["imports_s"] >= 0.03  # the app's modules' and the engine's
     assert report["phases"]["warmup_trace_s"] == 0.005 and report["phases"]["warmup_compile_s"] == 0.015
-    assert report["by_key"] == {"64x64": {"seconds": 0.03}}
+    assert report["warmup"]["by_key"] == {"64x64": {"seconds": 0.03}} and report["warm_at"] >= report["constructor_at"]
     startup.published()
     startup.answered()
     startup.answered()  # only the first answer counts
@@ -39,6 +39,9 @@ def test_phases_are_none_until_reached_then_numbers_that_sum_within_the_total():
     assert all(isinstance(phases[f], float) and phases[f] >= 0 for f in FIELDS), phases
     assert sum(phases.values()) <= report["total_s"] + 1e-3 * len(FIELDS)
     assert report["first_request_s"] >= report["ready_s"]
+    # one clock: the first answer's time, as the milestone and the last phase read it
+    assert report["first_request_at"] >= report["warm_at"]
+    assert report["first_request_s"] == round(report["first_request_at"] - report["process_started_at"], 3)
 
 
 def test_process_start_from_proc_agrees_with_psutil(monkeypatch):
@@ -106,8 +109,9 @@ def test_v1_stats_counts_every_phase_of_every_replicas_start(serve_app):
         assert phases["load_read_s"] > 0 and phases["imports_s"] > 0
         assert 0 < startup["ready_s"] < startup["first_request_s"] <= startup["total_s"]
         # the start-up warmup per key: the keys of its share, each with its buckets
-        assert startup["by_key"] and set(startup["by_key"]) <= set(st["assigned"]), (rid, startup["by_key"])
-        assert all(k["seconds"] > 0 and k["buckets"] for k in startup["by_key"].values())
+        by_key = startup["warmup"]["by_key"]
+        assert by_key and set(by_key) <= set(st["assigned"]), (rid, by_key)
+        assert all(k["seconds"] > 0 and k["buckets"] for k in by_key.values())
         # the app asks for fp8 without compile: every replica names the cost and the fix
         assert len(st["warnings"]) == 1 and "runner=compile=true" in st["warnings"][0]
         assert startup["warnings"] == st["warnings"]

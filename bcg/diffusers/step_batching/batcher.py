@@ -121,7 +121,8 @@ class StepBatcher(BatcherWarmup, BatcherCounters):
                            self.config.max_batch_size, self.config.batch_buckets[-1])
         self.step_costs = step_costs if isinstance(step_costs, StepCosts) else StepCosts(step_costs)
         # the step cache's row buckets: the admission rule prices a step's middle blocks by them
-        self._queue = RequestQueue(self.config, self.step_costs, () if self.step_cache is None else self.step_cache.buckets)
+        self._queue = RequestQueue(self.config, self.step_costs,
+                                   () if self.step_cache is None else self.step_cache.buckets)
         self._layouts: dict[str, tuple] = {}  # group -> layout of its running batch (loop thread only)
         self._ids = itertools.count()
         self._thread: threading.Thread | None = None

@@ -3,8 +3,9 @@
 Counted under one lock from the loop thread and the answers thread: requests (joins, leaves, failures,
 those run alone and why), steps and rows per step, preparations and prompts per joint encode, the host
 seconds of each phase of a group step; `stats()` reports them with the batcher's config, admission (the
-step costs it reads, computed and cached, the cached fractions observed, the requests it held back), step caching's own counters and what runs now. A mixin:
-`_init_counters` makes them, the batcher's ``__init__`` calls it.
+step costs it reads, computed and cached, the cached fractions observed, the requests it held back), step
+caching's own counters and what runs now. A mixin: `_init_counters` makes them, the batcher's ``__init__``
+calls it.
 """
 from __future__ import annotations
 
