@@ -250,10 +250,11 @@ class AppArgs(BaseModel):
 
     @field_validator("step_costs_ms", "cached_step_costs_ms", mode="before")
     @classmethod
-    def _step_costs(cls, v):
+    def _step_costs(cls, v, info):
         if isinstance(v, str):  # JSON from a command line: '{"512x512": {"1": 61.2, "2": 122.5}}'
             v = json.loads(v) if v.strip() else {}
-        StepCosts(v)  # positive buckets and milliseconds; the error names the entry
+        # positive buckets and milliseconds; the error names the field and the entry
+        StepCosts().update(v, cached=info.field_name == "cached_step_costs_ms")
         return v
 
     @field_validator("batch_buckets", mode="before")
