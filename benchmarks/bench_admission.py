@@ -35,8 +35,9 @@ the same policy), the batcher's rows-per-step histogram and its deferred admissi
 (``summary``): ``auto`` against each other policy (images/s and mean latency, median over rounds of the
 per-round ratio), and ``auto_vs_best``: auto's mean latency over the better of ``always`` and ``never``
 (lower mean) and its images/s over the better of them (higher), per round, with ``meets``: mean latency
-<= 1.05x and images/s >= 0.97x (issue 48's bar). A PNG next to the JSON draws mean latency and images/s
-per case and level. Needs CUDA unless ``--allow-cpu``.
+<= 1.05x and images/s >= 0.97x (issue 48's bar). The JSON is written after every round (``partial``: a
+run cut short keeps its rounds); a PNG next to it draws mean latency and images/s per case and level.
+Needs CUDA unless ``--allow-cpu``.
 
 ``--via http``: the same bursts from outside, ``POST /v1/images/generations`` from a client thread per
 request, to one replica of ``build_app`` (``admission_policy`` auto, every size warm at start-up: its warmup
@@ -64,7 +65,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 
 from _common import (APP_FIELDS, _spread, add_plot_only, machine_info, pick_device, pyplot,  # noqa: E402
-                     run_or_plot, runner_fields, save_figure, start_local_serve)
+                     run_or_plot, runner_fields, save_figure, start_local_serve, write_json)
 import bench_batching  # noqa: E402
 from bench_batching import PROMPTS, _request, batch_figures, _percentiles  # noqa: E402
 
@@ -260,7 +261,8 @@ def run_served(args) -> dict:
 def rounds(args, one_burst) -> dict:
     """``one_burst(case, policy, c, first_seed)`` once per case and policy untimed (every bucket's path),
     then ``--rounds`` rounds of every case, level and policy, the policies' order reversed every other round:
-    ``{(case label, c, policy): [burst, ...]}``."""
+    ``{(case label, c, policy): [burst, ...]}``. After each round the JSON is written with what ran
+    (``"partial": true``), so a run cut short keeps its rounds."""
     cases = _cases(args)
     for case in cases:
         for policy in args.policies:
@@ -276,6 +278,7 @@ def rounds(args, one_burst) -> dict:
                     _say(f"round {r} {case['label']} c={c} {policy}: mean {statistics.fmean(last['latencies_ms']):.1f}"
                          f" ms, {last['images'] / last['wall_s']:.3f} images/s, rows/step "
                          f"{last['batch']['mean_rows_per_step']}")
+        write_json(args.out, {**_result(args, samples), "partial": True, "rounds_done": r + 1})
     return samples
 
 

@@ -24,6 +24,7 @@ def test_cpu_smoke_run_serializes_auto_under_compute_bound_costs_and_always_batc
                                  "--step-costs-ms", json.dumps(costs), "--out", str(out)])
     result = json.loads(out.read_text())
     assert code == 0 and result["shape_keys"] == {"64x64": "64x64.p32"} and result["step_costs_ms"] == costs
+    assert "partial" not in result  # written after each round, whole at the end
     runs = {(r["concurrency"], r["policy"]): r for r in result["runs"]}
     assert set(runs) == {(c, p) for c in (1, 2) for p in ("auto", "always", "never")}
     assert all(r["rounds"] == 2 and len(r["round_images_per_s"]["rounds"]) == 2 and r["case"] == "64x64"
