@@ -31,8 +31,8 @@ _EXPORTS = {
     "ShapeKey": "bcg.diffusers.shape_key",
     "install_breaks": "bcg.diffusers",
     "accelerate": "bcg.diffusers",
-    "StepCacheConfig": "bcg.diffusers.cache_config",
-    "enable_step_cache": "bcg.diffusers.step_cache",
+    "StepCacheConfig": "bcg.diffusers.step_caching.config",
+    "enable_step_cache": "bcg.diffusers.step_caching.hook",
     "load_pipeline": "bcg.diffusers.models",
     "BUILTIN_MODELS": "bcg.diffusers.models",
 }

@@ -58,9 +58,9 @@ import bench_batching  # noqa: E402
 from bench_batching import PROMPTS, _request, batch_figures, _percentiles  # noqa: E402
 
 from bcg.diffusers import accelerate, plan_request  # noqa: E402
-from bcg.diffusers.batching import StepBatcher  # noqa: E402
+from bcg.diffusers.step_batching.batcher import StepBatcher  # noqa: E402
 from bcg.diffusers.models import load_pipeline  # noqa: E402
-from bcg.diffusers.step_costs import ADMISSION_POLICIES  # noqa: E402
+from bcg.diffusers.step_batching.costs import ADMISSION_POLICIES  # noqa: E402
 
 DEFAULT_OUT = os.path.join(HERE, "results", "bench_admission.json")
 

@@ -71,8 +71,8 @@ from _common import (add_plot_only, machine_info, pick_device, plot_only, pyplot
                      served_split, start_local_serve, sync, write_result)
 
 from bcg.diffusers import accelerate, pipeline_runners, plan_request  # noqa: E402
-from bcg.diffusers.batching import StepBatcher  # noqa: E402
-from bcg.diffusers.step_costs import ADMISSION_POLICIES  # noqa: E402
+from bcg.diffusers.step_batching.batcher import StepBatcher  # noqa: E402
+from bcg.diffusers.step_batching.costs import ADMISSION_POLICIES  # noqa: E402
 from bcg.diffusers.models import load_pipeline  # noqa: E402
 from deployments.schemas import OUTPUT_FORMATS  # noqa: E402
 

@@ -332,7 +332,7 @@ def measure(variant, model, name, size, args, state):
     if variant == "segments":
         forward_fn = model
     else:
-        from bcg.diffusers.compiled_breaks import install_compiled_breaks
+        from bcg.diffusers.graph_breaks.compiled import install_compiled_breaks
         from bcg.runtime.compile import compile_for_segments
 
         forward_fn = state.get("compiled")

@@ -60,7 +60,7 @@ class Sampler:
         if self.cache is None:
             return self._call(prompts, seeds)
         # step caching decides per request: one prompt a call, so each picture's steps are its own
-        from bcg.diffusers.step_cache import step_cache_of
+        from bcg.diffusers.step_caching.hook import step_cache_of
 
         hook, out = step_cache_of(self.pipe), []
         for prompt, seed in zip(prompts, seeds):
@@ -132,7 +132,7 @@ def accelerated(args, dtype, config=None, cache=None, options=None, **call_kwarg
 def _cached(method: str, **fields):
     """A step-caching builder: `shapes-flux` in the reference's dtype, each prompt its own request."""
     def build(args) -> Sampler:
-        from bcg.diffusers.step_cache import StepCacheConfig
+        from bcg.diffusers.step_caching.hook import StepCacheConfig
 
         return accelerated(args, None, cache=StepCacheConfig(method=method, **fields))
     return build
@@ -184,7 +184,7 @@ VARIANTS = {
     "fa3_fp8": _variant("bfloat16", checks=(_needs_hopper,), attention_backend="fa3_fp8"),
     "fp8+fa3_fp8": _variant("bfloat16", checks=(_needs_fp8, _needs_hopper), quantize="fp8",
                             attention_backend="fa3_fp8"),
-    # step caching (bcg.diffusers.step_cache), in the reference's dtype: First-Block Cache by threshold,
+    # step caching (bcg.diffusers.step_caching.hook), in the reference's dtype: First-Block Cache by threshold,
     # and a fixed schedule computing 16 of 28 steps (benchmarks/run_step_cache_gpu.sh's)
     "first_block_0.05": _cached("first_block", threshold=0.05),
     "first_block_0.1": _cached("first_block", threshold=0.1),

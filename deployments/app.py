@@ -29,7 +29,7 @@ from typing import Dict, List, Literal, Optional, Tuple, Union
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from bcg.diffusers.buckets import ShapeKey
-from bcg.diffusers.step_costs import StepCosts
+from bcg.diffusers.step_batching.costs import StepCosts
 from deployments.coordinator import Coordinator
 from deployments.ingress import Ingress
 from deployments.replica import Replica
@@ -87,7 +87,7 @@ class AppArgs(BaseModel):
     replication: int = Field(1, ge=1)
     max_ongoing_requests: int = Field(4, ge=1)
     max_queued_requests: int = Field(64, ge=-1)
-    # continuous batching (bcg.diffusers.batching): image rows per denoising step of one shape key;
+    # continuous batching (bcg.diffusers.step_batching.batcher): image rows per denoising step of one shape key;
     # None: min(4, max_ongoing_requests); 1: every request runs alone
     max_batch_size: Optional[int] = Field(None, ge=1)
     batch_buckets: List[int] = Field(default_factory=lambda: [1, 2, 4, 8])  # rows a step pads up to
@@ -96,7 +96,7 @@ class AppArgs(BaseModel):
     join_policy: Literal["step", "batch"] = "step"
     # "auto": a request joins a running batch only where the step costs measured at warmup say the bigger
     # row bucket buys throughput (by admission_margin per row), else it waits for rows to free; "always":
-    # whenever its rows fit (bcg.diffusers.step_costs). step_costs_ms: {group key: {bucket: ms}} to start
+    # whenever its rows fit (bcg.diffusers.step_batching.costs). step_costs_ms: {group key: {bucket: ms}} to start
     # from (e.g. a replica's /v1/stats "admission"); a CUDA warmup times only the buckets it lacks
     admission_policy: Literal["auto", "always"] = "auto"
     admission_margin: float = Field(0.1, ge=0, lt=1)

@@ -108,7 +108,7 @@ class ReplicaEngine:
     One `StepBatcher` loop thread owns the pipeline: requests (`submit`), warmups and runner-stats reads
     (`call`) all run there. ``batching`` holds `BatcherConfig` fields (default `NO_BATCHING`) and
     ``step_costs_ms``, a table of step costs the batcher's ``"auto"`` admission starts from
-    (`bcg.diffusers.step_costs.StepCosts`)."""
+    (`bcg.diffusers.step_batching.costs.StepCosts`)."""
 
     def __init__(self, model: str, device: Optional[str] = None, dtype: Optional[str] = None,
                  runner_config: Optional[dict] = None, warmup_steps: int = 2,
@@ -120,7 +120,7 @@ class ReplicaEngine:
         import torch
         from bcg.runtime.config import RunnerConfig, TransformerOptions
         from bcg.diffusers import accelerate, pipeline_info, pipeline_runners
-        from bcg.diffusers.batching import BatcherConfig, StepBatcher
+        from bcg.diffusers.step_batching.batcher import BatcherConfig, StepBatcher
         from bcg.diffusers.models import LoadTimes, load_pipeline
         imports_s = time.perf_counter() - t0
 
@@ -148,11 +148,11 @@ class ReplicaEngine:
         if self.lora is not None and not app_sets_entries:
             # base steps and adapter steps replay graphs of their own (`bcg.lora`): room for both sets
             self.config = dataclasses.replace(self.config, max_entries=2 * self.config.max_entries)
-        # step caching (`bcg.diffusers.step_cache`): on when the app sets a default (threshold 0: requests may
+        # step caching (`bcg.diffusers.step_caching.hook`): on when the app sets a default (threshold 0: requests may
         # ask, none caches unless it does); off, the transformer runs as it always did
         self.step_cache = None
         if step_cache is not None:
-            from bcg.diffusers.step_cache import StepCacheConfig, enable_step_cache, supports_step_cache
+            from bcg.diffusers.step_caching.hook import StepCacheConfig, enable_step_cache, supports_step_cache
             if not supports_step_cache(pipe):
                 raise ValueError(f"step_cache: {model!r}'s transformer does not support step caching (Flux, Wan, SD3 and Qwen-Image do)")
             self.step_cache = enable_step_cache(pipe, StepCacheConfig.from_any(step_cache))

@@ -28,7 +28,7 @@ Contract:
   count warm and cold requests, and (on GPU meaningful) the runners' replays vs eager calls while
   serving. A response's own ``replays``/``eager_calls`` come from its call record: the runner calls
   made for it (a batched call counts for every request in the batch).
-* Pipelines are not thread-safe: one `StepBatcher` loop thread (``bcg.diffusers.batching``) owns the
+* Pipelines are not thread-safe: one `StepBatcher` loop thread (``bcg.diffusers.step_batching.batcher``) owns the
   pipeline. Requests are planned and queued there and run step-wise: requests of one shape key group
   (size, frames, CFG, prompt bucket; any image count) share a batch up to ``max_batch_size`` image rows,
   joining and leaving at denoising-step boundaries; families without step hooks (all but Flux and SD3)

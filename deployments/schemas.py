@@ -20,7 +20,7 @@ from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, PrivateAttr,
                       model_validator)
 
 from bcg.diffusers.buckets import ShapeKey, check_shape, parse_size, request_shape_key
-from bcg.diffusers.cache_config import StepCacheConfig
+from bcg.diffusers.step_caching.config import StepCacheConfig
 from bcg.diffusers.request_plan import LoraChoice, PlanDefaults, PlanError, RequestPlan, resolve_plan
 from deployments.lora import lora_choice
 
@@ -53,7 +53,7 @@ class RequestLimits(BaseModel):
 
 
 class StepCache(BaseModel):
-    """A request's step caching (`bcg.diffusers.cache_config.StepCacheConfig`, which checks it): method
+    """A request's step caching (`bcg.diffusers.step_caching.config.StepCacheConfig`, which checks it): method
     ``first_block`` (cached while the first block's residual moved less than ``threshold`` since the last
     computed step) or ``schedule`` (the step indices to compute); ``warmup_steps`` always computed first.
     The config is built once, when the body is validated (torch-free), and `config` returns that object."""

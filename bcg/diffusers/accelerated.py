@@ -20,14 +20,14 @@ from typing import Any, Iterable
 import torch
 
 from bcg.diffusers.attention import attention_stats, set_attention_backend
-from bcg.diffusers.breaks import install_breaks, unwrap_runner
+from bcg.diffusers.graph_breaks.install import install_breaks, unwrap_runner
 from bcg.runtime.attention import AUTO_CANDIDATES, backend_unavailable_reason
 from bcg.runtime.config import TransformerOptions
 from bcg.runtime.hooks import HookRegistry, ModelHook, bcg_hooks_on
 from bcg.runtime.quantize import quantize_module, quantize_report
 from bcg.diffusers.tokenizers import TokenizersHook
-from bcg.diffusers.placement import placement_stats
-from bcg.diffusers.step_cache import attach_step_cache
+from bcg.diffusers.graph_breaks.placement import placement_stats
+from bcg.diffusers.step_caching.hook import attach_step_cache
 
 logger = logging.getLogger(__name__)
 
@@ -287,7 +287,7 @@ def accelerate(pipe, config=None, policy: Any = "auto", components: Iterable[str
     components: any of ``COMPONENTS``; ``"transformer"`` (default, with ``"transformer_2"`` when the
     pipeline has one) gets breaks per `policy` (see `install_breaks`): ``"auto"`` (default) places
     them only where the eager warm-up call before each capture saw a host operation a graph cannot
-    hold (`bcg.diffusers.placement`; ``pipeline_stats(pipe)["transformer"]["placement"]`` says where
+    hold (`bcg.diffusers.graph_breaks.placement`; ``pipeline_stats(pipe)["transformer"]["placement"]`` says where
     and why), ``"attention"`` at every attention core. Text encoders and ``"vae_decoder"`` run as one
     graph each. Calling it again adds missing components and keeps existing runners. `unaccelerate` undoes it.
     The pipeline then runs as before: ``pipe(prompt=..., height=..., width=...)``; graphs replay only

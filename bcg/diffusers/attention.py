@@ -23,7 +23,7 @@ import logging
 
 import torch
 
-from bcg.diffusers.wrapping import breaks_hook, core_of, has_processor, with_globals
+from bcg.diffusers.graph_breaks.wrapping import breaks_hook, core_of, has_processor, with_globals
 from bcg.runtime.attention import AttentionDispatch
 from bcg.runtime.hooks import HookRegistry, ModelHook
 

@@ -10,7 +10,7 @@ A `ModelFamily` says how a request becomes a call of that family's pipeline:
   tokens are counted inside a chat template, whether the pipeline trims its text embeddings (then
   `bcg.diffusers.plan_request` pads them to the bucket);
 - frames (`video`) and their rate (`fps`, for playing the answer back), call arguments it always needs
-  (`fixed_kwargs`), and where its step-wise batching hooks are (`batching`, for `bcg.diffusers.batching`;
+  (`fixed_kwargs`), and where its step-wise batching hooks are (`batching`, for `bcg.diffusers.step_batching.batcher`;
   None: one pipeline call per request).
 
 The size default and the defaults of the call (steps, guidance, frames) are the pipeline's own and are
@@ -39,7 +39,7 @@ class CfgRule:
     Whether CFG runs is decided by one rule, `runs`, on the pipeline call's arguments (as the family's
     pipeline decides it): the CFG scale above 1 and, where the family's CFG needs one, a negative prompt.
     The request's shape key (`bcg.diffusers.buckets.request_shape_key`), its call (`call_kwargs`) and the
-    step-wise batching hooks (`bcg.diffusers.steps`) all ask it. Without `embedded_arg`, ``guidance`` is the
+    step-wise batching hooks (`bcg.diffusers.step_batching.steps`) all ask it. Without `embedded_arg`, ``guidance`` is the
     CFG scale (None: the pipeline's default). With it (Flux), ``guidance`` is the transformer's embedded
     guidance, unless the request brings a negative prompt: then it is the CFG scale (default
     `DEFAULT_CFG_SCALE`).
@@ -91,13 +91,13 @@ class CfgRule:
 
 @runtime_checkable
 class BatchingHooks(Protocol):
-    """What the step-wise batching engine (`bcg.diffusers.batching.StepBatcher`) needs of a family.
+    """What the step-wise batching engine (`bcg.diffusers.step_batching.batcher.StepBatcher`) needs of a family.
 
     Requests of one shape key share a denoising loop: each is prepared (its prompt embeddings, latents,
     scheduler and generator), joins the running batch at a step boundary and leaves decoded when its
     steps are done. Optional: ``encode_group(pipe, kwargs)`` and ``prepare_batch(pipe, kwargs_list,
     bucket)`` prepare the requests joining at one boundary with one prompt encode; hooks without them
-    prepare each request alone. `bcg.diffusers.step_families` implements these for the flow-matching
+    prepare each request alone. `bcg.diffusers.step_batching.steps` implements these for the flow-matching
     families. A family without hooks runs one pipeline call per request.
     """
 
@@ -152,7 +152,7 @@ class ModelFamily:
 # Exact sizes (no aspect-ratio bins) and prompts as given (caption cleaning needs bs4/ftfy).
 _EXACT = MappingProxyType({"use_resolution_binning": False, "clean_caption": False})
 
-_STEPS = "bcg.diffusers.steps:"
+_STEPS = "bcg.diffusers.step_batching.steps:"
 
 GENERIC = ModelFamily("generic", (), video=None)
 

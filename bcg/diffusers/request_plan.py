@@ -19,7 +19,7 @@ import dataclasses
 from typing import NamedTuple
 
 from bcg.diffusers.buckets import ShapeKey, parse_size, request_shape_key
-from bcg.diffusers.cache_config import StepCacheConfig
+from bcg.diffusers.step_caching.config import StepCacheConfig
 
 __all__ = ["LoraChoice", "PlanDefaults", "PlanError", "RequestPlan", "resolve_plan"]
 

@@ -29,7 +29,7 @@ class CallRecord:
     captures: int = 0
     eager: dict = dataclasses.field(default_factory=dict)   # reason -> calls
     graphs: set = dataclasses.field(default_factory=set)
-    # denoising steps whose middle blocks ran / were cached (step caching: `bcg.diffusers.step_cache`);
+    # denoising steps whose middle blocks ran / were cached (step caching: `bcg.diffusers.step_caching.hook`);
     # the caller that knows whose each step was counts them (the step batcher), not the runners
     steps_computed: int = 0
     steps_cached: int = 0

@@ -42,7 +42,7 @@ Names and order of what bcg installs (a new installer picks a ``bcg_`` name and 
 1. ``bcg_quantize`` (the transformer): float8 linears, before anything is timed, compiled or captured.
 2. ``bcg_attention`` (the transformer): the attention kernel per shape (processors routed to one
    `AttentionDispatch`); before breaks, so a break at the attention core wraps the chosen kernel.
-3. Step caching (`bcg.diffusers.step_cache`, ``enable_step_cache`` before `accelerate`): a hook in
+3. Step caching (`bcg.diffusers.step_caching.hook`, ``enable_step_cache`` before `accelerate`): a hook in
    diffusers' *own* registry of the transformer (``_diffusers_hook``), because diffusers' pipelines drive
    it there (``cache_context`` sets its context, ``maybe_free_model_hooks`` resets it). It comes after the
    attention kernel and *before* breaks: the placement's probe sees the cache's host work, and the
@@ -50,7 +50,7 @@ Names and order of what bcg installs (a new installer picks a ``bcg_`` name and 
    through the forward: each wraps what it finds, and a bcg hook removed from under diffusers' wrapper
    passes calls through. Regional compilation (the runner's, at the first warm-up) compiles each block's
    call with what is installed on it: work that must stay eager is an ``eager_on_graph`` break.
-4. ``bcg_breaks`` (the transformer): every break placed in it (`bcg.diffusers.wrapping.BreaksHook`); last
+4. ``bcg_breaks`` (the transformer): every break placed in it (`bcg.diffusers.graph_breaks.wrapping.BreaksHook`); last
    of the transformer's, so its forward is the outermost. `bcg.diffusers.install_breaks` replaces it.
 5. ``bcg_pipeline`` and ``bcg_tokenizers`` (the pipeline), ``bcg_vae_decode`` (the VAE): `accelerate`.
 

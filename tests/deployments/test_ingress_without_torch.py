@@ -116,7 +116,7 @@ def test_the_ingress_plans_a_request_with_cache_where_torch_cannot_be_imported()
     # the request's cache validated into a StepCacheConfig (schedule sorted), or the app's default cache
     assert schedule == {"key": "64x64", "lora": ["style", 1.0], "steps": 3, "seed": 7,
                         "cache": ["schedule", 0.08, 0, [0, 2]],
-                        "cache_type": "bcg.diffusers.cache_config.StepCacheConfig"}
+                        "cache_type": "bcg.diffusers.step_caching.config.StepCacheConfig"}
     assert default["key"] == "32x32" and default["steps"] == 5 and default["lora"] is None
     assert default["cache"] == ["first_block", 0.0, 1, None]
     for name in ("bad", "extra"):   # a bad cache value: 422, the error's loc names the field

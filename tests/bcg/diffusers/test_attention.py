@@ -9,7 +9,7 @@ from bcg.diffusers import (accelerate, attention_stats, install_breaks, pipeline
                            unaccelerate)
 from bcg.diffusers.models import load_pipeline
 from bcg.runtime.compile import compile_for_segments
-from bcg.diffusers.placement import placement_of
+from bcg.diffusers.graph_breaks.placement import placement_of
 from bcg.runtime.config import RunnerConfig, TransformerOptions
 
 

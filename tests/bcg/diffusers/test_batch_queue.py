@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from bcg.diffusers.batch_queue import ALONE, BatcherConfig, QueuedRequest, RequestQueue
+from bcg.diffusers.step_batching.queue import ALONE, BatcherConfig, QueuedRequest, RequestQueue
 
 
 def _request(i, group="64x64", rows=1, alone=None, submitted=None):

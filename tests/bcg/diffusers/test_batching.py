@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 import torch
 
-from bcg.diffusers.batching import BatcherConfig, StepBatcher
+from bcg.diffusers.step_batching.batcher import BatcherConfig, StepBatcher
 from bcg.diffusers.models import load_pipeline
 from bcg.diffusers.pipelines import plan_request
-from bcg.diffusers.step_families import FluxStepFamily
+from bcg.diffusers.step_batching.steps import FluxStepFamily
 from bcg.runtime.signature import signature_of
 
 SIZE = "64x64"

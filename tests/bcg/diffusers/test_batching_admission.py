@@ -1,10 +1,10 @@
 """Batching where it pays, on the built-in tiny Flux and SD3 pipelines (CPU float32): a `StepBatcher`
 with a step-cost table fed in admits a request into a running batch only where the bigger bucket's step
-is cheaper per row (`bcg.diffusers.step_costs`). The tables are given, never timed here: what is checked
+is cheaper per row (`bcg.diffusers.step_batching.costs`). The tables are given, never timed here: what is checked
 is the order requests run in and finish, and their images against their solo runs."""
 import pytest
 
-from bcg.diffusers.batching import StepBatcher
+from bcg.diffusers.step_batching.batcher import StepBatcher
 from bcg.diffusers.pipelines import plan_request
 # the tiny pipelines (module fixtures) and the helpers of the batcher's own tests
 from tests.bcg.diffusers.test_batching import BATCH_TOLERANCE, _alone, _diff, _request, _submit
@@ -123,7 +123,7 @@ def test_a_warmup_that_measures_times_only_the_buckets_the_table_lacks(flux, mon
 
 def test_timing_a_step_cache_transformer_computes_every_row_and_keeps_no_request_state():
     from bcg.diffusers.models import load_pipeline
-    from bcg.diffusers.step_cache import StepCacheConfig, enable_step_cache
+    from bcg.diffusers.step_caching.hook import StepCacheConfig, enable_step_cache
 
     pipe = load_pipeline("tiny-flux")
     hook = enable_step_cache(pipe, StepCacheConfig(threshold=0.5))  # a default that would cache

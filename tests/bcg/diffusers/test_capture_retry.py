@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from bcg.diffusers import auto_placement, install_breaks, placement_stats, remove_breaks
-from bcg.diffusers.placement import _capture_illegal, forget
+from bcg.diffusers.graph_breaks.placement import _capture_illegal, forget
 from bcg.graphs.capture import is_capturing
 from bcg.runtime.runner import CAPTURE_FAILED_ATTR
 from tests.bcg.diffusers.test_diffusers import recording_capture

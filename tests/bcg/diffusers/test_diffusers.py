@@ -112,7 +112,7 @@ def test_breaks_keep_outputs_and_capture_breaks_only_the_attention_core(name):
 
 
 def test_with_globals_rebuilds_the_code_over_a_copy_and_through_decorators():
-    from bcg.diffusers.breaks import with_globals
+    from bcg.diffusers.graph_breaks.install import with_globals
 
     namespace = {"F": torch.nn.functional}
     exec("def attention(x):\n    return F.relu(x)", namespace)

@@ -64,7 +64,7 @@ def test_a_request_carrying_its_key_runs_at_it_and_debug_runs_assert_what_contra
 
 
 def test_batching_hooks_are_found_through_the_family_record():
-    from bcg.diffusers.batching import StepBatcher
+    from bcg.diffusers.step_batching.batcher import StepBatcher
     batched = {f.name for f in FAMILIES.values() if f.batching is not None}
     assert batched == {"flux", "sd3"}
     for family in NAMED:

@@ -15,10 +15,10 @@ import torch
 from torch import nn
 
 from bcg.diffusers import accelerate, auto_placement, install_breaks, placement_stats, remove_breaks
-from bcg.diffusers.wrapping import breaks_hook
+from bcg.diffusers.graph_breaks.wrapping import breaks_hook
 from bcg.runtime.hooks import HookRegistry
-from bcg.diffusers.placement import forget
-from bcg.diffusers.hostops import HostOpProbe, Place, classify
+from bcg.diffusers.graph_breaks.placement import forget
+from bcg.diffusers.graph_breaks.hostops import HostOpProbe, Place, classify
 from bcg.diffusers.models import BUILTIN_MODELS, load_pipeline
 from bcg.runtime.runner import BreakableGraphRunner
 from bcg.runtime.config import RunnerConfig
@@ -480,7 +480,7 @@ def test_a_capture_runs_step_cachings_forward_not_the_class_forward_with_its_fun
     instance) must not make a capture run that rebuilt class forward where step caching's forward sits below
     the placement: the capture would hold the model uncached (the GPU suite's Qwen-Image failure: replays
     equal to uncached, no step counted)."""
-    from bcg.diffusers.step_cache import enable_step_cache
+    from bcg.diffusers.step_caching.hook import enable_step_cache
 
     plain = tiny_qwen_image("cpu")
     install_breaks(plain, QWEN_IMAGE_PLACES)

@@ -98,7 +98,7 @@ def test_a_single_planted_op_captures_with_one_break(stand_in):
 
 @pytest.mark.parametrize("name", sorted(BUILTIN_MODELS))
 def test_builtin_pipelines_capture_with_auto_placement_and_match_eager_bitwise(name):
-    from bcg.diffusers.placement import forget
+    from bcg.diffusers.graph_breaks.placement import forget
 
     pipe = load_pipeline(name, device="cuda")
     forget(pipe.transformer)  # an earlier test may have probed this class and config

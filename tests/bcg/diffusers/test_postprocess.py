@@ -1,10 +1,10 @@
-"""`bcg.diffusers.steps.postprocess_async`: the step batcher's decode output is the pipeline's, pixel for pixel."""
+"""`bcg.diffusers.step_batching.steps.postprocess_async`: the step batcher's decode output is the pipeline's, pixel for pixel."""
 import numpy as np
 import pytest
 import torch
 from diffusers.image_processor import VaeImageProcessor
 
-from bcg.diffusers.steps import postprocess_async
+from bcg.diffusers.step_batching.steps import postprocess_async
 
 
 def postprocess(processor, image, output_type):
@@ -54,7 +54,7 @@ def test_a_request_run_alone_makes_the_pipelines_pil_images_from_8_bits_on_the_d
     """Pipelines without step hooks run alone; their PIL output is converted to 8 bits on the device (as the
     step families' decode is), not in NumPy on the host thread that runs the pipeline: 40 M values of a
     33-frame 832x480 video scaled, rounded and cast there on every request, then answered from that thread."""
-    from bcg.diffusers.batching import StepBatcher
+    from bcg.diffusers.step_batching.batcher import StepBatcher
     from bcg.diffusers.models import load_pipeline
     from bcg.diffusers.pipelines import plan_request
 

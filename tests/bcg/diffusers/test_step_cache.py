@@ -1,4 +1,4 @@
-"""Step caching per request (`bcg.diffusers.step_cache`) on the built-in tiny Flux pipeline, CPU float32.
+"""Step caching per request (`bcg.diffusers.step_caching.hook`) on the built-in tiny Flux pipeline, CPU float32.
 
 What is checked: the option's validation; threshold 0 (never cached) is the pipeline's own image bit for
 bit; a schedule computes exactly its steps; each row decides alone, so a request's image and its cached
@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 import torch
 
-from bcg.diffusers.batching import StepBatcher
+from bcg.diffusers.step_batching.batcher import StepBatcher
 from bcg.diffusers.models import load_pipeline
 from bcg.diffusers.pipelines import plan_request
-from bcg.diffusers.step_cache import (StepCacheConfig, disable_step_cache, enable_step_cache,
+from bcg.diffusers.step_caching.hook import (StepCacheConfig, disable_step_cache, enable_step_cache,
                                       step_cache_of)
 from bcg.runtime.call_record import CallRecord
 from bcg.runtime.rows import Row
@@ -210,7 +210,7 @@ def test_true_cfg_branches_keep_their_own_residuals_and_decide_together(cached):
 
 
 def test_taylorseer_order_one_forecasts_the_residual_from_the_last_two_computed_steps(cached):
-    from bcg.diffusers.step_cache import _Store
+    from bcg.diffusers.step_caching.hook import _Store
 
     hook = step_cache_of(cached)
     h, e = torch.zeros(2, 4, 3), torch.zeros(2, 2, 3)

@@ -13,7 +13,7 @@ from diffusers import SD3Transformer2DModel
 
 from bcg.diffusers.models import load_pipeline
 from bcg.diffusers.pipelines import plan_request
-from bcg.diffusers.step_cache import (StepCacheConfig, disable_step_cache, enable_step_cache, step_cache_of,
+from bcg.diffusers.step_caching.hook import (StepCacheConfig, disable_step_cache, enable_step_cache, step_cache_of,
                                       supports_step_cache)
 from bcg.runtime.signature import positional_names
 from tests.bcg.diffusers.test_step_cache import run_batched

@@ -1,4 +1,4 @@
-"""GPU: step caching inside the graphs (`bcg.diffusers.step_cache`) on the built-in tiny Flux pipeline (and
+"""GPU: step caching inside the graphs (`bcg.diffusers.step_caching.hook`) on the built-in tiny Flux pipeline (and
 Wan, SD3 and Qwen-Image).
 
 The transformer's runner captures [embeddings + first block] -> the step-cache break -> [head]; the
@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from bcg.diffusers import accelerate, pipeline_runners, plan_request, warmup_pipeline
-from bcg.diffusers.batching import StepBatcher
+from bcg.diffusers.step_batching.batcher import StepBatcher
 from bcg.diffusers.models import load_pipeline
-from bcg.diffusers.step_cache import StepCacheConfig, disable_step_cache, enable_step_cache, step_cache_of
+from bcg.diffusers.step_caching.hook import StepCacheConfig, disable_step_cache, enable_step_cache, step_cache_of
 from bcg.runtime.call_record import CallRecord
 from bcg.runtime.config import RunnerConfig, TransformerOptions
 

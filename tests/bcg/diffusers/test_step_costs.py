@@ -6,8 +6,8 @@ import time
 
 import pytest
 
-from bcg.diffusers.batch_queue import BatcherConfig, QueuedRequest, RequestQueue
-from bcg.diffusers.step_costs import StepCosts, joining_rows, time_buckets
+from bcg.diffusers.step_batching.queue import BatcherConfig, QueuedRequest, RequestQueue
+from bcg.diffusers.step_batching.costs import StepCosts, joining_rows, time_buckets
 
 BUCKET_FOR = BatcherConfig().bucket_for  # buckets 1, 2, 4, 8
 COMPUTE_BOUND = {1: 10.0, 2: 20.0, 4: 40.0, 8: 80.0}   # FLUX.1-dev 512²: rows cost linearly

@@ -87,7 +87,7 @@ def test_unaccelerate_leaves_what_others_installed():
 def test_step_caching_in_diffusers_registry_survives_unaccelerate(enabled):
     """Step caching is a hook in diffusers' own registry: enabled before or after accelerate, it keeps
     caching through unaccelerate, and the hooks accelerate registered leave with unaccelerate."""
-    from bcg.diffusers.step_cache import StepCacheConfig, disable_step_cache, enable_step_cache, step_cache_of
+    from bcg.diffusers.step_caching.hook import StepCacheConfig, disable_step_cache, enable_step_cache, step_cache_of
 
     def cached_counts(pipe):
         _, kwargs = plan_request(pipe, "a red circle", size="64x64", steps=4, seed=11, output_type="np")

@@ -8,7 +8,7 @@ import torch
 
 pytest.importorskip("peft")
 
-from bcg.diffusers.batching import StepBatcher  # noqa: E402
+from bcg.diffusers.step_batching.batcher import StepBatcher  # noqa: E402
 from bcg.diffusers.models import load_pipeline  # noqa: E402
 from bcg.diffusers.pipelines import plan_request  # noqa: E402
 from bcg.lora import (AdapterConflictError, AdapterFileError, AdapterUnreadableError, UnknownAdapterError,  # noqa: E402
@@ -358,7 +358,7 @@ def test_rows_that_compute_under_step_caching_keep_their_adapters(adapters):
     """Step caching runs the middle blocks on the rows that compute only, gathered: the LoRA layers there
     read the gathered rows (the rows context step caching narrows, `bcg.runtime.rows`), so each row keeps
     its own adapter. A request that caches its steps beside two that compute gives its image alone."""
-    from bcg.diffusers.step_cache import StepCacheConfig, enable_step_cache
+    from bcg.diffusers.step_caching.hook import StepCacheConfig, enable_step_cache
 
     pipe = load_pipeline("tiny-flux")
     install_lora(pipe, adapters, max_loras=3, max_rank=8)

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 pytest.importorskip("peft")
 
-from bcg.diffusers.batching import StepBatcher  # noqa: E402
+from bcg.diffusers.step_batching.batcher import StepBatcher  # noqa: E402
 from bcg.diffusers.models import load_pipeline  # noqa: E402
 from bcg.diffusers.pipelines import plan_request  # noqa: E402
 from bcg.lora import install_lora  # noqa: E402

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from bcg.graphs.capture import eager_on_graph
-from bcg.diffusers.compiled_breaks import install_compiled_breaks
+from bcg.diffusers.graph_breaks.compiled import install_compiled_breaks
 from bcg.runtime.compile import CompiledForward, compile_for_segments
 
 SEQ_LENS = (6, 10, 14, 22)  # four signatures; none equals a feature size (duck sizing would tie them)
@@ -165,7 +165,7 @@ def test_flux_compiled_with_attention_breaks_matches_eager_and_breaks_every_atte
         expected = module(**inputs).sample
     assert install_breaks(module, "attention") == 2  # capture-only breaks at every attention core
     compiled = compile_for_segments(module, backend="eager")  # ... made visible to dynamo
-    from bcg.diffusers.wrapping import breaks_hook
+    from bcg.diffusers.graph_breaks.wrapping import breaks_hook
     attention = [m for m in module.modules() if hasattr(m, "set_processor")]
     originals = [breaks_hook(module).original_processor(m) for m in attention]
     assert all(breaks_hook(module).processor_kind(m).startswith("compiled") for m in attention)
@@ -187,7 +187,7 @@ def test_install_compiled_breaks_is_idempotent_and_keeps_processor_state():
     processor = module.transformer_blocks[0].attn.processor
     assert install_compiled_breaks(module) == first == 2
     assert module.transformer_blocks[0].attn.processor is processor
-    from bcg.diffusers.wrapping import breaks_hook
+    from bcg.diffusers.graph_breaks.wrapping import breaks_hook
     original = breaks_hook(module).original_processor(module.transformer_blocks[0].attn)
     assert processor.__dict__ is original.__dict__ and isinstance(processor, type(original))
 

@@ -13,7 +13,7 @@ import torch
 
 from bcg.graphs.capture import BreakableCUDAGraph, BreakableCUDAGraphCapture, capture_after_warmup
 from bcg.diffusers import install_breaks
-from bcg.diffusers.compiled_breaks import install_compiled_breaks
+from bcg.diffusers.graph_breaks.compiled import install_compiled_breaks
 from bcg.runtime.compile import compile_for_segments
 
 pytestmark = pytest.mark.gpu

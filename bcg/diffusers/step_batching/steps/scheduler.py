@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from bcg.diffusers.steps.state import RequestState
+from bcg.diffusers.step_batching.steps.state import RequestState
 
 __all__ = ["fused_step_key", "scheduler_step", "shallow_copyable"]
 

@@ -1,5 +1,5 @@
 """The run-alone path: ``pipe(**kwargs)`` of one request, its images made in the two halves of
-`bcg.diffusers.steps.postprocess` (PIL output converted to 8 bits on the device where the pipeline's
+`bcg.diffusers.step_batching.steps.postprocess` (PIL output converted to 8 bits on the device where the pipeline's
 processor is a stock one), for requests that do not batch step-wise."""
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 
 from bcg.diffusers.call_args import call_defaults
 from bcg.diffusers.families import GENERIC, family_of
-from bcg.diffusers.steps.postprocess import pil_async, stock_pil_processor
+from bcg.diffusers.step_batching.steps.postprocess import pil_async, stock_pil_processor
 
 __all__ = ["pipeline_call_async"]
 

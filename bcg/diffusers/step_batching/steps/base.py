@@ -1,4 +1,4 @@
-"""The base of the step families (`bcg.diffusers.steps` states their contract): `StepFamily` and the
+"""The base of the step families (`bcg.diffusers.step_batching.steps` states their contract): `StepFamily` and the
 prompt helpers every family shares.
 
 `StepFamily.prepare_batch` prepares the requests that join at one step boundary: every request's input
@@ -18,9 +18,9 @@ import torch
 
 from bcg.diffusers.call_args import call_defaults
 from bcg.diffusers.families import family_named
-from bcg.diffusers.steps.postprocess import postprocess_async
-from bcg.diffusers.steps.scheduler import scheduler_step, shallow_copyable
-from bcg.diffusers.steps.state import RequestState, cat_rows
+from bcg.diffusers.step_batching.steps.postprocess import postprocess_async
+from bcg.diffusers.step_batching.steps.scheduler import scheduler_step, shallow_copyable
+from bcg.diffusers.step_batching.steps.state import RequestState, cat_rows
 
 __all__ = ["StepFamily", "guided", "prompt_columns"]
 
@@ -242,7 +242,7 @@ class StepFamily:
                 raise error
 
     def scheduler_step(self, states: list[RequestState], noise: list[torch.Tensor]) -> list[BaseException | None]:
-        """Each state's scheduler step with its noise prediction; see `bcg.diffusers.steps.scheduler`."""
+        """Each state's scheduler step with its noise prediction; see `bcg.diffusers.step_batching.steps.scheduler`."""
         return scheduler_step(states, noise)
 
 

@@ -1,6 +1,6 @@
 """Which requests a step batcher runs next: `BatcherConfig`, `QueuedRequest`, `RequestQueue`.
 
-The policy half of continuous batching (`bcg.diffusers.batching.StepBatcher` runs the steps):
+The policy half of continuous batching (`bcg.diffusers.step_batching.batcher.StepBatcher` runs the steps):
 
 - requests wait per *group key* (a `ShapeKey` with ``batch_size`` 1); a group that runs is *active*;
 - groups take turns, one denoising step each (round-robin), so a second key never waits for the first
@@ -14,7 +14,7 @@ The policy half of continuous batching (`bcg.diffusers.batching.StepBatcher` run
   request leaves before the next one starts, so no request's steps are interleaved with a newcomer's);
 - ``admission_policy`` ``"auto"`` (default) admits a request into a running batch (or into the batch a
   request starting now begins) only where the group's measured step costs say the bigger row bucket buys
-  throughput (`bcg.diffusers.step_costs.joining_rows`); otherwise it waits, first in line, and starts
+  throughput (`bcg.diffusers.step_batching.costs.joining_rows`); otherwise it waits, first in line, and starts
   when rows free. Without measured costs, and with ``"always"``, requests join whenever their rows fit.
 
 Thread-safe: `put` and `put_task` from any thread, `next_work` and `set_active` from the one loop
@@ -29,7 +29,7 @@ import threading
 import time
 from typing import Any, Callable
 
-from bcg.diffusers.step_costs import ADMISSION_POLICIES, StepCosts, joining_rows
+from bcg.diffusers.step_batching.costs import ADMISSION_POLICIES, StepCosts, joining_rows
 
 __all__ = ["ALONE", "JOIN_POLICIES", "BatcherConfig", "QueuedRequest", "RequestQueue"]
 
@@ -44,7 +44,7 @@ class BatcherConfig:
     ``batch_decode``: requests that leave at one step share one VAE decode (padded to a bucket too);
     ``join_policy``: ``"step"`` (join a running batch at any step boundary) or ``"batch"`` (join only a
     batch that has not started: request-level batching); ``admission_policy``: ``"auto"`` (join only
-    where the measured step costs say a bigger bucket pays, `bcg.diffusers.step_costs`) or ``"always"``
+    where the measured step costs say a bigger bucket pays, `bcg.diffusers.step_batching.costs`) or ``"always"``
     (whenever the rows fit); ``admission_margin``: how much cheaper per row the bigger bucket's step must
     be for ``"auto"`` to grow a batch (0.1: 10%)."""
 

@@ -1,5 +1,5 @@
 """Step caching decided per request inside the graphs: `enable_step_cache`, reading each request's
-`StepCacheConfig` (`bcg.diffusers.cache_config`, torch-free; re-exported here).
+`StepCacheConfig` (`bcg.diffusers.step_caching.config`, torch-free; re-exported here).
 
 A transformer with step caching runs every step as: the embeddings and the first ``first_blocks`` blocks on
 every row, then one eager break (`StepCacheHook._middle`) that decides, per row, whether the middle blocks
@@ -23,7 +23,7 @@ signature: changing them never captures or compiles.
 
 State: per row of a request (its owner, branch and index) in slot-indexed buffers per activation shape: the
 middle residual of its last computed step and that step's first-blocks residual (`RowStore`,
-`bcg.diffusers.cache_store`). A request starts clean (no slot yet) and its slots are freed by
+`bcg.diffusers.step_caching.store`). A request starts clean (no slot yet) and its slots are freed by
 `StepCacheHook.release` (when the request leaves: the step batcher's
 `bcg.runtime.rows.release_rows` reaches it through the transformer's bcg registry), by
 `StepCacheHook.plain_request` (around one ``pipe(...)``) or by `reset_state` (diffusers' pipelines reset
@@ -61,9 +61,9 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
-from bcg.diffusers.cache_config import METHODS, StepCacheConfig
-from bcg.diffusers.cache_forwards import FAMILIES, MiddleBlocks, family_of
-from bcg.diffusers.cache_store import RowStore, cached_outputs, remember_computed
+from bcg.diffusers.step_caching.config import METHODS, StepCacheConfig
+from bcg.diffusers.step_caching.forwards import FAMILIES, MiddleBlocks, family_of
+from bcg.diffusers.step_caching.store import RowStore, cached_outputs, remember_computed
 from bcg.graphs.capture import eager_on_graph
 from bcg.runtime.hooks import HookRegistry as BcgHookRegistry, ModelHook as BcgModelHook
 from bcg.runtime.rows import Row, rows_context
@@ -75,7 +75,7 @@ __all__ = ["HOOK_NAME", "METHODS", "StepCacheConfig", "StepCacheHook", "StepCach
 
 HOOK_NAME = "bcg_step_cache"
 _DEFAULT_BUCKETS = (1, 2, 3, 4, 8)   # 3: where the computing rows follow the rows (large sizes), 3 padded to 4 costs a row
-_Store = RowStore   # its name before it moved to `bcg.diffusers.cache_store`
+_Store = RowStore   # its name before it moved to `bcg.diffusers.step_caching.store`
 
 
 class StepCacheRows(BcgModelHook):

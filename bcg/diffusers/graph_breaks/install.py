@@ -5,8 +5,8 @@ without patching anything global. Policies:
   first eager call (a runner's warm-up before each capture) is probed for host operations a graph
   cannot hold, and each place found becomes a break: a submodule, a method, or a global function a
   method calls. Found places are remembered per model class and config, reported by
-  `placement_stats`, and returned by `auto_placement` for pinning. See `bcg.diffusers.placement`
-  (the contract, the limits) and `bcg.diffusers.hostops` (what counts as a host operation).
+  `placement_stats`, and returned by `auto_placement` for pinning. See `bcg.diffusers.graph_breaks.placement`
+  (the contract, the limits) and `bcg.diffusers.graph_breaks.hostops` (what counts as a host operation).
 - ``"attention"`` (this function's default): every attention layer's processor (``attn.processor``)
   is replaced by an instance of a small subclass of its own class that shares the original's
   ``__dict__``: ``isinstance`` checks, ``attn_processors`` / ``set_attn_processor``,
@@ -29,7 +29,7 @@ without patching anything global. Policies:
 `install_breaks` returns the number of break points installed now, replaces breaks installed earlier
 (so it is idempotent), and `remove_breaks` restores the original processors, forwards and methods. What
 it installs is recorded by the hook ``bcg_breaks`` of the module's registry (`bcg.runtime.hooks`,
-`bcg.diffusers.wrapping.BreaksHook`), registered after the attention kernel's (``bcg_attention``).
+`bcg.diffusers.graph_breaks.wrapping.BreaksHook`), registered after the attention kernel's (``bcg_attention``).
 
 Checked with diffusers 0.42 on Flux, SD3, PixArt-Sigma, Sana and Wan 2.1 (the built-ins of `bcg.diffusers.models`):
 on CPU, outputs are identical with and without breaks, a recorded capture breaks exactly at each
@@ -43,10 +43,10 @@ import fnmatch
 import logging
 from typing import Any, Iterable
 
-from bcg.diffusers.compiled_breaks import install_compiled_breaks
-from bcg.diffusers.hostops import Place
-from bcg.diffusers.placement import install_placement
-from bcg.diffusers.wrapping import (  # noqa: F401 -- core_of, with_globals: their import path here stays
+from bcg.diffusers.graph_breaks.compiled import install_compiled_breaks
+from bcg.diffusers.graph_breaks.hostops import Place
+from bcg.diffusers.graph_breaks.placement import install_placement
+from bcg.diffusers.graph_breaks.wrapping import (  # noqa: F401 -- core_of, with_globals: their import path here stays
     breaks_hook, core_of, has_processor, remove_breaks, with_globals,
 )
 from bcg.runtime.proxy import unwrap_runner
@@ -85,7 +85,7 @@ def install_breaks(module, policy: Any = "auto") -> int:
     """Place eager breaks in `module` (a diffusers DiT, or a runner around one); returns how many now.
 
     policy: ``"auto"`` (breaks only where capture needs them, found by probing the first eager call;
-    see `bcg.diffusers.placement`), ``"attention"`` (attention core of every attention layer),
+    see `bcg.diffusers.graph_breaks.placement`), ``"attention"`` (attention core of every attention layer),
     ``"processor"`` (every whole processor call), ``"none"``, or a selection: module classes, name
     patterns and ``(name, module) -> bool`` callables whose processor call (or forward) becomes a
     break, and places (``"name:method"``, ``"name:method/function"``, as `auto_placement` returns them)

@@ -7,9 +7,9 @@ sharing the original's ``__dict__``, in the attention module's ``processor``; a 
 method, or a method whose calls of one global function are breaks, by an instance attribute of that
 name. The classes and every other instance stay as they are. `with_globals` rebuilds a function over a
 copy of its module globals, which is how a global the code calls becomes a break for its own callers
-only. What to wrap is decided elsewhere: the policies in `bcg.diffusers.breaks`, the automatic placement
-in `bcg.diffusers.placement` (whose forward is this hook's ``new_forward``), the compiled-segment breaks in
-`bcg.diffusers.compiled_breaks`.
+only. What to wrap is decided elsewhere: the policies in `bcg.diffusers.graph_breaks.install`, the automatic placement
+in `bcg.diffusers.graph_breaks.placement` (whose forward is this hook's ``new_forward``), the compiled-segment breaks in
+`bcg.diffusers.graph_breaks.compiled`.
 """
 from __future__ import annotations
 
@@ -254,7 +254,7 @@ class BreaksHook(ModelHook):
 
 class PlacementHook(BreaksHook):
     """``bcg_breaks`` of the automatic (or pinned) placement: its forward is the placement's
-    (`bcg.diffusers.placement.AutoPlacement`), and with ``"auto"`` its capture-failure answer is the
+    (`bcg.diffusers.graph_breaks.placement.AutoPlacement`), and with ``"auto"`` its capture-failure answer is the
     runner's hook (`bcg.runtime.runner.CAPTURE_FAILED_ATTR`)."""
 
     def __init__(self, placement_factory, probing: bool):

@@ -255,7 +255,7 @@ class HostOpProbe:
 
     def place_of(self, frame, api):
         """(Place or None, where) for an op whose innermost Python frame is `frame` (also used to place a
-        failed capture by the innermost frame of its traceback: `bcg.diffusers.placement`)."""
+        failed capture by the innermost frame of its traceback: `bcg.diffusers.graph_breaks.placement`)."""
         chain, where, owner = [], None, None
         while frame is not None:
             if frame.f_code.co_filename in _OWN_FILES:  # the function mode's frame around an aten op

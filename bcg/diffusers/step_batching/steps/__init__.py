@@ -1,6 +1,6 @@
 """Step-wise batching hooks of the flow-matching pipelines: requests prepared together, one batched step, decode.
 
-`StepBatcher` (`bcg.diffusers.batching`) drives a denoising loop in which every request keeps its own
+`StepBatcher` (`bcg.diffusers.step_batching.batcher`) drives a denoising loop in which every request keeps its own
 state, and rows of several requests share each transformer call. What that needs from a family is what a
 pipeline's ``__call__`` does, cut at the step boundary:
 
@@ -50,12 +50,12 @@ here). Requests with arguments outside `StepFamily.batch_args` (IP-adapters, cal
 guidance, precomputed embeddings) are not batchable: `StepFamily.batchable` says so and the batcher runs
 them alone through ``pipe(**kwargs)``, as it runs every request of a pipeline without a family here.
 """
-from bcg.diffusers.steps.alone import pipeline_call_async
-from bcg.diffusers.steps.base import StepFamily
-from bcg.diffusers.steps.flux import FluxStepFamily
-from bcg.diffusers.steps.postprocess import postprocess_async
-from bcg.diffusers.steps.sd3 import SD3StepFamily
-from bcg.diffusers.steps.state import RequestState, pad_rows
+from bcg.diffusers.step_batching.steps.alone import pipeline_call_async
+from bcg.diffusers.step_batching.steps.base import StepFamily
+from bcg.diffusers.step_batching.steps.flux import FluxStepFamily
+from bcg.diffusers.step_batching.steps.postprocess import postprocess_async
+from bcg.diffusers.step_batching.steps.sd3 import SD3StepFamily
+from bcg.diffusers.step_batching.steps.state import RequestState, pad_rows
 
 __all__ = ["FluxStepFamily", "RequestState", "SD3StepFamily", "StepFamily", "pad_rows", "pipeline_call_async",
            "postprocess_async"]

@@ -1,7 +1,7 @@
 """`StepCacheConfig`: how one request caches denoising steps, validated where it is made.
 
 Torch-free, so the serving layer's ingress validates a request's ``cache`` without importing torch; the
-step cache itself (`bcg.diffusers.step_cache`, which re-exports this) reads it at every step. Invalid
+step cache itself (`bcg.diffusers.step_caching.hook`, which re-exports this) reads it at every step. Invalid
 values raise ``ValueError`` naming the field (``cache.<field>``).
 """
 from __future__ import annotations

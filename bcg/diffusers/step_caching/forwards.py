@@ -1,4 +1,4 @@
-"""The transformer forwards step caching runs, one per family (`bcg.diffusers.step_cache`).
+"""The transformer forwards step caching runs, one per family (`bcg.diffusers.step_caching.hook`).
 
 Each `Family` names its diffusers transformer class, its blocks in order, one block's call and the model's
 forward, op for op with diffusers' (0.42), with the blocks run by the step-cache hook (``hook._blocks``: the

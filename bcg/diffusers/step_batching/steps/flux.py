@@ -1,4 +1,4 @@
-"""`FluxPipeline.__call__` cut at its step boundary: `FluxStepFamily` (contract in `bcg.diffusers.steps`).
+"""`FluxPipeline.__call__` cut at its step boundary: `FluxStepFamily` (contract in `bcg.diffusers.step_batching.steps`).
 
 Guidance is an embedding per row; true CFG (``true_cfg_scale`` > 1 with a negative prompt) is a second
 transformer call on the negative rows, and a second ``encode_prompt`` call over the negative prompts.
@@ -10,8 +10,8 @@ import contextlib
 import numpy as np
 import torch
 
-from bcg.diffusers.steps.base import StepFamily, guided, prompt_columns
-from bcg.diffusers.steps.state import RequestState, cat_rows, layout_of
+from bcg.diffusers.step_batching.steps.base import StepFamily, guided, prompt_columns
+from bcg.diffusers.step_batching.steps.state import RequestState, cat_rows, layout_of
 from bcg.runtime.rows import call_branch
 
 __all__ = ["FluxStepFamily"]
@@ -20,7 +20,7 @@ _PIPELINE_MODULE = "diffusers.pipelines.flux.pipeline_flux"
 
 
 class FluxStepFamily(StepFamily):
-    """`FluxPipeline.__call__` cut at its step boundary (see `bcg.diffusers.steps`)."""
+    """`FluxPipeline.__call__` cut at its step boundary (see `bcg.diffusers.step_batching.steps`)."""
 
     name = "flux"
     batch_args = frozenset({

@@ -1,4 +1,4 @@
-"""The counters of `bcg.diffusers.batching.StepBatcher` and its `stats()`: `BatcherCounters`.
+"""The counters of `bcg.diffusers.step_batching.batcher.StepBatcher` and its `stats()`: `BatcherCounters`.
 
 Counted under one lock from the loop thread and the answers thread: requests (joins, leaves, failures,
 those run alone and why), steps and rows per step, preparations and prompts per joint encode, the host
@@ -12,7 +12,7 @@ import collections
 import dataclasses
 import threading
 
-from bcg.diffusers.batch_queue import QueuedRequest
+from bcg.diffusers.step_batching.queue import QueuedRequest
 
 __all__ = ["BatcherCounters"]
 

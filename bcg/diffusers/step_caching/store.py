@@ -1,4 +1,4 @@
-"""Step caching's per-row state (`bcg.diffusers.step_cache`): `RowStore`, slot-indexed buffers per
+"""Step caching's per-row state (`bcg.diffusers.step_caching.hook`): `RowStore`, slot-indexed buffers per
 activation shape, and the two things a step does with them: a cached row's output made from its stored
 residual (`cached_outputs`, with TaylorSeer's first-order forecast) and a computed row's residuals stored
 (`remember_computed`). Torch only; the decisions (which rows compute) are the hook's.

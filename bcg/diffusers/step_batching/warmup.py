@@ -1,4 +1,4 @@
-"""The warmup and step-cost half of `bcg.diffusers.batching.StepBatcher`: `BatcherWarmup`.
+"""The warmup and step-cost half of `bcg.diffusers.step_batching.batcher.StepBatcher`: `BatcherWarmup`.
 
 What a batcher's warmup captures (`warmup_plan`: every row bucket of each key's group, ``<key>.b<bucket>``),
 the warmup itself (``warmup(keys)``, on the loop thread when it runs), and batching where it pays: timing one
@@ -17,11 +17,11 @@ import torch
 
 from bcg.diffusers.accelerated import pipeline_call_scope
 from bcg.diffusers.buckets import ShapeKey, parse_plan
-from bcg.diffusers.step_costs import time_buckets
+from bcg.diffusers.step_batching.costs import time_buckets
 from bcg.runtime.call_record import CallRecord, recording
 from bcg.runtime.rows import Row, RowsContext, rows_context
 
-logger = logging.getLogger("bcg.diffusers.batching")
+logger = logging.getLogger("bcg.diffusers.step_batching.batcher")
 
 __all__ = ["BatcherWarmup"]
 

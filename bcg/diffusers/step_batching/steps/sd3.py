@@ -1,5 +1,5 @@
 """`StableDiffusion3Pipeline.__call__` cut at its step boundary: `SD3StepFamily` (contract in
-`bcg.diffusers.steps`).
+`bcg.diffusers.step_batching.steps`).
 
 CFG rows are ``[negatives; positives]`` in one transformer call, each half padded to the bucket; one
 ``encode_prompt`` call encodes the prompts (three encoders) and, with CFG, the negatives.
@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from bcg.diffusers.steps.base import StepFamily, guided, prompt_columns
-from bcg.diffusers.steps.state import RequestState, cat_rows, layout_of
+from bcg.diffusers.step_batching.steps.base import StepFamily, guided, prompt_columns
+from bcg.diffusers.step_batching.steps.state import RequestState, cat_rows, layout_of
 
 __all__ = ["SD3StepFamily"]
 
@@ -17,7 +17,7 @@ _PIPELINE_MODULE = "diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffu
 
 
 class SD3StepFamily(StepFamily):
-    """`StableDiffusion3Pipeline.__call__` cut at its step boundary (see `bcg.diffusers.steps`)."""
+    """`StableDiffusion3Pipeline.__call__` cut at its step boundary (see `bcg.diffusers.step_batching.steps`)."""
 
     name = "sd3"
     batch_args = frozenset({

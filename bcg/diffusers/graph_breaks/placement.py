@@ -4,12 +4,12 @@ Contract:
 - Installing puts a forward on the module instance (same signature) and no breaks, except those
   remembered for its class and config (below). The first eager call of each *call structure* (device
   type, number of positional arguments, names of the keyword arguments that are not None) is a probe:
-  it runs under a `bcg.diffusers.hostops.HostOpProbe` and returns the ordinary eager result; each `Place` where
+  it runs under a `bcg.diffusers.graph_breaks.hostops.HostOpProbe` and returns the ordinary eager result; each `Place` where
   it saw a host operation a graph cannot hold (host syncs, host-to-device copies, host work: see
-  `bcg.diffusers.hostops`) becomes a break at once: a submodule's forward (its attention processor, where it has
+  `bcg.diffusers.graph_breaks.hostops`) becomes a break at once: a submodule's forward (its attention processor, where it has
   one), a method, or a global function called from a method -- the latter made a break by running,
   during captures only, the method's own code over a copy of its module globals in which that name is
-  an `eager_on_graph` version (`bcg.diffusers.wrapping.with_globals`: nothing global is patched). With a `BreakableGraphRunner`, the probe is the eager
+  an `eager_on_graph` version (`bcg.diffusers.graph_breaks.wrapping.with_globals`: nothing global is patched). With a `BreakableGraphRunner`, the probe is the eager
   warm-up call that precedes every capture, so the capture already has the breaks.
 - Found places are remembered per (model class, config, device type) on the class itself, so another
   instance of the same configuration starts with them and probes nothing it already probed.
@@ -49,8 +49,8 @@ from typing import Any, Iterable, Mapping
 import torch
 
 from bcg.graphs.capture import eager_on_graph, is_capturing
-from bcg.diffusers.hostops import HostOp, HostOpProbe, Place, device_of
-from bcg.diffusers.wrapping import BREAKS_HOOK, PlacementHook, breaks_hook, has_processor, with_globals
+from bcg.diffusers.graph_breaks.hostops import HostOp, HostOpProbe, Place, device_of
+from bcg.diffusers.graph_breaks.wrapping import BREAKS_HOOK, PlacementHook, breaks_hook, has_processor, with_globals
 from bcg.runtime.hooks import HookRegistry, class_memory
 from bcg.runtime.proxy import unwrap_runner
 

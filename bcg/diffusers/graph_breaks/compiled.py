@@ -7,7 +7,7 @@ the module's ``bcg_breaks`` hook for `bcg.runtime.compile.compile_for_segments` 
 follow that: dynamo traces the warm-up call without the break (attention inside the graph), and the
 capture would then need other code -- a recompile inside the capture. So for compiled segments every processor gets
 a ``__call__`` whose *own* globals name an eager break for the attention core: the same bytecode over
-a copy of its module's globals with one name replaced (`bcg.diffusers.wrapping.with_globals`). For diffusers' native
+a copy of its module's globals with one name replaced (`bcg.diffusers.graph_breaks.wrapping.with_globals`). For diffusers' native
 attention backend the break is just ``F.scaled_dot_product_attention``: the permutes around it stay in
 the compiled graphs and a replayed break is one C++ call (the cheapest break there is) and one copy.
 """
@@ -18,7 +18,7 @@ import types
 
 import torch
 
-from bcg.diffusers.wrapping import breaks_hook, has_processor, with_globals
+from bcg.diffusers.graph_breaks.wrapping import breaks_hook, has_processor, with_globals
 from bcg.graphs.capture import eager_on_graph
 from bcg.runtime.proxy import unwrap_runner
 

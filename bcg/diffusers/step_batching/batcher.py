@@ -13,17 +13,17 @@ over all their prompts, padded to a bucket of prompts, then each its own latents
 
 One step is one transformer call (two for Flux's true CFG) over the group's rows, padded up to the next
 of ``batch_buckets`` by repeating a real row, so an accelerated transformer replays one graph per bucket;
-rows above the largest bucket run unpadded. The family hooks (`bcg.diffusers.steps`) build the
+rows above the largest bucket run unpadded. The family hooks (`bcg.diffusers.step_batching.steps`) build the
 inputs exactly as the pipeline does, so ``warmup(keys)`` (``<key>.b<bucket>`` per bucket, run by
 `warmup_pipeline` with that many prompts) captures the graphs the batcher replays: the transformer's and
 the VAE decoder's per row bucket, the text encoders' per prompt bucket.
 
-Scheduling (`bcg.diffusers.batch_queue`): one step of one group per `step()`, groups taken round-robin,
+Scheduling (`bcg.diffusers.step_batching.queue`): one step of one group per `step()`, groups taken round-robin,
 so a second key never waits for the first to drain. With ``max_wait_ms`` 0 (default) a request that
 arrives to an idle batcher starts at once (the latency of ``pipe(**kwargs)`` alone); a positive value
 holds a *new* group until it is full or its oldest request has waited that long.
 
-Batching where it pays (`bcg.diffusers.step_costs`): on CUDA, ``warmup(keys)`` times one step of every
+Batching where it pays (`bcg.diffusers.step_batching.costs`): on CUDA, ``warmup(keys)`` times one step of every
 row bucket of each key's group after capturing them (`measure_step_costs`: median of interleaved
 replays); with ``admission_policy="auto"`` (default) a queued request joins a running batch only where
 the bigger bucket's step is cheaper per row by ``admission_margin``, else it waits and starts when rows
@@ -37,7 +37,7 @@ per request (a failed preparation puts the generators back first), so only the r
 fail. Pipelines without step hooks (anything but Flux and SD3 today) and
 requests with arguments the hooks do not batch run alone through ``pipe(**kwargs)``, one whole request per
 `step()`, taking their turn in the round-robin; their PIL images are made from 8 bits converted on the
-device, answered from the answers thread (`bcg.diffusers.steps.pipeline_call_async`).
+device, answered from the answers thread (`bcg.diffusers.step_batching.steps.pipeline_call_async`).
 
 Rows (`bcg.runtime.rows`): around each batched transformer call the batcher sets one `RowsContext`
 (``with rows_context(transformer, ctx):``), built from `StepFamily.row_owners` / `row_branches` and the
@@ -57,8 +57,8 @@ answers the requests already decoded before it returns.
 `call_between_steps(fn)` runs `fn` on the loop thread between two steps (runner stats); `warmup(keys)`
 captures every bucket of `keys` there.
 
-The warmup, step costs and admission setting are `BatcherWarmup`'s (`bcg.diffusers.batch_warmup`), the
-counters and `stats()` `BatcherCounters`' (`bcg.diffusers.batch_stats`): mixins of `StepBatcher`.
+The warmup, step costs and admission setting are `BatcherWarmup`'s (`bcg.diffusers.step_batching.warmup`), the
+counters and `stats()` `BatcherCounters`' (`bcg.diffusers.step_batching.stats`): mixins of `StepBatcher`.
 """
 from __future__ import annotations
 
@@ -72,17 +72,17 @@ from typing import Any, Callable
 
 import torch
 
-from bcg.diffusers.batch_queue import ALONE, BatcherConfig, QueuedRequest, RequestQueue
-from bcg.diffusers.batch_stats import BatcherCounters
-from bcg.diffusers.batch_warmup import BatcherWarmup
+from bcg.diffusers.step_batching.queue import ALONE, BatcherConfig, QueuedRequest, RequestQueue
+from bcg.diffusers.step_batching.stats import BatcherCounters
+from bcg.diffusers.step_batching.warmup import BatcherWarmup
 from bcg.diffusers.buckets import ShapeKey
 from bcg.diffusers.families import family_of
 from bcg.diffusers.accelerated import pipeline_call_scope
-from bcg.diffusers.cache_config import StepCacheConfig
+from bcg.diffusers.step_caching.config import StepCacheConfig
 from bcg.diffusers.request_plan import LoraChoice, RequestPlan
-from bcg.diffusers.step_cache import step_cache_of
-from bcg.diffusers.step_costs import StepCosts
-from bcg.diffusers.steps import StepFamily, pipeline_call_async
+from bcg.diffusers.step_caching.hook import step_cache_of
+from bcg.diffusers.step_batching.costs import StepCosts
+from bcg.diffusers.step_batching.steps import StepFamily, pipeline_call_async
 from bcg.lora.bank import UnknownAdapterError, lora_bank
 from bcg.runtime.call_record import recording
 from bcg.runtime.rows import Row, RowsContext, release_rows, rows_context
@@ -110,7 +110,7 @@ class StepBatcher(BatcherWarmup, BatcherCounters):
         self.config = config or BatcherConfig(**settings)
         self.family = family_of(pipe).batching_hooks() if family == "auto" else family
         self._info = info
-        # the transformer's LoRA slots (`bcg.lora`) and step caching (`bcg.diffusers.step_cache`): both read
+        # the transformer's LoRA slots (`bcg.lora`) and step caching (`bcg.diffusers.step_caching.hook`): both read
         # each call's rows from the rows context (`_rows_context`); kept here for checks, warmups and stats
         self.lora = lora_bank(getattr(pipe, "transformer", None))
         self.step_cache = step_cache_of(pipe)

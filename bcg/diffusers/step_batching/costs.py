@@ -25,7 +25,7 @@ A request that arrives to a group not running starts at once (the rule then asks
 join it). Where a cost is not known (no warmup, a CPU pipeline, a bucket above the largest) the request
 joins as it always did (``admission_policy="always"``). The rule compares costs per step and real row:
 a request with fewer steps left pays the same per step, so step counts do not enter it. Step caching
-(`bcg.diffusers.step_cache`) makes a step whose rows cache cheaper than the table says; the table is of
+(`bcg.diffusers.step_caching.hook`) makes a step whose rows cache cheaper than the table says; the table is of
 steps whose rows all compute, and the rule decides as if every row computed (at a compute-bound size,
 requests that cache may run apart where sharing their steps would have paid).
 
