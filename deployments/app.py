@@ -148,6 +148,10 @@ class AppArgs(BaseModel):
     # the coordinator's memory only (still handed between replicas)
     compile_cache: Optional[str] = None
     compile_wait_s: float = Field(900.0, ge=0)                 # a replica waits this long for another's compile
+    # where the replicas' quantized transformers (quantize=fp8) persist, so a start reloads them as they are
+    # instead of reading and quantizing again: a directory on each replica's node or a URI (s3://...);
+    # None: <temp dir>/bcg-quantized-weights on each node; "off": every start quantizes
+    quantized_weights_cache: Optional[str] = None
     # LoRA adapters (vLLM's names; deployments.lora): name -> diffusers LoRA file or directory, loaded by
     # every replica at start; the layers they target, and those of lora_target_modules (peft target
     # names), get slots for max_loras adapters of rank <= max_lora_rank (adapters loaded later at run
@@ -519,6 +523,7 @@ def build_app(args: Optional[dict] = None):
         batching=a.batching(),
         memory_budget_bytes=a.memory_budget_bytes, compile_wait_s=a.compile_wait_s, lora=a.lora(),
         step_cache=None if a.step_cache is None else a.step_cache.model_dump(),
+        quantized_weights_cache=a.quantized_weights_cache,
     )
     limits = a.limits().model_dump()
     limits["size_multiple"] = a.size_multiple

@@ -115,7 +115,8 @@ class ReplicaEngine:
                  cpu_threads: Optional[int] = None, gpu_memory_fraction: Optional[float] = None,
                  pipeline_hook: Optional[str] = None, components="all", batching: Optional[dict] = None,
                  memory_budget_bytes: Optional[int] = None, lora: Optional[dict] = None,
-                 step_cache: Optional[dict] = None, compile_components="all"):
+                 step_cache: Optional[dict] = None, compile_components="all",
+                 quantized_weights_cache: Optional[str] = None):
         t0 = time.perf_counter()
         import torch
         from bcg.runtime.config import RunnerConfig, TransformerOptions
@@ -137,8 +138,14 @@ class ReplicaEngine:
         self.options, runner_fields = TransformerOptions.split(runner_config if isinstance(runner_config, dict) else {})
         config = RunnerConfig(**runner_fields) if isinstance(runner_config, dict) else runner_config
         self.config = config if config is not None else RunnerConfig.from_env()
+        from deployments.compile_cache import weights_store_root
         load = LoadTimes()
-        pipe = load_pipeline(model, device=self.device, dtype=getattr(torch, dtype) if dtype else None, times=load)
+        # the transformers quantized as they load (before LoRA slots and step caching), reloaded as they are
+        # from the quantized weights store where an earlier start wrote them (`bcg.runtime.weights_store`)
+        pipe = load_pipeline(model, device=self.device, dtype=getattr(torch, dtype) if dtype else None, times=load,
+                             quantize=self.options.quantize,
+                             weights_store=weights_store_root(quantized_weights_cache) if self.options.quantize else None)
+        self.quantized_weights = dict(load.quantized)  # per transformer: reloaded, quantized (stored), or why not
         if pipeline_hook:
             resolve_hook(pipeline_hook)(pipe)  # from the app config (e.g. fault injection in tests)
         # LoRA slots before anything captures or compiles the transformer (``lora``: see `_install_lora`);
@@ -195,7 +202,7 @@ class ReplicaEngine:
         step_costs = batching.pop("step_costs_ms", None)  # fed in; a CUDA warmup times what it lacks
         config = BatcherConfig(**{**NO_BATCHING, **batching})
         self.batcher = StepBatcher(self.pipe, config, info=self.info, step_costs=step_costs).start()
-        self.startup = _load_phases(time.perf_counter() - t0, imports_s, load, accelerate_s, self.kernel_stats())
+        self.startup = _load_phases(time.perf_counter() - t0, imports_s, load, accelerate_s)
 
     def close(self) -> None:
         """Stop the loop thread; requests still queued or running fail."""
@@ -526,14 +533,13 @@ class ReplicaEngine:
                                                fps=self.info.get("fps"))}
 
 
-def _load_phases(seconds: float, imports_s: float, load, accelerate_s: float, kernels: dict) -> Dict[str, float]:
+def _load_phases(seconds: float, imports_s: float, load, accelerate_s: float) -> Dict[str, float]:
     """Where the engine's construction (`seconds`) went: its imports (torch, diffusers), reading and moving
-    the pipeline (`LoadTimes`), quantizing (the transformers' quantize reports), the rest of `accelerate`
-    (breaks, attention kernels, runners) and everything else (LoRA slots, step caching, the memory share,
-    the batcher's thread)."""
-    quantize_s = sum((k.get("quantize") or {}).get("seconds", 0.0) for k in kernels.values())
-    parts = {"imports_s": imports_s, "read_s": load.read_s, "move_s": load.move_s, "quantize_s": quantize_s,
-             "accelerate_s": max(0.0, accelerate_s - quantize_s)}
+    the pipeline, quantizing its transformers, reloading them quantized from the weights store and writing
+    them there (`LoadTimes`), `accelerate` (breaks, attention kernels, runners; the transformers come to it
+    quantized) and everything else (LoRA slots, step caching, the memory share, the batcher's thread)."""
+    parts = {"imports_s": imports_s, "read_s": load.read_s, "move_s": load.move_s, "quantize_s": load.quantize_s,
+             "reload_s": load.reload_s, "store_s": load.store_s, "accelerate_s": accelerate_s}
     return {**parts, "other_s": max(0.0, seconds - sum(parts.values()))}
 
 

@@ -106,7 +106,8 @@ class Replica:
                  pipeline_hook: Optional[str] = None, components="all",
                  memory_budget_bytes: Optional[int] = None, batching: Optional[dict] = None,
                  compile_wait_s: float = 900.0, lora: Optional[dict] = None,
-                 step_cache: Optional[dict] = None, compile_components="all"):
+                 step_cache: Optional[dict] = None, compile_components="all",
+                 quantized_weights_cache: Optional[str] = None):
         self._startup = ReplicaStartup()
         ctx = serve.get_replica_context()
         self.replica_id = ctx.replica_id.unique_id
@@ -139,12 +140,13 @@ class Replica:
         self.engine = await self._in_thread(functools.partial(ReplicaEngine, memory_budget_bytes=memory_budget_bytes,
                                                               batching=batching, lora=lora,
                                                               step_cache=step_cache,
-                                                              compile_components=compile_components),
+                                                              compile_components=compile_components,
+                                                              quantized_weights_cache=quantized_weights_cache),
                                             model, device, dtype, runner_config,
                                             warmup_steps, cpu_threads, gpu_memory_fraction, pipeline_hook,
                                             components)
         loaded_at = time.time()
-        self._startup.loaded(self.engine.startup)
+        self._startup.loaded(self.engine.startup, self.engine.quantized_weights)
         self.info = dict(self.engine.info)
         # compile artifacts: fetched from the coordinator before a key compiles, handed to it after
         self._artifacts = ReplicaArtifacts(self.replica_id, coordinator, self.engine, self._in_thread, compile_wait_s)

@@ -16,7 +16,9 @@ Ada and Hopper), torchao not installed, a layer torchao refuses -- nothing is ch
 module in its own dtype then; a request never fails because of it.
 
 The report is kept in the module's hook registry (`bcg.runtime.hooks`, hook ``bcg_quantize``), which is
-what makes a second call a no-op. Removing that hook forgets the report but does not undo the float8
+what makes a second call a no-op. A module whose quantized state was stored once and reloaded as it is
+(`bcg.runtime.weights_store`, `bcg.diffusers.models.load_pipeline`) gets the stored report back
+(`restore_report`, with ``reloaded_from``); `quantize_fields` is what such a state is keyed by. Removing that hook forgets the report but does not undo the float8
 weights: that would need a second copy of every weight kept for it (a fresh module is the undo).
 
 Layers whose input or output features are not multiples of 16 (float8 GEMMs need that), layers whose
