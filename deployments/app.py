@@ -101,6 +101,9 @@ class AppArgs(BaseModel):
     admission_policy: Literal["auto", "always"] = "auto"
     admission_margin: float = Field(0.1, ge=0, lt=1)
     step_costs_ms: Dict[str, Dict[int, float]] = Field(default_factory=dict)
+    # vLLM's name: the row buckets a warmup captures (besides a key's own); the other buckets of a warmed key
+    # are captured at their first use while serving, between steps, counted (None: every bucket at warmup)
+    cudagraph_capture_sizes: Optional[List[int]] = None
     autoscaling: Optional[AutoscalingArgs] = None
     router: Literal["shape_affinity", "power_of_two"] = "shape_affinity"  # power_of_two: Serve's default
     spill_threshold: Optional[int] = Field(DEFAULT_SPILL_THRESHOLD, ge=1)
@@ -257,7 +260,7 @@ class AppArgs(BaseModel):
         StepCosts(v)  # positive buckets and milliseconds; the error names the entry
         return v
 
-    @field_validator("batch_buckets", mode="before")
+    @field_validator("batch_buckets", "cudagraph_capture_sizes", mode="before")
     @classmethod
     def _split_buckets(cls, v):
         if isinstance(v, str):  # "1,2,4,8" from a command line
@@ -280,12 +283,24 @@ class AppArgs(BaseModel):
                              "requests, so raise max_ongoing_requests or lower max_batch_size")
         return self
 
+    @model_validator(mode="after")
+    def _capture_sizes_are_buckets(self):
+        from bcg.diffusers.step_batching.queue import BatcherConfig
+        settings = {k: v for k, v in self.batching().items() if k != "step_costs_ms"}
+        try:
+            BatcherConfig(**settings)  # the one check: each a row bucket of batch_buckets
+        except ValueError as exc:
+            raise ValueError(str(exc)) from None
+        return self
+
     def batching(self) -> dict:
         """The replicas' batcher settings (``bcg.diffusers.BatcherConfig`` fields)."""
         size = self.max_batch_size if self.max_batch_size is not None else min(4, self.max_ongoing_requests)
+        sizes = self.cudagraph_capture_sizes
         return {"max_batch_size": size, "batch_buckets": list(self.batch_buckets), "max_wait_ms": self.max_wait_ms,
                 "join_policy": self.join_policy, "admission_policy": self.admission_policy,
                 "admission_margin": self.admission_margin,
+                "cudagraph_capture_sizes": None if sizes is None else list(sizes),
                 "step_costs_ms": {g: dict(c) for g, c in self.step_costs_ms.items()}}
 
     @model_validator(mode="after")
