@@ -72,8 +72,8 @@ class BatcherWarmup:
     # -- capture on need -------------------------------------------------------------------------
 
     def _init_capture_on_need(self, on_capture: Callable | None) -> None:
-        # group key -> row buckets captured (by a warmup or on need) / whose capture failed; replaced on
-        # write under the stats lock, so readers on other threads (`capture_on_need_buckets`) copy nothing
+        # group key -> row buckets captured (by a warmup or on need) / whose capture failed (frozensets);
+        # written on the loop thread and read from any (`capture_on_need_buckets`, `stats`) under the stats lock
         self._captured: dict[str, frozenset] = {}
         self._capture_failed: dict[str, frozenset] = {}
         self._capture_steps: dict[str, int] = {}  # group key -> warmup steps its warmup ran
