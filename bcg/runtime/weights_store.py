@@ -9,11 +9,13 @@ the model's own weights and quantizing them again. Contract:
   configuration and its format version, torch's and torchao's versions, the device type, name and compute
   capability). Its ``digest`` names the file; ``diff`` says which fields differ from another key's.
 * One entry is one ``torch.save`` file (zip format): ``{"format", "key", "meta", "state_dict",
-  "buffers"}``; ``buffers`` holds the module's non-persistent buffers, so a module built without weights
-  (on the meta device) is whole after a load. `load_into` reads it with ``torch.load(mmap=True,
-  weights_only=True, map_location=device)``: tensors go straight from the mapped file to the device, no
-  pickled code runs (torchao registers its tensor subclasses as safe), and the module's tensors are
-  replaced (``load_state_dict(assign=True)``), not copied into.
+  "buffers", "frozen"}``; ``buffers`` holds the module's non-persistent buffers, so a module built without
+  weights (on the meta device) is whole after a load; ``frozen`` the parameters that need no gradient. `load_into` reads it with ``torch.load(mmap=True,
+  weights_only=True, map_location=device)``: tensors go straight from the mapped file to the device and
+  the module's tensors are replaced (``load_state_dict(assign=True)``), not copied into. No pickled code
+  runs: the globals such an entry holds beyond torch's own (a quantized tensor's class and its settings)
+  are allowed only where they come from a ``trusted`` package (default: torchao), found in the file before
+  it is loaded (``torch.serialization.get_unsafe_globals_in_checkpoint``); any other makes it a miss.
 * Writes are atomic: the file is written and synced under a temporary name, then linked into place
   (`put`: the first write of a key wins, a racing writer's copy is dropped); readers see a whole file
   or none. A root that is a URI (``s3://bucket/prefix``; fsspec) is written by a temporary name and a
@@ -28,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
+import importlib
 import json
 import logging
 import os
@@ -109,8 +112,9 @@ class WeightsStore:
     """Stored module states under `root`: a local directory, or a URI fsspec opens (read through a local
     copy in `cache_dir`, default ``<temp dir>/bcg-weights-copies``). See the module docstring."""
 
-    def __init__(self, root: str, cache_dir: Optional[str] = None):
+    def __init__(self, root: str, cache_dir: Optional[str] = None, trusted: tuple = ("torchao.",)):
         self.root = str(root)
+        self.trusted = tuple(trusted)  # module prefixes whose classes an entry may hold (module docstring)
         self.remote = "://" in self.root
         if self.remote:
             try:
@@ -160,7 +164,9 @@ class WeightsStore:
         """Write `module`'s state for `key` unless an entry is there already; True when this call wrote it.
         Raises what the filesystem raises (a full disk): the caller decides whether that matters."""
         entry = {"format": FORMAT_VERSION, "key": key.as_dict(), "meta": dict(meta or {}),
-                 "state_dict": module.state_dict(), "buffers": _non_persistent_buffers(module)}
+                 "state_dict": module.state_dict(), "buffers": _non_persistent_buffers(module),
+                 # quantized weights are parameters that need no gradient (torchao's): so they come back
+                 "frozen": [name for name, p in module.named_parameters() if not p.requires_grad]}
         if self.remote:
             target = f"{self._base}/{key.path}"
             if self._fs.exists(target):
@@ -206,14 +212,15 @@ class WeightsStore:
         if path is None:
             return None
         try:
-            entry = torch.load(path, mmap=True, weights_only=True,
-                               map_location=torch.device(device) if device is not None else None)
+            entry = _load_trusting(path, device, self.trusted)
             problem = _entry_problem(entry, key)
             if problem is None:
                 module.load_state_dict(entry["state_dict"], strict=True, assign=True)
                 for name, tensor in entry["buffers"].items():
                     owner, _, leaf = name.rpartition(".")
                     module.get_submodule(owner).register_buffer(leaf, tensor, persistent=False)
+                for name in entry.get("frozen", ()):
+                    module.get_parameter(name).requires_grad_(False)
                 left = [n for n, t in _tensors(module) if t.is_meta]
                 if left:
                     problem = f"the entry leaves {len(left)} tensors without values (e.g. {left[0]!r})"
@@ -225,6 +232,22 @@ class WeightsStore:
         seconds = time.perf_counter() - t0
         logger.info("%s: reloaded from %s in %.2f s", type(module).__name__, path, seconds)
         return {**entry["meta"], "seconds": seconds, "path": path}
+
+
+def _load_trusting(path: str, device, trusted: tuple):
+    """``torch.load(weights_only=True)`` of `path` with the globals it holds allowed where they come from a
+    `trusted` package; ValueError naming them where one does not."""
+    names = torch.serialization.get_unsafe_globals_in_checkpoint(path)
+    untrusted = [n for n in names if not n.startswith(trusted)]
+    if untrusted:
+        raise ValueError(f"it holds globals from untrusted packages: {untrusted[:3]}")
+    allowed = []
+    for name in names:
+        module, _, attr = name.rpartition(".")
+        allowed.append(getattr(importlib.import_module(module), attr))
+    with torch.serialization.safe_globals(allowed):
+        return torch.load(path, mmap=True, weights_only=True,
+                          map_location=torch.device(device) if device is not None else None)
 
 
 def _tensors(module: torch.nn.Module):

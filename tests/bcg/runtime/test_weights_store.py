@@ -1,6 +1,7 @@
 """`WeightsStore`: a module's state written once, atomically, and loaded as it is into a module built
 without weights; a torn, foreign or other-key file is a miss. On CPU with a real diffusers transformer's
 state (float8 itself needs a GPU: tests/bcg/diffusers/test_quantized_load_gpu.py)."""
+import dataclasses
 import logging
 import os
 import threading
@@ -59,12 +60,14 @@ def test_non_persistent_buffers_travel_with_the_state(tmp_path):
             self.register_buffer("offset", torch.arange(4.0), persistent=False)
 
     module = WithBuffer()
+    module.linear.weight.requires_grad_(False)  # as torchao leaves a quantized weight
     store = WeightsStore(str(tmp_path))
     store.put(KEY, module)
     with torch.device("meta"):
         empty = WithBuffer()
     assert store.load_into(empty, KEY) is not None
     assert torch.equal(empty.offset, module.offset) and "offset" not in empty.state_dict()
+    assert not empty.linear.weight.requires_grad and empty.linear.bias.requires_grad
 
 
 def test_the_first_write_wins_and_racing_writers_leave_one_whole_file(transformer, tmp_path):
@@ -123,3 +126,21 @@ def test_a_store_behind_a_uri_reads_through_a_local_copy(transformer, tmp_path):
     empty = _empty_like(transformer)
     meta = store.load_into(empty, KEY)
     assert meta["path"].startswith(str(tmp_path / "copies")) and _same_state(empty, transformer)
+
+
+@dataclasses.dataclass
+class Granularity:
+    """Stands in for what a quantized tensor carries beside its data (torchao's ``PerRow()``)."""
+
+    axis: int = -1
+
+
+def test_classes_an_entry_holds_load_only_from_trusted_packages(tmp_path, caplog):
+    module = torch.nn.Linear(4, 4)
+    WeightsStore(str(tmp_path)).put(KEY, module, {"granularity": Granularity()})
+    trusting = WeightsStore(str(tmp_path), trusted=("tests.",))
+    meta = trusting.load_into(torch.nn.Linear(4, 4), KEY)
+    assert meta["granularity"] == Granularity()
+    caplog.set_level(logging.WARNING, "bcg.runtime.weights_store")
+    assert WeightsStore(str(tmp_path)).load_into(torch.nn.Linear(4, 4), KEY) is None  # torchao's alone by default
+    assert "untrusted" in caplog.records[-1].getMessage() and "Granularity" in caplog.records[-1].getMessage()
