@@ -8,7 +8,8 @@
 
 Each start runs Ray Serve's own CLI (``serve run``, which starts a local Ray) in a process of its own, with
 the app's defaults except ``model``, ``warmup=<size>``, ``compile_cache`` (one folder for every start, so the
-second start finds what the first stored) and ``--app-args``. Every start compiles into inductor and Triton
+second start finds what the first stored), ``quantized_weights_cache`` (a folder inside it, unless
+``--app-args`` names one) and ``--app-args``. Every start compiles into inductor and Triton
 cache folders of its own (``TORCHINDUCTOR_CACHE_DIR``, ``TRITON_CACHE_DIR``): what makes the second start
 fast is then the app's compile store, as on a fresh node, not torch's local cache from the first.
 
@@ -63,7 +64,10 @@ def _say(msg: str) -> None:
 
 def serve_run_command(args, model_dir: str, store: str) -> list[str]:
     """``serve run deployments.app:build_app`` with the app args this benchmark sets and ``--app-args``."""
-    app_args = [f"model={model_dir}", f"warmup={args.size}", f"compile_cache={store}", *args.app_args]
+    # the quantized weights beside the compile store, so the first start here writes them and the second reloads
+    weights = [] if any(a.startswith("quantized_weights_cache=") for a in args.app_args) else [
+        f"quantized_weights_cache={os.path.join(store, 'quantized-weights')}"]
+    app_args = [f"model={model_dir}", f"warmup={args.size}", f"compile_cache={store}", *weights, *args.app_args]
     return [*SERVE_CLI, "run", "--app-dir", REPO, "deployments.app:build_app", *app_args]
 
 
@@ -110,7 +114,12 @@ def replica_view(replica: dict, command_at: float) -> dict:
             "compile_artifacts": replica.get("compile_artifacts"),
             "attention_choices": replica.get("attention_choices"),
             "compiled_while_serving": replica.get("compiled_while_serving"),
-            "warm_requests": replica.get("warm_requests"), "cold_requests": replica.get("cold_requests")}
+            "warm_requests": replica.get("warm_requests"), "cold_requests": replica.get("cold_requests"),
+            # each start phase (load: read / quantize / reload / store), the quantized weights' outcome, and
+            # the row buckets captured at their first use (cudagraph_capture_sizes)
+            "startup_phases": (replica.get("startup") or {}).get("phases"),
+            "quantized_weights": (replica.get("startup") or {}).get("quantized_weights"),
+            "capture_on_need": (replica.get("batcher") or {}).get("capture_on_need")}
 
 
 def one_start(args, index: int, model_dir: str, store: str, tmp: str) -> dict:

@@ -34,14 +34,16 @@ Contract:
   joining and leaving at denoising-step boundaries; families without step hooks (all but Flux and SD3)
   and requests with arguments the hooks do not batch run alone, one whole pipeline call each, taking
   turns with the batches. Warmups run on the same thread between two steps, and capture every batch
-  bucket of a key (``StepBatcher.warmup_plan``), so a key is warm only when the graphs of all its buckets
-  are live. With ``max_wait_ms`` 0 a request reaching an idle replica starts at once. The event loop stays
+  bucket of a key (``StepBatcher.warmup_plan``; with ``cudagraph_capture_sizes`` those named, the others
+  captured by the batcher at their first use, between steps, counted in its stats' ``capture_on_need``),
+  so a key is warm only when the graphs of all its warmed buckets are live. With ``max_wait_ms`` 0 a request reaching an idle replica starts at once. The event loop stays
   free for stats, health and routing probes; image encoding (PNG, JPEG or WebP: the request's
   ``output_format``, which plays no part in batching) runs on a worker thread. Runner state is read
   on the loop thread after each request and warmup; stats and routing stats answer from that snapshot,
   so they never wait for a capture in progress (a runner holds its lock while capturing).
 * ``record_routing_stats()`` publishes ``warm_keys``, ``warm_batch_keys`` (the keys of the batch
-  buckets their warmups captured), ``queue_len`` (requests on this replica, queued or running),
+  buckets their warmups captured, or the batcher on need since), ``capture_on_need_keys`` (those whose
+  bucket is captured at its first use: not warm), ``queue_len`` (requests on this replica, queued or running),
   ``pool_bytes``, ``batch_free_rows`` (per group running a batch now, the image rows it has room
   for) and ``lora_adapters`` (the LoRA adapters it holds); the router reads them. Serve's
   ``max_ongoing_requests`` caps how many requests reach the batcher, so it must be at least
@@ -77,8 +79,8 @@ from deployments.engine import ReplicaEngine
 from deployments.gpu import cuda_memory, describe_gpu, release_cached_memory
 from deployments.lora import LoraChoice, LoraPaths
 from deployments.metrics import ReplicaMetrics
-from deployments.router import (BATCH_FREE_ROWS, LORA_ADAPTERS, POOL_BYTES, QUEUE_LEN, WARM_BATCH_KEYS, WARM_KEYS,
-                                ShapeAffinityRouter)
+from deployments.router import (BATCH_FREE_ROWS, CAPTURE_ON_NEED_KEYS, LORA_ADAPTERS, POOL_BYTES, QUEUE_LEN,
+                                WARM_BATCH_KEYS, WARM_KEYS, ShapeAffinityRouter)
 from deployments.schemas import ImageGenerationRequest, ReplicaReport, request_plan
 from deployments.spill import COLD_REQUEST_S, REQUEST_S, WARMUP_S, moving_average
 from deployments.startup import ReplicaStartup, startup_warnings
@@ -106,7 +108,8 @@ class Replica:
                  pipeline_hook: Optional[str] = None, components="all",
                  memory_budget_bytes: Optional[int] = None, batching: Optional[dict] = None,
                  compile_wait_s: float = 900.0, lora: Optional[dict] = None,
-                 step_cache: Optional[dict] = None, compile_components="all"):
+                 step_cache: Optional[dict] = None, compile_components="all",
+                 quantized_weights_cache: Optional[str] = None):
         self._startup = ReplicaStartup()
         ctx = serve.get_replica_context()
         self.replica_id = ctx.replica_id.unique_id
@@ -138,11 +141,12 @@ class Replica:
         self.engine = await self._in_thread(functools.partial(ReplicaEngine, memory_budget_bytes=memory_budget_bytes,
                                                               batching=batching, lora=lora,
                                                               step_cache=step_cache,
-                                                              compile_components=compile_components),
+                                                              compile_components=compile_components,
+                                                              quantized_weights_cache=quantized_weights_cache),
                                             model, device, dtype, runner_config,
                                             warmup_steps, cpu_threads, gpu_memory_fraction, pipeline_hook,
                                             components)
-        self._startup.loaded(self.engine.startup)
+        self._startup.loaded(self.engine.startup, self.engine.quantized_weights)
         self.info = dict(self.engine.info)
         # compile artifacts: fetched from the coordinator before a key compiles, handed to it after
         self._artifacts = ReplicaArtifacts(self.replica_id, coordinator, self.engine, self._in_thread, compile_wait_s)
@@ -204,7 +208,8 @@ class Replica:
 
     # -- Serve hooks -------------------------------------------------------------------------------
     def _warm_view(self) -> dict:
-        return {WARM_KEYS: self.engine.warm_keys(), WARM_BATCH_KEYS: self.engine.warm_batch_keys()}
+        return {WARM_KEYS: self.engine.warm_keys(), WARM_BATCH_KEYS: self.engine.warm_batch_keys(),
+                CAPTURE_ON_NEED_KEYS: self.engine.capture_on_need_keys()}
 
     def _routing_view(self) -> dict:
         free = {group: load["free_rows"] for group, load in self.engine.batcher.load().items()

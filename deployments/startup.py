@@ -37,7 +37,9 @@ PHASES = {
     "load_read": "reading the pipeline: a built-in's construction, or from_pretrained",
     "load_move": "the dtype cast and the copy to the device",
     "load_quantize": "float8 quantization of the transformers' linear layers (quantize: fp8)",
-    "load_accelerate": "breaks, attention kernels and runners installed (accelerate), quantizing aside",
+    "load_reload": "the quantized transformers read from the quantized weights store, straight to the device",
+    "load_store": "the quantized transformers written to the quantized weights store (the first start only)",
+    "load_accelerate": "breaks, attention kernels and runners installed (accelerate)",
     "load_other": "the rest of the load: LoRA slots, step caching, the memory share, the batcher thread",
     "assign": "compile-artifact and attention-choice set-up, waiting for the coordinator's warmup share",
     "warmup_wait_for_compile": "waiting for another replica's compile of a key (its artifacts)",
@@ -56,7 +58,8 @@ _WARMUP_PARTS = {"warmup_wait_for_compile": "wait_for_compile_s", "warmup_load_a
                  "warmup_trace": "trace_s", "warmup_capture": "capture_s",
                  "warmup_publish_artifacts": "hand_off_s"}
 _LOAD_PARTS = {"load_read": "read_s", "load_move": "move_s", "load_quantize": "quantize_s",
-               "load_accelerate": "accelerate_s", "load_other": "other_s"}
+               "load_reload": "reload_s", "load_store": "store_s", "load_accelerate": "accelerate_s",
+               "load_other": "other_s"}
 
 # one FLUX.1-dev 1024² transformer forward on plain graphs, bf16 against float8 (H200, interleaved rounds;
 # benchmarks/results/bench_fp8_flux_graphs.json)
@@ -112,13 +115,15 @@ class ReplicaStartup:
         self.process_at = process_started_at() or imports_began
         self.imports_began = min(max(imports_began, self.process_at), self.constructor_at)
         self.load: Dict[str, float] = {}
+        self.quantized_weights: Dict[str, str] = {}  # per transformer: reloaded, quantized (stored), or why not
         self.loaded_at = self.warmup_began = self.warmup_done = self.warm_at = None
         self.published_at = self.first_request_at = None
         self.warmup: Optional[dict] = None  # the start-up warmup's timing (deployments.replica)
         self.warnings: List[str] = []
 
-    def loaded(self, engine_phases: Mapping[str, float]) -> None:
+    def loaded(self, engine_phases: Mapping[str, float], quantized_weights: Optional[Mapping[str, str]] = None) -> None:
         self.loaded_at, self.load = time.time(), dict(engine_phases)
+        self.quantized_weights = dict(quantized_weights or {})
 
     def warmup_started(self) -> None:
         self.warmup_began = time.time()
@@ -170,6 +175,7 @@ class ReplicaStartup:
                 "first_request_s": None if self.first_request_at is None
                 else _r(self.first_request_at - self.process_at),
                 "phases": self.phases(), "warmup": None if self.warmup is None else dict(self.warmup),
+                "quantized_weights": dict(self.quantized_weights),
                 "warnings": list(self.warnings)}
 
 

@@ -17,8 +17,8 @@ def test_phases_are_none_until_reached_then_numbers_that_sum_within_the_total():
     # each part reported below lies inside the span it belongs to, as a replica measures them
     startup = ReplicaStartup(imports_began=time.time() - 0.01)
     time.sleep(0.07)
-    startup.loaded({"imports_s": 0.02, "read_s": 0.03, "move_s": 0.0, "quantize_s": 0.0, "accelerate_s": 0.01,
-                    "other_s": 0.0})
+    startup.loaded({"imports_s": 0.02, "read_s": 0.03, "move_s": 0.0, "quantize_s": 0.0, "reload_s": 0.004,
+                    "store_s": 0.0, "accelerate_s": 0.01, "other_s": 0.0}, {"transformer": "reloaded"})
     startup.warmup_started()
     time.sleep(0.04)
     startup.warmed({"wait_for_compile_s": 0.0, "load_artifacts_s": 0.0, "compile_s": 0.02, "trace_s": 0.005,
@@ -31,6 +31,7 @@ def test_phases_are_none_until_reached_then_numbers_that_sum_within_the_total():
     assert report["phases"]["imports_s"] >= 0.03  # the app's modules' and the engine's
     assert report["phases"]["warmup_trace_s"] == 0.005 and report["phases"]["warmup_compile_s"] == 0.015
     assert report["warmup"]["by_key"] == {"64x64": {"seconds": 0.03}} and report["warm_at"] >= report["constructor_at"]
+    assert report["phases"]["load_reload_s"] == 0.004 and report["quantized_weights"] == {"transformer": "reloaded"}
     startup.published()
     startup.answered()
     startup.answered()  # only the first answer counts
@@ -84,6 +85,34 @@ def test_the_replicas_warning_comes_from_their_settings_not_the_device():
     a = parse_args({"quantize": "fp8", "device": "cpu"})
     assert startup_warnings(a.runner_config()["quantize"], a.runner_config(), a.compile_components) == \
         a.startup_warnings()
+
+
+def test_a_second_engine_reloads_the_quantized_transformer_the_first_stored(tmp_path, monkeypatch):
+    """float8 cannot run on CPU: the stand-in of tests/bcg/diffusers/test_quantized_load.py quantizes."""
+    import bcg.diffusers.models as models
+    from deployments.engine import ReplicaEngine
+    from tests.bcg.diffusers.test_quantized_load import _Float8Values
+
+    quantizer = _Float8Values()
+    monkeypatch.setattr(models, "quantize_module", quantizer)
+    engines = []
+    try:
+        for _ in range(2):
+            engines.append(ReplicaEngine("tiny-flux", device="cpu", cpu_threads=1, components=["transformer"],
+                                         runner_config={"quantize": "fp8"},
+                                         quantized_weights_cache=str(tmp_path / "weights")))
+        first, second = engines
+        assert first.quantized_weights == {"transformer": "quantized, stored"} and quantizer.calls == 1
+        assert second.quantized_weights == {"transformer": "reloaded"}
+        assert first.startup["quantize_s"] > 0 and first.startup["store_s"] > 0 and first.startup["reload_s"] == 0
+        assert second.startup["reload_s"] > 0 and second.startup["quantize_s"] == 0
+        startup = ReplicaStartup()
+        startup.loaded(second.startup, second.quantized_weights)
+        assert startup.report()["phases"]["load_reload_s"] > 0
+        assert startup.report()["quantized_weights"] == {"transformer": "reloaded"}
+    finally:
+        for engine in engines:
+            engine.close()
 
 
 def test_v1_stats_counts_every_phase_of_every_replicas_start(serve_app):

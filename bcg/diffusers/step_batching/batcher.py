@@ -101,11 +101,14 @@ class StepBatcher(BatcherWarmup, BatcherCounters):
     ``StepBatcher(pipe, config=BatcherConfig(...))``; `family` overrides the step hooks of the
     pipeline's family record (``family_of(pipe).batching_hooks()``; None: every request runs alone).
     `step_costs`: ms of one step per group key and row bucket (`StepCosts` or its ``{group: {bucket: ms}}``
-    table) for ``admission_policy="auto"``; a CUDA warmup measures the keys it warms.
+    table) for ``admission_policy="auto"``; a CUDA warmup measures the keys it warms. `on_capture`: called
+    ``(group, bucket, report, record)`` on the loop thread after each bucket captured on need
+    (``cudagraph_capture_sizes``, `bcg.diffusers.step_batching.warmup`).
     """
 
     def __init__(self, pipe, config: BatcherConfig | None = None, *, family: StepFamily | None | str = "auto",
-                 info: dict | None = None, step_costs: StepCosts | dict | None = None, **settings):
+                 info: dict | None = None, step_costs: StepCosts | dict | None = None,
+                 on_capture: Callable | None = None, **settings):
         if config is not None and settings:
             raise ValueError(f"pass either config or settings {sorted(settings)}, not both")
         self.pipe = pipe
@@ -131,6 +134,7 @@ class StepBatcher(BatcherWarmup, BatcherCounters):
         self._answers: concurrent.futures.ThreadPoolExecutor | None = None
         self._thread_lock = threading.Lock()
         self._init_counters()
+        self._init_capture_on_need(on_capture)
 
     # ------------------------------------------------------------------------------------------------
     # submitting (any thread)
@@ -356,6 +360,8 @@ class StepBatcher(BatcherWarmup, BatcherCounters):
 
         def prepare(batch: list[QueuedRequest]) -> dict:
             counts = [prompts[r.id] for r in batch]
+            if counts[0] is not None:  # a joint encode pads to a bucket: captured first where it is on need
+                self.capture_on_need(batch[0].group, self.config.bucket_for(sum(counts)))
             with _recording_for(batch):
                 if counts[0] is None:
                     states, total, bucket = [self.family.prepare(self.pipe, batch[0].kwargs)], None, None
@@ -377,6 +383,7 @@ class StepBatcher(BatcherWarmup, BatcherCounters):
             states = [r.state for r in batch]
             rows = sum(s.rows for s in states)
             bucket = self.config.bucket_for(rows)
+            self.capture_on_need(batch[0].group, bucket)  # a bucket not captured yet: first, between steps
             ctx = self._rows_context(batch, rows, bucket)
             if self.lora is not None:
                 self._count_adapters(batch)
@@ -448,6 +455,7 @@ class StepBatcher(BatcherWarmup, BatcherCounters):
         ``outputs()`` makes their outputs once the device is done (`_answer`)."""
         if self.config.batch_decode and len(requests) > 1:
             rows = sum(r.state.rows for r in requests)
+            self.capture_on_need(requests[0].group, self.config.bucket_for(rows))
             try:
                 with _recording_for(requests):
                     outputs = self.family.finish_batch_async(self.pipe, [r.state for r in requests],
@@ -462,6 +470,7 @@ class StepBatcher(BatcherWarmup, BatcherCounters):
         for request in requests:
             try:
                 # alone: its rows padded to their bucket too, the VAE graph a warmup of that bucket captured
+                self.capture_on_need(request.group, self.config.bucket_for(request.state.rows))
                 with _recording_for([request]):
                     out.append(([request], self.family.finish_batch_async(
                         self.pipe, [request.state], self.config.bucket_for(request.state.rows))))

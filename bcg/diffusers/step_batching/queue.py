@@ -48,7 +48,10 @@ class BatcherConfig:
     batch that has not started: request-level batching); ``admission_policy``: ``"auto"`` (join only
     where the measured step costs say a bigger batch pays, `bcg.diffusers.step_batching.costs`),
     ``"always"`` (whenever the rows fit) or ``"never"`` (never into a running batch: one after another);
-    ``admission_margin``: how much ``"auto"`` wants images/s to rise for a batch to grow (0.1: 10%)."""
+    ``admission_margin``: how much ``"auto"`` wants images/s to rise for a batch to grow (0.1: 10%);
+    ``cudagraph_capture_sizes`` (vLLM's name): the row buckets a warmup of a key captures besides the bucket
+    of the key's own image count (None: every bucket; ``()``: that one alone), the others of a warmed key's
+    group captured on first need while serving, between steps, counted (`bcg.diffusers.step_batching.warmup`)."""
 
     max_batch_size: int = 8
     batch_buckets: tuple[int, ...] = (1, 2, 4, 8)
@@ -57,6 +60,7 @@ class BatcherConfig:
     join_policy: str = "step"
     admission_policy: str = "auto"
     admission_margin: float = 0.1
+    cudagraph_capture_sizes: tuple[int, ...] | None = None
 
     def __post_init__(self):
         if isinstance(self.max_batch_size, bool) or not isinstance(self.max_batch_size, int) or self.max_batch_size < 1:
@@ -75,6 +79,13 @@ class BatcherConfig:
         margin = self.admission_margin
         if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0 <= margin < 1:
             raise ValueError(f"admission_margin must be a number in [0, 1), e.g. 0.1, got {margin!r}")
+        if self.cudagraph_capture_sizes is not None:
+            sizes = tuple(sorted(set(self.cudagraph_capture_sizes)))
+            buckets = {*self.batch_buckets, self.bucket_for(self.max_batch_size)}
+            if any(isinstance(b, bool) or not isinstance(b, int) or b not in buckets for b in sizes):
+                raise ValueError(f"cudagraph_capture_sizes must be row buckets of batch_buckets {sorted(buckets)} "
+                                 f"(e.g. (1,): the smallest), got {self.cudagraph_capture_sizes!r}")
+            object.__setattr__(self, "cudagraph_capture_sizes", sizes)
 
     def bucket_for(self, rows: int) -> int:
         """Smallest bucket holding `rows`; `rows` itself above the largest bucket (no padding)."""

@@ -76,8 +76,10 @@ class BatcherCounters:
         to the host) and ``answer``: the answers thread's (waiting for that copy, the images, the
         futures; inline when `step()` is driven without `start()`), measured on the host without a
         device sync (in a loop bound by the host, where the time goes; on CUDA a phase that waits for the
-        device absorbs the device time queued before it),
-        what is running now."""
+        device absorbs the device time queued before it; ``capture_on_need``: the captures below),
+        ``capture_on_need``: row buckets captured on first need while serving (``cudagraph_capture_sizes``:
+        ``captures``, their ``graphs``, ``failures``, ``seconds``) and per group the buckets captured (by a
+        warmup or on need) and those whose capture failed, what is running now."""
         running, queued = self._queue.snapshot()
         with self._stats_lock:
             counts = dict(self._counts)
@@ -119,6 +121,13 @@ class BatcherCounters:
                 "mean_rows_per_step": round(counts.get("rows", 0) / steps, 3) if steps else 0.0,
                 "batch_size_histogram": dict(sorted(self._rows_hist.items())),
                 "bucket_histogram": dict(sorted(self._bucket_hist.items())),
+                # row buckets captured on first need while serving (cudagraph_capture_sizes), and what is left
+                "capture_on_need": {"captures": counts.get("captures_on_need", 0),
+                                    "graphs": counts.get("graphs_captured_on_need", 0),
+                                    "failures": counts.get("capture_on_need_failures", 0),
+                                    "seconds": round(self._seconds.get("capture_on_need", 0.0), 6),
+                                    "captured_buckets": {g: sorted(b) for g, b in sorted(self._captured.items())},
+                                    "failed_buckets": {g: sorted(b) for g, b in sorted(self._capture_failed.items())}},
                 "running_requests": running,
                 "queued_requests": queued,
             }

@@ -1,11 +1,26 @@
 """The warmup and step-cost half of `bcg.diffusers.step_batching.batcher.StepBatcher`: `BatcherWarmup`.
 
-What a batcher's warmup captures (`warmup_plan`: every row bucket of each key's group, ``<key>.b<bucket>``),
-the warmup itself (``warmup(keys)``, on the loop thread when it runs), and batching where it pays: timing one
-step of every row bucket (`measure_step_costs`, after a CUDA warmup with ``admission_policy="auto"``) and,
+What a batcher's warmup captures (`warmup_plan`: every row bucket of each key's group, ``<key>.b<bucket>``,
+or with ``cudagraph_capture_sizes`` only those and the key's own), the warmup itself (``warmup(keys)``, on the
+loop thread when it runs), the buckets captured on first need, and batching where it pays: timing one step of
+every captured row bucket (`measure_step_costs`, after a CUDA warmup with ``admission_policy="auto"``) and,
 with step caching, one whose rows are all cached (`measure_cached_step_costs`) into the batcher's
-`StepCosts`, and changing the admission rule between steps (`set_admission`). A mixin: it reads the
-batcher's ``pipe``, ``config``, ``family``, ``lora``, ``step_cache``, ``step_costs``, queue and loop thread.
+`StepCosts`, and changing the admission rule between steps (`set_admission`). A mixin: it reads the batcher's
+``pipe``, ``config``, ``family``, ``lora``, ``step_cache``, ``step_costs``, queue and loop thread.
+
+Capture on need (``cudagraph_capture_sizes`` set): a warmup of K captures the buckets named there (and K's
+own); the batcher remembers per group which buckets are captured. When a step, a joint prompt encode or a
+decode of a warmed group is about to run at a bucket not captured yet, the batcher first captures that bucket
+(`capture_on_need`): one warmup run of ``<group>.b<bucket>`` as `warmup` runs it (transformer, VAE decoder and
+text encoders at that bucket, step caching's middle blocks nested), on the loop thread between two steps, its
+runners inside ``warmup()``: the explicit capture path, never a serving call that captures by itself
+(`bcg.runtime.runner` keeps that rule). Counted (``stats()["capture_on_need"]``: buckets captured, their
+graphs, failures, seconds), logged, and told to ``on_capture(group, bucket, report, record)`` (the replica's
+warm view). A bucket whose capture fails is not tried again: its calls run eagerly, counted by the runners
+(``blocked``). Groups no warmup named stay as they are: cold, eager, never captured while serving. The
+requests of the step wait for the capture (seconds on a GPU; with compile on, a bucket's first compile too
+unless the compile artifacts hold it); ``pipe(...)``'s end resets step caching's per-request state, so running
+requests compute their next step (as after any warmup between steps).
 """
 from __future__ import annotations
 
@@ -13,7 +28,8 @@ import collections
 import dataclasses
 import logging
 import threading
-from typing import Iterable
+import time
+from typing import Callable, Iterable
 
 import torch
 
@@ -44,9 +60,92 @@ class BatcherWarmup:
         return parse_plan([key.with_batch(b) for key in parse_plan(keys) for b in self._key_buckets(key)])
 
     def _key_buckets(self, key: ShapeKey) -> list[int]:
-        """The row buckets a warmup of `key` captures, and so the ones its step costs are timed at: every
-        join bucket and the bucket of the key's own image count."""
-        return sorted({*self._join_buckets(), self.config.bucket_for(key.batch_size)})
+        """The row buckets a warmup of `key` captures: every join bucket (with ``cudagraph_capture_sizes``
+        those named there) and the bucket of the key's own image count."""
+        joins = self._join_buckets()
+        sizes = self.config.cudagraph_capture_sizes
+        if sizes is not None:
+            joins = [b for b in joins if b in sizes]
+        return sorted({*joins, self.config.bucket_for(key.batch_size)})
+
+    def _timed_buckets(self, key: ShapeKey) -> list[int]:
+        """The row buckets a group's step costs are timed at: those a warmup of `key` captured and those
+        captured on need since."""
+        with self._stats_lock:
+            captured = self._captured.get(key.group.key, frozenset())
+        return sorted({*self._key_buckets(key), *captured})
+
+    # -- capture on need -------------------------------------------------------------------------
+
+    def _init_capture_on_need(self, on_capture: Callable | None) -> None:
+        # group key -> row buckets captured (by a warmup or on need) / whose capture failed (frozensets);
+        # written on the loop thread and read from any (`capture_on_need_buckets`, `stats`) under the stats lock
+        self._captured: dict[str, frozenset] = {}
+        self._capture_failed: dict[str, frozenset] = {}
+        self._capture_steps: dict[str, int] = {}  # group key -> warmup steps its warmup ran
+        self._on_capture = on_capture
+
+    def _note_captured(self, plan: list[ShapeKey], report: dict, steps: int) -> None:
+        """After a warmup of `plan`: the buckets it captured (a key that failed is not captured)."""
+        outcome = {k["key"]: k["ok"] for k in report["keys"]}
+        with self._stats_lock:
+            for key in plan:
+                group, bucket = key.group.key, self.config.bucket_for(key.batch_size)
+                self._capture_steps[group] = steps
+                target = self._captured if outcome.get(key.key) else self._capture_failed
+                target[group] = target.get(group, frozenset()) | {bucket}
+
+    def capture_on_need_buckets(self, group: str) -> list[int]:
+        """The row buckets of `group` (a group key) that a step of it captures on first need: with
+        ``cudagraph_capture_sizes`` set and `group` warmed, the join buckets neither captured nor failed;
+        [] otherwise. Any thread."""
+        if self.config.cudagraph_capture_sizes is None or self.family is None:
+            return []
+        with self._stats_lock:
+            if group not in self._captured:
+                return []
+            done = self._captured[group] | self._capture_failed.get(group, frozenset())
+        return [b for b in self._join_buckets() if b not in done]
+
+    def capture_on_need(self, group: str, bucket: int) -> bool:
+        """Capture `group`'s row `bucket` now if it is one of `capture_on_need_buckets` (see the module
+        docstring); on the loop thread, between steps, outside any request's call record. True when it
+        captured (False: nothing to capture, or the capture failed)."""
+        if bucket not in self.capture_on_need_buckets(group):
+            return False
+        from bcg.diffusers.pipelines import warmup_pipeline
+
+        key = ShapeKey.parse(group).with_batch(bucket)
+        record = CallRecord()
+        t0 = time.perf_counter()
+        if self.lora is not None:  # warmups run the base model
+            self.lora.set_all(None)
+        with recording(record):
+            report = warmup_pipeline(self.pipe, [key], num_inference_steps=self._capture_steps.get(group, 2),
+                                     batched_prompts=self._join_buckets())
+        seconds = time.perf_counter() - t0
+        ok = not report["failed"]
+        with self._stats_lock:
+            target = self._captured if ok else self._capture_failed
+            target[group] = target[group] | {bucket} if group in target else frozenset({bucket})
+            self._counts["captures_on_need" if ok else "capture_on_need_failures"] += 1
+            self._counts["graphs_captured_on_need"] += record.captures
+            self._seconds["capture_on_need"] += seconds
+        try:  # what follows a capture never fails the step that waits for it
+            if ok:
+                logger.info("captured %s on need while serving: %d graphs in %.2f s", key.key, record.captures,
+                            seconds)
+                if self._measures_costs():
+                    self.measure_step_costs([key.group], only_missing=True)
+                    if self.step_cache is not None:
+                        self.measure_cached_step_costs([key.group], only_missing=True)
+            else:
+                logger.warning("capture of %s on need failed; its calls run eagerly: %s", key.key, report["keys"][0])
+            if self._on_capture is not None:
+                self._on_capture(group, bucket, report, record)
+        except Exception:  # noqa: BLE001
+            logger.exception("after capturing %s on need", key.key)
+        return ok
 
     def _join_buckets(self) -> list[int]:
         """The buckets that requests joining one group pad to: their rows per step, and their prompts per
@@ -76,6 +175,8 @@ class BatcherWarmup:
             with recording(*([record] if record is not None else [])):
                 report = warmup_pipeline(self.pipe, plan, num_inference_steps=num_inference_steps,
                                          batched_prompts=batched)
+            if self.family is not None:
+                self._note_captured(plan, report, num_inference_steps)
             if self._measures_costs() and not report["failed"]:  # not the warmup's runner calls: timings
                 report["step_costs_ms"] = self.measure_step_costs(keys, only_missing=True)
                 if self.step_cache is not None:
@@ -148,7 +249,7 @@ class BatcherWarmup:
         with torch.no_grad(), pipeline_call_scope(self.pipe):
             for key in parse_plan(keys):
                 group = key.group
-                buckets = self._key_buckets(key)
+                buckets = self._timed_buckets(key)
                 if only_missing:
                     known = self.step_costs.for_group(group.key, cached=cached)
                     buckets = [b for b in buckets if b not in known]
