@@ -290,7 +290,7 @@ class AppArgs(BaseModel):
     @model_validator(mode="after")
     def _capture_sizes_are_buckets(self):
         from bcg.diffusers.step_batching.queue import BatcherConfig
-        settings = {k: v for k, v in self.batching().items() if k != "step_costs_ms"}
+        settings = {k: v for k, v in self.batching().items() if k not in ("step_costs_ms", "cached_step_costs_ms")}
         try:
             BatcherConfig(**settings)  # the one check: each a row bucket of batch_buckets
         except ValueError as exc:
