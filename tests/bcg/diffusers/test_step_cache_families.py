@@ -98,26 +98,55 @@ def test_a_row_decides_alone_in_a_mixed_batch(family, join_after):
         disable_step_cache(pipe)
 
 
-def test_arguments_the_cached_forward_does_not_carry_run_the_original_forward(family):
-    """A LoRA scale (``attention_kwargs``; SD3's ``joint_attention_kwargs``), like ControlNet residuals or
-    IP-Adapter embeddings, is not carried by the cached forward: those calls run the family's own forward,
-    uncached, and are counted."""
+def test_arguments_the_block_hooks_do_not_carry_run_the_forward_uncached(family):
+    """Attention kwargs (``attention_kwargs``; SD3's ``joint_attention_kwargs``: IP-Adapter embeddings the
+    middle call would not gather), like ControlNet residuals, are not carried by the block hooks: those calls
+    run the model's forward uncached, and are counted."""
     pipe, fields, rows_per_step = family
     arg = "joint_attention_kwargs" if isinstance(pipe.transformer, SD3Transformer2DModel) else "attention_kwargs"
     expected, _ = _output(pipe, fields)
     hook = enable_step_cache(pipe, None)
     try:
-        assert hook.family.bypasses(pipe.transformer, (), {arg: {"scale": 1.0}})
-        assert not hook.family.bypasses(pipe.transformer, (), {arg: {}})   # empty: nothing to carry
+        assert hook.bypasses(pipe.transformer, (), {arg: {"scale": 1.0}})
+        assert not hook.bypasses(pipe.transformer, (), {arg: {}})   # empty: nothing to carry
         names = positional_names(pipe.transformer)  # the same argument passed positionally
         positional = tuple({"scale": 1.0} if n == arg else None for n in names[:names.index(arg) + 1])
-        assert hook.family.bypasses(pipe.transformer, positional, {})
-        assert not hook.family.bypasses(pipe.transformer, positional[:-1], {})
+        assert hook.bypasses(pipe.transformer, positional, {})
+        assert not hook.bypasses(pipe.transformer, positional[:-1], {})
         schedule = StepCacheConfig(method="schedule", schedule=[0], warmup_steps=0)
         out, counts = _output(pipe, fields, cache=schedule, **{arg: {"scale": 1.0}})
         assert np.array_equal(out, expected)                  # uncached: the original forward ran
         calls = STEPS * (1 if arg == "joint_attention_kwargs" else rows_per_step)   # SD3: CFG in one call
         assert hook.stats()["bypassed"] == calls
         assert counts == {"computed": 0, "cached": 0}         # no step went through the cache
+    finally:
+        disable_step_cache(pipe)
+
+
+def test_a_new_family_gets_step_caching_from_its_record_alone(monkeypatch):
+    """PixArt-Sigma's record names no adapter; one `BlockAdapter` in it (its blocks take the timestep's
+    modulation and the text mask per row, and return the hidden states alone) is all step caching needs:
+    threshold 0 is the pipeline's own output bit for bit, a schedule computes its steps."""
+    import dataclasses
+
+    from bcg.diffusers import families
+
+    adapter = families.BlockAdapter(
+        ("PixArtTransformer2DModel",), ("transformer_blocks",), returns=("hidden_states",),
+        row_args=("hidden_states", "encoder_hidden_states", "timestep", "encoder_attention_mask"))
+    monkeypatch.setitem(families.FAMILIES, "pixart", dataclasses.replace(families.FAMILIES["pixart"],
+                                                                          step_cache=adapter))
+    pipe = load_pipeline("tiny-pixart")
+    fields = dict(size="64x64", steps=STEPS)
+    expected, _ = _output(pipe, fields)
+    hook = enable_step_cache(pipe, None)
+    try:
+        out, counts = _output(pipe, fields, cache=StepCacheConfig(threshold=0.0))
+        assert np.array_equal(out, expected) and counts == {"computed": STEPS, "cached": 0}
+        schedule = StepCacheConfig(method="schedule", schedule=[0, 1, 3, 5], warmup_steps=0)
+        out, counts = _output(pipe, fields, cache=schedule)
+        assert counts == {"computed": 4, "cached": 2}
+        assert 1e-5 < np.abs(out - expected).max() < 0.5
+        assert hook.stats()["rows_cached"] == 2 * 2   # CFG's two rows in one call, two cached steps
     finally:
         disable_step_cache(pipe)
