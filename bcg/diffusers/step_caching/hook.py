@@ -11,15 +11,8 @@ accelerated transformer replays one middle graph per bucket); a row that is *cac
 middle blocks left at its last computed step (DBCache's / First-Block Cache's "Fn" and "Bn" blocks). Every
 other row of the batch is untouched by that choice: a row's image depends on its own decisions only.
 
-What decides (per request, `StepCacheConfig`):
-- ``"first_block"``: the relative L1 distance between this step's first-blocks residual (what the first
-  blocks added) and the one of the request's last computed step, ``mean|r - r_prev| / mean|r_prev|``,
-  computed on the device for every row at once; the rows of one request (its images, its CFG branches)
-  decide together on their largest distance. Cached when below ``threshold`` (0: never).
-- ``"schedule"``: the steps to compute, given as step indices; no distance, no host read.
-- ``warmup_steps``: steps always computed first (and a request's first step always is).
-
-Host reads: at most one per call (the distances, ``.tolist()``), only when a row decides by distance;
+What decides, per request (its `StepCacheConfig`: a ``first_block`` threshold on the first blocks'
+residual, or a ``schedule``): `bcg.diffusers.step_caching.decide`. Host reads: at most one per call,
 counted in `StepCacheHook.stats`. Thresholds and schedules are host values, never part of a graph's
 signature: changing them never captures or compiles.
 
@@ -57,9 +50,8 @@ import contextlib
 import dataclasses
 import functools
 import logging
-import math
 import threading
-from typing import Any, Sequence
+from typing import Sequence
 
 import torch
 from torch import nn
@@ -67,6 +59,7 @@ from torch import nn
 from bcg.diffusers.families import FAMILIES, family_of_transformer
 from bcg.diffusers.step_caching.blocks import CallState, MiddleBlocks, adapter_blocks, bypasses, install_block_hooks
 from bcg.diffusers.step_caching.config import METHODS, StepCacheConfig
+from bcg.diffusers.step_caching.decide import decide_rows, state_key
 from bcg.diffusers.step_caching.store import RowStore, cached_outputs, remember_computed
 from bcg.graphs.capture import eager_on_graph
 from bcg.runtime.hooks import HookRegistry as BcgHookRegistry, ModelHook as BcgModelHook
@@ -429,59 +422,15 @@ class _StepCacheLogic:
     _remember = staticmethod(remember_computed)
 
     def _decide(self, rows: list, store: RowStore, first_residual: torch.Tensor) -> list[bool]:
-        """Whether each row computes the middle blocks. At most one host read (the distances of the rows
-        that decide by distance)."""
-        decided: list = [None] * len(rows)
-        measure = []
-        for i, row in enumerate(rows):
-            if row is None:
-                decided[i] = False          # padding: nobody reads it
-                continue
-            slot, new = store.slot(self._state_key(row))
-            memo = self._decided.get((row.owner, row.step))
-            if new or row.cache is None:
-                decided[i] = True
-            elif memo is not None:
-                decided[i] = memo
-            else:
-                decided[i] = row.cache.computes(row.step)
-                if decided[i] is None:
-                    measure.append((i, slot))
-        if measure:
-            at = torch.tensor([i for i, _ in measure], device=first_residual.device)
-            slot_at = torch.tensor([s for _, s in measure], device=first_residual.device)
-            now = first_residual.index_select(0, at).float().flatten(1)
-            prev = store.first.index_select(0, slot_at).float().flatten(1)
-            distance = (now - prev).abs().mean(1) / prev.abs().mean(1)
-            self._counts["host_reads"] += 1
-            values = distance.tolist()          # the one host read of this step
-            worst: dict = {}
-            for (i, _), d in zip(measure, values):
-                group = rows[i].owner
-                d = math.inf if math.isnan(d) else d
-                worst[group] = max(worst.get(group, 0.0), d)
-            for i, _ in measure:
-                decided[i] = not worst[rows[i].owner] < rows[i].cache.threshold
-        # one request's rows decide together: any row that computes makes its group compute
-        groups: dict = {}
-        for row, c in zip(rows, decided):
-            if row is not None:
-                groups[row.owner] = groups.get(row.owner, False) or bool(c)
-        out = [False if row is None else groups[row.owner] for row in rows]
-        for row in rows:
-            if row is not None and (row.owner, row.step) not in self._decided:
-                self._decided[(row.owner, row.step)] = groups[row.owner]
-                if row.owner == "plain" and self._plain_counts is not None:  # once per step, not per branch
-                    self._plain_counts["computed" if groups[row.owner] else "cached"] += 1
-        if len(self._decided) > 4096:   # bounded: old steps of finished requests
-            self._decided.clear()
-        return out
+        """Whether each row computes the middle blocks (`decide_rows`); counts the host read and a plain
+        request's step."""
+        computes, now, measured = decide_rows(rows, store, first_residual, self._decided)
+        self._counts["host_reads"] += measured
+        if "plain" in now and self._plain_counts is not None:  # once per step, not per branch
+            self._plain_counts["computed" if now["plain"] else "cached"] += 1
+        return computes
 
-    @staticmethod
-    def _state_key(row: Row) -> tuple:
-        """Where a row's state lives: its request, its CFG branch and its place among the request's rows of
-        that branch (CFG's cond and uncond rows of one step keep residuals of their own)."""
-        return row.owner, row.branch, row.index
+    _state_key = staticmethod(state_key)
 
     def _store(self, h, e) -> RowStore:
         key = (tuple(h.shape[1:]), tuple(e.shape[1:]), h.dtype, h.device)
