@@ -7,8 +7,10 @@ step batch (also joining a running one), and its state is freed when it leaves.
 """
 import contextlib
 
+import diffusers
 import numpy as np
 import pytest
+import torch
 from diffusers import SD3Transformer2DModel
 
 from bcg.diffusers.models import load_pipeline
@@ -150,3 +152,57 @@ def test_a_new_family_gets_step_caching_from_its_record_alone(monkeypatch):
         assert hook.stats()["rows_cached"] == 2 * 2   # CFG's two rows in one call, two cached steps
     finally:
         disable_step_cache(pipe)
+
+
+def _flux_controlnet_call(transformer):
+    g = torch.Generator().manual_seed(0)
+    inner = transformer.config.num_attention_heads * transformer.config.attention_head_dim
+    return dict(hidden_states=torch.randn(1, 16, 16, generator=g),
+                encoder_hidden_states=torch.randn(1, 8, 64, generator=g),
+                pooled_projections=torch.randn(1, 32, generator=g), timestep=torch.tensor([0.5]),
+                img_ids=torch.zeros(16, 3), txt_ids=torch.zeros(8, 3), guidance=torch.tensor([3.5]),
+                controlnet_block_samples=[torch.randn(1, 16, inner, generator=g)], return_dict=False)
+
+
+def _sd3_skip_layers_call(transformer):
+    g = torch.Generator().manual_seed(0)
+    return dict(hidden_states=torch.randn(1, 4, 16, 16, generator=g),
+                encoder_hidden_states=torch.randn(1, 8, 64, generator=g),
+                pooled_projections=torch.randn(1, 64, generator=g), timestep=torch.tensor([500.0]),
+                skip_layers=[len(transformer.transformer_blocks) - 1], return_dict=False)
+
+
+@pytest.mark.parametrize("name, family, arg, call, message", [
+    ("tiny-flux", "flux", "controlnet_block_samples", _flux_controlnet_call, "got hidden states other than"),
+    ("tiny-sd3", "sd3", "skip_layers", _sd3_skip_layers_call, "middle never ran"),
+])
+def test_a_forward_that_calls_its_blocks_otherwise_than_its_adapter_says_is_an_error(monkeypatch, name, family, arg,
+                                                                                     call, message):
+    """What the block hooks assume of the model's forward is checked as it runs, so that a forward that
+    changes the hidden states between blocks (Flux's ControlNet residuals) or leaves a block out (SD3's
+    skipped layers) is an error naming the diffusers version, never another image: here with adapters that
+    do not bypass those arguments, as a newer diffusers' forward might do something new."""
+    import dataclasses
+
+    from bcg.diffusers import families
+
+    record = families.FAMILIES[family]
+    adapter = dataclasses.replace(record.step_cache,
+                                  bypass_args=tuple(a for a in record.step_cache.bypass_args if a != arg))
+    monkeypatch.setitem(families.FAMILIES, family, dataclasses.replace(record, step_cache=adapter))
+    transformer = load_pipeline(name).transformer
+    hook = enable_step_cache(transformer, None)
+    try:
+        with torch.no_grad(), pytest.raises(RuntimeError, match=f"{message}.*diffusers {diffusers.__version__}"):
+            transformer(**call(transformer))
+        assert hook.call.active is False and hook.call.first_in is None   # nothing of the call outlives it
+    finally:
+        disable_step_cache(transformer)
+    monkeypatch.undo()
+    hook = enable_step_cache(transformer, None)   # the family's own adapter bypasses the argument
+    try:
+        with torch.no_grad():
+            transformer(**call(transformer))
+        assert hook.stats()["bypassed"] == 1
+    finally:
+        disable_step_cache(transformer)

@@ -46,9 +46,9 @@ share a schedule), `base` (`StepFamily`), and one module per family on that base
 (`sd3`: CFG rows ``[negatives; positives]`` in one call, each half padded to the bucket). A new family
 is a module of its own beside them, which its record's ``batching`` names (``"module:Class"``; re-exporting
 it here is optional). A pipeline's hooks are found through its family record only:
-``bcg.diffusers.families.family_of(pipe).batching_hooks()``. Requests with arguments outside `StepFamily.batch_args` (IP-adapters, callbacks, SD3's skip-layer
-guidance, precomputed embeddings) are not batchable: `StepFamily.batchable` says so and the batcher runs
-them alone through ``pipe(**kwargs)``, as it runs every request of a pipeline without a family here.
+``bcg.diffusers.families.family_of(pipe).batching_hooks()``. Requests with arguments outside
+`StepFamily.batch_args` (IP-adapters, callbacks, SD3's skip-layer guidance, precomputed embeddings) are not
+batchable: `StepFamily.batchable` says so and the batcher runs them alone through ``pipe(**kwargs)``, as it runs every request of a pipeline without a family here.
 """
 from bcg.diffusers.step_batching.steps.alone import pipeline_call_async
 from bcg.diffusers.step_batching.steps.base import StepFamily
