@@ -48,7 +48,8 @@ is a module of its own beside them, which its record's ``batching`` names (``"mo
 it here is optional). A pipeline's hooks are found through its family record only:
 ``bcg.diffusers.families.family_of(pipe).batching_hooks()``. Requests with arguments outside
 `StepFamily.batch_args` (IP-adapters, callbacks, SD3's skip-layer guidance, precomputed embeddings) are not
-batchable: `StepFamily.batchable` says so and the batcher runs them alone through ``pipe(**kwargs)``, as it runs every request of a pipeline without a family here.
+batchable: `StepFamily.batchable` says so and the batcher runs them alone through ``pipe(**kwargs)``, as it
+runs every request of a pipeline without a family here.
 """
 from bcg.diffusers.step_batching.steps.alone import pipeline_call_async
 from bcg.diffusers.step_batching.steps.base import StepFamily
