@@ -138,9 +138,11 @@ class ReplicaEngine:
         # ask, none caches unless it does); off, the transformer runs as it always did
         self.step_cache = None
         if step_cache is not None:
-            from bcg.diffusers.step_caching.hook import StepCacheConfig, enable_step_cache, supports_step_cache
+            from bcg.diffusers.step_caching.hook import (StepCacheConfig, enable_step_cache, supported_families,
+                                                         supports_step_cache)
             if not supports_step_cache(pipe):
-                raise ValueError(f"step_cache: {model!r}'s transformer does not support step caching (Flux, Wan, SD3 and Qwen-Image do)")
+                raise ValueError(f"step_cache: {model!r}'s transformer does not support step caching (the families "
+                                 f"{', '.join(supported_families())} do)")
             self.step_cache = enable_step_cache(pipe, StepCacheConfig.from_any(step_cache))
         t_accelerate = time.perf_counter()
         self.pipe = accelerate(pipe, config=self.config, components=pipeline_components(pipe, components),

@@ -35,6 +35,10 @@ class and config, a pipeline class's call defaults) is one dict under one class 
   registration order what they changed so that capturing again makes sense (``capture_failed(obj, exc) ->
   str | None``), and the first answer is returned (None: nothing changed, the runner blocks the
   signature). ``bcg_breaks`` of the automatic placement answers: the failing place becomes a break.
+- ``registry.own_forward``: the object's own forward for the call running now where a hook changed it
+  (the break placement, around a capture that runs hooks registered before it: the class forward with its
+  function places as breaks), else None. A hook that calls the object's own forward beneath others (step
+  caching's, in diffusers' registry) calls this one when set.
 
 Names and order of what bcg installs (a new installer picks a ``bcg_`` name and its place here):
 
@@ -51,12 +55,16 @@ Names and order of what bcg installs (a new installer picks a ``bcg_`` name and 
    `AttentionDispatch`); before breaks, so a break at the attention core wraps the chosen kernel.
 3. Step caching (`bcg.diffusers.step_caching.hook`, ``enable_step_cache`` before `accelerate`): a hook in
    diffusers' *own* registry of the transformer (``_diffusers_hook``), because diffusers' pipelines drive
-   it there (``cache_context`` sets its context, ``maybe_free_model_hooks`` resets it). It comes after the
-   attention kernel and *before* breaks: the placement's probe sees the cache's host work, and the
-   placement's forward (``bcg_breaks``' ``new_forward``) wraps the cache's. The two registries compose
-   through the forward: each wraps what it finds, and a bcg hook removed from under diffusers' wrapper
-   passes calls through. Regional compilation (the runner's, at the first warm-up) compiles each block's
-   call with what is installed on it: work that must stay eager is an ``eager_on_graph`` break.
+   it there (``cache_context`` sets its context, ``maybe_free_model_hooks`` resets it); it runs the model's
+   own forward, and ``bcg_step_cache`` hooks on the blocks (`bcg.diffusers.step_caching.blocks`) do the
+   caching. It comes after the attention kernel and *before* breaks: the placement's probe sees the
+   cache's host work, and the placement's forward (``bcg_breaks``' ``new_forward``) wraps the cache's,
+   handing it the own forward with its function places for a capture (``own_forward``). The two
+   registries compose through the forward: each wraps what it finds, and a bcg hook removed from under
+   diffusers' wrapper passes calls through. Regional compilation (the runner's, at the first warm-up)
+   compiles each block's call with what is installed on it: work that must stay eager is an
+   ``eager_on_graph`` break, and a hook's own frame that must not become a guard of compiled code is
+   ``torch.compiler.disable(..., recursive=False)``.
 4. ``bcg_breaks`` (the transformer): every break placed in it (`bcg.diffusers.graph_breaks.wrapping.BreaksHook`); last
    of the transformer's, so its forward is the outermost. `bcg.diffusers.install_breaks` replaces it.
 5. ``bcg_pipeline`` and ``bcg_tokenizers`` (the pipeline), ``bcg_vae_decode`` (the VAE): `accelerate`.
@@ -178,6 +186,7 @@ class HookRegistry:
         self._forward_before = None
         self._context_hooks: tuple = ()  # hooks that define signature_context, in registration order
         self.rows_context = None  # the rows of the call running now (`bcg.runtime.rows`)
+        self.own_forward = None   # the object's own forward as placed for the call running now
 
     # -- finding --------------------------------------------------------------------------------------
 
