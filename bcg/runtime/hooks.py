@@ -31,6 +31,10 @@ class and config, a pipeline class's call defaults) is one dict under one class 
   ``registry.release(owner)`` every hook's ``release(obj, owner)`` (a request left). Both no-ops unless a
   hook overrides them: ``bcg_lora`` writes its row buffers from the rows, step caching frees a request's
   state. Callers use `bcg.runtime.rows.rows_context` / `release_rows`, not these.
+- ``registry.capture_failed(exc)``: a runner's capture of the object raised `exc`; the hooks are asked in
+  registration order what they changed so that capturing again makes sense (``capture_failed(obj, exc) ->
+  str | None``), and the first answer is returned (None: nothing changed, the runner blocks the
+  signature). ``bcg_breaks`` of the automatic placement answers: the failing place becomes a break.
 - ``registry.own_forward``: the object's own forward for the call running now where a hook changed it
   (the break placement, around a capture that runs hooks registered before it: the class forward with its
   function places as breaks), else None. A hook that calls the object's own forward beneath others (step
@@ -41,8 +45,11 @@ Names and order of what bcg installs (a new installer picks a ``bcg_`` name and 
 0. Before `bcg.diffusers.accelerate`, by their own calls: ``bcg_lora`` (`bcg.lora.LoraBank.install`: LoRA
    layers in place of linear layers; removing the hook puts them back), ``bcg_step_cache`` (step caching's
    face in this registry, registered and removed with its hook in diffusers' registry, item 3: it reads
-   rows and frees a request's state; it wraps nothing) and ``bcg_compile_artifacts`` (a pipeline's artifact
-   source, `deployments.compile_cache`). ``unaccelerate`` leaves them.
+   rows and frees a request's state; it wraps nothing), ``bcg_compile_artifacts`` (a pipeline's artifact
+   source, `deployments.compile_cache`), ``bcg_padded_prompts`` (a Qwen-Image pipeline's prompt embeddings
+   padded to their bucket, `bcg.diffusers.pipelines.plan_request`) and ``bcg_capture_stream`` (the ledger
+   of the graphs captured on a torch stream a caller passed, `bcg.graphs.streams.CaptureStream.wrap`).
+   ``unaccelerate`` leaves them.
 1. ``bcg_quantize`` (the transformer): float8 linears, before anything is timed, compiled or captured.
 2. ``bcg_attention`` (the transformer): the attention kernel per shape (processors routed to one
    `AttentionDispatch`); before breaks, so a break at the attention core wraps the chosen kernel.
@@ -125,6 +132,11 @@ class ModelHook:
 
     def release(self, module, owner) -> None:
         """`owner` (a request) left: free what this hook keeps for it."""
+
+    def capture_failed(self, module, exc: BaseException) -> str | None:
+        """A capture of `module` raised `exc`: what this hook changed so that capturing again makes sense
+        (None: nothing)."""
+        return None
 
     def reset_state(self, module):
         if self._is_stateful:
@@ -215,6 +227,15 @@ class HookRegistry:
         """`owner` (a request) left: every hook frees what it keeps for it."""
         for name in self._hook_order:
             self.hooks[name].release(self._obj, owner)
+
+    def capture_failed(self, exc: BaseException) -> str | None:
+        """A capture of the object raised `exc`: the first hook's answer of what it changed (in registration
+        order), None when none changed anything."""
+        for name in list(self._hook_order):
+            change = self.hooks[name].capture_failed(self._obj, exc)
+            if change:
+                return change
+        return None
 
     def _find_context_hooks(self) -> None:
         self._context_hooks = tuple(self.hooks[n] for n in self._hook_order

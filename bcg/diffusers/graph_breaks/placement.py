@@ -25,8 +25,8 @@ Contract:
   take (a branch taken only at another shape) or an op the probe cannot see (stream synchronisation, a
   host op on the CPU) makes capture fail. When the error is CUDA's answer to an operation a capture cannot
   hold (``operation not permitted when stream is capturing``, ``Cannot copy between CPU and CUDA tensors
-  during CUDA graph capture``, ...), the placement (the runner's hook
-  `bcg.runtime.runner.CAPTURE_FAILED_ATTR`) takes the innermost frame of the traceback inside the module,
+  during CUDA graph capture``, ...), the placement (asked by the runner through the module's hook registry,
+  `bcg.runtime.hooks.HookRegistry.capture_failed`) takes the innermost frame of the traceback inside the module,
   names its `Place` as the probe would, and makes it a break (source ``capture_failure``, the error as its
   op, remembered like a probe's finding); the runner captures again, up to
   ``RunnerConfig.max_capture_retries`` times. A failure with no place inside the module (the module's own

@@ -58,7 +58,7 @@ from torch import nn
 
 from bcg.diffusers.families import FAMILIES, family_of_transformer
 from bcg.diffusers.step_caching.blocks import CallState, MiddleBlocks, adapter_blocks, bypasses, install_block_hooks
-from bcg.diffusers.step_caching.config import METHODS, StepCacheConfig
+from bcg.diffusers.step_caching.config import METHODS, StepCacheConfig, middle_bucket
 from bcg.diffusers.step_caching.decide import decide_rows, state_key
 from bcg.diffusers.step_caching.store import RowStore, cached_outputs, remember_computed
 from bcg.graphs.capture import eager_on_graph
@@ -354,7 +354,7 @@ class _StepCacheLogic:
                             self.inner(**example)
 
     def _bucket(self, rows: int, batch: int) -> int:
-        return next((b for b in self.buckets if rows <= b < batch), batch)
+        return middle_bucket(rows, batch, self.buckets)
 
     def _middle_impl(self, first_in, **kwargs):
         """The break: `kwargs` are the first middle block's arguments, as the model's forward gave them."""
