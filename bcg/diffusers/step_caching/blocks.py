@@ -132,13 +132,13 @@ def read_block_output(adapter, block, out, e) -> tuple:
 
 class MiddleBlocks(nn.Module):
     """The middle blocks as one module (shared with the transformer): what the rows that compute run, each
-    block called with the arguments the model's forward gave the first middle block."""
+    block called with the arguments the model's forward gave the first middle block (its caller sets
+    `CallState.inside`, so that their hooks run them)."""
 
-    def __init__(self, blocks: Sequence[nn.Module], adapter, state: CallState):
+    def __init__(self, blocks: Sequence[nn.Module], adapter):
         super().__init__()
         self.blocks = nn.ModuleList(blocks)
         self.adapter = adapter
-        self.state = state
 
     def forward(self, **kwargs):
         e, h = kwargs["encoder_hidden_states"], kwargs["hidden_states"]
@@ -151,11 +151,12 @@ class MiddleBlocks(nn.Module):
 class BlockHook(ModelHook):
     """``bcg_step_cache`` on one block: its `role` in a cached call (see the module docstring)."""
 
-    def __init__(self, cache, role: str):
+    def __init__(self, state: CallState, adapter, middle, role: str):
         super().__init__()
         if role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {role!r}")
-        self.cache = cache   # the step cache: its `call` state, adapter and break
+        self.state, self.adapter = state, adapter
+        self.middle = middle   # the step cache's break: (first blocks' input, **block arguments) -> (e, h)
         self.role = role
         self._names = ()
 
@@ -164,7 +165,7 @@ class BlockHook(ModelHook):
         return module
 
     def _new_forward(self, module, *args, **kwargs):
-        state, adapter = self.cache.call, self.cache.adapter
+        state, adapter = self.state, self.adapter
         if not state.active or state.inside:
             return self.fn_ref.original_forward(*args, **kwargs)
         named = bind_positional(self._names, args, kwargs, type(module).__name__)[1] if args else kwargs
@@ -175,7 +176,7 @@ class BlockHook(ModelHook):
             if state.first_in is None:
                 raise RuntimeError(f"step caching: the middle block {type(module).__name__} ran before the first "
                                    f"block in this call (diffusers {_diffusers_version()})")
-            e, h = self.cache._middle(state.first_in, **named)
+            e, h = self.middle(state.first_in, **named)
             state.middle_out = (e, h)
             return block_output(adapter, e, h)
         h = named["hidden_states"]
@@ -192,9 +193,12 @@ class BlockHook(ModelHook):
     new_forward = torch.compiler.disable(_new_forward, recursive=False)
 
 
-def install_block_hooks(cache, first: nn.Module, middle: Sequence[nn.Module], name: str) -> None:
-    """Register `cache`'s hooks as `name` on the first block and the middle blocks."""
-    HookRegistry.check_if_exists_or_initialize(first).register_hook(BlockHook(cache, "first"), name)
+def install_block_hooks(state: CallState, adapter, middle_break, first: nn.Module, middle: Sequence[nn.Module],
+                        name: str) -> None:
+    """Register the hooks as `name` on the first block and the middle blocks; they share `state` and call
+    `middle_break` (the step cache's break) at the first middle block."""
+    HookRegistry.check_if_exists_or_initialize(first).register_hook(
+        BlockHook(state, adapter, middle_break, "first"), name)
     for i, block in enumerate(middle):
         HookRegistry.check_if_exists_or_initialize(block).register_hook(
-            BlockHook(cache, "middle" if i == 0 else "skip"), name)
+            BlockHook(state, adapter, middle_break, "middle" if i == 0 else "skip"), name)

@@ -187,9 +187,9 @@ class _StepCacheLogic:
         # same name on the blocks it hooks, so that removing it removes them
         BcgHookRegistry.check_if_exists_or_initialize(module).register_hook(StepCacheRows(self), HOOK_NAME)
         middle = blocks[self.first_blocks:len(blocks) - self.last_blocks]
-        install_block_hooks(self, blocks[0], middle, HOOK_NAME)
+        install_block_hooks(self.call, self.adapter, self._middle, blocks[0], middle, HOOK_NAME)
         self._skips = len(middle) - 1
-        self.middle = MiddleBlocks(middle, self.adapter, self.call)
+        self.middle = MiddleBlocks(middle, self.adapter)
 
     def _unbind(self) -> None:
         registry = BcgHookRegistry.of(self._module)
