@@ -11,7 +11,10 @@ A `ModelFamily` says how a request becomes a call of that family's pipeline:
   `bcg.diffusers.plan_request` pads them to the bucket);
 - frames (`video`) and their rate (`fps`, for playing the answer back), call arguments it always needs
   (`fixed_kwargs`), and where its step-wise batching hooks are (`batching`, for `bcg.diffusers.step_batching.batcher`;
-  None: one pipeline call per request).
+  None: one pipeline call per request);
+- the edits it makes from input images (`edit_pipelines`: ``"image-to-image"`` / ``"inpaint"`` -> the name of
+  diffusers' pipeline class that makes it, built from the loaded pipeline's components with ``from_pipe``:
+  `bcg.diffusers.edits`).
 
 The size default and the defaults of the call (steps, guidance, frames) are the pipeline's own and are
 read from it by `bcg.diffusers.pipeline_info`. `family_of(pipe)` finds a pipeline's record by its class
@@ -140,6 +143,8 @@ class ModelFamily:
     fixed_kwargs: Mapping[str, Any] = dataclasses.field(default_factory=lambda: MappingProxyType({}), hash=False)
     # "module:Class" of its BatchingHooks: imported when first asked for, as the hooks need torch
     batching: Optional[str] = None
+    # edit kind (bcg.diffusers.image_inputs.EDIT_KINDS) -> the diffusers pipeline class that makes it
+    edit_pipelines: Mapping[str, str] = dataclasses.field(default_factory=lambda: MappingProxyType({}), hash=False)
 
     def batching_hooks(self) -> Optional[BatchingHooks]:
         """A new instance of this family's step-wise batching hooks; None when it has none."""
@@ -159,7 +164,9 @@ GENERIC = ModelFamily("generic", (), video=None)
 FAMILIES: dict[str, ModelFamily] = {f.name: f for f in (
     ModelFamily("flux", ("FluxPipeline",), builtin="tiny-flux",
                 cfg=CfgRule(scale_arg="true_cfg_scale", embedded_arg="guidance_scale", separate_calls=True),
-                latent_packing=2, prompt_tokenizer="tokenizer_2", batching=_STEPS + "FluxStepFamily"),
+                latent_packing=2, prompt_tokenizer="tokenizer_2", batching=_STEPS + "FluxStepFamily",
+                edit_pipelines=MappingProxyType({"image-to-image": "FluxImg2ImgPipeline",
+                                                 "inpaint": "FluxInpaintPipeline"})),
     ModelFamily("sd3", ("StableDiffusion3Pipeline",), builtin="tiny-sd3", prompt_tokenizer="tokenizer_3",
                 batching=_STEPS + "SD3StepFamily"),
     ModelFamily("pixart", ("PixArtSigmaPipeline", "PixArtAlphaPipeline"), builtin="tiny-pixart",
