@@ -3,9 +3,12 @@ components.
 
 A family record names the diffusers class of each edit it makes (`bcg.diffusers.families.ModelFamily.
 edit_pipelines`: Flux's ``FluxImg2ImgPipeline`` for image-to-image, ``FluxInpaintPipeline`` for
-inpainting). `EditPipelines` makes each with ``from_pipe`` (the same transformer, VAE, text encoders and
-scheduler objects: no weights copied, an accelerated pipeline's runners and hooks shared) on first use and
-keeps it while the loaded pipeline's components stay the same. A request's call arguments say which edit it
+inpainting). `EditPipelines` makes each from the loaded pipeline's components on first use (the same
+transformer, VAE, text encoders and scheduler objects: no weights copied, an accelerated pipeline's runners
+and hooks shared) and keeps it while the loaded pipeline's components stay the same. It calls the class's
+constructor with them, as diffusers' ``from_pipe`` does, but not ``from_pipe`` itself: that ends with
+``new_pipeline.to(dtype=torch_dtype or torch.float32)``, which would cast the served pipeline's shared modules
+(bfloat16 weights to float32; and with a dtype given, modules a pipeline keeps in another dtype). A request's call arguments say which edit it
 is (`edit_kind_of`: ``image`` and ``mask_image``, diffusers' names).
 
 The step hooks (`bcg.diffusers.step_batching.steps`) call these pipelines' own methods for a request's
@@ -15,6 +18,7 @@ pipeline's (`with_scheduler`), since those methods read ``self.scheduler``.
 from __future__ import annotations
 
 import importlib
+import inspect
 from typing import Any
 
 from bcg.diffusers.families import family_of
@@ -31,8 +35,8 @@ def edit_kind_of(kwargs: dict) -> str | None:
 
 
 class EditPipelines:
-    """The edit pipelines of loaded pipelines, made with diffusers' ``from_pipe`` on first use (some tens of
-    ms) and kept while the loaded pipeline's components are the same objects."""
+    """The edit pipelines of loaded pipelines, made from their components on first use (a few ms) and kept
+    while the loaded pipeline's components are the same objects."""
 
     def __init__(self):
         self._made: dict[str, tuple[Any, Any]] = {}  # kind -> (the loaded pipeline, its edit pipeline)
@@ -50,12 +54,24 @@ class EditPipelines:
             edits = sorted(family_of(pipe).edit_pipelines)
             raise ValueError(f"{type(pipe).__name__} cannot do {kind}: its family makes "
                              f"{', '.join(edits) if edits else 'no edits from input images'}")
-        edit = getattr(importlib.import_module("diffusers"), name).from_pipe(pipe)
+        edit = _from_components(getattr(importlib.import_module("diffusers"), name), pipe)
         progress = getattr(pipe, "_progress_bar_config", None)
         if progress is not None:
             edit.set_progress_bar_config(**progress)
         self._made[kind] = (pipe, edit)
         return edit
+
+
+def _from_components(cls, pipe):
+    """``cls`` built on `pipe`'s components (its constructor's modules; those `pipe` lacks left to their
+    defaults), modules untouched."""
+    parameters = inspect.signature(cls.__init__).parameters
+    components = pipe.components
+    missing = [name for name, p in parameters.items() if name != "self" and p.default is inspect.Parameter.empty
+               and name not in components]
+    if missing:
+        raise ValueError(f"{cls.__name__} needs components {missing} that {type(pipe).__name__} does not have")
+    return cls(**{name: components[name] for name in parameters if name in components})
 
 
 def _same_components(pipe, edit) -> bool:

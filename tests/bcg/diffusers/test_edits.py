@@ -161,3 +161,17 @@ def test_the_flux_family_says_which_edits_it_makes_and_plan_request_checks_edit_
                        ({"image": scene(), "strength": 1.5}, "strength")):
         with pytest.raises(ValueError, match=field):
             plan_request(pipe, "a cat", **bad)
+
+
+def test_the_edit_pipeline_shares_the_loaded_modules_and_leaves_their_dtype():
+    """diffusers' ``from_pipe`` would cast every shared module to float32: the edit pipeline is built on the
+    loaded pipeline's components without it."""
+    from bcg.diffusers.edits import EditPipelines
+
+    loaded = load_pipeline("tiny-flux", dtype=torch.bfloat16)
+    edits = EditPipelines()
+    inpaint = edits.get(loaded, "inpaint")
+    assert isinstance(inpaint, FluxInpaintPipeline) and edits.get(loaded, "inpaint") is inpaint
+    assert inpaint.transformer is loaded.transformer and inpaint.vae is loaded.vae
+    assert {loaded.transformer.dtype, loaded.vae.dtype, loaded.text_encoder_2.dtype} == {torch.bfloat16}
+    assert edits.get(loaded, None) is loaded
