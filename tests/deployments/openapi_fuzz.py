@@ -138,6 +138,8 @@ def _raw_bodies(max_body_bytes: int) -> st.SearchStrategy:
                                          "application/json")),                              # too large
         st.binary(max_size=32).map(lambda b: (b, "text/plain")),
         st.just((b"", "application/json")),
+        st.binary(max_size=64).map(lambda b: (b"--bcg\r\n" + b, "multipart/form-data; boundary=bcg")),  # junk form
+        st.just((b"", "multipart/form-data")),                                              # no boundary
     )
 
 
@@ -147,9 +149,10 @@ def requests_from_openapi(schema: dict, hints: Dict[str, st.SearchStrategy], is_
     cases = []
     for path, ops in schema["paths"].items():
         for method, op in ops.items():
-            body_schema = (op.get("requestBody", {}).get("content", {}).get("application/json", {})
-                           .get("schema"))
-            cases.append((method.upper(), path, body_schema))
+            content = op.get("requestBody", {}).get("content", {})
+            body_schema = content.get("application/json", {}).get("schema")
+            # a multipart route (POST /v1/images/edits) gets the raw bodies only: none is a valid form
+            cases.append((method.upper(), path, "multipart" if "multipart/form-data" in content else body_schema))
 
     @st.composite
     def one(draw):
@@ -163,7 +166,8 @@ def requests_from_openapi(schema: dict, hints: Dict[str, st.SearchStrategy], is_
                                                              f"bearer {api_key[:-1]}"]))
         if body_schema is None:
             return FuzzCase(method, path, None, headers, "valid", auth == "key")
-        kind = draw(st.sampled_from(["valid"] * 5 + ["mutated"] * 3 + ["raw"] * 2))
+        kind = "raw" if body_schema == "multipart" else draw(st.sampled_from(["valid"] * 5 + ["mutated"] * 3 +
+                                                                              ["raw"] * 2))
         if kind == "raw":
             content, ctype = draw(_raw_bodies(max_body_bytes))
             headers["content-type"] = ctype
