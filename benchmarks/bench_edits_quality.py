@@ -118,8 +118,13 @@ def run(args) -> dict:
                       for i, (caption, extra) in enumerate(zip(new, requests))]
                for name, requests in variants.items()}
     pending = [f for fs in futures.values() for f in fs]
+    said = time.perf_counter()
     while not all(f.done() for f in pending):
         batcher.step()
+        if time.perf_counter() - said > 60:  # a long CPU run says how far it is
+            said = time.perf_counter()
+            print(f"{sum(f.done() for f in pending)} of {len(pending)} pictures after {said - start:.0f} s",
+                  file=sys.stderr, flush=True)
     seconds = time.perf_counter() - start
     truth = np.stack([pixels for *_, pixels in drawn])
     result = {"scenes": args.scenes, "steps": args.steps, "text_tokens": args.text_tokens, "size": SIZE,
