@@ -13,7 +13,7 @@ folder) in four stages, each written to the JSON as soon as it is measured:
    hands its artifacts to the coordinator (``compile_artifacts`` in ``GET /v1/stats``).
 2. ``scale_up``: ``--concurrency`` clients post ``--steps``-step requests of the key until the autoscaler
    added a second replica and it answered a request. The new replica loads the artifacts before it
-   compiles; its warmup is timed from its start (``cold_start.warmup``: seconds from the start of warmup
+   compiles; its warmup is timed from its start (``startup.warmup``: seconds from the start of warmup
    to warm, split into loading artifacts, compiling and capturing) and the requests of the stage are
    counted: answered, failed, served cold (run eagerly: no replica warm for the key took it), and graphs
    compiled outside warmups (``compiled_while_serving``: a request that paid a compile).
@@ -140,8 +140,8 @@ class Load:
 def replica_row(rid: str, stats: dict) -> dict:
     """A replica's cold start and artifact outcome, from ``GET /v1/stats``."""
     st = stats["replicas"][rid]
-    cold = st.get("cold_start") or {}
-    return {"replica": rid, "cold_start": cold, "warmup": cold.get("warmup"),
+    startup = st.get("startup") or {}
+    return {"replica": rid, "startup": startup, "warmup": startup.get("warmup"),
             "compile_artifacts": st.get("compile_artifacts"), "compiled_while_serving": st.get("compiled_while_serving"),
             "warm_requests": st.get("warm_requests"), "cold_requests": st.get("cold_requests"),
             "warm_keys": st.get("warm_keys")}

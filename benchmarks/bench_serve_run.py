@@ -8,7 +8,8 @@
 
 Each start runs Ray Serve's own CLI (``serve run``, which starts a local Ray) in a process of its own, with
 the app's defaults except ``model``, ``warmup=<size>``, ``compile_cache`` (one folder for every start, so the
-second start finds what the first stored) and ``--app-args``. Every start compiles into inductor and Triton
+second start finds what the first stored), ``quantized_weights_cache`` (a folder inside it, unless
+``--app-args`` names one) and ``--app-args``. Every start compiles into inductor and Triton
 cache folders of its own (``TORCHINDUCTOR_CACHE_DIR``, ``TRITON_CACHE_DIR``): what makes the second start
 fast is then the app's compile store, as on a fresh node, not torch's local cache from the first.
 
@@ -63,7 +64,10 @@ def _say(msg: str) -> None:
 
 def serve_run_command(args, model_dir: str, store: str) -> list[str]:
     """``serve run deployments.app:build_app`` with the app args this benchmark sets and ``--app-args``."""
-    app_args = [f"model={model_dir}", f"warmup={args.size}", f"compile_cache={store}", *args.app_args]
+    # the quantized weights beside the compile store, so the first start here writes them and the second reloads
+    weights = [] if any(a.startswith("quantized_weights_cache=") for a in args.app_args) else [
+        f"quantized_weights_cache={os.path.join(store, 'quantized-weights')}"]
+    app_args = [f"model={model_dir}", f"warmup={args.size}", f"compile_cache={store}", *weights, *args.app_args]
     return [*SERVE_CLI, "run", "--app-dir", REPO, "deployments.app:build_app", *app_args]
 
 
@@ -96,18 +100,26 @@ def cli_marks(log_text: str, command_at: float) -> dict:
 
 
 def replica_view(replica: dict, command_at: float) -> dict:
-    """What a replica's stats say of its start: its GPU, the time from the command to its constructor, its
-    pipeline load and its start-up warmup's split."""
-    cold = replica.get("cold_start") or {}
-    began = (replica.get("warm_ready_at") or 0) - (cold.get("seconds") or 0)
-    warmup = cold.get("warmup") or {}
+    """What a replica's stats say of its start (its ``startup``): its GPU, the time from the command to its
+    constructor, its pipeline load (the load phases), from its constructor to warm, and its start-up
+    warmup's split."""
+    startup = replica.get("startup") or {}
+    phases = startup.get("phases") or {}
+    began = startup.get("constructor_at")
     return {"replica": replica.get("replica"), "device": replica.get("device"), "gpu": replica.get("gpu"),
-            "ray_start_s": round(began - command_at, 2) if cold else None,
-            "load_pipeline_s": cold.get("load_pipeline_s"), "constructor_s": cold.get("seconds"),
-            "warmup": warmup, "compile_artifacts": replica.get("compile_artifacts"),
+            "ray_start_s": round(began - command_at, 2) if began else None,
+            "load_pipeline_s": round(sum(v or 0.0 for k, v in phases.items() if k.startswith("load_")), 3),
+            "constructor_s": startup.get("ready_s"),
+            "warmup": startup.get("warmup") or {},
+            "compile_artifacts": replica.get("compile_artifacts"),
             "attention_choices": replica.get("attention_choices"),
             "compiled_while_serving": replica.get("compiled_while_serving"),
-            "warm_requests": replica.get("warm_requests"), "cold_requests": replica.get("cold_requests")}
+            "warm_requests": replica.get("warm_requests"), "cold_requests": replica.get("cold_requests"),
+            # each start phase (load: read / quantize / reload / store), the quantized weights' outcome, and
+            # the row buckets captured at their first use (cudagraph_capture_sizes)
+            "startup_phases": (replica.get("startup") or {}).get("phases"),
+            "quantized_weights": (replica.get("startup") or {}).get("quantized_weights"),
+            "capture_on_need": (replica.get("batcher") or {}).get("capture_on_need")}
 
 
 def one_start(args, index: int, model_dir: str, store: str, tmp: str) -> dict:

@@ -95,12 +95,18 @@ class AppArgs(BaseModel):
     # "step": requests join a running batch at any step boundary; "batch": only a batch not yet started
     join_policy: Literal["step", "batch"] = "step"
     # "auto": a request joins a running batch only where the step costs measured at warmup say the bigger
-    # row bucket buys throughput (by admission_margin per row), else it waits for rows to free; "always":
-    # whenever its rows fit (bcg.diffusers.step_batching.costs). step_costs_ms: {group key: {bucket: ms}} to start
-    # from (e.g. a replica's /v1/stats "admission"); a CUDA warmup times only the buckets it lacks
-    admission_policy: Literal["auto", "always"] = "auto"
+    # batch raises images/s by admission_margin, each row priced by what it computes (a cached row: the
+    # first/last blocks), else it waits for rows to free; "always": whenever its rows fit; "never": one after
+    # another (bcg.diffusers.step_batching.costs). step_costs_ms / cached_step_costs_ms: {group key: {bucket:
+    # ms}} of steps whose rows compute / are cached, to start from (e.g. a replica's /v1/stats "admission");
+    # a CUDA warmup times only the buckets they lack
+    admission_policy: Literal["auto", "always", "never"] = "auto"
     admission_margin: float = Field(0.1, ge=0, lt=1)
     step_costs_ms: Dict[str, Dict[int, float]] = Field(default_factory=dict)
+    cached_step_costs_ms: Dict[str, Dict[int, float]] = Field(default_factory=dict)
+    # vLLM's name: the row buckets a warmup captures (besides a key's own); the other buckets of a warmed key
+    # are captured at their first use while serving, between steps, counted (None: every bucket at warmup)
+    cudagraph_capture_sizes: Optional[List[int]] = None
     autoscaling: Optional[AutoscalingArgs] = None
     router: Literal["shape_affinity", "power_of_two"] = "shape_affinity"  # power_of_two: Serve's default
     spill_threshold: Optional[int] = Field(DEFAULT_SPILL_THRESHOLD, ge=1)
@@ -150,6 +156,10 @@ class AppArgs(BaseModel):
     # the coordinator's memory only (still handed between replicas)
     compile_cache: Optional[str] = None
     compile_wait_s: float = Field(900.0, ge=0)                 # a replica waits this long for another's compile
+    # where the replicas' quantized transformers (quantize=fp8) persist, so a start reloads them as they are
+    # instead of reading and quantizing again: a directory on each replica's node or a URI (s3://...);
+    # None: <temp dir>/bcg-quantized-weights on each node; "off": every start quantizes
+    quantized_weights_cache: Optional[str] = None
     # LoRA adapters (vLLM's names; deployments.lora): name -> diffusers LoRA file or directory, loaded by
     # every replica at start; the layers they target, and those of lora_target_modules (peft target
     # names), get slots for max_loras adapters of rank <= max_lora_rank (adapters loaded later at run
@@ -247,15 +257,16 @@ class AppArgs(BaseModel):
                 "root": self.lora_root if self.allow_runtime_lora_updating else None,
                 "start_paths": sorted(set(self.lora_modules.values()))}
 
-    @field_validator("step_costs_ms", mode="before")
+    @field_validator("step_costs_ms", "cached_step_costs_ms", mode="before")
     @classmethod
-    def _step_costs(cls, v):
+    def _step_costs(cls, v, info):
         if isinstance(v, str):  # JSON from a command line: '{"512x512": {"1": 61.2, "2": 122.5}}'
             v = json.loads(v) if v.strip() else {}
-        StepCosts(v)  # positive buckets and milliseconds; the error names the entry
+        # positive buckets and milliseconds; the error names the field and the entry
+        StepCosts().update(v, cached=info.field_name == "cached_step_costs_ms")
         return v
 
-    @field_validator("batch_buckets", mode="before")
+    @field_validator("batch_buckets", "cudagraph_capture_sizes", mode="before")
     @classmethod
     def _split_buckets(cls, v):
         if isinstance(v, str):  # "1,2,4,8" from a command line
@@ -278,13 +289,26 @@ class AppArgs(BaseModel):
                              "requests, so raise max_ongoing_requests or lower max_batch_size")
         return self
 
+    @model_validator(mode="after")
+    def _capture_sizes_are_buckets(self):
+        from bcg.diffusers.step_batching.queue import BatcherConfig
+        settings = {k: v for k, v in self.batching().items() if k != "step_costs_ms"}
+        try:
+            BatcherConfig(**settings)  # the one check: each a row bucket of batch_buckets
+        except ValueError as exc:
+            raise ValueError(str(exc)) from None
+        return self
+
     def batching(self) -> dict:
         """The replicas' batcher settings (``bcg.diffusers.BatcherConfig`` fields)."""
         size = self.max_batch_size if self.max_batch_size is not None else min(4, self.max_ongoing_requests)
+        sizes = self.cudagraph_capture_sizes
         return {"max_batch_size": size, "batch_buckets": list(self.batch_buckets), "max_wait_ms": self.max_wait_ms,
                 "join_policy": self.join_policy, "admission_policy": self.admission_policy,
                 "admission_margin": self.admission_margin,
-                "step_costs_ms": {g: dict(c) for g, c in self.step_costs_ms.items()}}
+                "cudagraph_capture_sizes": None if sizes is None else list(sizes),
+                "step_costs_ms": {g: dict(c) for g, c in self.step_costs_ms.items()},
+                "cached_step_costs_ms": {g: dict(c) for g, c in self.cached_step_costs_ms.items()}}
 
     @model_validator(mode="after")
     def _target_fits_ongoing(self):
@@ -522,6 +546,7 @@ def build_app(args: Optional[dict] = None):
         batching=a.batching(),
         memory_budget_bytes=a.memory_budget_bytes, compile_wait_s=a.compile_wait_s, lora=a.lora(),
         step_cache=None if a.step_cache is None else a.step_cache.model_dump(),
+        quantized_weights_cache=a.quantized_weights_cache,
     )
     limits = a.limits().model_dump()
     limits["size_multiple"] = a.size_multiple

@@ -71,8 +71,8 @@ class AttentionChoiceStore:
 
     @staticmethod
     def directory(scope: dict) -> str:
-        from deployments.compile_cache import _safe
-        return f"{_DIRECTORY}/{_safe(scope['device_name'])}/{_safe(scope['torch'])}"
+        from deployments.compile_cache import safe_path_part
+        return f"{_DIRECTORY}/{safe_path_part(scope['device_name'])}/{safe_path_part(scope['torch'])}"
 
     def path(self, scope: dict, entry: str) -> str:
         return f"{self.directory(scope)}/{hashlib.sha256(entry.encode()).hexdigest()[:24]}{_SUFFIX}"

@@ -21,6 +21,10 @@ and dynamic-shape decisions). Contract:
 * Beside the artifacts the store keeps small records written once (`ArtifactStore.put_new`: the first
   write of a path wins, atomically in a local directory): the attention kernel chosen per device and
   shape (``deployments.attention_choices``).
+* Beside it, the replicas' quantized transformers persist in a store of their own (`weights_store_root`:
+  ``<temp dir>/bcg-quantized-weights`` on each replica's node unless the app names one;
+  `bcg.runtime.weights_store`), which each replica reads and writes itself: weights are too large to
+  travel through the coordinator.
 * Loading artifacts only fills torch's caches: a load that does not fit (another torch) compiles
   afresh. Nothing here raises into the caller's warmup except `ArtifactFormatError` from `decode`.
 
@@ -71,7 +75,7 @@ def pipeline_artifacts(pipe):
 
 __all__ = ["ARTIFACTS_HOOK", "ARTIFACT_SUFFIX", "ArtifactsHook", "Artifact", "ArtifactFormatError", "ArtifactKey", "ArtifactStore", "CompileArtifacts",
            "FORMAT_VERSION", "Lookup", "NOT_COMPILE_FIELDS", "artifact_key", "decode", "encode", "open_store",
-           "pipeline_artifacts"]
+           "pipeline_artifacts", "safe_path_part", "weights_store_root"]
 
 MAGIC = b"BCGCART\n"
 FORMAT_VERSION = 1
@@ -96,7 +100,8 @@ def _canonical(value) -> str:
     return json.dumps(value, sort_keys=True, separators=(",", ":"), default=str)
 
 
-def _safe(text: str) -> str:
+def safe_path_part(text: str) -> str:
+    """`text` as one part of a store path: runs of anything but letters, digits, ``.``, ``_`` and ``-`` as ``_``."""
     return re.sub(r"[^A-Za-z0-9._-]+", "_", text).strip("_") or "_"
 
 
@@ -131,7 +136,7 @@ class ArtifactKey:
     @property
     def slot(self) -> str:
         """Where artifacts for the same model and shape live, whatever they were made under."""
-        return f"{_safe(self.name)}/{_safe(self.shape_key or 'any')}"
+        return f"{safe_path_part(self.name)}/{safe_path_part(self.shape_key or 'any')}"
 
     @property
     def path(self) -> str:
@@ -484,6 +489,16 @@ class ArtifactStore:
 def open_store(root: Optional[str]) -> Optional[ArtifactStore]:
     """`ArtifactStore` for `root`, None for None or ""."""
     return ArtifactStore(root) if root else None
+
+
+def weights_store_root(quantized_weights_cache: Optional[str]) -> Optional[str]:
+    """The app arg ``quantized_weights_cache`` -> where a replica's quantized transformers persist
+    (`bcg.runtime.weights_store`; each replica reads and writes it itself): None is
+    ``<temp dir>/bcg-quantized-weights`` on the replica's node, "off" nowhere, anything else that directory
+    or URI (every replica of a node, or of the cluster for a shared URI, reloads what the first wrote)."""
+    if quantized_weights_cache is None:
+        return os.path.join(tempfile.gettempdir(), "bcg-quantized-weights")
+    return None if quantized_weights_cache.strip().lower() in ("", "off", "none") else quantized_weights_cache
 
 
 class CompileArtifacts:

@@ -17,6 +17,8 @@ from bcg.runtime.call_record import CallRecord
 from deployments.encoding import encode_images
 from deployments.gpu import cuda_memory, describe_gpu, held_gpu, release_cached_memory  # noqa: F401 -- re-exported
 from deployments.memory import ReplicaMemory, format_bytes, plan_fits
+from deployments import warm_buckets
+from deployments.warm_buckets import graphs_of
 
 logger = logging.getLogger(__name__)
 
@@ -40,11 +42,6 @@ def _delta(before: dict, after: dict) -> Dict[str, int]:
     """What happened between two runner-stats snapshots, as `_counts` totals."""
     a, b = _counts(after), _counts(before)
     return {k: a[k] - b[k] for k in a}
-
-
-def _graphs(runner_stats: dict) -> Dict[tuple, dict]:
-    """(component, signature key) -> the entry's record, for every live graph."""
-    return {(name, e["key"]): e for name, st in runner_stats.items() for e in st.get("entries", ())}
 
 
 def pipeline_components(pipe, components) -> List[str]:
@@ -72,25 +69,6 @@ def resolve_hook(path: str):
 NO_BATCHING = {"max_batch_size": 1, "batch_buckets": (1,)}
 
 
-def _merge_reports(key: str, reports: List[dict]) -> dict:
-    """One key's ``warmup_pipeline`` report from the reports of its bucket plan (``<key>.b<bucket>``)."""
-    errors = [f"{r['key']}: {r['error']}" for r in reports if r["error"]]
-    failed: Dict[str, list] = {}
-    for r in reports:
-        for component, reasons in r["failed"].items():
-            failed.setdefault(component, []).extend(reasons)
-    return {"key": key, "error": "; ".join(errors) or None, "failed": failed,
-            "captured": {r["key"]: r["captured"] for r in reports}}
-
-
-def _bucket_pool_bytes(reports: List[dict], runner_stats: dict) -> Dict[int, int]:
-    """Batch bucket -> pool bytes of the graphs its warmup run captured (0 for graphs it shared)."""
-    graphs = _graphs(runner_stats)
-    return {ShapeKey.parse(r["key"]).batch_size: sum(int(graphs.get((name, sig), {}).get("pool_bytes", 0))
-                                                 for name, sigs in r["captured"].items() for sig in sigs)
-            for r in reports}
-
-
 def _forward_outcome(source: concurrent.futures.Future, target: concurrent.futures.Future) -> None:
     """A failed or cancelled `source` fails or cancels `target` (a result is `target`'s own business)."""
     try:
@@ -107,20 +85,22 @@ class ReplicaEngine:
 
     One `StepBatcher` loop thread owns the pipeline: requests (`submit`), warmups and runner-stats reads
     (`call`) all run there. ``batching`` holds `BatcherConfig` fields (default `NO_BATCHING`) and
-    ``step_costs_ms``, a table of step costs the batcher's ``"auto"`` admission starts from
-    (`bcg.diffusers.step_batching.costs.StepCosts`)."""
+    ``step_costs_ms`` / ``cached_step_costs_ms``, tables of step costs the batcher's ``"auto"`` admission
+    starts from (`bcg.diffusers.step_batching.costs.StepCosts`)."""
 
     def __init__(self, model: str, device: Optional[str] = None, dtype: Optional[str] = None,
                  runner_config: Optional[dict] = None, warmup_steps: int = 2,
                  cpu_threads: Optional[int] = None, gpu_memory_fraction: Optional[float] = None,
                  pipeline_hook: Optional[str] = None, components="all", batching: Optional[dict] = None,
                  memory_budget_bytes: Optional[int] = None, lora: Optional[dict] = None,
-                 step_cache: Optional[dict] = None, compile_components="all"):
+                 step_cache: Optional[dict] = None, compile_components="all",
+                 quantized_weights_cache: Optional[str] = None):
         t0 = time.perf_counter()
         import torch
         from bcg.runtime.config import RunnerConfig, TransformerOptions
         from bcg.diffusers import accelerate, pipeline_info, pipeline_runners
         from bcg.diffusers.step_batching.batcher import BatcherConfig, StepBatcher
+        from bcg.diffusers.step_batching.costs import StepCosts
         from bcg.diffusers.models import LoadTimes, load_pipeline
         imports_s = time.perf_counter() - t0
 
@@ -137,8 +117,14 @@ class ReplicaEngine:
         self.options, runner_fields = TransformerOptions.split(runner_config if isinstance(runner_config, dict) else {})
         config = RunnerConfig(**runner_fields) if isinstance(runner_config, dict) else runner_config
         self.config = config if config is not None else RunnerConfig.from_env()
+        from deployments.compile_cache import weights_store_root
         load = LoadTimes()
-        pipe = load_pipeline(model, device=self.device, dtype=getattr(torch, dtype) if dtype else None, times=load)
+        # the transformers quantized as they load (before LoRA slots and step caching), reloaded as they are
+        # from the quantized weights store where an earlier start wrote them (`bcg.runtime.weights_store`)
+        pipe = load_pipeline(model, device=self.device, dtype=getattr(torch, dtype) if dtype else None, times=load,
+                             quantize=self.options.quantize,
+                             weights_store=weights_store_root(quantized_weights_cache) if self.options.quantize else None)
+        self.quantized_weights = dict(load.quantized)  # per transformer: reloaded, quantized (stored), or why not
         if pipeline_hook:
             resolve_hook(pipeline_hook)(pipe)  # from the app config (e.g. fault injection in tests)
         # LoRA slots before anything captures or compiles the transformer (``lora``: see `_install_lora`);
@@ -152,9 +138,11 @@ class ReplicaEngine:
         # ask, none caches unless it does); off, the transformer runs as it always did
         self.step_cache = None
         if step_cache is not None:
-            from bcg.diffusers.step_caching.hook import StepCacheConfig, enable_step_cache, supports_step_cache
+            from bcg.diffusers.step_caching.hook import (StepCacheConfig, enable_step_cache, supported_families,
+                                                         supports_step_cache)
             if not supports_step_cache(pipe):
-                raise ValueError(f"step_cache: {model!r}'s transformer does not support step caching (Flux, Wan, SD3 and Qwen-Image do)")
+                raise ValueError(f"step_cache: {model!r}'s transformer does not support step caching (the families "
+                                 f"{', '.join(supported_families())} do)")
             self.step_cache = enable_step_cache(pipe, StepCacheConfig.from_any(step_cache))
         t_accelerate = time.perf_counter()
         self.pipe = accelerate(pipe, config=self.config, components=pipeline_components(pipe, components),
@@ -179,6 +167,9 @@ class ReplicaEngine:
         # other threads read it without a lock
         self._warmed: Dict[str, frozenset] = {}
         self._bucket_pools: Dict[str, Dict[int, int]] = {}  # key -> batch bucket -> pool bytes captured
+        # group key -> row bucket the batcher captured on first need -> the graphs that capture used
+        # (cudagraph_capture_sizes); replaced, never mutated, like `_warmed`
+        self._captured_on_need: Dict[str, Dict[int, frozenset]] = {}
         self._warm_set = None  # (the state it was worked out from, the warm set): see warm_set()
         self._runner_stats = None
         # every runner call made for a request (its own record gets the same calls; warmups not counted)
@@ -192,10 +183,12 @@ class ReplicaEngine:
         self._used_bytes = self.memory.used_bytes(0)
         self.refresh()
         batching = dict(batching or {})
-        step_costs = batching.pop("step_costs_ms", None)  # fed in; a CUDA warmup times what it lacks
+        # fed in; a CUDA warmup times what they lack
+        step_costs = StepCosts(batching.pop("step_costs_ms", None), cached=batching.pop("cached_step_costs_ms", None))
         config = BatcherConfig(**{**NO_BATCHING, **batching})
-        self.batcher = StepBatcher(self.pipe, config, info=self.info, step_costs=step_costs).start()
-        self.startup = _load_phases(time.perf_counter() - t0, imports_s, load, accelerate_s, self.kernel_stats())
+        self.batcher = StepBatcher(self.pipe, config, info=self.info, step_costs=step_costs,
+                                   on_capture=self._on_capture).start()
+        self.startup = _load_phases(time.perf_counter() - t0, imports_s, load, accelerate_s)
 
     def close(self) -> None:
         """Stop the loop thread; requests still queued or running fail."""
@@ -210,7 +203,7 @@ class ReplicaEngine:
         Not per request: after warmups, and after a request whose record shows a runner's graphs may
         have changed (a break output mismatch can drop one)."""
         stats = {name: r.stats() for name, r in self.runners.items()}
-        self._runner_stats, self._live = stats, frozenset(_graphs(stats))
+        self._runner_stats, self._live = stats, frozenset(graphs_of(stats))
         return stats
 
     def served(self) -> Dict[str, int]:
@@ -288,8 +281,8 @@ class ReplicaEngine:
         record = CallRecord()
         reports = self.batcher.warmup([key], num_inference_steps=self.warmup_steps, record=record)["keys"]
         after = self.refresh()
-        report = _merge_reports(ShapeKey.parse(key).key, reports)
-        self._bucket_pools = {**self._bucket_pools, report["key"]: _bucket_pool_bytes(reports, after)}
+        report = warm_buckets.merge_reports(ShapeKey.parse(key).key, reports)
+        self._bucket_pools = {**self._bucket_pools, report["key"]: warm_buckets.bucket_pool_bytes(reports, after)}
         names = {id(runner): name for name, runner in self.runners.items()}
         used = frozenset((names.get(id(runner)), sig) for runner, sig in record.graphs) & self._live
         return report, _delta(before, after), used, record.eager.get("blocked", 0)
@@ -301,23 +294,51 @@ class ReplicaEngine:
 
     def warm_set(self) -> frozenset:
         """The warm keys and their batch-bucket keys (``routing_view.warm_set`` of this replica's routing
-        stats: what its router routes by), worked out again only when the warm keys, the live graphs
-        or the bucket pools changed (each is replaced, never mutated), not per request."""
-        state = (self._warmed, self._live, self._bucket_pools)
+        stats: what its router routes by), worked out again only when the warm keys, the live graphs,
+        the bucket pools or the buckets captured on need changed (each is replaced, never mutated), not
+        per request."""
+        state = (self._warmed, self._live, self._bucket_pools, self._captured_on_need)
         cached = self._warm_set
         if cached is None or any(a is not b for a, b in zip(cached[0], state)):
             cached = self._warm_set = (state, frozenset(self.warm_keys()) | frozenset(self.warm_batch_keys()))
         return cached[1]
 
     def warm_batch_keys(self) -> List[str]:
-        """The shape key of every image count whose batch bucket the warm keys' warmups captured
-        (``<key>.b<n>``; buckets from the batcher's `warmup_plan`): a request of n images pads to its
-        bucket (3 to 4) and replays those graphs, alone or in a batch. They are live while their key is
-        warm (its warm set holds every bucket's graphs)."""
-        bucket_for = self.batcher.config.bucket_for
-        return sorted({ShapeKey.parse(key).with_batch(n).key
-                       for key, buckets in self.bucket_pool_bytes().items()
-                       for n in range(1, max(buckets) + 1) if bucket_for(n) in buckets})
+        """The shape key of every image count whose batch bucket the warm keys' warmups captured, or the
+        batcher captured on need since (``<key>.b<n>``; buckets from the batcher's `warmup_plan`): a request
+        of n images pads to its bucket (3 to 4) and replays those graphs, alone or in a batch. They are live
+        while their key is warm (its warm set holds every bucket's graphs) and, captured on need, while the
+        graphs that capture used are."""
+        bucket_for, live = self.batcher.config.bucket_for, self._live
+        out = set()
+        for key, buckets in self.bucket_pool_bytes().items():
+            on_need = self._captured_on_need.get(ShapeKey.parse(key).group.key, {})
+            out.update(warm_buckets.batch_keys(key, {*buckets, *(b for b, g in on_need.items() if g <= live)},
+                                               bucket_for))
+        return sorted(out)
+
+    def capture_on_need_keys(self) -> List[str]:
+        """``<key>.b<n>`` of the warm keys whose bucket is not warm but will be captured at its first use
+        (`StepBatcher.capture_on_need_buckets`, ``cudagraph_capture_sizes``): a request there pays one
+        capture, then replays; published beside the warm set (``routing_view.CAPTURE_ON_NEED_KEYS``)."""
+        bucket_for, warm = self.batcher.config.bucket_for, self.warm_set()
+        out = set()
+        for key in self.warm_keys():
+            buckets = self.batcher.capture_on_need_buckets(ShapeKey.parse(key).group.key)
+            out.update(k for k in warm_buckets.batch_keys(key, buckets, bucket_for) if k not in warm)
+        return sorted(out)
+
+    def _on_capture(self, group: str, bucket: int, report: dict, record: CallRecord) -> None:
+        """The batcher captured `group`'s row `bucket` on first need (on its loop thread): the graphs that
+        capture used join the warm view of the group's warm keys (`warm_batch_keys`)."""
+        self.refresh()
+        self._used_bytes = self.memory.used_bytes(self.pool_bytes()) - self._stranded_bytes
+        if report["failed"]:
+            return
+        names = {id(runner): name for name, runner in self.runners.items()}
+        used = frozenset((names.get(id(runner)), sig) for runner, sig in record.graphs) & self._live
+        self._captured_on_need = {**self._captured_on_need,
+                                  group: {**self._captured_on_need.get(group, {}), bucket: used}}
 
     def warmup_key(self, key: str) -> dict:
         """Run the pipeline once for ``key`` inside the runners' ``warmup()``; returns what happened.
@@ -348,7 +369,7 @@ class ReplicaEngine:
                                      "max_entries or pool_budget_bytes)")
         if ok and self.graphs_off_reason() is None and not used:
             ok, reason = False, "warmup replayed and captured no graph"
-        new = set(_graphs(self._runner_stats)) - set(_graphs(before))
+        new = set(graphs_of(self._runner_stats)) - set(graphs_of(before))
         memory = {"graphs_bytes": max(0, self.pool_bytes() - _counts(before)["pool_bytes"]),
                   "eager_peak_bytes": peak.bytes, "used_before_bytes": used_before,
                   "share_bytes": self.memory.share_bytes, "weights_bytes": self.memory.weights_bytes}
@@ -373,7 +394,7 @@ class ReplicaEngine:
             stranded = (f" (graphs dropped; {format_bytes(self._stranded_bytes)} stranded in the graph pools, "
                         "free for later captures)" if self._stranded_bytes else "")
             logger.warning("warmup of %s: %s%s", report["key"], misfit, stranded)
-        segments = sum(e.get("segments", 0) for g, e in _graphs(self._runner_stats).items() if g in new)
+        segments = sum(e.get("segments", 0) for g, e in graphs_of(self._runner_stats).items() if g in new)
         seconds = time.perf_counter() - t0
         now, then = _compiled(self._runner_stats), _compiled(before)
         compile_s = (now["compile_ms"] - then["compile_ms"]) / 1e3
@@ -383,7 +404,7 @@ class ReplicaEngine:
         return {"key": report["key"], "ok": ok, "reason": reason, "capture_ms": seconds * 1e3, "seconds": seconds,
                 "compile_s": compile_s, "trace_s": trace_s, "graphs_compiled": now["graphs"] - then["graphs"],
                 "captures": done["captures"], "segments": segments, "memory": memory,
-                "buckets": _bucket_captures(report["captured"], self._runner_stats, new)}
+                "buckets": warm_buckets.bucket_captures(report["captured"], self._runner_stats, new)}
 
     # -- compile artifacts (deployments.artifacts hands them between replicas) ----------------------
     def artifact_key(self, key: str):
@@ -530,28 +551,14 @@ class ReplicaEngine:
                                                fps=self.info.get("fps"))}
 
 
-def _load_phases(seconds: float, imports_s: float, load, accelerate_s: float, kernels: dict) -> Dict[str, float]:
+def _load_phases(seconds: float, imports_s: float, load, accelerate_s: float) -> Dict[str, float]:
     """Where the engine's construction (`seconds`) went: its imports (torch, diffusers), reading and moving
-    the pipeline (`LoadTimes`), quantizing (the transformers' quantize reports), the rest of `accelerate`
-    (breaks, attention kernels, runners) and everything else (LoRA slots, step caching, the memory share,
-    the batcher's thread)."""
-    quantize_s = sum((k.get("quantize") or {}).get("seconds", 0.0) for k in kernels.values())
-    parts = {"imports_s": imports_s, "read_s": load.read_s, "move_s": load.move_s, "quantize_s": quantize_s,
-             "accelerate_s": max(0.0, accelerate_s - quantize_s)}
+    the pipeline, quantizing its transformers, reloading them quantized from the weights store and writing
+    them there (`LoadTimes`), `accelerate` (breaks, attention kernels, runners; the transformers come to it
+    quantized) and everything else (LoRA slots, step caching, the memory share, the batcher's thread)."""
+    parts = {"imports_s": imports_s, "read_s": load.read_s, "move_s": load.move_s, "quantize_s": load.quantize_s,
+             "reload_s": load.reload_s, "store_s": load.store_s, "accelerate_s": accelerate_s}
     return {**parts, "other_s": max(0.0, seconds - sum(parts.values()))}
-
-
-def _bucket_captures(captured: Dict[str, dict], runner_stats: dict, new) -> Dict[str, dict]:
-    """Bucket key -> the graphs its warmup run captured (new ones only) and their capture seconds (the
-    runners' own ``capture_ms`` per graph: the recording, not the warm-up runs before it)."""
-    graphs = _graphs(runner_stats)
-    out = {}
-    for bucket, by_component in captured.items():
-        mine = [(name, sig) for name, sigs in by_component.items() for sig in sigs
-                if (name, sig) in new and (name, sig) in graphs]  # a dropped graph is gone
-        out[bucket] = {"graphs": len(mine),
-                       "graph_capture_s": round(sum(float(graphs[g].get("capture_ms") or 0) for g in mine) / 1e3, 3)}
-    return out
 
 
 def _install_lora(pipe, lora: dict):

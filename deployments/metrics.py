@@ -71,6 +71,8 @@ BATCHER_COUNTERS = {
     "padded_rows": ("bcg_batch_padded_rows", "Padding rows added to reach a batch bucket."),
     "joins_mid_run": ("bcg_batch_joins_mid_run", "Requests that joined a running denoising loop."),
     "ran_alone": ("bcg_batch_ran_alone", "Requests the batcher ran alone."),
+    "capture_on_need.captures": ("bcg_captures_on_need",
+                                 "Row buckets captured at their first use while serving (cudagraph_capture_sizes)."),
 }
 # runner.stats() levels -> (metric name, description). All per component.
 RUNNER_GAUGES = {
@@ -263,7 +265,11 @@ class ReplicaMetrics:
                 self._update_batcher(stats["batcher"])
 
     def _update_batcher(self, batcher: Mapping) -> None:
-        totals = {(name, ()): float(batcher.get(field, 0) or 0) for field, (name, _) in BATCHER_COUNTERS.items()}
+        def value(field: str):  # "a.b": batcher["a"]["b"]
+            head, _, rest = field.partition(".")
+            return (batcher.get(head) or {}).get(rest, 0) if rest else batcher.get(field, 0)
+
+        totals = {(name, ()): float(value(field) or 0) for field, (name, _) in BATCHER_COUNTERS.items()}
         totals.update({("bcg_batch_size", (("rows", str(rows)),)): float(steps)
                        for rows, steps in (batcher.get("batch_size_histogram") or {}).items()})
         for (name, tags), value in totals.items():

@@ -34,14 +34,16 @@ Contract:
   joining and leaving at denoising-step boundaries; families without step hooks (all but Flux and SD3)
   and requests with arguments the hooks do not batch run alone, one whole pipeline call each, taking
   turns with the batches. Warmups run on the same thread between two steps, and capture every batch
-  bucket of a key (``StepBatcher.warmup_plan``), so a key is warm only when the graphs of all its buckets
-  are live. With ``max_wait_ms`` 0 a request reaching an idle replica starts at once. The event loop stays
+  bucket of a key (``StepBatcher.warmup_plan``; with ``cudagraph_capture_sizes`` those named, the others
+  captured by the batcher at their first use, between steps, counted in its stats' ``capture_on_need``),
+  so a key is warm only when the graphs of all its warmed buckets are live. With ``max_wait_ms`` 0 a request reaching an idle replica starts at once. The event loop stays
   free for stats, health and routing probes; image encoding (PNG, JPEG or WebP: the request's
   ``output_format``, which plays no part in batching) runs on a worker thread. Runner state is read
   on the loop thread after each request and warmup; stats and routing stats answer from that snapshot,
   so they never wait for a capture in progress (a runner holds its lock while capturing).
 * ``record_routing_stats()`` publishes ``warm_keys``, ``warm_batch_keys`` (the keys of the batch
-  buckets their warmups captured), ``queue_len`` (requests on this replica, queued or running),
+  buckets their warmups captured, or the batcher on need since), ``capture_on_need_keys`` (those whose
+  bucket is captured at its first use: not warm), ``queue_len`` (requests on this replica, queued or running),
   ``pool_bytes``, ``batch_free_rows`` (per group running a batch now, the image rows it has room
   for) and ``lora_adapters`` (the LoRA adapters it holds); the router reads them. Serve's
   ``max_ongoing_requests`` caps how many requests reach the batcher, so it must be at least
@@ -77,8 +79,8 @@ from deployments.engine import ReplicaEngine
 from deployments.gpu import cuda_memory, describe_gpu, release_cached_memory
 from deployments.lora import LoraChoice, LoraPaths
 from deployments.metrics import ReplicaMetrics
-from deployments.router import (BATCH_FREE_ROWS, LORA_ADAPTERS, POOL_BYTES, QUEUE_LEN, WARM_BATCH_KEYS, WARM_KEYS,
-                                ShapeAffinityRouter)
+from deployments.router import (BATCH_FREE_ROWS, CAPTURE_ON_NEED_KEYS, LORA_ADAPTERS, POOL_BYTES, QUEUE_LEN,
+                                WARM_BATCH_KEYS, WARM_KEYS, ShapeAffinityRouter)
 from deployments.schemas import (ImageEditRequest, ImageGenerationRequest, ReplicaReport, RequestLimits,
                                  check_edit_images, request_plan)
 from deployments.spill import COLD_REQUEST_S, REQUEST_S, WARMUP_S, moving_average
@@ -107,7 +109,8 @@ class Replica:
                  pipeline_hook: Optional[str] = None, components="all",
                  memory_budget_bytes: Optional[int] = None, batching: Optional[dict] = None,
                  compile_wait_s: float = 900.0, lora: Optional[dict] = None,
-                 step_cache: Optional[dict] = None, compile_components="all"):
+                 step_cache: Optional[dict] = None, compile_components="all",
+                 quantized_weights_cache: Optional[str] = None):
         self._startup = ReplicaStartup()
         ctx = serve.get_replica_context()
         self.replica_id = ctx.replica_id.unique_id
@@ -127,25 +130,24 @@ class Replica:
         self._cold_keys: Dict[str, int] = {}
         self._reports: List[dict] = []
         self._broken: Optional[str] = None
-        self.first_request_at: Optional[float] = None
         self.metrics = ReplicaMetrics()
         settings = runner_config if isinstance(runner_config, dict) else {}  # quantize travels with the runner's
         self._startup.warn(startup_warnings(settings.get("quantize"), settings, compile_components))
         self._coordinator = coordinator  # warmup progress goes there (see _push_progress)
         self._progress: Dict = {"replica": self.replica_id, "i": 0, "n": 0, "done": True, "failed": {}}
-        t0, t_start = time.perf_counter(), time.time()
+        t0 = time.perf_counter()
         self._lora_paths = LoraPaths.from_settings(lora)  # which adapter paths this replica reads
         if lora and coordinator is not None:  # the adapters every replica holds now (loads at run time too)
             lora = {**lora, "modules": self._allowed_adapters(await coordinator.lora_adapters.remote())}
         self.engine = await self._in_thread(functools.partial(ReplicaEngine, memory_budget_bytes=memory_budget_bytes,
                                                               batching=batching, lora=lora,
                                                               step_cache=step_cache,
-                                                              compile_components=compile_components),
+                                                              compile_components=compile_components,
+                                                              quantized_weights_cache=quantized_weights_cache),
                                             model, device, dtype, runner_config,
                                             warmup_steps, cpu_threads, gpu_memory_fraction, pipeline_hook,
                                             components)
-        loaded_at = time.time()
-        self._startup.loaded(self.engine.startup)
+        self._startup.loaded(self.engine.startup, self.engine.quantized_weights)
         self.info = dict(self.engine.info)
         # compile artifacts: fetched from the coordinator before a key compiles, handed to it after
         self._artifacts = ReplicaArtifacts(self.replica_id, coordinator, self.engine, self._in_thread, compile_wait_s)
@@ -154,7 +156,6 @@ class Replica:
         self._attention = ReplicaAttentionChoices(self.replica_id, coordinator, asyncio.get_running_loop())
         await self._attention.attach(self.engine, self._in_thread)
         self._timing: Dict[str, Dict[str, float]] = {REQUEST_S: {}, COLD_REQUEST_S: {}, WARMUP_S: {}}
-        self._cold_start: Optional[dict] = None  # the start-up warmup: its time and where it went
         self._last_done_at: Optional[float] = None  # when the last request finished here
         # graphs compiled outside warmups (by a request: never expected) = all less those the warmups compiled
         self._compiled_outside_warmups = self.engine.compiled_graphs()
@@ -177,12 +178,7 @@ class Replica:
         self._startup.warmed(self._reports[-1]["timing"] if keys else None)
         if lora and coordinator is not None:  # adapters loaded or unloaded while this replica started
             await self._sync_adapters(await coordinator.lora_adapters.remote())
-        self.warm_ready_at = time.time()
         self._startup.warm()
-        # from the constructor's start: the pipeline's load, then the warmup (start of warmup to warm)
-        self._cold_start = {"seconds": round(self.warm_ready_at - t_start, 3),
-                            "load_pipeline_s": round(loaded_at - t_start, 3),
-                            "warmup": self._reports[-1]["timing"] if keys else None}
         logger.info("replica %s ready, warm for %s", self.replica_id, self.engine.warm_keys())
 
     async def _in_thread(self, fn, *args):
@@ -213,7 +209,8 @@ class Replica:
 
     # -- Serve hooks -------------------------------------------------------------------------------
     def _warm_view(self) -> dict:
-        return {WARM_KEYS: self.engine.warm_keys(), WARM_BATCH_KEYS: self.engine.warm_batch_keys()}
+        return {WARM_KEYS: self.engine.warm_keys(), WARM_BATCH_KEYS: self.engine.warm_batch_keys(),
+                CAPTURE_ON_NEED_KEYS: self.engine.capture_on_need_keys()}
 
     def _routing_view(self) -> dict:
         free = {group: load["free_rows"] for group, load in self.engine.batcher.load().items()
@@ -386,12 +383,11 @@ class Replica:
         # replays and eager calls: the runners' totals while serving (a request's own figures overlap
         # with those of the requests batched beside it)
         return {**self.replica_info(), **self._counters, **self.engine.served(), "cold_keys": dict(self._cold_keys),
-                "device": self.engine.device, "gpu": self.engine.gpu, "warm_ready_at": self.warm_ready_at,
-                "first_request_at": self.first_request_at, "warmups": list(self._reports),
+                "device": self.engine.device, "gpu": self.engine.gpu, "warmups": list(self._reports),
                 "runner": self.engine.runner_stats(), "kernels": self.engine.kernel_stats(), "ongoing": self._ongoing,
                 "batcher": self.engine.batcher.stats(), "batch_pool_bytes": self.engine.bucket_pool_bytes(),
                 "cuda_memory": cuda_memory(), "warmup_progress": dict(self._progress),
-                "memory": self.engine.memory_report(), "cold_start": self._cold_start,
+                "memory": self.engine.memory_report(),
                 "compile_artifacts": self._artifacts.stats(), "attention_choices": self._attention.stats(),
                 "lora": self.engine.lora_stats(),
                 "startup": self._startup.report(), "warnings": list(self._startup.warnings),
@@ -415,8 +411,6 @@ class Replica:
         key = plan.shape_key
         t0 = time.perf_counter()
         self._ongoing += 1
-        if self.first_request_at is None:
-            self.first_request_at = time.time()
         try:
             warm = key.key in self.engine.warm_set()  # what the router routed it by (routing_view.warm_set)
             answer = self.engine.submit(plan)

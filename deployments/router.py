@@ -33,7 +33,11 @@ Contract (one call of ``choose_replicas`` = one routing attempt, Serve retries w
 * a request with a LoRA adapter (its plan's, else kwarg ``lora``) is ranked among the replicas that report holding it
   (routing stats ``lora_adapters``), when any does (`holding_adapter`): adapters load on every replica,
   so this only matters while a load or a new replica is under way;
-* a request without a key, or whose key no replica is warm for, gets Serve's own power-of-two
+* a request whose key no replica is warm for goes first to the replicas that capture its bucket at its
+  first use (routing stats ``capture_on_need_keys``: a warm key's group whose row bucket is left to capture
+  on need, ``cudagraph_capture_sizes``), least loaded first, and only to them (as with warm replicas): one
+  capture there, then replays, where a cold replica would run it eagerly at every step;
+* a request without a key, or whose key no replica is warm for nor captures on need, gets Serve's own power-of-two
   answer (``PowerOfTwoChoicesRequestRouter.choose_replicas``, with Serve's locality and multiplexing
   preferences, from ``LocalityMixin`` and ``MultiplexMixin``): two random replicas, Serve takes the
   less loaded one.
@@ -65,8 +69,10 @@ from typing import Dict, Iterable, List, NamedTuple, Optional
 from ray.serve.request_router import LocalityMixin, MultiplexMixin, PendingRequest, RequestRouter, RunningReplica
 
 from deployments import routing_view, spill
-from deployments.routing_view import (BATCH_FREE_ROWS, LORA_ADAPTERS, WARM_BATCH_KEYS, WARM_KEYS, batch_group,
-                                      replica_adapters, replica_free_rows, replica_warm_keys, warm_set)
+from deployments.routing_view import (BATCH_FREE_ROWS, CAPTURE_ON_NEED_KEYS, LORA_ADAPTERS, WARM_BATCH_KEYS, WARM_KEYS,
+                                      batch_group,
+                                      replica_adapters, replica_free_rows, replica_on_need_keys,
+                                      replica_warm_keys, warm_set)
 # Serve's default router, whose choose_replicas is the fallback here (Serve's experimental
 # CapacityQueueRouter delegates the same way).
 from deployments.serve_internals import PowerOfTwoChoicesRequestRouter
@@ -81,12 +87,12 @@ POOL_BYTES = "pool_bytes"
 DEFAULT_SPILL_THRESHOLD = 3
 PLAN_KWARG = "plan"  # a request's `RequestPlan` (bcg.diffusers.request_plan), as the ingress sends it
 
-__all__ = ["BATCH_FREE_ROWS", "LORA_ADAPTERS", "POOL_BYTES", "QUEUE_LEN", "WARM_BATCH_KEYS", "WARM_KEYS",
+__all__ = ["BATCH_FREE_ROWS", "CAPTURE_ON_NEED_KEYS", "LORA_ADAPTERS", "POOL_BYTES", "QUEUE_LEN", "WARM_BATCH_KEYS", "WARM_KEYS",
            "ShapeAffinityRouter", "replica_warm_keys", "warm_set"]
 
 
 # Decisions of one ranking; a ranking whose tiers are None asks Serve's power-of-two router.
-DECISIONS = ("pinned", "batch", "warm", "spill", "no_warm", "unkeyed", "no_replicas")
+DECISIONS = ("pinned", "batch", "warm", "spill", "on_need", "no_warm", "unkeyed", "no_replicas")
 _RECENT_SPILLS = 64       # spilled requests kept with their estimates in spill_stats
 _PENDING_SPILLS = 1024    # spill estimates waiting for on_request_routed
 
@@ -181,6 +187,9 @@ class ShapeAffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         for r in candidate_replicas:
             (warm if key in replica_warm_keys(r) else cold).append(r)
         if not warm:
+            on_need = [r for r in cold if key in replica_on_need_keys(r)]
+            if on_need:  # like warm replicas, a busy one is still better than a cold one: no cold tier
+                return "on_need", [self._by_load(on_need)]
             return "no_warm", None
         warm = self._by_load(warm)
         _, rows = batch_group(shape_key)

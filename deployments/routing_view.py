@@ -17,8 +17,10 @@ same process read what its routers will decide on:
 
 It also reads the routing stats a router ranks by: ``replica_warm_keys`` (``warm_set``: the keys a
 replica warmed and the batch-bucket keys their warmups captured, ``WARM_BATCH_KEYS``, so a request of
-2 images, ``K.b2``, is warm where a warmup of K captured bucket 2) and ``replica_free_rows`` (room in a
-batch of the request's group running on the replica, ``BATCH_FREE_ROWS``).
+2 images, ``K.b2``, is warm where a warmup of K captured bucket 2, or the replica captured it on need since),
+``replica_on_need_keys`` (``CAPTURE_ON_NEED_KEYS``: keys whose bucket the replica captures at its first
+use, with ``cudagraph_capture_sizes``: honest, not warm) and ``replica_free_rows`` (room in a batch of the
+request's group running on the replica, ``BATCH_FREE_ROWS``).
 
 The coordinator assigns start-up shares from the view (no call that waits on a busy replica), and the
 ingress answers ``POST /v1/warmup`` only after its routers see the new warm sets, so the next request
@@ -39,6 +41,9 @@ WARM_KEYS = "warm_keys"
 # the shape key of every batch bucket the warmups of the warm keys captured (``<key>.b<bucket>``, what
 # `StepBatcher.warmup_plan` runs): a request of that many images replays those graphs
 WARM_BATCH_KEYS = "warm_batch_keys"
+# the shape keys of image counts whose row bucket the replica captures at its first use (a warm key's group,
+# ``cudagraph_capture_sizes``): not warm, but one capture away from it (`ReplicaEngine.capture_on_need_keys`)
+CAPTURE_ON_NEED_KEYS = "capture_on_need_keys"
 # group key (a shape key with one image) -> image rows free in the batch of that group running on the
 # replica; only groups that run now (a replica with no batch of a group has no room in one)
 BATCH_FREE_ROWS = "batch_free_rows"
@@ -67,6 +72,7 @@ class ReplicaView(NamedTuple):
     warm: frozenset             # `warm_set`: the shape keys it serves warm
     free_rows: Mapping[str, int]  # group key -> image rows free in the batch of that group running there
     adapters: frozenset = frozenset()  # the LoRA adapters it holds
+    on_need: frozenset = frozenset()   # shape keys it captures at their first use (CAPTURE_ON_NEED_KEYS)
 
 
 # ReplicaID -> (the routing stats object a view was parsed from, the view). Serve replaces a replica's
@@ -86,7 +92,8 @@ def replica_view(replica) -> ReplicaView:
         return cached[1]
     source = stats if (stats or {}).get(WARM_KEYS) is not None else (replica.replica_metadata or {})
     view = ReplicaView(warm=warm_set(source), free_rows=_free_rows(source),
-                       adapters=frozenset(source.get(LORA_ADAPTERS) or ()))
+                       adapters=frozenset(source.get(LORA_ADAPTERS) or ()),
+                       on_need=frozenset(source.get(CAPTURE_ON_NEED_KEYS) or ()))
     if len(_views) >= _MAX_VIEWS:
         _views.clear()
     _views[rid] = (stats, view)
@@ -104,6 +111,11 @@ def replica_warm_keys(replica) -> frozenset:
     """The shape keys a replica serves warm (`warm_set`): routing stats when polled yet, else start-up
     metadata."""
     return replica_view(replica).warm
+
+
+def replica_on_need_keys(replica) -> frozenset:
+    """The shape keys a replica captures at their first use (``CAPTURE_ON_NEED_KEYS``): not warm yet."""
+    return replica_view(replica).on_need
 
 
 def replica_adapters(replica) -> frozenset:

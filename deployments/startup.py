@@ -10,6 +10,10 @@ Contract:
   (``publish`` before Serve read the warm set, ``hand_off`` before the first answer); every other is a
   number >= 0. Where a phase is measured as "what is left of a span" it is clipped at 0.
 * Only the start-up warmup counts here; warmups asked later (``POST /v1/warmup``) are in ``warmups``.
+* The one record of a replica's start: when it was warm (``warm_at``) and answered its first request
+  (``first_request_at``, the replica's one first-request clock), and its start-up warmup as the replica
+  timed it (``warmup``: where its seconds went, each key's compile-artifact outcome, ``by_key``), which
+  the warmup phases are read from.
 * The process's start is the OS's (psutil, else ``/proc/self/stat``); a Ray worker may wait in Ray's
   pool of idle workers before it becomes this replica, and that wait is in ``process_start``.
 * `startup_warnings`: what a start-up configuration costs that the user may not know (float8 without
@@ -33,7 +37,9 @@ PHASES = {
     "load_read": "reading the pipeline: a built-in's construction, or from_pretrained",
     "load_move": "the dtype cast and the copy to the device",
     "load_quantize": "float8 quantization of the transformers' linear layers (quantize: fp8)",
-    "load_accelerate": "breaks, attention kernels and runners installed (accelerate), quantizing aside",
+    "load_reload": "the quantized transformers read from the quantized weights store, straight to the device",
+    "load_store": "the quantized transformers written to the quantized weights store (the first start only)",
+    "load_accelerate": "breaks, attention kernels and runners installed (accelerate)",
     "load_other": "the rest of the load: LoRA slots, step caching, the memory share, the batcher thread",
     "assign": "compile-artifact and attention-choice set-up, waiting for the coordinator's warmup share",
     "warmup_wait_for_compile": "waiting for another replica's compile of a key (its artifacts)",
@@ -52,7 +58,8 @@ _WARMUP_PARTS = {"warmup_wait_for_compile": "wait_for_compile_s", "warmup_load_a
                  "warmup_trace": "trace_s", "warmup_capture": "capture_s",
                  "warmup_publish_artifacts": "hand_off_s"}
 _LOAD_PARTS = {"load_read": "read_s", "load_move": "move_s", "load_quantize": "quantize_s",
-               "load_accelerate": "accelerate_s", "load_other": "other_s"}
+               "load_reload": "reload_s", "load_store": "store_s", "load_accelerate": "accelerate_s",
+               "load_other": "other_s"}
 
 # one FLUX.1-dev 1024² transformer forward on plain graphs, bf16 against float8 (H200, interleaved rounds;
 # benchmarks/results/bench_fp8_flux_graphs.json)
@@ -108,13 +115,15 @@ class ReplicaStartup:
         self.process_at = process_started_at() or imports_began
         self.imports_began = min(max(imports_began, self.process_at), self.constructor_at)
         self.load: Dict[str, float] = {}
+        self.quantized_weights: Dict[str, str] = {}  # per transformer: reloaded, quantized (stored), or why not
         self.loaded_at = self.warmup_began = self.warmup_done = self.warm_at = None
-        self.published_at = self.answered_at = None
+        self.published_at = self.first_request_at = None
         self.warmup: Optional[dict] = None  # the start-up warmup's timing (deployments.replica)
         self.warnings: List[str] = []
 
-    def loaded(self, engine_phases: Mapping[str, float]) -> None:
+    def loaded(self, engine_phases: Mapping[str, float], quantized_weights: Optional[Mapping[str, str]] = None) -> None:
         self.loaded_at, self.load = time.time(), dict(engine_phases)
+        self.quantized_weights = dict(quantized_weights or {})
 
     def warmup_started(self) -> None:
         self.warmup_began = time.time()
@@ -130,8 +139,9 @@ class ReplicaStartup:
             self.published_at = time.time()
 
     def answered(self) -> None:
-        if self.answered_at is None:
-            self.answered_at = time.time()
+        """A request was answered: the first one stops the start's clock."""
+        if self.first_request_at is None:
+            self.first_request_at = time.time()
 
     def warn(self, warnings: List[str]) -> None:
         for line in warnings:
@@ -153,16 +163,19 @@ class ReplicaStartup:
         out["warmup_other"] = _span(self.warmup_began, self.warmup_done) - measured
         out["adapters"] = _span(self.warmup_done, self.warm_at)
         out["publish"] = None if self.published_at is None else _span(self.warm_at, self.published_at)
-        out["hand_off"] = None if self.answered_at is None else _span(self.published_at, self.answered_at)
+        out["hand_off"] = None if self.first_request_at is None else _span(self.published_at, self.first_request_at)
         return {f"{phase}_s": _r(out[phase]) for phase in PHASES}
 
     def report(self) -> dict:
         """The ``startup`` section of the replica's stats."""
         return {"process_started_at": self.process_at, "constructor_at": self.constructor_at,
+                "warm_at": self.warm_at, "first_request_at": self.first_request_at,
                 "total_s": _r(time.time() - self.process_at),
                 "ready_s": None if self.warm_at is None else _r(self.warm_at - self.constructor_at),
-                "first_request_s": None if self.answered_at is None else _r(self.answered_at - self.process_at),
-                "phases": self.phases(), "by_key": dict((self.warmup or {}).get("by_key") or {}),
+                "first_request_s": None if self.first_request_at is None
+                else _r(self.first_request_at - self.process_at),
+                "phases": self.phases(), "warmup": None if self.warmup is None else dict(self.warmup),
+                "quantized_weights": dict(self.quantized_weights),
                 "warnings": list(self.warnings)}
 
 

@@ -7,7 +7,7 @@ One folder per concept; pipelines and families at the top:
   kernel chosen per shape (`bcg.runtime.attention`); `attention_stats` says which;
 - `bcg.diffusers.pipelines`: `pipeline_info`, `plan_request`, `generate`, `warmup_pipeline`;
 - `bcg.diffusers.families`: one record per model family (CFG rule, size multiple, default size, prompt
-  bucketing, frames, batching hooks): `ModelFamily`, `FAMILIES`, `family_of`;
+  bucketing, frames, step hooks, step caching's `BlockAdapter`): `ModelFamily`, `FAMILIES`, `family_of`;
 - `bcg.diffusers.buckets`: `ShapeKey`, `request_shape_key` (a request's key, defined once), size and prompt
   buckets, warmup plans;
 - `bcg.diffusers.request_plan`: `RequestPlan`, a request as it runs (shape key, LoRA choice, cache config,

@@ -31,8 +31,8 @@ from bcg.diffusers.step_caching.hook import attach_step_cache
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["COMPONENTS", "accelerate", "pipeline_call_scope", "pipeline_runners", "pipeline_stats",
-           "prepare_transformer", "unaccelerate"]
+__all__ = ["COMPONENTS", "accelerate", "first_tensor_device", "pipeline_call_scope", "pipeline_runners",
+           "pipeline_stats", "prepare_transformer", "unaccelerate"]
 
 # --------------------------------------------------------------------------------------------------
 # accelerated pipelines
@@ -154,7 +154,7 @@ def _parse_to_args(args, kwargs):
 # -- the pipeline's hook -------------------------------------------------------------------------------
 
 
-def _first_tensor_device(module):
+def first_tensor_device(module):
     """Device of the first parameter or buffer met depth-first (a walk that stops at the first tensor)."""
     stack = [module]
     while stack:

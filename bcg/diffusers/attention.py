@@ -23,7 +23,7 @@ import logging
 
 import torch
 
-from bcg.diffusers.graph_breaks.wrapping import breaks_hook, core_of, has_processor, with_globals
+from bcg.diffusers.graph_breaks.wrapping import breaks_hook, core_of, has_processor, processor_subclass, with_globals
 from bcg.runtime.attention import AttentionDispatch
 from bcg.runtime.hooks import HookRegistry, ModelHook
 
@@ -60,8 +60,7 @@ def _dispatching_class(base: type, classes: dict) -> type | None:
     if core is not None and core[1] == "dispatch_attention_fn":
         call = with_globals(base.__call__, {"dispatch_attention_fn": dispatch_attention_fn})
         if call is not None:
-            cls = type(base.__name__, (base,), {"__call__": call, "__module__": base.__module__,
-                                                 "__doc__": base.__doc__})
+            cls = processor_subclass(base, call)
     classes[base] = cls
     return cls
 

@@ -12,15 +12,19 @@ A `ModelFamily` says how a request becomes a call of that family's pipeline:
 - frames (`video`) and their rate (`fps`, for playing the answer back), call arguments it always needs
   (`fixed_kwargs`), and where its step-wise batching hooks are (`batching`, for `bcg.diffusers.step_batching.batcher`;
   None: one pipeline call per request);
+- how step caching hooks its transformer's block lists (`step_cache`, a `BlockAdapter`: the transformer
+  classes, the block lists in the order its forward runs them, what a block takes per row and returns;
+  None: no step caching);
 - the edits it makes from input images (`edit_pipelines`: ``"image-to-image"`` / ``"inpaint"`` -> the name of
-  diffusers' pipeline class that makes it, built from the loaded pipeline's components with ``from_pipe``:
+  diffusers' pipeline class that makes it, built from the loaded pipeline's components:
   `bcg.diffusers.edits`).
 
 The size default and the defaults of the call (steps, guidance, frames) are the pipeline's own and are
 read from it by `bcg.diffusers.pipeline_info`. `family_of(pipe)` finds a pipeline's record by its class
 name; a pipeline of no known family gets `GENERIC`. A new family is one record here plus its built-in
-tiny pipeline in `bcg.diffusers.builtin_models` (the name in `builtin`). No torch or diffusers import: the
-ingress reads these records.
+tiny pipeline in `bcg.diffusers.builtin_models` (the name in `builtin`); its step hooks, if it batches
+step-wise, are a module of their own that `batching` names. No torch or diffusers import: the ingress reads
+these records (`tests/bcg/diffusers/test_families.py` checks that every record is complete).
 """
 from __future__ import annotations
 
@@ -29,7 +33,8 @@ import importlib
 from types import MappingProxyType
 from typing import Any, Mapping, Optional, Protocol, Sequence, runtime_checkable
 
-__all__ = ["FAMILIES", "GENERIC", "BatchingHooks", "CfgRule", "ModelFamily", "family_named", "family_of"]
+__all__ = ["FAMILIES", "GENERIC", "BatchingHooks", "BlockAdapter", "CfgRule", "ModelFamily", "family_named",
+           "family_of", "family_of_transformer"]
 
 # The CFG scale a request for a CFG shape key gets when the pipeline's default scale would not run CFG.
 DEFAULT_CFG_SCALE = 4.0
@@ -127,6 +132,45 @@ class BatchingHooks(Protocol):
 
 
 @dataclasses.dataclass(frozen=True)
+class BlockAdapter:
+    """How step caching (`bcg.diffusers.step_caching`) hooks a family's transformer: hooks on its block lists
+    (diffusers' `TransformerBlockRegistry` facts, cache-dit's block adapters), so that the model's own forward
+    runs whatever the diffusers version, and only these facts about its blocks are the family's.
+
+    transformer_classes: the diffusers transformer classes it hooks (and their subclasses), by name.
+    block_lists: the transformer's ``ModuleList`` attributes of blocks, in the order its forward runs them,
+        one block's output the next one's input (nothing between them but what `bypass_args` bring).
+    returns: what a block returns, in order, by argument name: ``("encoder_hidden_states",
+        "hidden_states")`` (a stream a block returns as None, SD3's last text stream, is left as it was), or
+        ``("hidden_states",)``: the hidden states alone (the text stream is not changed by the blocks).
+    row_args: the block arguments with one row per batch row (gathered for the rows that compute the middle
+        blocks); every other argument (rotary embeddings, attention kwargs) is shared by the rows.
+    bypass_args: forward arguments that, given (not None, not empty), run the forward uncached: what
+        changes the hidden states between blocks (ControlNet residuals, skipped layers) or brings per-row
+        tensors the middle call does not gather (IP-Adapter embeddings inside the attention kwargs).
+    bypass_flags: attributes of the transformer that, true, run every call uncached (Qwen-Image edit's
+        ``zero_cond_t``: a timestep embedding of two rows per image).
+    """
+
+    transformer_classes: tuple[str, ...]
+    block_lists: tuple[str, ...]
+    returns: tuple[str, ...] = ("encoder_hidden_states", "hidden_states")
+    row_args: tuple[str, ...] = ("hidden_states", "encoder_hidden_states", "temb")
+    bypass_args: tuple[str, ...] = ()
+    bypass_flags: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        if not self.transformer_classes or not self.block_lists:
+            raise ValueError("a BlockAdapter names its transformer classes and block lists")
+        if "hidden_states" not in self.returns or not set(self.returns) <= {"hidden_states", "encoder_hidden_states"}:
+            raise ValueError(f"BlockAdapter.returns names hidden_states and at most encoder_hidden_states, got "
+                             f"{self.returns}")
+        if not {"hidden_states", "encoder_hidden_states"} <= set(self.row_args):
+            raise ValueError(f"BlockAdapter.row_args must hold hidden_states and encoder_hidden_states, got "
+                             f"{self.row_args}")
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelFamily:
     """One family of diffusers pipelines; see the module docstring for each part."""
 
@@ -143,6 +187,8 @@ class ModelFamily:
     fixed_kwargs: Mapping[str, Any] = dataclasses.field(default_factory=lambda: MappingProxyType({}), hash=False)
     # "module:Class" of its BatchingHooks: imported when first asked for, as the hooks need torch
     batching: Optional[str] = None
+    # how step caching hooks its transformer's blocks (None: no step caching)
+    step_cache: Optional[BlockAdapter] = None
     # edit kind (bcg.diffusers.image_inputs.EDIT_KINDS) -> the diffusers pipeline class that makes it
     edit_pipelines: Mapping[str, str] = dataclasses.field(default_factory=lambda: MappingProxyType({}), hash=False)
 
@@ -157,27 +203,42 @@ class ModelFamily:
 # Exact sizes (no aspect-ratio bins) and prompts as given (caption cleaning needs bs4/ftfy).
 _EXACT = MappingProxyType({"use_resolution_binning": False, "clean_caption": False})
 
-_STEPS = "bcg.diffusers.step_batching.steps:"
+_STEPS = "bcg.diffusers.step_batching.steps."
 
 GENERIC = ModelFamily("generic", (), video=None)
 
 FAMILIES: dict[str, ModelFamily] = {f.name: f for f in (
     ModelFamily("flux", ("FluxPipeline",), builtin="tiny-flux",
                 cfg=CfgRule(scale_arg="true_cfg_scale", embedded_arg="guidance_scale", separate_calls=True),
-                latent_packing=2, prompt_tokenizer="tokenizer_2", batching=_STEPS + "FluxStepFamily",
+                latent_packing=2, prompt_tokenizer="tokenizer_2", batching=_STEPS + "flux:FluxStepFamily",
                 edit_pipelines=MappingProxyType({"image-to-image": "FluxImg2ImgPipeline",
-                                                 "inpaint": "FluxInpaintPipeline"})),
+                                                 "inpaint": "FluxInpaintPipeline"}),
+                step_cache=BlockAdapter(
+                    ("FluxTransformer2DModel",), ("transformer_blocks", "single_transformer_blocks"),
+                    bypass_args=("controlnet_block_samples", "controlnet_single_block_samples",
+                                 "joint_attention_kwargs"))),
+    # the last joint block updates the image stream only (its text stream comes back None)
     ModelFamily("sd3", ("StableDiffusion3Pipeline",), builtin="tiny-sd3", prompt_tokenizer="tokenizer_3",
-                batching=_STEPS + "SD3StepFamily"),
+                batching=_STEPS + "sd3:SD3StepFamily",
+                step_cache=BlockAdapter(
+                    ("SD3Transformer2DModel",), ("transformer_blocks",),
+                    bypass_args=("block_controlnet_hidden_states", "joint_attention_kwargs", "skip_layers"))),
     ModelFamily("pixart", ("PixArtSigmaPipeline", "PixArtAlphaPipeline"), builtin="tiny-pixart",
                 fixed_kwargs=_EXACT),
     ModelFamily("sana", ("SanaPipeline",), builtin="tiny-sana", fixed_kwargs=_EXACT),
     # Wan2.1 makes 16 frames a second (its model card exports videos at fps=16)
-    ModelFamily("wan", ("WanPipeline",), builtin="tiny-wan", cfg=CfgRule(separate_calls=True), video=True, fps=16),
+    # Wan 2.1 and 2.2: cross-attention to the text, which the blocks leave unchanged
+    ModelFamily("wan", ("WanPipeline",), builtin="tiny-wan", cfg=CfgRule(separate_calls=True), video=True, fps=16,
+                step_cache=BlockAdapter(("WanTransformer3DModel",), ("blocks",), returns=("hidden_states",),
+                                        bypass_args=("attention_kwargs",))),
     # Qwen-Image's `guidance_scale` feeds guidance-distilled transformers only; `true_cfg_scale` is CFG.
     ModelFamily("qwen-image", ("QwenImagePipeline",), builtin="tiny-qwen-image",
                 cfg=CfgRule(scale_arg="true_cfg_scale", default_negative_prompt=" ", separate_calls=True),
-                prompt_template=True, trims_prompt_embeds=True),
+                prompt_template=True, trims_prompt_embeds=True,
+                step_cache=BlockAdapter(
+                    ("QwenImageTransformer2DModel",), ("transformer_blocks",),
+                    row_args=("hidden_states", "encoder_hidden_states", "temb", "encoder_hidden_states_mask"),
+                    bypass_args=("controlnet_block_samples", "attention_kwargs"), bypass_flags=("zero_cond_t",))),
     GENERIC,
 )}
 
@@ -189,6 +250,16 @@ def family_of(pipe) -> ModelFamily:
     accelerated pipeline may subclass its own); `GENERIC` when none claims it."""
     cls = pipe if isinstance(pipe, type) else type(pipe)
     return next((_BY_CLASS[c.__name__] for c in cls.__mro__ if c.__name__ in _BY_CLASS), GENERIC)
+
+
+def family_of_transformer(module) -> Optional[ModelFamily]:
+    """The family whose step-caching adapter hooks `module`'s class (or a base class), by name; None when none
+    does."""
+    for cls in type(module).__mro__:
+        for family in FAMILIES.values():
+            if family.step_cache is not None and cls.__name__ in family.step_cache.transformer_classes:
+                return family
+    return None
 
 
 def family_named(name: str) -> ModelFamily:

@@ -27,11 +27,12 @@ from bcg.diffusers.buckets import ShapeKey, buckets_up_to, check_shape, parse_pl
 from bcg.diffusers.call_args import call_defaults, call_parameters
 from bcg.diffusers.families import family_named, family_of
 from bcg.diffusers.tokenizers import restore as restore_tokenizer
+from bcg.runtime.hooks import HookRegistry, ModelHook
 from bcg.runtime.proxy import unwrap_runner
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["count_prompt_tokens", "generate", "pipeline_info", "plan_request", "warmup_pipeline"]
+__all__ = ["count_prompt_tokens", "generate", "pipeline_info", "plan_request", "warmup_pipeline", "warmup_request"]
 
 # --------------------------------------------------------------------------------------------------
 # pipeline facts
@@ -137,17 +138,39 @@ def _padded_encode_prompt(encode_prompt):
             mask = torch.nn.functional.pad(mask, (0, max_sequence_length - length))
         return embeds, mask
 
-    encode.__bcg_padded__ = True
     return encode
 
 
-def _pad_prompts(pipe) -> None:
-    """Make `pipe` (Qwen-Image) pad its prompt embeddings to ``max_sequence_length``; idempotent.
+class PaddedPromptsHook(ModelHook):
+    """``bcg_padded_prompts`` on a pipeline (Qwen-Image): its instance's ``encode_prompt`` pads embeddings and
+    mask to ``max_sequence_length`` (`_padded_encode_prompt`); removing the hook puts back what was there.
+    An instance attribute, so the class, other pipelines and ``save_pretrained`` are untouched."""
 
-    An instance attribute, so the class, other pipelines and ``save_pretrained`` are untouched.
-    """
-    if not getattr(pipe.encode_prompt, "__bcg_padded__", False):
-        pipe.encode_prompt = _padded_encode_prompt(pipe.encode_prompt)
+    NAME = "bcg_padded_prompts"
+
+    def __init__(self):
+        super().__init__()
+        self._before = None
+
+    def initialize_hook(self, pipe):
+        self._before = pipe.__dict__.get("encode_prompt")
+        object.__setattr__(pipe, "encode_prompt", _padded_encode_prompt(pipe.encode_prompt))
+        return pipe
+
+    def deinitialize_hook(self, pipe):
+        if self._before is None:
+            pipe.__dict__.pop("encode_prompt", None)
+        else:
+            object.__setattr__(pipe, "encode_prompt", self._before)
+        return pipe
+
+
+def _pad_prompts(pipe) -> None:
+    """Make `pipe` (Qwen-Image) pad its prompt embeddings to ``max_sequence_length`` (`PaddedPromptsHook`);
+    idempotent."""
+    registry = HookRegistry.check_if_exists_or_initialize(pipe)
+    if registry.get_hook(PaddedPromptsHook.NAME) is None:
+        registry.register_hook(PaddedPromptsHook(), PaddedPromptsHook.NAME)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -294,7 +317,7 @@ def generate(pipe, prompt: str, **request) -> list:
 # warmup
 
 
-def _warmup_request(pipe, key: ShapeKey, info: dict, steps: int, prompt: str, batched: bool = False,
+def warmup_request(pipe, key: ShapeKey, info: dict, steps: int, prompt: str, batched: bool = False,
                     output_type: str = "np") -> dict:
     """The call arguments of a request at `key`: its guidance runs CFG exactly when the key does; `batched`:
     its images come from as many prompts (one image each), so the text encoders see that batch too."""
@@ -342,7 +365,7 @@ def warmup_pipeline(pipe, plan, num_inference_steps: int = 2, prompt: str = "a p
                   for name, r in runners.items()}
         error = None
         try:
-            kwargs = _warmup_request(pipe, key, info, num_inference_steps, prompt,
+            kwargs = warmup_request(pipe, key, info, num_inference_steps, prompt,
                                      batched=key.batch_size in batched_prompts)
             with contextlib.ExitStack() as stack:
                 for runner in runners.values():

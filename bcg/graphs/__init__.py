@@ -6,5 +6,6 @@
 - `bcg.graphs.streams`: capture streams and the side streams a segment forks;
 - `bcg.graphs.raw_launch`: the opt-in direct launch of a segment.
 
-Needs only torch; knows nothing of runners, signatures or diffusers.
+Needs only torch (and `bcg.runtime.hooks`, the torch-free registry of what bcg keeps on objects it does not
+own: the ledger of a caller's capture stream); knows nothing of runners, signatures or diffusers.
 """

@@ -146,7 +146,6 @@ def eager_on_graph(fn: Callable | None = None, *, capture_stub: Callable | None 
             return fn(*args, **kwargs)
         return capture._run_break(fn, capture_stub, args, kwargs)
 
-    wrapper.__bcg_eager_fn__ = fn
     # Dynamo must not trace into the wrapper: compiled code before and after a break become separate
     # graphs, and the break itself runs here in Python, where the capture can see it.
     return torch.compiler.disable(wrapper, recursive=True)

@@ -21,7 +21,12 @@ from typing import Any, Callable
 
 import torch
 
+from bcg.runtime.hooks import HookRegistry, ModelHook
+
 logger = logging.getLogger(__name__)
+
+#: The hook that holds the ledger of a torch stream a caller passed (`CaptureStream.wrap`).
+LEDGER_HOOK = "bcg_capture_stream"
 
 __all__ = ["CaptureStream", "ForkWatch", "release_failed_segment"]
 
@@ -45,7 +50,7 @@ class CaptureStream:
     after its graphs are gone, and releasing an expandable segment synchronises its stream. (A runner
     makes one per capture at most, and captures happen only during warm-up.) Where the driver cannot
     make one, a stream from torch's pool is used (logged). ``wrap(stream)`` gives the ledger of a stream
-    the caller owns (kept on that stream object).
+    the caller owns (kept in that stream object's hook registry).
     """
 
     def __init__(self, device: int | torch.device | None = None, *, stream: torch.cuda.Stream | None = None):
@@ -56,13 +61,15 @@ class CaptureStream:
 
     @classmethod
     def wrap(cls, stream: torch.cuda.Stream) -> CaptureStream:
-        """The ledger of `stream`, a stream the caller owns. It is kept on the stream object, so captures
-        given the same object share it; another object for the same raw stream gets a ledger of its own."""
-        ledger = getattr(stream, "_bcg_capture_stream", None)
-        if ledger is None:
-            ledger = cls(stream=stream)
-            stream._bcg_capture_stream = ledger
-        return ledger
+        """The ledger of `stream`, a stream the caller owns. It is kept in the stream object's hook registry
+        (``bcg_capture_stream``: `bcg.runtime.hooks`, the one place bcg keeps what it puts on objects it does
+        not own; a torch-free module that imports nothing of bcg), so captures given the same object share
+        it; another object for the same raw stream gets a ledger of its own."""
+        registry = HookRegistry.check_if_exists_or_initialize(stream)
+        hook = registry.get_hook(LEDGER_HOOK)
+        if hook is None:
+            hook = registry.register_hook(_LedgerHook(cls(stream=stream)), LEDGER_HOOK)
+        return hook.ledger
 
     @property
     def parked_segments(self) -> int:
@@ -93,6 +100,14 @@ class CaptureStream:
 
     def __repr__(self) -> str:
         return f"CaptureStream({self.stream!r}, live={self._live}, parked={len(self._parked)})"
+
+
+class _LedgerHook(ModelHook):
+    """``bcg_capture_stream`` on a caller's torch stream: the `CaptureStream` ledger of its graphs."""
+
+    def __init__(self, ledger: CaptureStream):
+        super().__init__()
+        self.ledger = ledger
 
 
 def _own_stream(device) -> torch.cuda.Stream:

@@ -8,6 +8,8 @@
   does to a transformer), their ``BCG_*`` environment variables;
 - `bcg.runtime.hooks`: `HookRegistry`, the one registry per object of everything bcg installs;
 - `bcg.runtime.compile`: compiled segments (`RunnerConfig(compile=True)`);
+- `bcg.runtime.quantize` / `bcg.runtime.weights_store`: float8 linears, and a quantized state stored once
+  and reloaded as it is;
 
 Builds on `bcg.graphs`; knows nothing of diffusers.
 """

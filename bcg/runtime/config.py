@@ -52,9 +52,9 @@ class RunnerConfig:
         dtype or Python value than at capture) is answered eagerly and the graph is kept; after this
         many mismatches in a row for one signature its graph is dropped and the signature blocked
         (eager until ``reset()``). 1 blocks at the first mismatch.
-    max_capture_retries: a capture that fails, where the module's capture-failure hook changes what it
+    max_capture_retries: a capture that fails, where a hook installed on the module changes what it
         captures (automatic break placement makes the failing place a break: see
-        ``bcg.runtime.runner.CAPTURE_FAILED_ATTR``), is tried again, at most this many times per
+        ``bcg.runtime.hooks.HookRegistry.capture_failed``), is tried again, at most this many times per
         signature; then the signature is blocked. 0 blocks at the first failure.
     debug: check on every call that the module's weights were not replaced (costs a walk over the
         parameters per call) and log each replay.

@@ -31,25 +31,40 @@ class and config, a pipeline class's call defaults) is one dict under one class 
   ``registry.release(owner)`` every hook's ``release(obj, owner)`` (a request left). Both no-ops unless a
   hook overrides them: ``bcg_lora`` writes its row buffers from the rows, step caching frees a request's
   state. Callers use `bcg.runtime.rows.rows_context` / `release_rows`, not these.
+- ``registry.capture_failed(exc)``: a runner's capture of the object raised `exc`; the hooks are asked in
+  registration order what they changed so that capturing again makes sense (``capture_failed(obj, exc) ->
+  str | None``), and the first answer is returned (None: nothing changed, the runner blocks the
+  signature). ``bcg_breaks`` of the automatic placement answers: the failing place becomes a break.
+- ``registry.own_forward``: the object's own forward for the call running now where a hook changed it
+  (the break placement, around a capture that runs hooks registered before it: the class forward with its
+  function places as breaks), else None. A hook that calls the object's own forward beneath others (step
+  caching's, in diffusers' registry) calls this one when set.
 
 Names and order of what bcg installs (a new installer picks a ``bcg_`` name and its place here):
 
 0. Before `bcg.diffusers.accelerate`, by their own calls: ``bcg_lora`` (`bcg.lora.LoraBank.install`: LoRA
    layers in place of linear layers; removing the hook puts them back), ``bcg_step_cache`` (step caching's
    face in this registry, registered and removed with its hook in diffusers' registry, item 3: it reads
-   rows and frees a request's state; it wraps nothing) and ``bcg_compile_artifacts`` (a pipeline's artifact
-   source, `deployments.compile_cache`). ``unaccelerate`` leaves them.
+   rows and frees a request's state; it wraps nothing), ``bcg_compile_artifacts`` (a pipeline's artifact
+   source, `deployments.compile_cache`), ``bcg_padded_prompts`` (a Qwen-Image pipeline's prompt embeddings
+   padded to their bucket, `bcg.diffusers.pipelines.plan_request`) and ``bcg_capture_stream`` (the ledger
+   of the graphs captured on a torch stream a caller passed, `bcg.graphs.streams.CaptureStream.wrap`).
+   ``unaccelerate`` leaves them.
 1. ``bcg_quantize`` (the transformer): float8 linears, before anything is timed, compiled or captured.
 2. ``bcg_attention`` (the transformer): the attention kernel per shape (processors routed to one
    `AttentionDispatch`); before breaks, so a break at the attention core wraps the chosen kernel.
 3. Step caching (`bcg.diffusers.step_caching.hook`, ``enable_step_cache`` before `accelerate`): a hook in
    diffusers' *own* registry of the transformer (``_diffusers_hook``), because diffusers' pipelines drive
-   it there (``cache_context`` sets its context, ``maybe_free_model_hooks`` resets it). It comes after the
-   attention kernel and *before* breaks: the placement's probe sees the cache's host work, and the
-   placement's forward (``bcg_breaks``' ``new_forward``) wraps the cache's. The two registries compose
-   through the forward: each wraps what it finds, and a bcg hook removed from under diffusers' wrapper
-   passes calls through. Regional compilation (the runner's, at the first warm-up) compiles each block's
-   call with what is installed on it: work that must stay eager is an ``eager_on_graph`` break.
+   it there (``cache_context`` sets its context, ``maybe_free_model_hooks`` resets it); it runs the model's
+   own forward, and ``bcg_step_cache`` hooks on the blocks (`bcg.diffusers.step_caching.blocks`) do the
+   caching. It comes after the attention kernel and *before* breaks: the placement's probe sees the
+   cache's host work, and the placement's forward (``bcg_breaks``' ``new_forward``) wraps the cache's,
+   handing it the own forward with its function places for a capture (``own_forward``). The two
+   registries compose through the forward: each wraps what it finds, and a bcg hook removed from under
+   diffusers' wrapper passes calls through. Regional compilation (the runner's, at the first warm-up)
+   compiles each block's call with what is installed on it: work that must stay eager is an
+   ``eager_on_graph`` break, and a hook's own frame that must not become a guard of compiled code is
+   ``torch.compiler.disable(..., recursive=False)``.
 4. ``bcg_breaks`` (the transformer): every break placed in it (`bcg.diffusers.graph_breaks.wrapping.BreaksHook`); last
    of the transformer's, so its forward is the outermost. `bcg.diffusers.install_breaks` replaces it.
 5. ``bcg_pipeline`` and ``bcg_tokenizers`` (the pipeline), ``bcg_vae_decode`` (the VAE): `accelerate`.
@@ -118,6 +133,11 @@ class ModelHook:
     def release(self, module, owner) -> None:
         """`owner` (a request) left: free what this hook keeps for it."""
 
+    def capture_failed(self, module, exc: BaseException) -> str | None:
+        """A capture of `module` raised `exc`: what this hook changed so that capturing again makes sense
+        (None: nothing)."""
+        return None
+
     def reset_state(self, module):
         if self._is_stateful:
             raise NotImplementedError(f"{type(self).__name__} is stateful and must implement reset_state")
@@ -166,6 +186,7 @@ class HookRegistry:
         self._forward_before = None
         self._context_hooks: tuple = ()  # hooks that define signature_context, in registration order
         self.rows_context = None  # the rows of the call running now (`bcg.runtime.rows`)
+        self.own_forward = None   # the object's own forward as placed for the call running now
 
     # -- finding --------------------------------------------------------------------------------------
 
@@ -206,6 +227,15 @@ class HookRegistry:
         """`owner` (a request) left: every hook frees what it keeps for it."""
         for name in self._hook_order:
             self.hooks[name].release(self._obj, owner)
+
+    def capture_failed(self, exc: BaseException) -> str | None:
+        """A capture of the object raised `exc`: the first hook's answer of what it changed (in registration
+        order), None when none changed anything."""
+        for name in list(self._hook_order):
+            change = self.hooks[name].capture_failed(self._obj, exc)
+            if change:
+                return change
+        return None
 
     def _find_context_hooks(self) -> None:
         self._context_hooks = tuple(self.hooks[n] for n in self._hook_order

@@ -16,7 +16,9 @@ Ada and Hopper), torchao not installed, a layer torchao refuses -- nothing is ch
 module in its own dtype then; a request never fails because of it.
 
 The report is kept in the module's hook registry (`bcg.runtime.hooks`, hook ``bcg_quantize``), which is
-what makes a second call a no-op. Removing that hook forgets the report but does not undo the float8
+what makes a second call a no-op. A module whose quantized state was stored once and reloaded as it is
+(`bcg.runtime.weights_store`, `bcg.diffusers.models.load_pipeline`) gets the stored report back
+(`restore_report`, with ``reloaded_from``); `quantize_fields` is what such a state is keyed by. Removing that hook forgets the report but does not undo the float8
 weights: that would need a second copy of every weight kept for it (a fresh module is the undo).
 
 Layers whose input or output features are not multiples of 16 (float8 GEMMs need that), layers whose
@@ -38,10 +40,16 @@ from bcg.runtime.hooks import HookRegistry, ModelHook
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["QUANTIZE_MODES", "QuantizeReport", "fp8_unavailable_reason", "quantize_module", "quantize_report"]
+__all__ = ["QUANTIZE_MODES", "QuantizeReport", "fp8_unavailable_reason", "quantize_fields", "quantize_module",
+           "quantize_report", "restore_report"]
 
 #: What `TransformerOptions.quantize` accepts (None: no quantization).
 QUANTIZE_MODES = ("fp8",)
+#: Each mode's scheme, as its report names it.
+SCHEMES = {"fp8": "float8 e4m3, per-row scales"}
+#: Bumped whenever what `quantize_module` makes of the same weights changes (which layers it chooses, the
+#: scheme's settings): states stored by an earlier version (`bcg.runtime.weights_store`) no longer match.
+QUANTIZE_FORMAT = 1
 _FP8_MIN_CAPABILITY = (8, 9)
 HOOK_NAME = "bcg_quantize"
 
@@ -59,6 +67,7 @@ class QuantizeReport:
     weight_bytes_after: int = 0
     scheme: str | None = None
     seconds: float = 0.0       # the call's time: choosing layers and quantizing their weights
+    reloaded_from: str | None = None  # a state stored once (`bcg.runtime.weights_store`): quantized elsewhere
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -134,6 +143,22 @@ def quantize_module(module: torch.nn.Module, mode: str | None, *, skip: Iterable
     return _keep(module, report)
 
 
+def quantize_fields(mode: str | None, skip: Iterable[str] = ()) -> dict:
+    """What decides the weights `quantize_module` makes of a module's (beside the weights, their dtype and
+    the versions and device of `bcg.runtime.weights_store.environment_fields`): the key fields of a stored
+    quantized state."""
+    return {"quantize": mode, "scheme": SCHEMES.get(mode), "quantize_format": QUANTIZE_FORMAT,
+            "skip": sorted(skip)}
+
+
+def restore_report(module, report: dict, **changes) -> QuantizeReport:
+    """Keep in `module`'s registry the report of a quantization made elsewhere and reloaded as it is
+    (`bcg.runtime.weights_store`), with `changes` (where it came from, the reload's seconds); `quantize_module`
+    is then a no-op on it."""
+    fields = {f.name for f in dataclasses.fields(QuantizeReport)}
+    return _keep(module, QuantizeReport(**{**{k: v for k, v in report.items() if k in fields}, **changes}))
+
+
 def quantize_report(module) -> QuantizeReport | None:
     """The report of the `quantize_module` call that changed (or declined to change) `module`, if any."""
     registry = HookRegistry.of(module)
@@ -174,4 +199,4 @@ def _torchao_fp8():
     # about 180 s more on the first call of a regional compile, FLUX.1-dev 1024²). Compiles here keep
     # inductor's defaults.
     config = Float8DynamicActivationFloat8WeightConfig(granularity=PerRow(), set_inductor_config=False)
-    return quantize_, config, "float8 e4m3, per-row scales"
+    return quantize_, config, SCHEMES["fp8"]

@@ -27,10 +27,10 @@ reason), ``disabled`` (config, or a capture with more than ``max_segments`` segm
 (no CUDA, or the module is not on a CUDA device), ``break_output_mismatch`` (see below). Capture
 errors, OOM included, never escape a call.
 
-Retried captures: a module may carry, under the instance attribute `CAPTURE_FAILED_ATTR`, a hook
-``capture_failed(exc) -> str | None`` that the runner calls when a capture of it raises (not for OOM).
-The hook answers what it changed so that capturing again makes sense (automatic break placement makes
-the place on the traceback a break: ``"<error> at <place>, now a break"``), or None. The runner then
+Retried captures: when a capture of a module raises (not for OOM), the runner asks the module's hook
+registry (`bcg.runtime.hooks.HookRegistry.capture_failed`): a hook answers what it changed so that
+capturing again makes sense (automatic break placement makes the place on the traceback a break:
+``"<error> at <place>, now a break"``), or None. The runner then
 logs one INFO line, counts ``stats()["capture_retries"]`` and captures again, at most
 ``max_capture_retries`` times per signature, before it blocks the signature as for any failed capture.
 With ``compile`` on, a capture whose compiled code would compile again inside it (its guards fail there
@@ -90,14 +90,9 @@ from bcg.runtime.signature import (bind_positional, call_arguments, call_context
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["BreakableGraphRunner", "CAPTURE_FAILED_ATTR", "CaptureEntry", "EAGER_REASONS"]
+__all__ = ["BreakableGraphRunner", "CaptureEntry", "EAGER_REASONS"]
 
 EAGER_REASONS = ("unseen", "blocked", "disabled", "no_cuda", "break_output_mismatch")
-
-#: A module may carry, under this instance attribute, ``capture_failed(exc) -> str | None``: told that a
-#: capture raised `exc`, it answers what it changed so that capturing again makes sense (or None). The
-#: code that places breaks sets it; the runner knows no kind of break placement itself.
-CAPTURE_FAILED_ATTR = "__bcg_capture_failed__"
 
 
 class _Decision(typing.NamedTuple):
@@ -508,11 +503,13 @@ class BreakableGraphRunner(CaptureLimits, ModuleProxy):
                                    "the uncompiled module for it instead: %s", type(self._module).__name__,
                                    signature.key, signature.summary(), refused)
                     continue
-                hook = getattr(self._module, "__dict__", {}).get(CAPTURE_FAILED_ATTR)
-                if hook is None or retries >= limit:
+                # the hooks installed on the module (the break placement's) answer what they changed; the
+                # runner knows no kind of break placement itself
+                registry = HookRegistry.of(self._module)
+                if registry is None or retries >= limit:
                     raise
                 try:
-                    change = hook(exc)
+                    change = registry.capture_failed(exc)
                 except Exception:  # noqa: BLE001 -- the capture's own error is what the block names
                     logger.exception("capture-failure hook of %s raised", type(self._module).__name__)
                     change = None

@@ -30,14 +30,17 @@ def test_command_line_strings_are_parsed():
 def test_batching_settings_default_to_no_wait_and_a_batch_the_replica_can_fill():
     assert parse_args({}).batching() == {"max_batch_size": 4, "batch_buckets": [1, 2, 4, 8], "max_wait_ms": 0.0,
                                          "join_policy": "step", "admission_policy": "auto", "admission_margin": 0.1,
-                                         "step_costs_ms": {}}
+                                         "cudagraph_capture_sizes": None, "step_costs_ms": {}, "cached_step_costs_ms": {}}
     assert parse_args({"max_ongoing_requests": 2}).batching()["max_batch_size"] == 2
     a = parse_args({"max_batch_size": "8", "max_ongoing_requests": "16", "batch_buckets": "8,1,2,4", "max_wait_ms": "5",
                     "join_policy": "batch", "admission_policy": "always", "admission_margin": "0.2",
-                    "step_costs_ms": '{"512x512": {"1": 61.5, "2": 122}}'})
+                    "step_costs_ms": '{"512x512": {"1": 61.5, "2": 122}}', "cudagraph_capture_sizes": "2,1",
+                    "cached_step_costs_ms": '{"512x512": {"1": 6.5}}'})
     assert a.batching() == {"max_batch_size": 8, "batch_buckets": [1, 2, 4, 8], "max_wait_ms": 5.0,
                             "join_policy": "batch", "admission_policy": "always", "admission_margin": 0.2,
-                            "step_costs_ms": {"512x512": {1: 61.5, 2: 122.0}}}
+                            "cudagraph_capture_sizes": [2, 1], "step_costs_ms": {"512x512": {1: 61.5, 2: 122.0}},
+                            "cached_step_costs_ms": {"512x512": {1: 6.5}}}
+    assert parse_args({"admission_policy": "never"}).batching()["admission_policy"] == "never"
     replica = build_app({"max_batch_size": 2, "warmup": "64x64"})._bound_deployment.init_args[0]
     assert replica._bound_deployment.init_kwargs["batching"]["max_batch_size"] == 2
 
@@ -58,7 +61,8 @@ def test_batching_settings_default_to_no_wait_and_a_batch_the_replica_can_fill()
     ({"batch_buckets": "1,0"}, "batch_buckets"),
     ({"max_wait_ms": -1}, "max_wait_ms"),
     ({"join_policy": "sometimes"}, "join_policy"),
-    ({"admission_policy": "never"}, "admission_policy"),
+    ({"admission_policy": "sometimes"}, "admission_policy"),
+    ({"cached_step_costs_ms": {"512x512": {"2": 0}}}, r"cached_step_costs_ms.*\[2\] must be a positive number"),
     ({"admission_margin": 1.5}, "admission_margin"),
     ({"step_costs_ms": {"512x512": {"1": -3}}}, r"step_costs_ms.*\[1\] must be a positive number"),
     ({"step_costs_ms": {"512x512": {"one": 3}}}, r"step_costs_ms.*row bucket must be a positive int"),

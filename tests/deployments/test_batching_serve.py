@@ -97,7 +97,7 @@ def test_the_admission_policy_switches_through_the_replica_handle(batch_app):
         assert handle.set_admission_policy.remote("always").result(timeout_s=30)["policy"] == "always"
         assert _stats(batch_app)["batcher"]["admission"]["policy"] == "always"
         with pytest.raises(Exception, match="admission_policy must be one of"):
-            handle.set_admission_policy.remote("never").result(timeout_s=30)
+            handle.set_admission_policy.remote("sometimes").result(timeout_s=30)
     finally:
         handle.set_admission_policy.remote("auto").result(timeout_s=30)
     assert _stats(batch_app)["batcher"]["admission"]["policy"] == "auto"

@@ -52,12 +52,12 @@ def test_artifacts_travel_from_the_compiling_replica_to_the_others_and_persist(r
         assert st["compile_artifacts"]["offers"] == 1 and held["origin"]["replica"] == maker
         # where the second replica's warmup went: its artifacts were a hit; no part is counted twice (the
         # remainder, other_s, would go negative), and it handed nothing over (test_replica checks the split)
-        timing = st["replicas"][taker]["cold_start"]["warmup"]
+        timing = st["replicas"][taker]["startup"]["warmup"]
         assert timing["artifacts"] == {KEY: "hit"}
         parts = ("wait_for_compile_s", "load_artifacts_s", "compile_s", "capture_s", "hand_off_s", "other_s")
         assert all(timing[p] >= 0 for p in parts) and timing["capture_s"] > 0, timing
         assert timing["hand_off_s"] == 0
-        assert st["replicas"][maker]["cold_start"]["warmup"]["artifacts"] == {KEY: "miss"}
+        assert st["replicas"][maker]["startup"]["warmup"]["artifacts"] == {KEY: "miss"}
         assert st["replicas"][taker]["compiled_while_serving"] == 0
         # persisted whole, made by the compiling replica
         (path,) = (tmp_path / "cache").rglob("*.bcgart")

@@ -165,7 +165,7 @@ def test_replica_killed_under_load_loses_no_request_and_is_replaced_warm(faults)
     while time.time() < deadline:  # keep the load on until the replacement serves
         st = _stats(faults)
         new = set(st["replicas"]) - old
-        if len(st["replicas"]) == 2 and new and all(st["replicas"][n]["first_request_at"] for n in new):
+        if len(st["replicas"]) == 2 and new and all(st["replicas"][n]["startup"]["first_request_at"] for n in new):
             break
         time.sleep(0.5)
     stop.set()
@@ -186,7 +186,7 @@ def test_replica_killed_under_load_loses_no_request_and_is_replaced_warm(faults)
     info = st["replicas"][fresh]
     # re-warmed by the coordinator before it took traffic: the plan's keys, the failing one reported
     assert sorted(info["assigned"]) == sorted(["64x64", FAIL_SIZE]) and info["warm_keys"] == ["64x64"]
-    assert info["first_request_at"] >= info["warm_ready_at"]
+    assert info["startup"]["first_request_at"] >= info["startup"]["warm_at"]
     # nothing given up; whether a held request was re-sent depends on whether one was still running
     # when the kill landed, which the poll above cannot guarantee (the kill may land between requests)
     assert st["ingress"]["retries"] >= retries_before and st["ingress"]["lost"] == lost_before

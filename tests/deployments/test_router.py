@@ -37,6 +37,7 @@ class FakeReplica:
     batch_keys: tuple = ()                          # the batch-bucket keys its warmups captured
     timing: dict = field(default_factory=dict)      # measured seconds: request_s, cold_request_s, warmup_s
     lora: tuple = ()                                # the LoRA adapters it holds
+    on_need: tuple = ()                             # keys whose bucket it captures at their first use
 
     @property
     def replica_id(self):
@@ -47,7 +48,8 @@ class FakeReplica:
         if self.warm is None:
             return {}
         return {"warm_keys": list(self.warm), "warm_batch_keys": list(self.batch_keys), "queue_len": self.queue_len,
-                "batch_free_rows": dict(self.free_rows), "lora_adapters": list(self.lora), **self.timing}
+                "batch_free_rows": dict(self.free_rows), "lora_adapters": list(self.lora),
+                "capture_on_need_keys": list(self.on_need), **self.timing}
 
     @property
     def replica_metadata(self):
@@ -205,6 +207,27 @@ def test_a_request_for_n_images_is_warm_where_the_warmup_of_its_key_captured_buc
     fresh = FakeReplica("fresh", warm=None, metadata={"warm_keys": ["64x64"], "warm_batch_keys": list(buckets)})
     assert replica_warm_keys(fresh) == set(buckets)
     assert warm_set({"warm_keys": ["64x64.b2"]}) == {"64x64.b2"}     # batch keys are optional
+
+
+def test_a_key_no_replica_is_warm_for_goes_to_the_replicas_that_capture_it_on_need_only():
+    # cudagraph_capture_sizes=1: the warmup of 64x64 captured bucket 1, buckets 2 and 4 capture at first use
+    lazy = FakeReplica("lazy", ("64x64",), 3, on_need=("64x64.b2", "64x64.b3", "64x64.b4"))
+    lazier = FakeReplica("lazier", ("64x64",), 1, on_need=("64x64.b2",))
+    cold = FakeReplica("cold", (), 0)
+    warm = FakeReplica("warm", ("64x64",), 6, batch_keys=("64x64", "64x64.b2"))
+    reps = [lazy, lazier, cold]
+    router = make_router(reps + [warm])
+    ranks, _ = choose(router, reps, shape_key="64x64.b2")
+    assert [uids(r) for r in ranks] == [["lazier", "lazy"]]  # least loaded first, never the cold one
+    ranks, _ = choose(router, reps, shape_key="64x64.b4")
+    assert [uids(r) for r in ranks] == [["lazy"]]
+    assert router.decisions["on_need"] == 2
+    ranks, _ = choose(router, reps + [warm], shape_key="64x64.b2")
+    assert [uids(r) for r in ranks] == [["warm"]]  # warm beats capture on need, busy or not
+    ranks, _ = choose(router, reps, shape_key="96x64")
+    assert router.decisions["no_warm"] == 1  # nobody warm nor capturing on need: Serve's power of two
+    assert routing_view.replica_on_need_keys(lazier) == {"64x64.b2"}
+    assert "64x64.b2" not in replica_warm_keys(lazy)  # capturing on need is not warm
 
 
 def test_pinned_request_goes_to_that_replica_only():

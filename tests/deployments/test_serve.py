@@ -55,7 +55,7 @@ def test_sharded_warmup_puts_each_key_on_exactly_one_replica(serve_app):
     assert {k: len(r) for k, r in st["keys"].items()} == {k: 1 for k in PLAN_KEYS}
     for rid, info in st["replicas"].items():
         assert len(info["warm_keys"]) == 2, info            # ceil(4 keys * 1 / 2 replicas)
-        assert info["cold_requests"] == 0 and info["first_request_at"] is None
+        assert info["cold_requests"] == 0 and info["startup"]["first_request_at"] is None
         report = info["warmups"][0]
         assert report["graphs_captured"] is False and report["reason"] == "no CUDA"
         assert sorted(report["captured"]) == sorted(info["warm_keys"]) and not report["failed"]
@@ -273,14 +273,14 @@ def test_replica_added_by_scaling_up_is_warm_before_its_first_request(serve_app)
     # Its share of the plan (4 keys over 3 replicas -> 2) is warm, and it has served nothing yet.
     assert len(fresh["assigned"]) == 2 and set(fresh["assigned"]) <= set(PLAN_KEYS)
     assert sorted(fresh["warm_keys"]) == sorted(fresh["assigned"])
-    assert fresh["first_request_at"] is None and fresh["warm_ready_at"] is not None
+    assert fresh["startup"]["first_request_at"] is None and fresh["startup"]["warm_at"] is not None
     # Every router (here the driver's) sees it warm: requests pinned to it for its keys are warm.
     handle = _replicas(app)
     results = [handle.generate.remote(_request(k), shape_key=k, target_replica=rid).result(timeout_s=120)
                for k in fresh["assigned"]]
     assert [(r["replica"], r["warm"]) for r in results] == [(rid, True)] * 2
     after = _stats(app)["replicas"][rid]
-    assert after["cold_requests"] == 0 and after["first_request_at"] >= after["warm_ready_at"]
+    assert after["cold_requests"] == 0 and after["startup"]["first_request_at"] >= after["startup"]["warm_at"]
     # Unpinned traffic for its keys now spreads over both warm replicas, all warm.
     by_replica = defaultdict(int)
     for r in _generate_all(handle, [fresh["assigned"][0]] * 12, concurrency=4):

@@ -18,7 +18,8 @@ import types
 
 import torch
 
-from bcg.diffusers.graph_breaks.wrapping import breaks_hook, has_processor, with_globals
+from bcg.diffusers.graph_breaks.wrapping import (attention_cores, breaks_hook, has_processor, processor_subclass,
+                                                 with_globals)
 from bcg.graphs.capture import eager_on_graph
 from bcg.runtime.proxy import unwrap_runner
 
@@ -75,19 +76,11 @@ def _functional_with_eager_sdpa():
 
 
 def _with_core_break(call):
-    """`call` (a function) rebuilt over a copy of its globals whose attention core is an eager break."""
-    func = getattr(call, "__func__", call)
-    code, namespace = getattr(func, "__code__", None), getattr(func, "__globals__", None)
-    if code is None or namespace is None:
-        return None
-    replacements = {}
-    if "dispatch_attention_fn" in code.co_names and callable(namespace.get("dispatch_attention_fn")):
-        replacements["dispatch_attention_fn"] = _lean_dispatch(namespace["dispatch_attention_fn"])
-    if "scaled_dot_product_attention" in code.co_names:
-        for name in code.co_names:
-            if namespace.get(name) is torch.nn.functional:
-                replacements[name] = _functional_with_eager_sdpa()
-    return with_globals(func, replacements) if replacements else None
+    """`call` (a function) rebuilt over a copy of its globals whose attention cores are eager breaks."""
+    namespace, names = attention_cores(call)
+    replacements = {name: _lean_dispatch(namespace[name]) if name == "dispatch_attention_fn"
+                    else _functional_with_eager_sdpa() for name in names}
+    return with_globals(getattr(call, "__func__", call), replacements) if replacements else None
 
 
 def _compiled_break_class(base: type, whole: bool) -> tuple[type, bool]:
@@ -96,8 +89,7 @@ def _compiled_break_class(base: type, whole: bool) -> tuple[type, bool]:
     breaks_core = call is not None
     if call is None:  # no attention core we can name: the whole processor call is the break
         call = eager_on_graph(original_call)
-    cls = type(base.__name__, (base,), {"__call__": call, "__module__": base.__module__, "__doc__": base.__doc__})
-    return cls, breaks_core
+    return processor_subclass(base, call), breaks_core
 
 
 def install_compiled_breaks(module) -> int:

@@ -134,7 +134,7 @@ def _codes(fn, depth: int = 0) -> set:
     code = getattr(fn, "__code__", None)
     if isinstance(code, types.CodeType):
         codes.add(code)
-    for attr in ("__func__", "__wrapped__", "__bcg_eager_fn__", "func"):
+    for attr in ("__func__", "__wrapped__", "func"):  # an eager break's function is its wrapper's __wrapped__
         inner = getattr(fn, attr, None)
         if inner is not None and inner is not fn:
             codes |= _codes(inner, depth + 1)

@@ -25,8 +25,8 @@ Contract:
   take (a branch taken only at another shape) or an op the probe cannot see (stream synchronisation, a
   host op on the CPU) makes capture fail. When the error is CUDA's answer to an operation a capture cannot
   hold (``operation not permitted when stream is capturing``, ``Cannot copy between CPU and CUDA tensors
-  during CUDA graph capture``, ...), the placement (the runner's hook
-  `bcg.runtime.runner.CAPTURE_FAILED_ATTR`) takes the innermost frame of the traceback inside the module,
+  during CUDA graph capture``, ...), the placement (asked by the runner through the module's hook registry,
+  `bcg.runtime.hooks.HookRegistry.capture_failed`) takes the innermost frame of the traceback inside the module,
   names its `Place` as the probe would, and makes it a break (source ``capture_failure``, the error as its
   op, remembered like a probe's finding); the runner captures again, up to
   ``RunnerConfig.max_capture_retries`` times. A failure with no place inside the module (the module's own
@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import inspect
 import json
 import logging
@@ -179,17 +180,24 @@ class AutoPlacement:
             return out
 
     def _forward_for_capture(self):
-        """What a capture runs: the module's own forward rebuilt with its function places as breaks, where
-        the forward below the placement is that very forward. Where a hook registered before the placement
-        replaced it (step caching's forward, in diffusers' registry), the rebuilt class forward would run
-        instead of that hook's and capture the model uncached: the hook's forward runs, and the function
-        places of the class's forward (remembered from another instance, or probed before the hook came)
-        do not apply to it."""
+        """What a capture runs: the module's own forward rebuilt with its function places as breaks. Where
+        hooks registered before the placement wrap that forward (step caching's, in diffusers' registry),
+        they run, and the own forward they call is the rebuilt one: the registry's ``own_forward`` for the
+        call (`bcg.runtime.hooks`), which such a hook reads."""
         original = self.original
-        if self._capture_forward is not None and getattr(original, "__func__", None) is \
-                inspect.getattr_static(type(self.module), "forward", None):
+        if self._capture_forward is None:
+            return original
+        if getattr(original, "__func__", None) is inspect.getattr_static(type(self.module), "forward", None):
             return self._capture_forward
-        return original
+        return functools.partial(self._below_with_places, original)
+
+    def _below_with_places(self, original, *args, **kwargs):
+        registry = HookRegistry.of(self.module)
+        registry.own_forward = self._capture_forward
+        try:
+            return original(*args, **kwargs)
+        finally:
+            registry.own_forward = None
 
     # -- places -----------------------------------------------------------------------------------
 

@@ -24,12 +24,11 @@ from bcg.graphs.capture import eager_on_graph, is_capturing
 from bcg.runtime.compile import BREAKS_HOOK
 from bcg.runtime.hooks import HookRegistry, ModelHook
 from bcg.runtime.proxy import unwrap_runner
-from bcg.runtime.runner import CAPTURE_FAILED_ATTR
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["BREAKS_HOOK", "BreaksHook", "PlacementHook", "breaks_hook", "core_of", "has_processor",
-           "remove_breaks", "with_globals"]
+__all__ = ["BREAKS_HOOK", "BreaksHook", "PlacementHook", "attention_cores", "breaks_hook", "core_of", "has_processor",
+           "processor_subclass", "remove_breaks", "with_globals"]
 
 
 class _FunctionalWithEagerAttention(types.ModuleType):
@@ -91,19 +90,33 @@ def _function_like(func, namespace, closure):
     return rebuilt
 
 
-def core_of(call) -> tuple[dict, str] | None:
-    """(module globals, name) of the attention core `call` uses directly, or None."""
+def attention_cores(call) -> tuple[dict, list[str]]:
+    """(module globals, names) of the attention cores `call` uses directly: diffusers'
+    ``dispatch_attention_fn``, then the globals naming ``torch.nn.functional`` where it calls
+    ``F.scaled_dot_product_attention`` (SD3's, PixArt's processors); no names where it uses none. The one
+    place an attention core is recognised (breaks, compiled breaks, the attention kernel's routing)."""
     func = getattr(call, "__func__", call)
     code, namespace = getattr(func, "__code__", None), getattr(func, "__globals__", None)
     if code is None or namespace is None:
-        return None
+        return {}, []
+    names = []
     if "dispatch_attention_fn" in code.co_names and callable(namespace.get("dispatch_attention_fn")):
-        return namespace, "dispatch_attention_fn"
+        names.append("dispatch_attention_fn")
     if "scaled_dot_product_attention" in code.co_names:
-        for name in code.co_names:
-            if namespace.get(name) is torch.nn.functional:
-                return namespace, name
-    return None
+        names += [name for name in code.co_names if namespace.get(name) is torch.nn.functional]
+    return namespace, names
+
+
+def core_of(call) -> tuple[dict, str] | None:
+    """(module globals, name) of the first attention core `call` uses directly (`attention_cores`), or None."""
+    namespace, names = attention_cores(call)
+    return (namespace, names[0]) if names else None
+
+
+def processor_subclass(base: type, call) -> type:
+    """A subclass of attention processor class `base` whose ``__call__`` is `call`: the same name, module
+    and docstring, so that it reads as `base` wherever a processor's class is shown."""
+    return type(base.__name__, (base,), {"__call__": call, "__module__": base.__module__, "__doc__": base.__doc__})
 
 
 def _eager_core(current):
@@ -129,8 +142,7 @@ def _breaking_class(base: type, whole: bool) -> tuple[type, bool]:
     __call__.__wrapped__ = original_call
     __call__.__name__, __call__.__qualname__ = "__call__", f"{base.__qualname__}.__call__"
     __call__.__doc__ = original_call.__doc__
-    cls = type(base.__name__, (base,), {"__call__": __call__, "__module__": base.__module__, "__doc__": base.__doc__})
-    return cls, breaks_core
+    return processor_subclass(base, __call__), breaks_core
 
 
 def has_processor(module) -> bool:
@@ -254,8 +266,9 @@ class BreaksHook(ModelHook):
 
 class PlacementHook(BreaksHook):
     """``bcg_breaks`` of the automatic (or pinned) placement: its forward is the placement's
-    (`bcg.diffusers.graph_breaks.placement.AutoPlacement`), and with ``"auto"`` its capture-failure answer is the
-    runner's hook (`bcg.runtime.runner.CAPTURE_FAILED_ATTR`)."""
+    (`bcg.diffusers.graph_breaks.placement.AutoPlacement`), and with ``"auto"`` it answers a failed capture
+    (`capture_failed`, asked by the runner through the module's hook registry): the failing place becomes a
+    break."""
 
     def __init__(self, placement_factory, probing: bool):
         super().__init__()
@@ -265,16 +278,13 @@ class PlacementHook(BreaksHook):
 
     def initialize_hook(self, module):
         self.placement = self._factory(module, self)
-        if self.probing:
-            module.__dict__[CAPTURE_FAILED_ATTR] = self.placement.capture_failed
         return module
 
     def new_forward(self, module, *args, **kwargs):
         return self.placement._call(args, kwargs)
 
-    def deinitialize_hook(self, module):
-        module.__dict__.pop(CAPTURE_FAILED_ATTR, None)
-        return super().deinitialize_hook(module)
+    def capture_failed(self, module, exc: BaseException) -> str | None:
+        return self.placement.capture_failed(exc) if self.probing else None
 
 
 _ABSENT = object()

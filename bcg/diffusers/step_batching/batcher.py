@@ -25,11 +25,13 @@ holds a *new* group until it is full or its oldest request has waited that long.
 
 Batching where it pays (`bcg.diffusers.step_batching.costs`): on CUDA, ``warmup(keys)`` times one step of every
 row bucket of each key's group after capturing them (`measure_step_costs`: median of interleaved
-replays); with ``admission_policy="auto"`` (default) a queued request joins a running batch only where
-the bigger bucket's step is cheaper per row by ``admission_margin``, else it waits and starts when rows
-free: at compute-bound sizes requests run one after another, at launch-bound ones they batch. Without
-measured costs (no warmup, a CPU pipeline) and with ``"always"`` requests join whenever their rows fit.
-Costs may be fed in (``StepBatcher(..., step_costs=)``, `StepCosts.update`; the table `stats()` reports).
+replays), and with step caching one step whose rows are all cached (`measure_cached_step_costs`); with
+``admission_policy="auto"`` (default) a queued request joins a running batch only where the bigger batch
+raises images/s by ``admission_margin``, each row priced by what it computes (a cached row: the first and
+last blocks), else it waits and starts when rows free: at compute-bound sizes requests run one after
+another, at launch-bound ones they batch. Without measured costs (no warmup, a CPU pipeline) and with
+``"always"`` requests join whenever their rows fit; with ``"never"`` they run one after another. Costs
+may be fed in (``StepBatcher(..., step_costs=)``, `StepCosts.update`; the tables `stats()` reports).
 
 Failures stay with their request: a request whose planning or preparation raises, or whose scheduler step
 or decode raises, fails alone. A batched preparation, transformer call or decode that raises is retried
@@ -99,11 +101,14 @@ class StepBatcher(BatcherWarmup, BatcherCounters):
     ``StepBatcher(pipe, config=BatcherConfig(...))``; `family` overrides the step hooks of the
     pipeline's family record (``family_of(pipe).batching_hooks()``; None: every request runs alone).
     `step_costs`: ms of one step per group key and row bucket (`StepCosts` or its ``{group: {bucket: ms}}``
-    table) for ``admission_policy="auto"``; a CUDA warmup measures the keys it warms.
+    table) for ``admission_policy="auto"``; a CUDA warmup measures the keys it warms. `on_capture`: called
+    ``(group, bucket, report, record)`` on the loop thread after each bucket captured on need
+    (``cudagraph_capture_sizes``, `bcg.diffusers.step_batching.warmup`).
     """
 
     def __init__(self, pipe, config: BatcherConfig | None = None, *, family: StepFamily | None | str = "auto",
-                 info: dict | None = None, step_costs: StepCosts | dict | None = None, **settings):
+                 info: dict | None = None, step_costs: StepCosts | dict | None = None,
+                 on_capture: Callable | None = None, **settings):
         if config is not None and settings:
             raise ValueError(f"pass either config or settings {sorted(settings)}, not both")
         self.pipe = pipe
@@ -118,7 +123,9 @@ class StepBatcher(BatcherWarmup, BatcherCounters):
             logger.warning("max_batch_size %d exceeds the largest batch bucket %d: larger batches run unpadded",
                            self.config.max_batch_size, self.config.batch_buckets[-1])
         self.step_costs = step_costs if isinstance(step_costs, StepCosts) else StepCosts(step_costs)
-        self._queue = RequestQueue(self.config, self.step_costs)
+        # the step cache's row buckets: the admission rule prices a step's middle blocks by them
+        self._queue = RequestQueue(self.config, self.step_costs,
+                                   () if self.step_cache is None else self.step_cache.buckets)
         self._layouts: dict[str, tuple] = {}  # group -> layout of its running batch (loop thread only)
         self._ids = itertools.count()
         self._thread: threading.Thread | None = None
@@ -127,6 +134,7 @@ class StepBatcher(BatcherWarmup, BatcherCounters):
         self._answers: concurrent.futures.ThreadPoolExecutor | None = None
         self._thread_lock = threading.Lock()
         self._init_counters()
+        self._init_capture_on_need(on_capture)
 
     # ------------------------------------------------------------------------------------------------
     # submitting (any thread)
@@ -177,10 +185,21 @@ class StepBatcher(BatcherWarmup, BatcherCounters):
         rows = (len(prompts) if isinstance(prompts, list) else 1) * int(kwargs.get("num_images_per_prompt") or 1)
         request = QueuedRequest(id=next(self._ids), group=group, kwargs=kwargs, rows=rows,
                                 future=concurrent.futures.Future(), submitted=time.perf_counter(), alone=alone,
-                                records=tuple(records), plan=plan)
+                                records=tuple(records), plan=plan, steps=self._steps_of(kwargs))
         self._queue.put(request)
         self._count("submitted")
         return request.future
+
+    def _steps_of(self, kwargs: dict) -> int:
+        """The denoising steps a request runs: its own, else the pipeline's default."""
+        steps = kwargs.get("num_inference_steps")
+        if steps is None:
+            from bcg.diffusers.pipelines import pipeline_info
+
+            if self._info is None:
+                self._info = pipeline_info(self.pipe)
+            steps = self._info.get("default_steps")
+        return int(steps or 1)
 
     def _library_plan(self, key: ShapeKey | str, kwargs: dict, lora, cache) -> RequestPlan:
         """The plan of a library caller's request (`submit`, `submit_planned` with a key): `cache` checked
@@ -294,6 +313,8 @@ class StepBatcher(BatcherWarmup, BatcherCounters):
             request.state = state
             if not active:
                 self._layouts[group] = state.layout
+                # transformer rows per image row in one call, as laid out (the admission rule prices by it)
+                self._queue.set_call_rows(group, len(self.family.row_owners([state], state.rows)) // state.rows)
             active.append(request)
             self._count("joins_mid_run" if started else "admitted_at_start")
         if not active:
@@ -339,6 +360,8 @@ class StepBatcher(BatcherWarmup, BatcherCounters):
 
         def prepare(batch: list[QueuedRequest]) -> dict:
             counts = [prompts[r.id] for r in batch]
+            if counts[0] is not None:  # a joint encode pads to a bucket: captured first where it is on need
+                self.capture_on_need(batch[0].group, self.config.bucket_for(sum(counts)))
             with _recording_for(batch):
                 if counts[0] is None:
                     states, total, bucket = [self.family.prepare(self.pipe, batch[0].kwargs)], None, None
@@ -360,6 +383,7 @@ class StepBatcher(BatcherWarmup, BatcherCounters):
             states = [r.state for r in batch]
             rows = sum(s.rows for s in states)
             bucket = self.config.bucket_for(rows)
+            self.capture_on_need(batch[0].group, bucket)  # a bucket not captured yet: first, between steps
             ctx = self._rows_context(batch, rows, bucket)
             if self.lora is not None:
                 self._count_adapters(batch)
@@ -395,9 +419,13 @@ class StepBatcher(BatcherWarmup, BatcherCounters):
     def _count_cached(self, batch: list[QueuedRequest], outcome: dict) -> None:
         """Each request's step: computed, or cached where step caching decided so (`outcome`, the rows
         context's; its records count it). Without step caching every step computes: a response's counts
-        are its steps either way."""
+        are its steps either way. A step its first-block config decided by distance is observed into the
+        step costs (the cached fraction the admission rule prices such a request by)."""
         for request in batch:
             computed = outcome.get(request.id, True)
+            step, cache = request.state.step_index, request.cache
+            if cache is not None and step > 0 and request.id in outcome and cache.computes(step) is None:
+                self.step_costs.observe(request.group, cache, computed)
             for record in request.records:
                 if computed:
                     record.steps_computed += 1
@@ -427,6 +455,7 @@ class StepBatcher(BatcherWarmup, BatcherCounters):
         ``outputs()`` makes their outputs once the device is done (`_answer`)."""
         if self.config.batch_decode and len(requests) > 1:
             rows = sum(r.state.rows for r in requests)
+            self.capture_on_need(requests[0].group, self.config.bucket_for(rows))
             try:
                 with _recording_for(requests):
                     outputs = self.family.finish_batch_async(self.pipe, [r.state for r in requests],
@@ -441,6 +470,7 @@ class StepBatcher(BatcherWarmup, BatcherCounters):
         for request in requests:
             try:
                 # alone: its rows padded to their bucket too, the VAE graph a warmup of that bucket captured
+                self.capture_on_need(request.group, self.config.bucket_for(request.state.rows))
                 with _recording_for([request]):
                     out.append(([request], self.family.finish_batch_async(
                         self.pipe, [request.state], self.config.bucket_for(request.state.rows))))

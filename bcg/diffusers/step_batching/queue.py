@@ -13,9 +13,11 @@ The policy half of continuous batching (`bcg.diffusers.step_batching.batcher.Ste
   admits only into a group that is not running (request-level batching: a batch runs until its last
   request leaves before the next one starts, so no request's steps are interleaved with a newcomer's);
 - ``admission_policy`` ``"auto"`` (default) admits a request into a running batch (or into the batch a
-  request starting now begins) only where the group's measured step costs say the bigger row bucket buys
-  throughput (`bcg.diffusers.step_batching.costs.joining_rows`); otherwise it waits, first in line, and starts
-  when rows free. Without measured costs, and with ``"always"``, requests join whenever their rows fit.
+  request starting now begins) only where the group's measured step costs say the bigger batch buys
+  images/s, each row priced by what it computes (`bcg.diffusers.step_batching.costs.joining_rows`: a row
+  whose step is cached costs the first and last blocks only); otherwise it waits, first in line, and
+  starts when rows free. Without measured costs, and with ``"always"``, requests join whenever their rows
+  fit; with ``"never"`` they never join a running batch (one after another).
 
 Thread-safe: `put` and `put_task` from any thread, `next_work` and `set_active` from the one loop
 thread, `load` and `snapshot` from any thread. No torch, no pipeline.
@@ -29,7 +31,7 @@ import threading
 import time
 from typing import Any, Callable
 
-from bcg.diffusers.step_batching.costs import ADMISSION_POLICIES, StepCosts, joining_rows
+from bcg.diffusers.step_batching.costs import ADMISSION_POLICIES, RowsAhead, StepCosts, joining_rows
 
 __all__ = ["ALONE", "JOIN_POLICIES", "BatcherConfig", "QueuedRequest", "RequestQueue"]
 
@@ -44,9 +46,12 @@ class BatcherConfig:
     ``batch_decode``: requests that leave at one step share one VAE decode (padded to a bucket too);
     ``join_policy``: ``"step"`` (join a running batch at any step boundary) or ``"batch"`` (join only a
     batch that has not started: request-level batching); ``admission_policy``: ``"auto"`` (join only
-    where the measured step costs say a bigger bucket pays, `bcg.diffusers.step_batching.costs`) or ``"always"``
-    (whenever the rows fit); ``admission_margin``: how much cheaper per row the bigger bucket's step must
-    be for ``"auto"`` to grow a batch (0.1: 10%)."""
+    where the measured step costs say a bigger batch pays, `bcg.diffusers.step_batching.costs`),
+    ``"always"`` (whenever the rows fit) or ``"never"`` (never into a running batch: one after another);
+    ``admission_margin``: how much ``"auto"`` wants images/s to rise for a batch to grow (0.1: 10%);
+    ``cudagraph_capture_sizes`` (vLLM's name): the row buckets a warmup of a key captures besides the bucket
+    of the key's own image count (None: every bucket; ``()``: that one alone), the others of a warmed key's
+    group captured on first need while serving, between steps, counted (`bcg.diffusers.step_batching.warmup`)."""
 
     max_batch_size: int = 8
     batch_buckets: tuple[int, ...] = (1, 2, 4, 8)
@@ -55,6 +60,7 @@ class BatcherConfig:
     join_policy: str = "step"
     admission_policy: str = "auto"
     admission_margin: float = 0.1
+    cudagraph_capture_sizes: tuple[int, ...] | None = None
 
     def __post_init__(self):
         if isinstance(self.max_batch_size, bool) or not isinstance(self.max_batch_size, int) or self.max_batch_size < 1:
@@ -73,6 +79,13 @@ class BatcherConfig:
         margin = self.admission_margin
         if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0 <= margin < 1:
             raise ValueError(f"admission_margin must be a number in [0, 1), e.g. 0.1, got {margin!r}")
+        if self.cudagraph_capture_sizes is not None:
+            sizes = tuple(sorted(set(self.cudagraph_capture_sizes)))
+            buckets = {*self.batch_buckets, self.bucket_for(self.max_batch_size)}
+            if any(isinstance(b, bool) or not isinstance(b, int) or b not in buckets for b in sizes):
+                raise ValueError(f"cudagraph_capture_sizes must be row buckets of batch_buckets {sorted(buckets)} "
+                                 f"(e.g. (1,): the smallest), got {self.cudagraph_capture_sizes!r}")
+            object.__setattr__(self, "cudagraph_capture_sizes", sizes)
 
     def bucket_for(self, rows: int) -> int:
         """Smallest bucket holding `rows`; `rows` itself above the largest bucket (no padding)."""
@@ -94,6 +107,7 @@ class QueuedRequest:
     records: tuple = ()        # `bcg.runtime.call_record.CallRecord`s the runner calls made for it add to
     plan: Any = None           # its `RequestPlan` (`bcg.diffusers.request_plan`): read, never re-decided here
     deferred: bool = False     # it waited at a step boundary because joining did not pay (admission "auto")
+    steps: int = 1             # denoising steps it runs (what the admission rule prices before it starts)
 
     @property
     def lora(self):
@@ -108,11 +122,15 @@ class QueuedRequest:
 
 class RequestQueue:
     """Queued and active requests per group key, the round-robin of groups, tasks for the loop thread.
-    `costs`: the step costs the ``"auto"`` admission reads (None: nothing measured, join as always)."""
+    `costs`: the step costs the ``"auto"`` admission reads (None: nothing measured, join as always);
+    `middle_buckets`: the step cache's row buckets (`bcg.diffusers.step_caching`; empty: no step caching,
+    every row priced as computing)."""
 
-    def __init__(self, config: BatcherConfig, costs: StepCosts | None = None):
+    def __init__(self, config: BatcherConfig, costs: StepCosts | None = None, middle_buckets: tuple = ()):
         self.config = config
         self.costs = costs
+        self.middle_buckets = tuple(middle_buckets)
+        self._call_rows: dict[str, int] = {}  # group -> transformer rows per image row in one call
         self._cond = threading.Condition()
         self._queued: dict[str, collections.deque] = {}
         self._active: dict[str, list[QueuedRequest]] = {}
@@ -126,6 +144,12 @@ class RequestQueue:
         """Decide with `config` from the next step boundary on (a pick reads one config throughout)."""
         with self._cond:
             self.config = config
+
+    def set_call_rows(self, group: str, rows: int) -> None:
+        """Transformer rows per image row in one call of `group` (SD3's CFG: 2), as the batcher lays them out:
+        the step cache's row buckets count those rows."""
+        with self._cond:
+            self._call_rows[group] = rows
 
     def put(self, request: QueuedRequest) -> None:
         """Queue `request` in its group's slot (`ALONE` when it runs whole); RuntimeError once closed."""
@@ -203,10 +227,11 @@ class RequestQueue:
             keys = set(self._active) | {k for k, q in self._queued.items() if q and k != ALONE}
             out = {}
             for key in sorted(keys):
-                running = sum(r.rows for r in self._active.get(key, []))
+                active = self._active.get(key, [])
+                running = sum(r.rows for r in active)
                 queued = sum(r.rows for r in self._queued.get(key, ()))
                 closed = running and self.config.join_policy == "batch"  # a running batch admits no one
-                room = self._room_locked(key, running) if running and not closed else self.config.max_batch_size
+                room = self._room_locked(key, active) if running and not closed else self.config.max_batch_size
                 out[key] = {"running_rows": running, "queued_rows": queued,
                             "free_rows": 0 if closed else max(0, room - running - queued)}
             return out
@@ -235,15 +260,13 @@ class RequestQueue:
                 if left_s > 0 and sum(r.rows for r in queued) < self.config.max_batch_size:
                     hold_s = left_s if hold_s is None else min(hold_s, left_s)
                     continue
-            rows = sum(r.rows for r in active)
             joining = []
             admits = not (active and self.config.join_policy == "batch")
             if admits and queued and not active:  # a group not running starts with its first request
                 joining.append(queued.popleft())
-                rows += joining[0].rows
             if admits and queued:
-                joining += self._admit_locked(slot, rows, queued)
-                rows = sum(r.rows for r in active) + sum(r.rows for r in joining)
+                joining += self._admit_locked(slot, [*active, *joining], queued)
+            rows = sum(r.rows for r in active) + sum(r.rows for r in joining)
             if rows:
                 self._last_bucket[slot] = self.config.bucket_for(rows)
             return slot, joining, None
@@ -263,12 +286,12 @@ class RequestQueue:
             prefix.append(total)
         return prefix
 
-    def _admit_locked(self, slot: str, rows: int, queued: collections.deque) -> list[QueuedRequest]:
-        """The queued requests (taken off the queue) that join a group of `rows` running rows now: those
+    def _admit_locked(self, slot: str, running: list[QueuedRequest], queued: collections.deque) -> list[QueuedRequest]:
+        """The queued requests (taken off the queue) that join the `running` requests of a group now: those
         whose rows fit, in arrival order, and with ``admission_policy="auto"`` only as many as pay
         (`joining_rows`); the first one held back is counted as deferred."""
-        prefix = self._fitting_locked(rows, queued)
-        k = self._paying_locked(slot, rows, prefix)
+        prefix = self._fitting_locked(sum(r.rows for r in running), queued)
+        k = self._paying_locked(slot, running, [queued[i] for i in range(len(prefix))])
         if k < len(prefix):
             held = queued[k]
             self.deferrals["boundaries"] += 1
@@ -277,18 +300,43 @@ class RequestQueue:
                 self.deferrals["requests"] += 1
         return [queued.popleft() for _ in range(k)]
 
-    def _room_locked(self, slot: str, running: int) -> int:
-        """Rows a running group would hold if one-row requests queued up now (for a router's free rows)."""
-        prefix = list(range(1, self.config.max_batch_size - running + 1))
-        return running + self._paying_locked(slot, running, prefix)
+    def _room_locked(self, slot: str, active: list[QueuedRequest]) -> int:
+        """Rows a running group would hold if one-row requests queued up now (for a router's free rows),
+        each like the group's latest request, from its first step."""
+        running = sum(r.rows for r in active)
+        like = active[-1]
+        newcomers = [RowsAhead.of(1, like.cache, 0, like.steps, self._cached_fraction(like))
+                     for _ in range(self.config.max_batch_size - running)]
+        return running + self._paying_locked(slot, active, newcomers)
 
-    def _paying_locked(self, slot: str, rows: int, prefix: list[int]) -> int:
-        """How many queued requests (`prefix`: the rows the first k add, `_fitting_locked`) join `rows`
-        running rows: all of them, or with ``admission_policy="auto"`` and costs measured for the group
-        only as many as pay (`joining_rows`)."""
-        costs = self.costs.for_group(slot) if prefix and self.config.admission_policy == "auto" \
-            and self.costs is not None else None
-        if not costs:
-            return len(prefix)
-        return joining_rows(costs, self.config.bucket_for, rows, self._last_bucket.get(slot, 0), prefix,
+    def _paying_locked(self, slot: str, running: list[QueuedRequest], joining: list) -> int:
+        """How many of the `joining` requests (queued ones that fit, in arrival order, or `RowsAhead`s) join
+        the `running` ones: all of them (``"always"``, or ``"auto"`` where the group's costs were not
+        measured), none (``"never"``), or with ``"auto"`` as many as pay (`joining_rows`)."""
+        policy = self.config.admission_policy
+        if not joining or policy == "always":
+            return len(joining)
+        if policy == "never":
+            return 0
+        prices = None if self.costs is None else self.costs.prices(
+            slot, self.config.bucket_for, self.middle_buckets, self._call_rows.get(slot, 1))
+        if prices is None:
+            return len(joining)
+        ahead = [r if isinstance(r, RowsAhead) else self._ahead(r) for r in joining]
+        return joining_rows(prices, [self._ahead(r) for r in running], ahead, self._last_bucket.get(slot, 0),
                             self.config.admission_margin)
+
+    def _ahead(self, request: QueuedRequest) -> RowsAhead:
+        """What `request`'s rows compute at each of its steps left (`RowsAhead`), from its step now (0
+        before it starts) and its cache config."""
+        state = request.state  # read once: the answers thread drops it when the request leaves
+        step = getattr(state, "step_index", 0) if state is not None else 0
+        return RowsAhead.of(request.rows, request.cache, step, request.steps, self._cached_fraction(request))
+
+    def _cached_fraction(self, request: QueuedRequest) -> float | None:
+        """The cached fraction observed for `request`'s first-block config in its group (None: none, or it
+        is not one that decides by distance)."""
+        cache = request.cache
+        if cache is None or self.costs is None or cache.method != "first_block" or cache.threshold == 0:
+            return None
+        return self.costs.cached_fraction(request.group, cache)

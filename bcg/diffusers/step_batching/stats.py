@@ -3,8 +3,9 @@
 Counted under one lock from the loop thread and the answers thread: requests (joins, leaves, failures,
 those run alone and why), steps and rows per step, preparations and prompts per joint encode, the host
 seconds of each phase of a group step; `stats()` reports them with the batcher's config, admission (the
-step costs it reads, the requests it held back), step caching's own counters and what runs now. A mixin:
-`_init_counters` makes them, the batcher's ``__init__`` calls it.
+step costs it reads, computed and cached, the cached fractions observed, the requests it held back), step
+caching's own counters and what runs now. A mixin: `_init_counters` makes them, the batcher's ``__init__``
+calls it.
 """
 from __future__ import annotations
 
@@ -75,8 +76,10 @@ class BatcherCounters:
         to the host) and ``answer``: the answers thread's (waiting for that copy, the images, the
         futures; inline when `step()` is driven without `start()`), measured on the host without a
         device sync (in a loop bound by the host, where the time goes; on CUDA a phase that waits for the
-        device absorbs the device time queued before it),
-        what is running now."""
+        device absorbs the device time queued before it; ``capture_on_need``: the captures below),
+        ``capture_on_need``: row buckets captured on first need while serving (``cudagraph_capture_sizes``:
+        ``captures``, their ``graphs``, ``failures``, ``seconds``) and per group the buckets captured (by a
+        warmup or on need) and those whose capture failed, what is running now."""
         running, queued = self._queue.snapshot()
         with self._stats_lock:
             counts = dict(self._counts)
@@ -87,6 +90,8 @@ class BatcherCounters:
                 # batching where it pays: the policy, the step costs it reads, the requests it held back
                 "admission": {"policy": self.config.admission_policy, "margin": self.config.admission_margin,
                               "step_costs_ms": self.step_costs.as_dict(),
+                              "cached_step_costs_ms": self.step_costs.as_dict(cached=True),
+                              "cached_fractions": self.step_costs.observed(),
                               "deferred_requests": self._queue.deferrals.get("requests", 0),
                               "deferred_boundaries": self._queue.deferrals.get("boundaries", 0)},
                 "submitted": counts.get("submitted", 0),
@@ -116,6 +121,13 @@ class BatcherCounters:
                 "mean_rows_per_step": round(counts.get("rows", 0) / steps, 3) if steps else 0.0,
                 "batch_size_histogram": dict(sorted(self._rows_hist.items())),
                 "bucket_histogram": dict(sorted(self._bucket_hist.items())),
+                # row buckets captured on first need while serving (cudagraph_capture_sizes), and what is left
+                "capture_on_need": {"captures": counts.get("captures_on_need", 0),
+                                    "graphs": counts.get("graphs_captured_on_need", 0),
+                                    "failures": counts.get("capture_on_need_failures", 0),
+                                    "seconds": round(self._seconds.get("capture_on_need", 0.0), 6),
+                                    "captured_buckets": {g: sorted(b) for g, b in sorted(self._captured.items())},
+                                    "failed_buckets": {g: sorted(b) for g, b in sorted(self._capture_failed.items())}},
                 "running_requests": running,
                 "queued_requests": queued,
             }

@@ -4,8 +4,9 @@
   so the ingress can validate it;
 - `hook`: `enable_step_cache` / `disable_step_cache` / `step_cache_of`, the hook on a transformer that decides
   per row after the first blocks and runs the middle blocks on the rows that compute;
-- `store`: each request's residuals and forecasts in slot-indexed buffers;
-- `forwards`: the transformer forwards it runs, one `Family` per diffusers class.
+- `blocks`: its hooks on the transformer's block lists (the model's own forward runs), placed by the
+  family record's `BlockAdapter` (`bcg.diffusers.families`), and `MiddleBlocks`;
+- `store`: each request's residuals and forecasts in slot-indexed buffers.
 
 Names are re-exported lazily: importing `config` imports no torch.
 """

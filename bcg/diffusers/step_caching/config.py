@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-__all__ = ["METHODS", "StepCacheConfig"]
+__all__ = ["METHODS", "StepCacheConfig", "middle_bucket"]
 
 METHODS = ("first_block", "schedule")
 
@@ -76,3 +76,11 @@ class StepCacheConfig:
         if self.method == "schedule":
             return step in self.schedule
         return True if self.threshold == 0 else None
+
+
+def middle_bucket(rows: int, batch: int, buckets) -> int:
+    """The rows the middle blocks run on when `rows` of a transformer call's `batch` rows compute: the
+    smallest of the step cache's row `buckets` that holds them and is smaller than the batch (the rows that
+    compute are gathered and padded to it), else the whole batch (no gather). Torch-free: the step cache
+    runs it, and the admission rule prices a step by it (`bcg.diffusers.step_batching.costs`)."""
+    return next((b for b in buckets if rows <= b < batch), batch)

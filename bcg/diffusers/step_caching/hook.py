@@ -1,23 +1,18 @@
 """Step caching decided per request inside the graphs: `enable_step_cache`, reading each request's
 `StepCacheConfig` (`bcg.diffusers.step_caching.config`, torch-free; re-exported here).
 
-A transformer with step caching runs every step as: the embeddings and the first ``first_blocks`` blocks on
-every row, then one eager break (`StepCacheHook._middle`) that decides, per row, whether the middle blocks
-run, then the last ``last_blocks`` blocks and the head on every row. A row that *computes* runs the middle
-blocks (the rows that compute are gathered and padded to a row bucket, so an accelerated transformer
-replays one middle graph per bucket); a row that is *cached* adds the residual its middle blocks left at
-its last computed step (DBCache's / First-Block Cache's "Fn" and "Bn" blocks). Every other row of the
-batch is untouched by that choice: a row's image depends on its own decisions only.
+A transformer with step caching runs its own forward, with hooks on its block lists (`bcg.diffusers.step_caching.blocks`,
+placed by its family's `BlockAdapter`, as diffusers' first-block cache and cache-dit hook them): the
+embeddings and the first ``first_blocks`` blocks run on every row, then at the first middle block one eager
+break (`StepCacheHook._middle`) decides, per row, whether the middle blocks run (the other middle blocks
+pass their input through), then the last ``last_blocks`` blocks and the head run on every row. A row that
+*computes* runs the middle blocks (the rows that compute are gathered and padded to a row bucket, so an
+accelerated transformer replays one middle graph per bucket); a row that is *cached* adds the residual its
+middle blocks left at its last computed step (DBCache's / First-Block Cache's "Fn" and "Bn" blocks). Every
+other row of the batch is untouched by that choice: a row's image depends on its own decisions only.
 
-What decides (per request, `StepCacheConfig`):
-- ``"first_block"``: the relative L1 distance between this step's first-blocks residual (what the first
-  blocks added) and the one of the request's last computed step, ``mean|r - r_prev| / mean|r_prev|``,
-  computed on the device for every row at once; the rows of one request (its images, its CFG branches)
-  decide together on their largest distance. Cached when below ``threshold`` (0: never).
-- ``"schedule"``: the steps to compute, given as step indices; no distance, no host read.
-- ``warmup_steps``: steps always computed first (and a request's first step always is).
-
-Host reads: at most one per call (the distances, ``.tolist()``), only when a row decides by distance;
+What decides, per request (its `StepCacheConfig`: a ``first_block`` threshold on the first blocks'
+residual, or a ``schedule``): `bcg.diffusers.step_caching.decide`. Host reads: at most one per call,
 counted in `StepCacheHook.stats`. Thresholds and schedules are host values, never part of a graph's
 signature: changing them never captures or compiles.
 
@@ -44,9 +39,10 @@ context (a plain ``pipe(...)``), every row belongs to one request with the insta
 Graphs: inside a breakable capture the break runs a stub (outputs of the right shapes); at replay the real
 decision runs. With `attach_runner` (``accelerate`` calls it) the middle blocks run in a runner of their
 own (`BreakableGraphRunner`, its own pool), captured per row bucket while the transformer's runner warms
-up: a cached request replays graphs only. Supported transformers (`FAMILIES`): `FluxTransformer2DModel`,
-`WanTransformer3DModel` (Wan 2.1 and 2.2), `SD3Transformer2DModel` and `QwenImageTransformer2DModel` (and
-their subclasses), each run by its own forward, op for op, with the middle blocks behind the break.
+up: a cached request replays graphs only. Supported transformers: those of the families whose record has a
+`BlockAdapter` (``ModelFamily.step_cache``; `supports_step_cache`), and their subclasses. Arguments the
+hooks cannot carry (`BlockAdapter.bypass_args`: ControlNet residuals, skipped layers, attention kwargs) run
+the forward uncached, counted as ``bypassed``.
 """
 from __future__ import annotations
 
@@ -54,15 +50,16 @@ import contextlib
 import dataclasses
 import functools
 import logging
-import math
 import threading
-from typing import Any, Sequence
+from typing import Sequence
 
 import torch
 from torch import nn
 
-from bcg.diffusers.step_caching.config import METHODS, StepCacheConfig
-from bcg.diffusers.step_caching.forwards import FAMILIES, MiddleBlocks, family_of
+from bcg.diffusers.families import FAMILIES, family_of_transformer
+from bcg.diffusers.step_caching.blocks import CallState, MiddleBlocks, adapter_blocks, bypasses, install_block_hooks
+from bcg.diffusers.step_caching.config import METHODS, StepCacheConfig, middle_bucket
+from bcg.diffusers.step_caching.decide import decide_rows, state_key
 from bcg.diffusers.step_caching.store import RowStore, cached_outputs, remember_computed
 from bcg.graphs.capture import eager_on_graph
 from bcg.runtime.hooks import HookRegistry as BcgHookRegistry, ModelHook as BcgModelHook
@@ -71,7 +68,7 @@ from bcg.runtime.rows import Row, rows_context
 logger = logging.getLogger(__name__)
 
 __all__ = ["HOOK_NAME", "METHODS", "StepCacheConfig", "StepCacheHook", "StepCacheRows", "disable_step_cache",
-           "enable_step_cache", "attach_step_cache", "step_cache_of", "supports_step_cache"]
+           "enable_step_cache", "attach_step_cache", "step_cache_of", "supported_families", "supports_step_cache"]
 
 HOOK_NAME = "bcg_step_cache"
 _DEFAULT_BUCKETS = (1, 2, 3, 4, 8)   # 3: where the computing rows follow the rows (large sizes), 3 padded to 4 costs a row
@@ -135,8 +132,11 @@ def _make_hook_class():
             self._unbind()
             return module
 
-        def new_forward(self, module, *args, **kwargs):
+        def _new_forward(self, module, *args, **kwargs):
             return self._forward(module, *args, **kwargs)
+
+        # a frame of its own outside torch.compile: the forward it runs compiles as it does without it
+        new_forward = torch.compiler.disable(_new_forward, recursive=False)
 
         def reset_state(self, module):
             self.reset()
@@ -167,31 +167,34 @@ class _StepCacheLogic:
         self._counts = dict(calls=0, host_reads=0, rows_computed=0, rows_cached=0, middle_calls=0,
                             skipped_middle=0, bypassed=0)
         self._buckets_used: dict = {}
+        self.call = CallState()      # the transformer call running now, as the block hooks see it
         self._middle = eager_on_graph(self._middle_impl, capture_stub=self._middle_stub)
 
     # -- install ---------------------------------------------------------------------------------
 
     def _bind(self, module) -> None:
-        family = family_of(module)
+        family = family_of_transformer(module)
         if family is None:
-            raise ValueError(f"step caching supports the transformers of {[f.name for f in FAMILIES]}; "
+            raise ValueError(f"step caching supports the transformers of {supported_families()}; "
                              f"{type(module).__name__} is not one of them")
-        blocks = family.blocks(module)
+        blocks = adapter_blocks(module, family.step_cache, family.name)
         if self.first_blocks + self.last_blocks >= len(blocks):
             raise ValueError(f"first_blocks + last_blocks must leave middle blocks: {len(blocks)} blocks, "
                              f"{self.first_blocks} + {self.last_blocks}")
-        self.family = family
+        self.family, self.adapter = family, family.step_cache
         self._module = module
-        # its face in bcg's registry, where the rows of a call are set and a request's leaving is told
+        # its face in bcg's registry, where the rows of a call are set and a request's leaving is told; the
+        # same name on the blocks it hooks, so that removing it removes them
         BcgHookRegistry.check_if_exists_or_initialize(module).register_hook(StepCacheRows(self), HOOK_NAME)
-        self._first = blocks[:self.first_blocks]
-        self._last_blocks = blocks[len(blocks) - self.last_blocks:]
-        self.middle = MiddleBlocks(blocks[self.first_blocks:len(blocks) - self.last_blocks], family)
+        middle = blocks[self.first_blocks:len(blocks) - self.last_blocks]
+        install_block_hooks(self, blocks[0], middle, HOOK_NAME)
+        self._skips = len(middle) - 1
+        self.middle = MiddleBlocks(middle, self.adapter, self.call)
 
     def _unbind(self) -> None:
         registry = BcgHookRegistry.of(self._module)
-        if registry is not None and registry.get_hook(HOOK_NAME) is not None:
-            registry.remove_hook(HOOK_NAME, recurse=False)
+        if registry is not None:
+            registry.remove_hook(HOOK_NAME, recurse=True)   # its face and its block hooks
         self.inner = None
         self.reset()
 
@@ -268,37 +271,61 @@ class _StepCacheLogic:
 
     # -- the forward -----------------------------------------------------------------------------
 
-    def _forward(self, module, *args, **kwargs):
-        if self.family.bypasses(module, args, kwargs):   # what the family's forward here does not carry
-            self._counts["bypassed"] += 1
-            return self.fn_ref.original_forward(*args, **kwargs)
-        return self.family.forward(self, module, *args, **kwargs)
+    def bypasses(self, module, args, kwargs) -> bool:
+        """Whether a call runs uncached (`BlockAdapter.bypass_args` / ``bypass_flags``)."""
+        return bypasses(self.adapter, module, args, kwargs)
 
-    def _blocks(self, hidden_states, encoder_hidden_states, temb, rot, mask=None):
-        """Every block of a step: the first blocks, the middle ones behind the break (`_middle`), the last."""
-        block = self.family.block
-        first_in = hidden_states
-        for b in self._first:
-            encoder_hidden_states, hidden_states = block(b, hidden_states, encoder_hidden_states, temb, rot, mask)
-        encoder_hidden_states, hidden_states = self._middle(first_in, hidden_states, encoder_hidden_states, temb, rot,
-                                                            mask)
-        for b in self._last_blocks:
-            encoder_hidden_states, hidden_states = block(b, hidden_states, encoder_hidden_states, temb, rot, mask)
-        return encoder_hidden_states, hidden_states
+    def _forward(self, module, *args, **kwargs):
+        """The model's own forward, its block hooks active unless the call bypasses the cache."""
+        forward = self._own_forward(module)
+        if self.bypasses(module, args, kwargs):
+            self._counts["bypassed"] += 1
+            return forward(*args, **kwargs)
+        self.call.begin()
+        try:
+            out = forward(*args, **kwargs)
+        except BaseException:
+            self.call.end()
+            raise
+        self.call.finish(module, self.family.name, self._skips)
+        return out
+
+    def _own_forward(self, module):
+        """The forward below this hook: the model's own, or the one a hook above placed for this call
+        (`bcg.runtime.hooks.HookRegistry.own_forward`: the break placement's, during a capture)."""
+        below = self.fn_ref.original_forward
+        registry = BcgHookRegistry.of(module)
+        placed = None if registry is None else registry.own_forward
+        if placed is None or getattr(below, "__func__", None) is not getattr(type(module), "forward", None):
+            return below
+        return placed
 
     # -- the break -------------------------------------------------------------------------------
 
     @staticmethod
-    def _middle_stub(first_in, hidden_states, encoder_hidden_states, temb, image_rotary_emb, mask=None):
-        return torch.empty_like(encoder_hidden_states), torch.empty_like(hidden_states)
+    def _middle_stub(first_in, **kwargs):
+        return torch.empty_like(kwargs["encoder_hidden_states"]), torch.empty_like(kwargs["hidden_states"])
 
-    def _run_middle(self, h, e, temb, rot, mask=None):
+    @contextlib.contextmanager
+    def _inside(self):
+        """The middle blocks run: their hooks run them as they are."""
+        self.call.inside += 1
+        try:
+            yield
+        finally:
+            self.call.inside -= 1
+
+    def _run_middle(self, kwargs: dict):
+        h = kwargs["hidden_states"]
         self._counts["middle_calls"] += 1
         self._buckets_used[h.shape[0]] = self._buckets_used.get(h.shape[0], 0) + 1
-        masked = {} if mask is None else {"encoder_hidden_states_mask": mask}
-        if self.inner is not None:
-            return self.inner(hidden_states=h, encoder_hidden_states=e, temb=temb, image_rotary_emb=rot, **masked)
-        return self.middle(h, e, temb, rot, **masked)
+        with self._inside():
+            return self.inner(**kwargs) if self.inner is not None else self.middle(**kwargs)
+
+    def _rows_of(self, kwargs: dict, take) -> dict:
+        """The block arguments of some rows: `take` applied to each per-row tensor (`BlockAdapter.row_args`)."""
+        rows = self.adapter.row_args
+        return {k: take(v) if k in rows and isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
 
     def _warming(self) -> bool:
         return self._warmups > 0
@@ -321,16 +348,17 @@ class _StepCacheLogic:
                 if self._warmups == 0:
                     self._pending = {}
             if pending and self.inner is not None:
-                with self.inner.warmup():
+                with self.inner.warmup(), self._inside():
                     for grad, example in pending.values():  # in the grad mode of the call that noted it
                         with torch.set_grad_enabled(grad):
                             self.inner(**example)
 
     def _bucket(self, rows: int, batch: int) -> int:
-        return next((b for b in self.buckets if rows <= b < batch), batch)
+        return middle_bucket(rows, batch, self.buckets)
 
-    def _middle_impl(self, first_in, hidden_states, encoder_hidden_states, temb, image_rotary_emb, mask=None):
-        h, e = hidden_states, encoder_hidden_states
+    def _middle_impl(self, first_in, **kwargs):
+        """The break: `kwargs` are the first middle block's arguments, as the model's forward gave them."""
+        h, e = kwargs["hidden_states"], kwargs["encoder_hidden_states"]
         batch = h.shape[0]
         with self._lock:
             if self._warming():
@@ -340,12 +368,9 @@ class _StepCacheLogic:
                     grad = torch.is_grad_enabled()
                     key = (b, tuple(h.shape[1:]), tuple(e.shape[1:]), h.dtype, h.device, grad)
                     if key not in self._pending:
-                        self._pending[key] = (grad, {
-                            "hidden_states": h[:b].clone(), "encoder_hidden_states": e[:b].clone(),
-                            "temb": temb[:b].clone(), "image_rotary_emb": image_rotary_emb,
-                            **({} if mask is None else {"encoder_hidden_states_mask": mask[:b].clone()})})
-                return self.middle(h, e, temb, image_rotary_emb, **({} if mask is None else
-                                                                   {"encoder_hidden_states_mask": mask}))
+                        self._pending[key] = (grad, self._rows_of(kwargs, lambda t, b=b: t[:b].clone()))
+                with self._inside():
+                    return self.middle(**kwargs)
             ctx = self._call_rows()
             rows = self._plain_rows(batch) if ctx is None else [r if r.owner is not None else None for r in ctx.rows]
             if all(r is None or r.cache is None for r in rows):
@@ -354,7 +379,7 @@ class _StepCacheLogic:
                 self._counts["rows_computed"] += sum(r is not None for r in rows)
                 if ctx is not None:
                     ctx.outcome.update((r.owner, True) for r in rows if r is not None)
-                return self._run_middle(h, e, temb, image_rotary_emb, mask)
+                return self._run_middle(kwargs)
             if len(rows) < batch:  # rows the caller did not describe: padding
                 rows = rows + [None] * (batch - len(rows))
             store = self._store(h, e)
@@ -368,7 +393,7 @@ class _StepCacheLogic:
             slots = [0 if r is None else store.slot(self._state_key(r))[0] for r in rows[:batch]]
             bucket = self._bucket(len(index), batch) if index else 0
             if bucket == batch:  # every row runs the middle blocks: no gather (padding rows are discarded)
-                me, mh = self._run_middle(h, e, temb, image_rotary_emb, mask)
+                me, mh = self._run_middle(kwargs)
                 self._remember(store, slots, index, h, e, mh, me, first_in, rows)
                 if len(index) == batch:
                     return me, mh
@@ -386,9 +411,7 @@ class _StepCacheLogic:
             rows_index = torch.tensor(gather, device=h.device)
             # the middle call's rows are the gathered ones: features that read rows (LoRA) read them there
             with contextlib.nullcontext() if ctx is None else rows_context(self._module, ctx.gathered(gather)):
-                me, mh = self._run_middle(h.index_select(0, rows_index), e.index_select(0, rows_index),
-                                          temb.index_select(0, rows_index), image_rotary_emb,
-                                          None if mask is None else mask.index_select(0, rows_index))
+                me, mh = self._run_middle(self._rows_of(kwargs, lambda t: t.index_select(0, rows_index)))
             mh, me = mh[:len(index)], me[:len(index)]
             out_h.index_copy_(0, real, mh)
             out_e.index_copy_(0, real, me)
@@ -399,59 +422,15 @@ class _StepCacheLogic:
     _remember = staticmethod(remember_computed)
 
     def _decide(self, rows: list, store: RowStore, first_residual: torch.Tensor) -> list[bool]:
-        """Whether each row computes the middle blocks. At most one host read (the distances of the rows
-        that decide by distance)."""
-        decided: list = [None] * len(rows)
-        measure = []
-        for i, row in enumerate(rows):
-            if row is None:
-                decided[i] = False          # padding: nobody reads it
-                continue
-            slot, new = store.slot(self._state_key(row))
-            memo = self._decided.get((row.owner, row.step))
-            if new or row.cache is None:
-                decided[i] = True
-            elif memo is not None:
-                decided[i] = memo
-            else:
-                decided[i] = row.cache.computes(row.step)
-                if decided[i] is None:
-                    measure.append((i, slot))
-        if measure:
-            at = torch.tensor([i for i, _ in measure], device=first_residual.device)
-            slot_at = torch.tensor([s for _, s in measure], device=first_residual.device)
-            now = first_residual.index_select(0, at).float().flatten(1)
-            prev = store.first.index_select(0, slot_at).float().flatten(1)
-            distance = (now - prev).abs().mean(1) / prev.abs().mean(1)
-            self._counts["host_reads"] += 1
-            values = distance.tolist()          # the one host read of this step
-            worst: dict = {}
-            for (i, _), d in zip(measure, values):
-                group = rows[i].owner
-                d = math.inf if math.isnan(d) else d
-                worst[group] = max(worst.get(group, 0.0), d)
-            for i, _ in measure:
-                decided[i] = not worst[rows[i].owner] < rows[i].cache.threshold
-        # one request's rows decide together: any row that computes makes its group compute
-        groups: dict = {}
-        for row, c in zip(rows, decided):
-            if row is not None:
-                groups[row.owner] = groups.get(row.owner, False) or bool(c)
-        out = [False if row is None else groups[row.owner] for row in rows]
-        for row in rows:
-            if row is not None and (row.owner, row.step) not in self._decided:
-                self._decided[(row.owner, row.step)] = groups[row.owner]
-                if row.owner == "plain" and self._plain_counts is not None:  # once per step, not per branch
-                    self._plain_counts["computed" if groups[row.owner] else "cached"] += 1
-        if len(self._decided) > 4096:   # bounded: old steps of finished requests
-            self._decided.clear()
-        return out
+        """Whether each row computes the middle blocks (`decide_rows`); counts the host read and a plain
+        request's step."""
+        computes, now, measured = decide_rows(rows, store, first_residual, self._decided)
+        self._counts["host_reads"] += measured
+        if "plain" in now and self._plain_counts is not None:  # once per step, not per branch
+            self._plain_counts["computed" if now["plain"] else "cached"] += 1
+        return computes
 
-    @staticmethod
-    def _state_key(row: Row) -> tuple:
-        """Where a row's state lives: its request, its CFG branch and its place among the request's rows of
-        that branch (CFG's cond and uncond rows of one step keep residuals of their own)."""
-        return row.owner, row.branch, row.index
+    _state_key = staticmethod(state_key)
 
     def _store(self, h, e) -> RowStore:
         key = (tuple(h.shape[1:]), tuple(e.shape[1:]), h.dtype, h.device)
@@ -522,14 +501,19 @@ def attach_step_cache(module, runner) -> None:
         runner.nest(hook)
 
 
+def supported_families() -> list[str]:
+    """The families whose record has a step-caching `BlockAdapter`."""
+    return [f.name for f in FAMILIES.values() if f.step_cache is not None]
+
+
 def supports_step_cache(target) -> bool:
     """Whether `target`'s transformer (a pipeline's, or a transformer) is of a family step caching runs
-    (`FAMILIES`: Flux, Wan, SD3, Qwen-Image)."""
+    (`supported_families`)."""
     try:
         module = _transformer(target)
     except ValueError:
         return False
-    return family_of(module) is not None
+    return family_of_transformer(module) is not None
 
 
 def step_cache_of(target):

@@ -14,7 +14,7 @@ from torch import nn
 from bcg.diffusers import auto_placement, install_breaks, placement_stats, remove_breaks
 from bcg.diffusers.graph_breaks.placement import _capture_illegal, forget
 from bcg.graphs.capture import is_capturing
-from bcg.runtime.runner import CAPTURE_FAILED_ATTR
+from bcg.runtime.hooks import HookRegistry
 from tests.bcg.diffusers.test_diffusers import recording_capture
 from tests.bcg.diffusers.test_placement import met_breaks, rows
 from tests.bcg.runtime.test_runner import _RerunRecorder, _runner
@@ -222,11 +222,12 @@ def test_a_failure_at_a_place_that_is_a_break_already_is_not_retried():
 
 def test_only_automatic_placement_answers_failed_captures():
     model, _ = _pair()
-    assert CAPTURE_FAILED_ATTR in model.__dict__
+    capture_error = RuntimeError("operation not permitted when stream is capturing")
+    assert HookRegistry.of(model).get_hook("bcg_breaks").probing
     remove_breaks(model)
-    assert CAPTURE_FAILED_ATTR not in model.__dict__
+    assert HookRegistry.of(model) is None  # nothing left on the model to answer
     install_breaks(model, [":forward/rope_table"])  # pinned places stay as pinned
-    assert CAPTURE_FAILED_ATTR not in model.__dict__
+    assert HookRegistry.of(model).capture_failed(capture_error) is None
     runner, recorder = _capturing_runner(model)
     assert runner.capture(x=rows(2)) is False  # fails at gate
     assert recorder.attempts == 1 and auto_placement(runner) == [":forward/rope_table"]

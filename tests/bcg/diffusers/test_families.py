@@ -1,8 +1,9 @@
-"""Model-family records: every family has its built-in pipeline, and each CFG rule inverts for warmup."""
+"""Model-family records: every record is complete (its built-in pipeline, CFG rule, step hooks and step-caching
+adapter resolve), and each CFG rule inverts for warmup."""
 import pytest
 
 from bcg.diffusers import pipeline_info, plan_request
-from bcg.diffusers.families import FAMILIES, GENERIC, BatchingHooks, family_named, family_of
+from bcg.diffusers.families import FAMILIES, GENERIC, BatchingHooks, CfgRule, family_named, family_of
 from bcg.diffusers.models import BUILTIN_MODELS, load_pipeline
 
 NAMED = [f for f in FAMILIES.values() if f is not GENERIC]
@@ -89,3 +90,46 @@ def test_the_step_hooks_run_cfg_exactly_when_the_request_key_does(name):
             assert hooks._cfg(call_defaults(pipe) | kwargs) is key.cfg, (guidance, negative)
             seen.add(key.cfg)
     assert seen == {False, True}
+
+
+@pytest.mark.parametrize("family", NAMED, ids=lambda f: f.name)
+def test_every_record_is_complete_and_names_what_resolves_on_its_builtin(family):
+    """A record names its pipeline classes, built-in, CFG rule, step hooks and step-caching adapter; every
+    name it gives resolves on its built-in pipeline, and a family without step hooks or caching says so."""
+    from bcg.diffusers.families import BlockAdapter, family_of_transformer
+    from bcg.diffusers.step_caching.blocks import adapter_blocks
+    from bcg.diffusers.step_caching.hook import supports_step_cache
+
+    assert family.pipeline_classes and family.builtin in BUILTIN_MODELS and isinstance(family.cfg, CfgRule)
+    pipe = load_pipeline(family.builtin)
+    hooks = family.batching_hooks()
+    assert (hooks is None) is (family.batching is None)
+    if hooks is not None:   # the step hooks are the family's own, by name
+        assert isinstance(hooks, BatchingHooks) and hooks.name == family.name
+    adapter = family.step_cache
+    assert supports_step_cache(pipe) is (adapter is not None)
+    if adapter is None:
+        assert family_of_transformer(pipe.transformer) is None
+        return
+    assert isinstance(adapter, BlockAdapter)
+    assert family_of_transformer(pipe.transformer) is family
+    blocks = adapter_blocks(pipe.transformer, adapter, family.name)   # its lists, taking its per-row arguments
+    assert len(blocks) >= 2 and all(b in list(pipe.transformer.modules()) for b in blocks)   # first + middle
+
+
+def test_the_families_step_caching_runs_are_the_ones_whose_records_name_an_adapter():
+    assert {f.name for f in NAMED if f.step_cache} == {"flux", "sd3", "wan", "qwen-image"}
+    claimed = [c for f in NAMED if f.step_cache for c in f.step_cache.transformer_classes]
+    assert len(claimed) == len(set(claimed))   # one adapter per transformer class
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(transformer_classes=(), block_lists=("blocks",)), "names its transformer classes"),
+    (dict(transformer_classes=("T",), block_lists=("blocks",), returns=("encoder_hidden_states",)), "returns"),
+    (dict(transformer_classes=("T",), block_lists=("blocks",), row_args=("hidden_states",)), "row_args"),
+])
+def test_a_block_adapter_that_cannot_work_is_refused_naming_the_field(bad, match):
+    from bcg.diffusers.families import BlockAdapter
+
+    with pytest.raises(ValueError, match=match):
+        BlockAdapter(**bad)

@@ -475,11 +475,10 @@ def test_compiled_segments_get_attention_breaks_only_from_an_explicit_policy():
     assert breaks_hook(transformer) is None
 
 
-def test_a_capture_runs_step_cachings_forward_not_the_class_forward_with_its_function_places():
-    """A function place of the class's own forward (Qwen-Image's, remembered for the class from an uncached
-    instance) must not make a capture run that rebuilt class forward where step caching's forward sits below
-    the placement: the capture would hold the model uncached (the GPU suite's Qwen-Image failure: replays
-    equal to uncached, no step counted)."""
+def test_a_capture_with_step_caching_runs_the_models_own_forward_with_its_function_places():
+    """Step caching runs the model's own forward (a hook in diffusers' registry, beneath the placement, with
+    hooks on the blocks): a capture runs that hook, the class forward with its function places as breaks
+    beneath it (Qwen-Image's host-to-device helper, which no graph can hold) and the step cache's break."""
     from bcg.diffusers.step_caching.hook import enable_step_cache
 
     plain = tiny_qwen_image("cpu")
@@ -489,10 +488,13 @@ def test_a_capture_runs_step_cachings_forward_not_the_class_forward_with_its_fun
     assert "compute_text_seq_len_from_mask" in met_breaks(rec)
 
     cached = tiny_qwen_image("cpu")
-    enable_step_cache(cached, None)
+    hook = enable_step_cache(cached, None)
     install_breaks(cached, QWEN_IMAGE_PLACES)
     with recording_capture() as rec:
-        cached(**qwen_image_inputs("cpu"))
+        out = cached(**qwen_image_inputs("cpu"))
     met = met_breaks(rec)
-    assert "_StepCacheLogic._middle_impl" in met and "compute_text_seq_len_from_mask" not in met, met
-    assert "QwenEmbedRope._get_device_freqs" in met   # a submodule's place still applies
+    assert met.index("compute_text_seq_len_from_mask") < met.index("_StepCacheLogic._middle_impl"), met
+    assert "QwenEmbedRope._get_device_freqs" in met   # a submodule's place applies too
+    assert HookRegistry.of(cached).own_forward is None   # set for the capture's call only
+    assert hook.stats()["bypassed"] == 0
+    assert torch.equal(out[0], plain(**qwen_image_inputs("cpu"))[0])   # same weights, same seed: same output

@@ -2,7 +2,7 @@
 
 diffusers' QwenImagePipeline trims its text embeddings to the longest prompt, so every prompt length would
 be a transformer signature of its own. `plan_request` makes the pipeline pad embeddings and mask to the
-prompt bucket (`bcg.diffusers.pipelines._padded_encode_prompt`); these tests check that prompts of one
+prompt bucket (`bcg.diffusers.pipelines.PaddedPromptsHook`); these tests check that prompts of one
 bucket reach the transformer with one signature and that padding leaves the image as it was, within
 float rounding measured here (CPU, float32).
 """
@@ -14,6 +14,7 @@ from bcg.diffusers import (
     accelerate, count_prompt_tokens, generate, pipeline_info, pipeline_stats, plan_request, warmup_pipeline,
 )
 from bcg.diffusers.models import build_tokenizer, load_pipeline
+from bcg.runtime.hooks import HookRegistry
 from bcg.runtime.signature import signature_of
 
 SHORT = "a cat"
@@ -138,6 +139,19 @@ def test_a_prompt_that_fills_its_bucket_keeps_the_signature(pipe):
         seen, _ = _transformer_signatures(pipe, kwargs)
         keys |= {s.key for s in seen}
     assert len(keys) == 1
+
+
+def test_padding_is_one_hook_on_the_pipeline_that_comes_off_whole():
+    pipe = load_pipeline("tiny-qwen-image")
+    assert "encode_prompt" not in vars(pipe)
+    for prompt in (SHORT, LONG):  # planned twice: installed once
+        plan_request(pipe, prompt, size="64x64", steps=1, prompt_buckets=True)
+    assert HookRegistry.of(pipe).names() == ["bcg_padded_prompts"] and "encode_prompt" in vars(pipe)
+    embeds, mask = pipe.encode_prompt(SHORT, device="cpu", max_sequence_length=32)
+    assert embeds.shape[1] == mask.shape[1] == 32
+    HookRegistry.of(pipe).remove_hook("bcg_padded_prompts")
+    assert "encode_prompt" not in vars(pipe) and HookRegistry.of(pipe) is None  # the class's method again
+    assert pipe.encode_prompt(SHORT, device="cpu", max_sequence_length=32)[0].shape[1] < 32
 
 
 @pytest.mark.parametrize("guidance", [1.0, 4.0])

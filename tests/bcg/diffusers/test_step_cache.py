@@ -235,3 +235,25 @@ def test_taylorseer_order_one_forecasts_the_residual_from_the_last_two_computed_
     image1, counts1 = _image(cached, cache=StepCacheConfig(**schedule, taylorseer_order=1))
     assert counts0 == counts1 == {"computed": 5, "cached": 3}
     assert np.abs(image0 - image1).max() > 1e-4   # the forecast changes what a cached step adds
+
+
+def test_regional_compilation_compiles_the_same_block_graphs_with_step_caching():
+    """The block hooks' frames stay outside torch.compile (each block class compiled in place, as the runner's
+    ``compile_regional`` does): a cached request (the middle blocks run from the break, the other middle
+    blocks passing through) compiles exactly the graphs an uncached one does, and recompiles nothing more."""
+    from bcg.runtime.compile import compile_for_segments
+
+    def compiled(cache):
+        torch._dynamo.reset()   # dynamo's code cache is per code object: each run compiles afresh
+        pipe = load_pipeline("tiny-flux")
+        if cache is not None:
+            enable_step_cache(pipe, None)
+        forward = compile_for_segments(pipe.transformer, backend="eager", regional=True, breaks=None)
+        _, counts = _image(pipe, cache=cache, steps=4)
+        stats = forward.stats()
+        return counts, (stats["graphs_compiled"], sorted(f["frame"] for f in stats["frames"]), stats["recompiles"])
+
+    _, uncached = compiled(None)
+    counts, cached = compiled(StepCacheConfig(method="schedule", schedule=[0, 2], warmup_steps=0))
+    assert counts == {"computed": 2, "cached": 2}
+    assert cached == uncached and uncached[0] > 0

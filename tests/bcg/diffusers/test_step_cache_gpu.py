@@ -217,3 +217,32 @@ def test_compiled_step_cache_at_threshold_0_equals_compiled_uncached_and_counts_
         assert after[name]["eager_calls_total"] == before[name]["eager_calls_total"], name
     assert after["middle"]["replays"] - before["middle"]["replays"] == STEPS + 4
     disable_step_cache(pipe)
+
+
+def test_qwen_image_captures_its_own_forwards_function_places_beneath_step_caching():
+    """Qwen-Image's forward copies a host number to the device (``compute_text_seq_len_from_mask``), which
+    the automatic placement makes a break of the class forward. Step caching's hook runs that forward beneath
+    the placement, which hands it the forward with its function places for the capture: the first capture
+    holds, nothing retried or run eagerly, and a cached request replays only."""
+    from bcg.diffusers import auto_placement
+
+    pipe = load_pipeline("tiny-qwen-image", device="cuda")
+    enable_step_cache(pipe, None)
+    accelerate(pipe, config=CONFIG, options=OPTIONS)
+    request = dict(size="64x64", steps=STEPS, seed=7)
+    key, _ = plan_request(pipe, "a red fox running", **request)
+    assert warmup_pipeline(pipe, [key], num_inference_steps=2)["failed"] == 0
+    assert ":forward/compute_text_seq_len_from_mask" in auto_placement(pipe.transformer)
+    stats = pipe.transformer.stats()
+    assert stats["captures"] >= 1 and stats["capture_failures"] == 0 and stats["capture_retries"] == 0
+    before = _totals(pipe)
+    _, kwargs = plan_request(pipe, "a red fox running", **request)
+    schedule = StepCacheConfig(method="schedule", schedule=[0, 1, 3, 6], warmup_steps=0)
+    with torch.no_grad(), step_cache_of(pipe).plain_request(schedule) as counts:
+        pipe(**{**kwargs, "output_type": "np"})
+    assert dict(counts) == {"computed": 4, "cached": 4}
+    after = _totals(pipe)
+    for name in after:
+        assert after[name]["eager_calls_total"] == before[name]["eager_calls_total"], name
+    assert step_cache_of(pipe).stats()["bypassed"] == 0
+    disable_step_cache(pipe)

@@ -105,8 +105,12 @@ def test_step_caching_in_diffusers_registry_survives_unaccelerate(enabled):
     image, counts = cached_counts(pipe)
     assert counts == {"computed": 2, "cached": 2}
     unaccelerate(pipe)
-    # what stays is step caching's face in bcg's registry (the rows it reads), which leaves with it
-    assert [names for _, _, names in bcg_hooks_on(pipe.transformer)] == [["bcg_step_cache"]]
+    # what stays is step caching's: its face in bcg's registry (the rows it reads) and its hooks on the first
+    # and the middle blocks, which leave with it
+    hooked = [(name, names) for name, _, names in bcg_hooks_on(pipe.transformer)]
+    assert hooked == [("", ["bcg_step_cache"]), ("transformer_blocks.0", ["bcg_step_cache"]),
+                      ("transformer_blocks.1", ["bcg_step_cache"])] + [
+        (f"single_transformer_blocks.{i}", ["bcg_step_cache"]) for i in range(4)]
     again, counts = cached_counts(pipe)
     assert counts == {"computed": 2, "cached": 2} and np.array_equal(again, image)
     disable_step_cache(pipe)

@@ -15,7 +15,8 @@ from torch import nn
 
 from bcg.graphs.capture import BreakOutputMismatchError, current_replay_token
 from bcg.runtime.config import RunnerConfig
-from bcg.runtime.runner import CAPTURE_FAILED_ATTR, BreakableGraphRunner
+from bcg.runtime.hooks import HookRegistry, ModelHook
+from bcg.runtime.runner import BreakableGraphRunner
 from bcg.runtime.signature import call_context, signature_of
 
 
@@ -384,13 +385,14 @@ def test_out_of_memory_with_nothing_to_evict_blocks_and_keeps_serving():
     assert stats["capture_failures"] == 1 and stats["blocked"][0]["reason"].startswith("out of memory")
 
 
-class _Hook:
-    """A capture-failure hook (`CAPTURE_FAILED_ATTR`) that answers `changes` in turn, then None."""
+class _Hook(ModelHook):
+    """A hook that answers a failed capture (`HookRegistry.capture_failed`) with `changes` in turn, then None."""
 
     def __init__(self, *changes):
+        super().__init__()
         self.changes, self.seen = list(changes), []
 
-    def __call__(self, exc):
+    def capture_failed(self, module, exc):
         self.seen.append(str(exc))
         change = self.changes.pop(0) if self.changes else None
         if isinstance(change, Exception):
@@ -400,7 +402,8 @@ class _Hook:
 
 def _hooked(hook):
     module = Affine()
-    module.__dict__[CAPTURE_FAILED_ATTR] = hook
+    HookRegistry.check_if_exists_or_initialize(module).register_hook(ModelHook(), "bcg_silent")  # answers nothing
+    HookRegistry.of(module).register_hook(hook, "bcg_test_retry")
     return module
 
 

@@ -44,11 +44,12 @@ run-alone path, `pipeline_call_async`), `scheduler` (each request's scheduler st
 share a schedule), `base` (`StepFamily`), and one module per family on that base: ``FluxPipeline``
 (`flux`: guidance embedding per row; true CFG as a second call) and ``StableDiffusion3Pipeline``
 (`sd3`: CFG rows ``[negatives; positives]`` in one call, each half padded to the bucket). A new family
-is a module of its own beside them, re-exported here. A pipeline's hooks are found through its family record only:
-``bcg.diffusers.families.family_of(pipe).batching_hooks()`` (the record's ``batching`` names the class
-here). Requests with arguments outside `StepFamily.batch_args` (IP-adapters, callbacks, SD3's skip-layer
-guidance, precomputed embeddings) are not batchable: `StepFamily.batchable` says so and the batcher runs
-them alone through ``pipe(**kwargs)``, as it runs every request of a pipeline without a family here.
+is a module of its own beside them, which its record's ``batching`` names (``"module:Class"``; re-exporting
+it here is optional). A pipeline's hooks are found through its family record only:
+``bcg.diffusers.families.family_of(pipe).batching_hooks()``. Requests with arguments outside
+`StepFamily.batch_args` (IP-adapters, callbacks, SD3's skip-layer guidance, precomputed embeddings) are not
+batchable: `StepFamily.batchable` says so and the batcher runs them alone through ``pipe(**kwargs)``, as it
+runs every request of a pipeline without a family here.
 """
 from bcg.diffusers.step_batching.steps.alone import pipeline_call_async
 from bcg.diffusers.step_batching.steps.base import StepFamily

@@ -194,13 +194,13 @@ class FluxStepFamily(StepFamily):
         first tensor's device changed (the question walks every submodule for offload hooks: ~1.6 ms)."""
         from diffusers.utils.torch_utils import get_module_execution_device
 
-        from bcg.diffusers.accelerated import _first_tensor_device
+        from bcg.diffusers.accelerated import first_tensor_device
         from bcg.runtime.proxy import unwrap_runner
 
         vae = pipe.vae
         # its first tensor's device, found without a walk (``vae.device`` walks every submodule for group
         # offloading hooks first: 1.5 ms a decode)
-        seen = (vae, _first_tensor_device(unwrap_runner(vae)))
+        seen = (vae, first_tensor_device(unwrap_runner(vae)))
         cached = getattr(self, "_vae_device_seen", None)
         if cached is None or cached[0][0] is not vae or cached[0][1] != seen[1]:
             cached = self._vae_device_seen = (seen, get_module_execution_device(vae))
