@@ -138,6 +138,8 @@ class AppArgs(BaseModel):
     max_body_bytes: int = Field(64 * 1024, ge=256)             # HTTP bodies above it: 413
     max_warmup_keys: int = Field(64, ge=1)
     max_frames: int = Field(129, ge=1)                         # video models: frames per video
+    max_image_pixels: int = Field(4096 * 4096, ge=1)           # an edit's input image (and PIL's bomb limit)
+    max_upload_bytes: int = Field(20 * 1024 * 1024, ge=1024)   # multipart bodies (edits) above it: 413
     max_retries: int = Field(2, ge=0)                          # re-sends when a replica dies with a request
     retry_after_s: float = Field(1.0, gt=0)                    # Retry-After of 503s
     ingress_max_ongoing_requests: int = Field(256, ge=1)
@@ -385,7 +387,8 @@ class AppArgs(BaseModel):
         """The request limits these args set (size multiple: the model's unless ``size_multiple``)."""
         return RequestLimits(max_n=self.max_n, max_steps=self.max_steps, max_pixels=self.max_pixels,
                              max_prompt_chars=self.max_prompt_chars, max_body_bytes=self.max_body_bytes,
-                             max_warmup_keys=self.max_warmup_keys, max_frames=self.max_frames)
+                             max_warmup_keys=self.max_warmup_keys, max_frames=self.max_frames,
+                             max_image_pixels=self.max_image_pixels, max_upload_bytes=self.max_upload_bytes)
 
     @field_validator("runner")
     @classmethod

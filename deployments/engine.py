@@ -486,7 +486,8 @@ class ReplicaEngine:
 
     def submit(self, plan: RequestPlan) -> concurrent.futures.Future:
         """Queue one request as its `RequestPlan` says (any thread): at its shape key, with its LoRA adapter
-        and scale and its step-cache config, all decided where the request entered. The future's result:
+        and scale and its step-cache config, all decided where the request entered; an edit with its input
+        image, mask and strength. The future's result:
         ``{"images": [PIL images], "replays", "eager_calls", "steps_computed", "steps_cached"}``, from the
         request's own call record: the runner calls made for it (a batched call it shared with its
         neighbours counts for each of them). An adapter this replica does not hold fails the future with
@@ -497,8 +498,11 @@ class ReplicaEngine:
             # on the loop thread: planning counts prompt tokens with the pipeline's tokenizers, which the
             # loop uses too (fast tokenizers are not safe to share between threads)
             from bcg.diffusers import plan_request
+            # an edit's checked files are decoded here (`bcg.diffusers.image_inputs`), off the caller's thread
+            image = plan.images[0] if plan.images else None
             _, kwargs = plan_request(self.pipe, plan.prompt, key=plan.shape_key, steps=plan.steps,
-                                     guidance=plan.guidance_scale, seed=plan.seed, info=self.info)
+                                     guidance=plan.guidance_scale, seed=plan.seed, info=self.info, image=image,
+                                     mask_image=plan.mask, strength=plan.strength)
             record = CallRecord()
             queued = self.batcher.submit_planned(plan, kwargs, records=(record, self._serving))
             with self._submit_lock:

@@ -3,6 +3,8 @@
 Routes: ``POST /v1/images/generations`` (OpenAI Images shape plus ``num_inference_steps``,
 ``guidance_scale``, ``seed``; images come back as ``output_format`` (png, jpeg or webp), which the
 response names as OpenAI's does, and the response adds ``bcg: {replica, warm, shape_key, latency_ms}``),
+``POST /v1/images/edits`` (OpenAI's multipart form, `deployments.edit_form`: an ``image`` file, an optional
+``mask``, the generation fields and diffusers' ``strength``; the same response),
 ``POST /v1/warmup`` (a ``WarmupRequest`` -> the coordinator's merged report), ``GET /v1/stats``,
 ``GET /v1/models`` (the model and its LoRA adapters, with ``parent``), ``POST /v1/load_lora_adapter`` and
 ``POST /v1/unload_lora_adapter`` (vLLM's; ``deployments.lora``: 403 unless the app sets
@@ -30,7 +32,8 @@ passes the plan whole as the ``plan`` kwarg; the replica deployment's router rea
 adapter, and the replica, its engine and batcher take it as it is (they re-check it only in
 ``assert``s) (the HTTP proxy's router only sees opaque bytes, so the routing decision has to happen
 here, on the model deployment's handle). Nothing here imports torch. Python callers use ``Ingress.generate`` through a DeploymentHandle with the
-same ``ImageGenerationRequest`` model and get an ``ImageGenerationResponse``.
+same ``ImageGenerationRequest`` model and get an ``ImageGenerationResponse`` (``Ingress.edit`` with an
+``ImageEditRequest``, the image files as bytes).
 
 Failures (docs/failures.md): the replica queue full -> 503 + ``Retry-After``; no answer within
 ``request_timeout_s`` (queueing included) -> 504, and the request is cancelled; a replica that dies
@@ -55,9 +58,11 @@ from ray.exceptions import RayActorError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, ReplicaUnavailableError
 
 from bcg.diffusers.request_plan import PlanDefaults, RequestPlan
+from deployments.edit_form import EditFormError, edit_request_from_form, form_openapi
 from deployments.schemas import (
     FieldError,
     ImageData,
+    ImageEditRequest,
     ImageGenerationRequest,
     ImageGenerationResponse,
     ModelCard,
@@ -94,7 +99,7 @@ ERROR_RESPONSES = {
     403: {"description": "runtime LoRA loading is off (app arg allow_runtime_lora_updating)"},
     404: {"description": "`model` is neither the model this deployment serves nor one of its LoRA adapters"},
     409: {"description": "a LoRA adapter of that name is loaded already, or every adapter slot is taken"},
-    413: {"description": "body larger than max_body_bytes"},
+    413: {"description": "body larger than max_body_bytes (an edit's multipart body: max_upload_bytes)"},
     500: {"description": "the pipeline raised while generating; the replica keeps serving"},
     503: {"description": "queue full, or the replica died max_retries+1 times; retry after Retry-After"},
     504: {"description": "not served within request_timeout_s (queueing included); the request was cancelled"},
@@ -165,9 +170,9 @@ class Ingress:
         self._info_lock = asyncio.Lock()
         self._counters = {"retries": 0, "lost": 0, "timeouts": 0, "rejected": 0}
         from deployments.security import configure_guard  # at run time: this class is pickled by value
-        guard = configure_guard(
-            api_key_from_env(api_key_env), auth_scope,
-            RequestLimits(**{k: v for k, v in self._limits.items() if v is not None}).max_body_bytes)
+        limits = RequestLimits(**{k: v for k, v in self._limits.items() if v is not None})
+        guard = configure_guard(api_key_from_env(api_key_env), auth_scope, limits.max_body_bytes,
+                                limits.max_upload_bytes)
         logger.info("ingress: API key %s (%s), auth scope %s, max body %d bytes",
                     "set" if guard.api_key else "not set", api_key_env, auth_scope, guard.max_body_bytes)
         self.allow_runtime_lora_updating = allow_runtime_lora_updating
@@ -221,9 +226,19 @@ class Ingress:
     async def generate(self, request: ImageGenerationRequest) -> ImageGenerationResponse:
         """Validate and plan the request (`check_request`), route by its plan's shape key, run; raises
         FieldError (a ValueError) naming the field."""
-        t0 = time.perf_counter()
         if isinstance(request, dict):
             request = ImageGenerationRequest.model_validate(request)
+        return await self._serve(request)
+
+    async def edit(self, request: ImageEditRequest) -> ImageGenerationResponse:
+        """An edit from an input image (image-to-image; inpainting with a ``mask``), as `generate`: its files
+        checked and planned once (`check_request`); raises FieldError naming the field."""
+        if isinstance(request, dict):
+            request = ImageEditRequest.model_validate(request)
+        return await self._serve(request)
+
+    async def _serve(self, request) -> ImageGenerationResponse:
+        t0 = time.perf_counter()
         info = await self._model_info()
         adapters = await self._lora_adapters(request.model)
         plan = check_request(request, self.limits, self.model, info, self.defaults, adapters=adapters)
@@ -302,8 +317,27 @@ class Ingress:
     @api.post("/v1/images/generations", response_model=ImageGenerationResponse,
               response_model_exclude_none=True, responses=ERROR_RESPONSES)
     async def http_generate(self, body: ImageGenerationRequest):
+        return await self._answer(self.generate(body))
+
+    @api.post("/v1/images/edits", response_model=ImageGenerationResponse, response_model_exclude_none=True,
+              responses=ERROR_RESPONSES, openapi_extra=form_openapi())
+    async def http_edit(self, request: Request):
+        """OpenAI's edits route: a multipart form (`deployments.edit_form`); without ``mask`` image-to-image,
+        with one inpainting."""
+        # `Request` read here, not only in the annotation: the class is pickled by value with the globals its
+        # code reads, and FastAPI resolves this (string) annotation in them (else `request` is a query field)
+        assert isinstance(request, Request)
         try:
-            return await self.generate(body)
+            body = await edit_request_from_form(request)
+        except EditFormError as exc:
+            return JSONResponse(status_code=exc.status_code, content={"detail": exc.detail})
+        return await self._answer(self.edit(body))
+
+    async def _answer(self, serving):
+        """The HTTP answer of a request being served (`serving`: `generate` or `edit`): its response, or
+        the status its failure maps to (docs/failures.md)."""
+        try:
+            return await serving
         except FieldError as exc:
             return _error(exc)
         except BackPressureError as exc:

@@ -81,7 +81,8 @@ from deployments.lora import LoraChoice, LoraPaths
 from deployments.metrics import ReplicaMetrics
 from deployments.router import (BATCH_FREE_ROWS, CAPTURE_ON_NEED_KEYS, LORA_ADAPTERS, POOL_BYTES, QUEUE_LEN,
                                 WARM_BATCH_KEYS, WARM_KEYS, ShapeAffinityRouter)
-from deployments.schemas import ImageGenerationRequest, ReplicaReport, request_plan
+from deployments.schemas import (ImageEditRequest, ImageGenerationRequest, ReplicaReport, RequestLimits,
+                                 check_edit_images, request_plan)
 from deployments.spill import COLD_REQUEST_S, REQUEST_S, WARMUP_S, moving_average
 from deployments.startup import ReplicaStartup, startup_warnings
 
@@ -458,7 +459,10 @@ class Replica:
         if isinstance(request, dict):
             request = ImageGenerationRequest.model_validate(request)
         defaults = PlanDefaults(steps=self.default_steps, cache=self.engine.default_cache())
-        return request_plan(request, self.info, defaults, lora=lora,
+        # an edit's files checked as the ingress checks them, with the default limits
+        images = check_edit_images(request, RequestLimits(), self.info) if isinstance(request, ImageEditRequest) \
+            else ((), None)
+        return request_plan(request, self.info, defaults, lora=lora, images=images,
                             key=None if shape_key is None else ShapeKey.parse(shape_key))
 
 

@@ -1,8 +1,9 @@
 """Pydantic models at the HTTP and Python-handle edge of the app.
 
-The request model follows the OpenAI Images API (``prompt, model, n, size "WxH", response_format,
+The request models follow the OpenAI Images API (``prompt, model, n, size "WxH", response_format,
 user, output_format, output_compression``) plus ``num_inference_steps``, ``guidance_scale``, ``seed``
-and, for video models only, ``num_frames`` (diffusers' name); unknown fields are rejected.
+and, for video models only, ``num_frames`` (diffusers' name); an edit (``ImageEditRequest``) adds its
+``image`` files, ``mask`` and diffusers' ``strength``; unknown fields are rejected.
 Static checks live in the model, which is strict: no type coercion (``"2"`` is not an int, ``true``
 is not a number), no NaN or infinity, bounded strings. The deployment's maxima (``RequestLimits``) and
 the model's size multiple are checked by ``check_request``, which also plans the request once
@@ -14,14 +15,16 @@ keys alike. Every error names the field it is about.
 """
 from __future__ import annotations
 
-from typing import Annotated, Dict, Iterable, List, Literal, Optional, get_args
+from typing import Annotated, Dict, Iterable, List, Literal, Optional, Union, get_args
 
 from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, PrivateAttr, ValidationInfo, field_validator,
                       model_validator)
 
 from bcg.diffusers.buckets import ShapeKey, check_shape, parse_size, request_shape_key
 from bcg.diffusers.step_caching.config import StepCacheConfig
-from bcg.diffusers.request_plan import LoraChoice, PlanDefaults, PlanError, RequestPlan, resolve_plan
+from bcg.diffusers.image_inputs import ImageInputError, read_image
+from bcg.diffusers.request_plan import (LoraChoice, PlanDefaults, PlanError, RequestPlan, check_edit_kind,
+                                        resolve_plan)
 from deployments.lora import lora_choice
 
 
@@ -49,6 +52,8 @@ class RequestLimits(BaseModel):
     max_body_bytes: int = Field(64 * 1024, ge=256)     # HTTP bodies above it get a 413
     max_warmup_keys: int = Field(64, ge=1)
     max_frames: int = Field(129, ge=1)                  # video models: frames per video
+    max_image_pixels: int = Field(4096 * 4096, ge=1)    # an edit's input image (PIL's bomb limit applies too)
+    max_upload_bytes: int = Field(20 * 1024 * 1024, ge=1024)  # multipart bodies (edits) above it get a 413
     frame_multiple: Optional[int] = Field(None, ge=1)   # None: an image model (1 frame); video: frames k*m+1
 
 
@@ -77,8 +82,8 @@ class StepCache(BaseModel):
         return self._config
 
 
-class ImageGenerationRequest(BaseModel):
-    """OpenAI ``POST /v1/images/generations`` body, plus diffusion knobs."""
+class _ImageRequest(BaseModel):
+    """The fields OpenAI's image routes share, plus this project's diffusion knobs."""
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
     prompt: str = Field(min_length=1)  # max: RequestLimits.max_prompt_chars (and the body size)
     model: Optional[str] = Field(None, max_length=256)
@@ -89,7 +94,6 @@ class ImageGenerationRequest(BaseModel):
     num_inference_steps: Optional[int] = Field(None, ge=1)
     guidance_scale: Optional[float] = Field(None, ge=0.0, le=100.0)
     seed: Optional[int] = Field(None, ge=0, lt=2**63)
-    num_frames: Optional[int] = Field(None, ge=1)  # video models only; None: the model's default
     output_format: OutputFormat = "png"
     # jpeg/webp quality in percent; None: Pillow's default (75 for JPEG, 80 for WebP). OpenAI ignores it
     # for png; here it is an error, since nothing would honour it.
@@ -116,6 +120,28 @@ class ImageGenerationRequest(BaseModel):
             except UnicodeEncodeError:  # a lone surrogate ("\\ud800" in JSON): no tokenizer takes it
                 raise ValueError("must be valid Unicode text (no lone surrogates)") from None
         return v
+
+
+class ImageGenerationRequest(_ImageRequest):
+    """OpenAI ``POST /v1/images/generations`` body, plus diffusion knobs."""
+    num_frames: Optional[int] = Field(None, ge=1)  # video models only; None: the model's default
+
+
+class ImageEditRequest(_ImageRequest):
+    """OpenAI ``POST /v1/images/edits`` (multipart over HTTP: `deployments.edit_form`), plus the knobs of
+    generations and diffusers' ``strength``. ``image``: the input image files' bytes (one for the edits
+    served today; a bare bytes is one file); ``mask``: where to repaint (transparent pixels, OpenAI's
+    convention; without alpha, white: diffusers'), None: image-to-image. The files are checked and
+    planned by `check_request`."""
+    image: List[bytes] = Field(min_length=1, max_length=16)
+    mask: Optional[bytes] = None
+    # how far into the schedule the edit starts from its image (diffusers' strength; None: the pipeline's)
+    strength: Optional[float] = Field(None, gt=0.0, le=1.0)
+
+    @field_validator("image", mode="before")
+    @classmethod
+    def _one_file(cls, v):
+        return [v] if isinstance(v, (bytes, bytearray)) else v
 
 
 
@@ -160,9 +186,14 @@ def check_shape_limits(key: ShapeKey, limits: RequestLimits) -> ShapeKey:
     return key
 
 
-def check_request(req: ImageGenerationRequest, limits: RequestLimits, served_model: str, info: dict,
-                  defaults: PlanDefaults = PlanDefaults(), adapters: Iterable[str] = ()) -> RequestPlan:
+def check_request(req: Union[ImageGenerationRequest, "ImageEditRequest"], limits: RequestLimits, served_model: str,
+                  info: dict, defaults: PlanDefaults = PlanDefaults(), adapters: Iterable[str] = ()) -> RequestPlan:
     """Apply the deployment limits; returns the request's `RequestPlan` or raises FieldError.
+
+    An `ImageEditRequest`'s files are checked here, once (`check_edit_images`): the model makes the edit
+    (else ``model``), no more images than it takes (``image``), each a readable image within
+    ``max_image_pixels`` and PIL's decompression-bomb limit (``image`` / ``mask``), a mask of the image's
+    size (``mask``); its plan carries them (`bcg.diffusers.image_inputs.ImageInput`).
 
     ``model`` may name the served model or one of its LoRA `adapters` (``lora_scale`` only with one);
     anything else is a 404 naming it. The plan's LoRA choice is `deployments.lora.lora_choice`'s.
@@ -187,27 +218,51 @@ def check_request(req: ImageGenerationRequest, limits: RequestLimits, served_mod
         raise FieldError("prompt", f"at most {limits.max_prompt_chars} characters, got {len(req.prompt)}")
     if req.num_inference_steps is not None and req.num_inference_steps > limits.max_steps:
         raise FieldError("num_inference_steps", f"at most {limits.max_steps}, got {req.num_inference_steps}")
-    if req.num_frames is not None and not info["is_video"]:
+    if getattr(req, "num_frames", None) is not None and not info["is_video"]:
         raise FieldError("num_frames", f"{served_model!r} makes images; num_frames is for video models only")
     if req.output_format == "jpeg" and info["is_video"]:
         raise FieldError("output_format", f"jpeg cannot hold a video; use png or webp ({served_model!r} makes videos)")
     try:
-        plan = request_plan(req, info, defaults, lora=lora_choice(req, served_model))
+        images = check_edit_images(req, limits, info) if isinstance(req, ImageEditRequest) else ((), None)
+        plan = request_plan(req, info, defaults, lora=lora_choice(req, served_model), images=images)
     except PlanError as exc:
         raise FieldError(exc.field, exc.msg) from None
     check_shape_limits(plan.shape_key, limits)
     return plan
 
 
-def request_plan(req: ImageGenerationRequest, info: dict, defaults: PlanDefaults = PlanDefaults(), *,
-                 key: Optional[ShapeKey] = None, lora: Optional[LoraChoice] = None) -> RequestPlan:
+def check_edit_images(req: "ImageEditRequest", limits: RequestLimits, info: dict) -> tuple:
+    """``(images, mask)`` of an edit request, read and checked (`bcg.diffusers.image_inputs.read_image`) after
+    the model is known to make the edit and to take that many images; raises `PlanError` naming the field."""
+    check_edit_kind(info, len(req.image), req.mask is not None)
+    images = []
+    for i, data in enumerate(req.image):
+        try:
+            images.append(read_image(data, limits.max_image_pixels))
+        except ImageInputError as exc:
+            raise PlanError("image" if len(req.image) == 1 else f"image[{i}]", str(exc)) from None
+    mask = None
+    if req.mask is not None:
+        try:
+            mask = read_image(req.mask, limits.max_image_pixels)
+        except ImageInputError as exc:
+            raise PlanError("mask", str(exc)) from None
+    return tuple(images), mask
+
+
+def request_plan(req: Union[ImageGenerationRequest, "ImageEditRequest"], info: dict,
+                 defaults: PlanDefaults = PlanDefaults(), *, key: Optional[ShapeKey] = None,
+                 lora: Optional[LoraChoice] = None, images: tuple = ((), None)) -> RequestPlan:
     """`resolve_plan` of a request's fields (its `cache` as validated with the body), at `key` when given
-    (computed where the request entered), with the LoRA choice `lora`; raises `PlanError`. The ingress
-    (`check_request`) and a replica called with a bare request (a handle caller) plan through it."""
-    return resolve_plan(req.prompt, info, defaults, key=key, size=req.size, n=req.n, num_frames=req.num_frames,
-                        steps=req.num_inference_steps, guidance_scale=req.guidance_scale, seed=req.seed, lora=lora,
+    (computed where the request entered), with the LoRA choice `lora` and an edit's checked ``(images,
+    mask)`` (`check_edit_images`); raises `PlanError`. The ingress (`check_request`) and a replica called
+    with a bare request (a handle caller) plan through it."""
+    return resolve_plan(req.prompt, info, defaults, key=key, size=req.size, n=req.n,
+                        num_frames=getattr(req, "num_frames", None), steps=req.num_inference_steps,
+                        guidance_scale=req.guidance_scale, seed=req.seed, lora=lora,
                         cache=None if req.cache is None else req.cache.config(), output_format=req.output_format,
-                        output_compression=req.output_compression)
+                        output_compression=req.output_compression, images=images[0], mask=images[1],
+                        strength=getattr(req, "strength", None))
 
 
 def check_plan(keys: Iterable[str], limits: RequestLimits, field: str = "keys") -> List[str]:

@@ -14,9 +14,12 @@ below it sees a request it rejected):
   Loading LoRA adapters at run time is off unless the app allows it, key or not, and then reads only
   under ``lora_root`` (``deployments.lora``).
 * Body size. A body larger than ``max_body_bytes`` gets 413, judged from ``Content-Length`` before
-  anything is read, else while reading (chunked bodies); the body is never buffered past the limit.
+  anything is read, else while reading (chunked bodies); the body is never buffered past the limit. The
+  upload paths (``UPLOAD_PATHS``: ``POST /v1/images/edits``, whose multipart bodies carry image files)
+  have ``max_upload_bytes`` instead.
 * Body encoding. A non-empty body must be UTF-8 (JSON's only interchange encoding, RFC 8259): else
-  400. Without this check Python's ``json.loads`` would accept UTF-16/32 bodies.
+  400. Without this check Python's ``json.loads`` would accept UTF-16/32 bodies. A
+  ``multipart/form-data`` body on an upload path is binary (its files) and is left to the route's parser.
 
 Error bodies have FastAPI's shape, ``{"detail": [{"loc": [...], "msg": ..., "type": ...}]}``, with
 ``loc`` naming the header or the body. The guard's settings live in the ``GUARD`` object of this
@@ -35,6 +38,7 @@ logger = logging.getLogger(__name__)
 
 API_KEY_ENV = "BCG_API_KEY"
 ADMIN_PATHS = ("/v1/warmup", "/v1/stats", "/v1/load_lora_adapter", "/v1/unload_lora_adapter")
+UPLOAD_PATHS = ("/v1/images/edits",)   # multipart bodies with files: max_upload_bytes, not UTF-8
 _BODY_METHODS = {"POST", "PUT", "PATCH"}
 
 
@@ -51,6 +55,10 @@ class GuardConfig:
     api_key: Optional[str] = None
     auth_scope: str = "all"          # "all" | "admin"
     max_body_bytes: int = 64 * 1024
+    max_upload_bytes: int = 20 * 1024 * 1024
+
+    def body_limit(self, path: str) -> int:
+        return self.max_upload_bytes if path.rstrip("/") in UPLOAD_PATHS else self.max_body_bytes
 
     def needs_key(self, path: str) -> bool:
         if self.api_key is None:
@@ -61,7 +69,8 @@ class GuardConfig:
 GUARD = GuardConfig()
 
 
-def configure_guard(api_key: Optional[str], auth_scope: str, max_body_bytes: int) -> GuardConfig:
+def configure_guard(api_key: Optional[str], auth_scope: str, max_body_bytes: int,
+                    max_upload_bytes: Optional[int] = None) -> GuardConfig:
     """Set this process's ``GUARD`` (the ingress calls it in its constructor).
 
     Callers must import this function at run time: the ingress class is pickled by value, so a
@@ -70,6 +79,8 @@ def configure_guard(api_key: Optional[str], auth_scope: str, max_body_bytes: int
     if auth_scope not in ("all", "admin"):
         raise ValueError(f"auth_scope must be 'all' or 'admin', got {auth_scope!r}")
     GUARD.api_key, GUARD.auth_scope, GUARD.max_body_bytes = api_key, auth_scope, int(max_body_bytes)
+    if max_upload_bytes is not None:
+        GUARD.max_upload_bytes = int(max_upload_bytes)
     return GUARD
 
 
@@ -122,7 +133,7 @@ class RequestGuard:
                                          [("WWW-Authenticate", challenge)])
         if scope.get("method", "GET") not in _BODY_METHODS:
             return await self.app(scope, receive, send)
-        limit = cfg.max_body_bytes
+        limit = cfg.body_limit(path)
         length = headers.get(b"content-length")
         if length is not None:
             try:
@@ -138,7 +149,9 @@ class RequestGuard:
         except _BodyTooLarge:
             return await _send_error(send, 413, ["body"], f"body is larger than max_body_bytes={limit}",
                                      "body_too_large")
-        if body:
+        upload = path.rstrip("/") in UPLOAD_PATHS and headers.get(b"content-type", b"").lower().startswith(
+            b"multipart/form-data")
+        if body and not upload:
             try:
                 body.decode("utf-8")
             except UnicodeDecodeError as exc:
@@ -172,5 +185,5 @@ class RequestGuard:
         return b"".join(chunks)
 
 
-__all__ = ["ADMIN_PATHS", "API_KEY_ENV", "GUARD", "GuardConfig", "RequestGuard", "api_key_from_env",
+__all__ = ["ADMIN_PATHS", "API_KEY_ENV", "GUARD", "UPLOAD_PATHS", "GuardConfig", "RequestGuard", "api_key_from_env",
            "authorized", "configure_guard"]

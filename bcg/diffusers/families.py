@@ -14,7 +14,10 @@ A `ModelFamily` says how a request becomes a call of that family's pipeline:
   None: one pipeline call per request);
 - how step caching hooks its transformer's block lists (`step_cache`, a `BlockAdapter`: the transformer
   classes, the block lists in the order its forward runs them, what a block takes per row and returns;
-  None: no step caching).
+  None: no step caching);
+- the edits it makes from input images (`edit_pipelines`: ``"image-to-image"`` / ``"inpaint"`` -> the name of
+  diffusers' pipeline class that makes it, built from the loaded pipeline's components:
+  `bcg.diffusers.edits`).
 
 The size default and the defaults of the call (steps, guidance, frames) are the pipeline's own and are
 read from it by `bcg.diffusers.pipeline_info`. `family_of(pipe)` finds a pipeline's record by its class
@@ -186,6 +189,8 @@ class ModelFamily:
     batching: Optional[str] = None
     # how step caching hooks its transformer's blocks (None: no step caching)
     step_cache: Optional[BlockAdapter] = None
+    # edit kind (bcg.diffusers.image_inputs.EDIT_KINDS) -> the diffusers pipeline class that makes it
+    edit_pipelines: Mapping[str, str] = dataclasses.field(default_factory=lambda: MappingProxyType({}), hash=False)
 
     def batching_hooks(self) -> Optional[BatchingHooks]:
         """A new instance of this family's step-wise batching hooks; None when it has none."""
@@ -206,6 +211,8 @@ FAMILIES: dict[str, ModelFamily] = {f.name: f for f in (
     ModelFamily("flux", ("FluxPipeline",), builtin="tiny-flux",
                 cfg=CfgRule(scale_arg="true_cfg_scale", embedded_arg="guidance_scale", separate_calls=True),
                 latent_packing=2, prompt_tokenizer="tokenizer_2", batching=_STEPS + "flux:FluxStepFamily",
+                edit_pipelines=MappingProxyType({"image-to-image": "FluxImg2ImgPipeline",
+                                                 "inpaint": "FluxInpaintPipeline"}),
                 step_cache=BlockAdapter(
                     ("FluxTransformer2DModel",), ("transformer_blocks", "single_transformer_blocks"),
                     bypass_args=("controlnet_block_samples", "controlnet_single_block_samples",

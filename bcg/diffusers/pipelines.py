@@ -1,5 +1,6 @@
 """Pipeline facts, requests and warmup: `pipeline_info` (family, defaults, limits of a diffusers pipeline),
-`plan_request` turns a request (prompt, n, size, steps, guidance, seed) or a request carrying its
+`plan_request` turns a request (prompt, n, size, steps, guidance, seed; an edit's image, mask and
+strength) or a request carrying its
 `ShapeKey` into the pipeline's keyword arguments, `generate` runs it, `warmup_pipeline` runs the
 pipeline once per shape key inside every runner's ``warmup()``. What differs between families is their
 record in `bcg.diffusers.families`.
@@ -73,6 +74,9 @@ def pipeline_info(pipe) -> dict:
         "frame_multiple": getattr(pipe, "vae_scale_factor_temporal", None) if is_video else None,
         "default_frames": defaults.get("num_frames") if is_video else 1,
         "fps": family.fps if is_video else None,  # None for a video family that names none: no frame delay
+        # the edits it makes from an input image (`bcg.diffusers.edits`), one image each
+        "edits": sorted(family.edit_pipelines),
+        "max_input_images": 1 if family.edit_pipelines else 0,
     }
 
 
@@ -189,6 +193,9 @@ def plan_request(
     prompt_bucket: int | None = None,
     output_type: str = "pil",
     info: dict | None = None,
+    image=None,
+    mask_image=None,
+    strength: float | None = None,
 ) -> tuple[ShapeKey, dict]:
     """Validate a request; return its `ShapeKey` and the keyword arguments for ``pipe(**kwargs)``.
 
@@ -208,6 +215,11 @@ def plan_request(
     defaults to ``" "``); for Flux the embedded guidance, or the true-CFG scale when a
     `negative_prompt` is given. Qwen-Image's pipeline is made to pad its prompt embeddings to
     ``max_sequence_length`` (see `_padded_encode_prompt`). Nothing runs on a device here.
+
+    An edit brings an input `image` (a PIL image, or a checked `bcg.diffusers.image_inputs.ImageInput`),
+    for inpainting a `mask_image` (white: repainted) and `strength` in (0, 1] (None: its pipeline's
+    default): call arguments of its family's edit pipeline (`bcg.diffusers.edits`), which resizes the
+    image to the key's size; ValueError where the family makes no such edit.
     """
     info = info or pipeline_info(pipe)
     family = family_named(info["family"])
@@ -237,6 +249,7 @@ def plan_request(
         kwargs.update(num_frames=key.num_frames, num_videos_per_prompt=key.batch_size)
     else:
         kwargs["num_images_per_prompt"] = key.batch_size
+    kwargs.update(_edit_kwargs(family, image, mask_image, strength))
     if steps is not None:
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
             raise ValueError(f"steps (num_inference_steps) must be a positive int, got {steps!r}")
@@ -245,6 +258,29 @@ def plan_request(
         # a CPU generator: the same seed gives the same image on every device and with or without graphs
         kwargs["generator"] = torch.Generator("cpu").manual_seed(int(seed))
     return key, kwargs
+
+
+def _edit_kwargs(family, image, mask_image, strength) -> dict:
+    """An edit's call arguments (diffusers' ``image``, ``mask_image``, ``strength``), checked; {} for text."""
+    from bcg.diffusers.image_inputs import ImageInput, edit_kind, open_image, open_mask
+
+    if image is None:
+        for name, value in (("mask_image", mask_image), ("strength", strength)):
+            if value is not None:
+                raise ValueError(f"{name} applies to an edit: pass an image too")
+        return {}
+    kind = edit_kind(1, mask_image is not None)
+    if kind not in family.edit_pipelines:
+        raise ValueError(f"the {family.name} family cannot do {kind} (it makes "
+                         f"{', '.join(sorted(family.edit_pipelines)) or 'no edits from input images'})")
+    kwargs = {"image": open_image(image) if isinstance(image, ImageInput) else image}
+    if mask_image is not None:
+        kwargs["mask_image"] = open_mask(mask_image) if isinstance(mask_image, ImageInput) else mask_image
+    if strength is not None:
+        if isinstance(strength, bool) or not isinstance(strength, (int, float)) or not 0 < strength <= 1:
+            raise ValueError(f"strength must be a number in (0, 1], got {strength!r}")
+        kwargs["strength"] = float(strength)
+    return kwargs
 
 
 def _disagreement(key: ShapeKey, info: dict, cfg: bool, **given) -> str:
@@ -268,9 +304,12 @@ def _disagreement(key: ShapeKey, info: dict, cfg: bool, **given) -> str:
 
 
 def generate(pipe, prompt: str, **request) -> list:
-    """Run one request (see `plan_request`): a list of PIL images, or for video a list of frame lists."""
+    """Run one request (see `plan_request`): a list of PIL images, or for video a list of frame lists. An
+    edit runs on its family's edit pipeline made from `pipe` (`bcg.diffusers.edits`)."""
+    from bcg.diffusers.edits import EditPipelines, edit_kind_of
+
     _, kwargs = plan_request(pipe, prompt, **request)
-    out = pipe(**kwargs)
+    out = EditPipelines().get(pipe, edit_kind_of(kwargs))(**kwargs)
     return list(out.frames) if hasattr(out, "frames") else list(out.images)
 
 

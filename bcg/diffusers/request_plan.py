@@ -4,11 +4,15 @@ A served request is planned at the ingress (`deployments.schemas.check_request`)
 whole: to the replica (the router reads its shape key and LoRA choice), the engine and the step
 batcher's queued request, which read its fields where they use them and decide nothing again. The plan
 holds the request's `ShapeKey`, its LoRA choice (`LoraChoice`), its validated step-cache config
-(`StepCacheConfig`), steps, guidance, seed, prompt and output format.
+(`StepCacheConfig`), steps, guidance, seed, prompt and output format, and for an edit its input images
+(`bcg.diffusers.image_inputs.ImageInput`: the files as sent, checked), mask and ``strength``.
 
 `resolve_plan` is the one place a request's defaults are resolved: the deployment's (`PlanDefaults`:
 size, steps, step-cache config) over the model's (``info``, `bcg.diffusers.pipeline_info`'s facts). It
-also checks that step caching is available where a request asks for it (``info["step_cache"]``).
+also checks that step caching is available where a request asks for it (``info["step_cache"]``), and that
+the model can make the edit a request with input images asks for (``info["edits"]``: image-to-image without
+a mask, inpainting with one; at most ``info["max_input_images"]`` images, a mask of the image's size,
+``strength`` in (0, 1]).
 
 Torch-free (stdlib and torch-free `bcg.diffusers` modules only), so the ingress stays torch-free; plans
 are frozen and pickle.
@@ -19,9 +23,10 @@ import dataclasses
 from typing import NamedTuple
 
 from bcg.diffusers.buckets import ShapeKey, parse_size, request_shape_key
+from bcg.diffusers.image_inputs import ImageInput, edit_kind
 from bcg.diffusers.step_caching.config import StepCacheConfig
 
-__all__ = ["LoraChoice", "PlanDefaults", "PlanError", "RequestPlan", "resolve_plan"]
+__all__ = ["LoraChoice", "PlanDefaults", "PlanError", "RequestPlan", "check_edit", "check_edit_kind", "resolve_plan"]
 
 
 class LoraChoice(NamedTuple):
@@ -61,7 +66,9 @@ class RequestPlan:
     shape_key: the `ShapeKey` it runs at (size, images, frames, CFG, prompt bucket). steps: denoising
     steps (None: the pipeline's default). guidance_scale: None the model's default. seed: None unseeded.
     lora: its adapter and scale (None: the base model). cache: its step caching (None: every step
-    computes). output_format / output_compression: how its images are encoded."""
+    computes). output_format / output_compression: how its images are encoded. images: its input images
+    (empty: text-to-image); mask: the region to repaint (None: image-to-image); strength: how far into the
+    schedule an edit starts from its image (diffusers' ``strength``; None: the pipeline's default)."""
     shape_key: ShapeKey
     prompt: str
     steps: int | None = None
@@ -71,26 +78,37 @@ class RequestPlan:
     cache: StepCacheConfig | None = None
     output_format: str = "png"
     output_compression: int | None = None
+    images: tuple[ImageInput, ...] = ()
+    mask: ImageInput | None = None
+    strength: float | None = None
+
+    @property
+    def edit(self) -> str | None:
+        """The edit it asks for (`bcg.diffusers.image_inputs.EDIT_KINDS`), None for text-to-image."""
+        return edit_kind(len(self.images), self.mask is not None)
 
 
 def resolve_plan(prompt: str, info: dict, defaults: PlanDefaults = PlanDefaults(), *, key: ShapeKey | None = None,
                  size: str | None = None, n: int = 1, num_frames: int | None = None, steps: int | None = None,
                  guidance_scale: float | None = None, seed: int | None = None, lora: LoraChoice | None = None,
                  cache: StepCacheConfig | None = None, output_format: str = "png",
-                 output_compression: int | None = None) -> RequestPlan:
+                 output_compression: int | None = None, images: tuple[ImageInput, ...] = (),
+                 mask: ImageInput | None = None, strength: float | None = None) -> RequestPlan:
     """A request's `RequestPlan` on the model `info` describes: the one place its defaults are resolved.
 
     The shape key is `request_shape_key` of the request (its size, else ``defaults.size``, else the
     model's), unless `key` is given (a key computed where the request entered; debug runs assert that the
     fields given beside it agree). Steps and the step-cache config fall back to `defaults`. A `cache` (a
     `StepCacheConfig`, validated where the request was parsed) where ``info["step_cache"]`` is false raises
-    `PlanError` naming ``cache``.
+    `PlanError` naming ``cache``. Input `images` (an edit) are checked by `check_edit`.
     """
     if cache is not None and not info.get("step_cache"):
         raise PlanError("cache", "this deployment has no step caching; start it with the app arg step_cache "
                                  "(method=first_block,threshold=0 lets requests ask for it without a default)")
     assert defaults.cache is None or info.get("step_cache"), "a default cache config where step caching is off"
     assert cache is None or isinstance(cache, StepCacheConfig), "cache: a StepCacheConfig, validated where it was made"
+    images = tuple(images)
+    check_edit(info, images, mask, strength)
     if key is None:
         key = request_shape_key(info, size=size or defaults.size, n=n, guidance=guidance_scale,
                                 num_frames=num_frames)
@@ -99,7 +117,39 @@ def resolve_plan(prompt: str, info: dict, defaults: PlanDefaults = PlanDefaults(
     return RequestPlan(shape_key=key, prompt=prompt, steps=steps if steps is not None else defaults.steps,
                        guidance_scale=guidance_scale, seed=seed, lora=lora,
                        cache=cache if cache is not None else defaults.cache, output_format=output_format,
-                       output_compression=output_compression)
+                       output_compression=output_compression, images=images, mask=mask, strength=strength)
+
+
+def check_edit_kind(info: dict, images: int, mask: bool) -> None:
+    """That the model `info` describes makes the edit of `images` input images with a `mask` (or without)
+    and takes that many images: `PlanError` naming ``model`` or ``image`` (what the ingress checks before it
+    reads the files)."""
+    kind = edit_kind(images, mask)
+    edits = info.get("edits") or ()
+    if kind not in edits:
+        served = info.get("model") or info.get("pipeline_class", "this model")
+        can = f"it makes {' and '.join(edits)}" if edits else "it makes images from text only"
+        raise PlanError("model", f"{served!r} ({info.get('pipeline_class')}) cannot do {kind}: {can}")
+    most = int(info.get("max_input_images") or 1)
+    if images > most:
+        raise PlanError("image", f"at most {most} input image{'s' * (most > 1)} for {kind}, got {images}")
+
+
+def check_edit(info: dict, images: tuple[ImageInput, ...], mask: ImageInput | None, strength: float | None) -> None:
+    """That the model `info` describes can make the edit these inputs ask for; raises `PlanError` naming the
+    field: ``mask`` or ``strength`` without an image, ``strength`` outside (0, 1], ``model`` where the model
+    makes no such edit (``info["edits"]``), ``image`` past ``info["max_input_images"]`` images, ``mask`` of
+    another size than the image."""
+    if not images:
+        for name, value in (("mask", mask), ("strength", strength)):
+            if value is not None:
+                raise PlanError(name, "applies to an edit: send an input image too")
+        return
+    if strength is not None and not 0 < strength <= 1:
+        raise PlanError("strength", f"must be in (0, 1] (1: start from pure noise), got {strength!r}")
+    check_edit_kind(info, len(images), mask is not None)
+    if mask is not None and (mask.width, mask.height) != (images[0].width, images[0].height):
+        raise PlanError("mask", f"must be the image's size {images[0].size}, got {mask.size}")
 
 
 def _disagreement(key: ShapeKey, size: str | None, n: int, num_frames: int | None) -> str:

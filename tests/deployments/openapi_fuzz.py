@@ -138,7 +138,44 @@ def _raw_bodies(max_body_bytes: int) -> st.SearchStrategy:
                                          "application/json")),                              # too large
         st.binary(max_size=32).map(lambda b: (b, "text/plain")),
         st.just((b"", "application/json")),
+        st.binary(max_size=64).map(lambda b: (b"--bcg\r\n" + b, "multipart/form-data; boundary=bcg")),  # junk form
+        st.just((b"", "multipart/form-data")),                                              # no boundary
     )
+
+
+def _png(side: int = 16) -> bytes:
+    import io
+
+    from PIL import Image
+
+    out = io.BytesIO()
+    Image.new("RGB", (side, side), (200, 30, 30)).save(out, format="PNG")
+    return out.getvalue()
+
+
+@st.composite
+def _form_case(draw, method, path, headers, auth, hints, is_cheap_and_valid, max_body_bytes):
+    """An edit's multipart form: fields from the hints (prompt, size, n, steps) and ``strength``, with an image
+    file (a small PNG, or junk bytes), or a raw body; ``expect_ok`` where the fields keep it valid."""
+    if draw(st.integers(0, 9)) < 3:
+        content, ctype = draw(_raw_bodies(max_body_bytes))
+        return FuzzCase(method, path, content, {**headers, "content-type": ctype}, "raw", False)
+    fields = {name: draw(hints[name]) for name in ("prompt", "size", "n", "num_inference_steps") if name in hints}
+    fields["strength"] = draw(st.one_of(st.none(), st.floats(-0.5, 1.5)))
+    fields = {k: v for k, v in fields.items() if v is not None}
+    image = draw(st.sampled_from([_png(), _png(8), b"not a picture"]))
+    boundary = "bcgfuzz"
+    parts = []
+    for name, value in fields.items():
+        text = str(value).encode("utf-8", "surrogatepass")
+        parts.append(f'--{boundary}\r\nContent-Disposition: form-data; name="{name}"\r\n\r\n'.encode() + text + b"\r\n")
+    parts.append(f'--{boundary}\r\nContent-Disposition: form-data; name="image"; filename="in.png"\r\n'
+                 f"Content-Type: image/png\r\n\r\n".encode() + image + b"\r\n")
+    content = b"".join(parts) + f"--{boundary}--\r\n".encode()
+    ok = (auth == "key" and image != b"not a picture" and isinstance(fields.get("prompt"), str)
+          and "\r" not in fields["prompt"] and is_cheap_and_valid(path, fields))
+    return FuzzCase(method, path, content, {**headers, "content-type": f"multipart/form-data; boundary={boundary}"},
+                    "valid", ok)
 
 
 def requests_from_openapi(schema: dict, hints: Dict[str, st.SearchStrategy], is_cheap_and_valid: Callable,
@@ -147,9 +184,10 @@ def requests_from_openapi(schema: dict, hints: Dict[str, st.SearchStrategy], is_
     cases = []
     for path, ops in schema["paths"].items():
         for method, op in ops.items():
-            body_schema = (op.get("requestBody", {}).get("content", {}).get("application/json", {})
-                           .get("schema"))
-            cases.append((method.upper(), path, body_schema))
+            content = op.get("requestBody", {}).get("content", {})
+            body_schema = content.get("application/json", {}).get("schema")
+            # a multipart route (POST /v1/images/edits): forms drawn from its fields, or raw bodies
+            cases.append((method.upper(), path, "multipart" if "multipart/form-data" in content else body_schema))
 
     @st.composite
     def one(draw):
@@ -163,6 +201,8 @@ def requests_from_openapi(schema: dict, hints: Dict[str, st.SearchStrategy], is_
                                                              f"bearer {api_key[:-1]}"]))
         if body_schema is None:
             return FuzzCase(method, path, None, headers, "valid", auth == "key")
+        if body_schema == "multipart":
+            return draw(_form_case(method, path, headers, auth, hints, is_cheap_and_valid, max_body_bytes))
         kind = draw(st.sampled_from(["valid"] * 5 + ["mutated"] * 3 + ["raw"] * 2))
         if kind == "raw":
             content, ctype = draw(_raw_bodies(max_body_bytes))

@@ -23,6 +23,7 @@ LIMITS = {"max_n": 2, "max_steps": 2, "max_pixels": 64 * 64, "max_prompt_chars":
           "max_warmup_keys": 4}
 AUTH = {"authorization": f"Bearer {TEST_API_KEY}"}
 GEN = "/v1/images/generations"
+EDITS = "/v1/images/edits"
 
 
 @pytest.fixture(scope="module")
@@ -225,9 +226,13 @@ def _cheap_and_valid(path, body) -> bool:
                 and body.get("replication", 1) >= 1)
     if path in ("/v1/load_lora_adapter", "/v1/unload_lora_adapter"):
         return False  # runtime LoRA loading is off in this app: 403
-    if path != GEN:
+    if path not in (GEN, EDITS):
         return True
-    prompt = body["prompt"]
+    if path == EDITS and not (body.get("strength") is None or 0 < body["strength"] <= 1):
+        return False
+    prompt = body.get("prompt")
+    if not isinstance(prompt, str) or not prompt:
+        return False
     try:
         prompt.encode("utf-8")
     except UnicodeEncodeError:

@@ -1,7 +1,8 @@
-"""The ingress is torch-free: in a process where ``import torch`` fails it validates a request with ``cache``,
-plans it once (`RequestPlan`: shape key, LoRA choice, cache config, the app's defaults) and sends the plan
+"""The ingress is torch-free: in a process where ``import torch`` fails it validates a request with ``cache``
+(and an edit's multipart form, its image files read with PIL), plans it once (`RequestPlan`: shape key, LoRA choice, cache config, the app's defaults) and sends the plan
 whole to the replica; a bad ``cache`` is a 422 naming the field. The ingress's own class runs behind FastAPI
 over HTTP (``TestClient``); its replica and coordinator handles are fakes, since a real replica needs torch."""
+import functools
 import json
 import os
 import subprocess
@@ -12,7 +13,9 @@ SCRIPT = textwrap.dedent('''
     import asyncio, json, pickle, sys
     sys.modules["torch"] = None  # `import torch` raises ImportError from here on
 
-    from fastapi import FastAPI
+    import io
+    from fastapi import FastAPI, Request
+    from PIL import Image
     from fastapi.exceptions import RequestValidationError
     from fastapi.testclient import TestClient
 
@@ -70,6 +73,10 @@ SCRIPT = textwrap.dedent('''
         async def generate(body: ImageGenerationRequest):
             return await ingress.http_generate(body)
 
+        @app.post("/v1/images/edits")
+        async def edit(request: Request):
+            return await ingress.http_edit(request)
+
         return TestClient(app), replica
 
 
@@ -91,12 +98,31 @@ SCRIPT = textwrap.dedent('''
     off, _ = client({**FLUX, "step_cache": False}, None)
     r = off.post("/v1/images/generations", json={"prompt": "a cat", "cache": {"threshold": 0.1}})
     out["off"] = {"status": r.status_code, "body": r.json()}
+    def png(mode, size, color):
+        buffer = io.BytesIO()
+        Image.new(mode, size, color).save(buffer, format="PNG")
+        return buffer.getvalue()
+
+    image, mask = png("RGB", (48, 32), (200, 10, 10)), png("RGBA", (48, 32), (0, 0, 0, 0))
+    http, replica = client({**FLUX, "step_cache": True, "edits": ["image-to-image", "inpaint"],
+                            "max_input_images": 1}, None)
+    r = http.post("/v1/images/edits", data={"prompt": "a cat", "strength": "0.5", "size": "32x32", "n": "2"},
+                  files=[("image", ("a.png", image, "image/png")), ("mask", ("m.png", mask, "image/png"))])
+    out["edit"] = {"status": r.status_code, "body": r.json()}
+    out["edit_plans"] = [{"key": p.shape_key.key, "edit": p.edit, "strength": p.strength,
+                          "images": [[i.width, i.height, i.format, i.has_alpha, len(i.data)] for i in p.images],
+                          "mask": [p.mask.width, p.mask.height, p.mask.has_alpha]} for p in replica.plans]
+    sd3, _ = client({**FLUX, "family": "sd3", "pipeline_class": "StableDiffusion3Pipeline", "edits": [],
+                     "max_input_images": 0, "step_cache": False}, None)
+    r = sd3.post("/v1/images/edits", data={"prompt": "a cat"}, files=[("image", ("a.png", image, "image/png"))])
+    out["cannot_edit"] = {"status": r.status_code, "body": r.json()}
     out["torch"] = sys.modules.get("torch", "absent")
     out["diffusers"] = sorted(m for m in sys.modules if m.split(".")[0] in ("diffusers", "transformers"))
     print("RESULT " + json.dumps(out, default=repr))
 ''')
 
 
+@functools.lru_cache(maxsize=None)   # one subprocess for the tests of this module
 def _run() -> dict:
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
@@ -125,3 +151,16 @@ def test_the_ingress_plans_a_request_with_cache_where_torch_cannot_be_imported()
     off = out["off"]   # a deployment without step caching refuses the option, naming it and the app arg
     assert off["status"] == 422 and off["body"]["detail"][0]["loc"] == ["body", "cache"]
     assert "step_cache" in off["body"]["detail"][0]["msg"]
+
+
+def test_the_ingress_reads_and_plans_an_edit_where_torch_cannot_be_imported():
+    out = _run()
+    assert out["torch"] is None and out["diffusers"] == []
+    assert out["edit"]["status"] == 200, out["edit"]
+    # its files read and checked once (PIL), carried whole in its plan: inpainting, at the request's size
+    assert out["edit_plans"] == [{"key": "32x32.b2", "edit": "inpaint", "strength": 0.5,
+                                  "images": [[48, 32, "PNG", False, out["edit_plans"][0]["images"][0][4]]],
+                                  "mask": [48, 32, True]}]
+    cannot = out["cannot_edit"]   # a model whose family makes no edits: a 4xx naming the field
+    assert cannot["status"] == 422 and cannot["body"]["detail"][0]["loc"] == ["body", "model"], cannot
+    assert "cannot do image-to-image" in cannot["body"]["detail"][0]["msg"]

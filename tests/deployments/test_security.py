@@ -4,7 +4,7 @@ import json
 
 import httpx
 import pytest
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 
 from deployments.security import GuardConfig, RequestGuard, api_key_from_env, authorized
 
@@ -24,6 +24,10 @@ def _app(config: GuardConfig) -> FastAPI:
     @app.get("/v1/stats")
     async def stats():
         return {"ok": True}
+
+    @app.post("/v1/images/edits")
+    async def edits(request: Request):
+        return {"bytes": len(await request.body())}
 
     return app
 
@@ -103,3 +107,17 @@ def test_api_key_from_env(monkeypatch):
     assert api_key_from_env("BCG_X_KEY") is None
     monkeypatch.setenv("BCG_X_KEY", " s3cret ")
     assert api_key_from_env("BCG_X_KEY") == "s3cret"
+
+
+def test_an_edit_upload_has_its_own_size_limit_and_binary_multipart_bodies_pass():
+    """POST /v1/images/edits carries image files: a multipart body is binary (no UTF-8 check) and is capped by
+    max_upload_bytes instead of max_body_bytes; other paths and non-multipart bodies keep their checks."""
+    cfg = GuardConfig(max_body_bytes=1024, max_upload_bytes=4096)
+    form = {"content-type": "multipart/form-data; boundary=x"}
+    binary = b"--x\r\n" + bytes(range(256)) * 8   # 2 KiB, not UTF-8
+    ok = _call(cfg, "POST", "/v1/images/edits", binary, form)
+    assert ok.status_code == 200 and ok.json() == {"bytes": len(binary)}
+    assert _call(cfg, "POST", "/v1/images/edits", b"x" * 4097, form).status_code == 413
+    assert _call(cfg, "POST", "/v1/images/generations", b"x" * 2048, JSON).status_code == 413
+    not_utf8 = _call(cfg, "POST", "/v1/images/edits", b"\xff\xfe{}", JSON)   # JSON there: still UTF-8 only
+    assert not_utf8.status_code == 400 and not_utf8.json()["detail"][0]["loc"] == ["body"]

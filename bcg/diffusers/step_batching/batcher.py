@@ -516,8 +516,10 @@ class StepBatcher(BatcherWarmup, BatcherCounters):
             if self.lora is not None:  # the pipeline lays out the rows: all of them the request's
                 self.lora.set_all(request.lora)
             # PIL output converted to 8 bits on the device, made into images on the answers thread
+            # an edit runs whole on its edit pipeline (`bcg.diffusers.edits`), made from this one
+            pipe = self.pipe if self.family is None else self.family.call_pipeline(self.pipe, request.kwargs)
             with _recording_for([request]), self._plain_cache(request):
-                outputs = pipeline_call_async(self.pipe, request.kwargs)
+                outputs = pipeline_call_async(pipe, request.kwargs)
         except Exception as exc:  # noqa: BLE001
             self._fail(request, exc)
             return

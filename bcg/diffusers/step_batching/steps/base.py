@@ -3,7 +3,8 @@ prompt helpers every family shares.
 
 `StepFamily.prepare_batch` prepares the requests that join at one step boundary: every request's input
 checks, latents (from its own generator) and scheduler are its own, as in the pipeline, while their
-prompts go through one ``encode_prompt`` call. A subclass says what that takes: which call arguments
+prompts go through one ``encode_prompt`` call. An edit's arguments (``image``, ``mask_image``,
+``strength``) are those of its family's edit pipeline (`call_pipeline`), whose defaults it gets. A subclass says what that takes: which call arguments
 hold prompts (`prompt_fields`), the settings two requests must share to share an encode
 (`_encode_settings`), the encode itself (`_encode`) and the rest of one request's preparation (`_state`).
 """
@@ -17,10 +18,11 @@ import numpy as np
 import torch
 
 from bcg.diffusers.call_args import call_defaults
+from bcg.diffusers.edits import EditPipelines, edit_kind_of
 from bcg.diffusers.families import family_named
 from bcg.diffusers.step_batching.steps.postprocess import postprocess_async
 from bcg.diffusers.step_batching.steps.scheduler import scheduler_step, shallow_copyable
-from bcg.diffusers.step_batching.steps.state import RequestState, cat_rows
+from bcg.diffusers.step_batching.steps.state import RequestState, cat_rows, keep_unmasked
 
 __all__ = ["StepFamily", "guided", "prompt_columns"]
 
@@ -242,16 +244,36 @@ class StepFamily:
                 raise error
 
     def scheduler_step(self, states: list[RequestState], noise: list[torch.Tensor]) -> list[BaseException | None]:
-        """Each state's scheduler step with its noise prediction; see `bcg.diffusers.step_batching.steps.scheduler`."""
-        return scheduler_step(states, noise)
+        """Each state's scheduler step with its noise prediction (see `bcg.diffusers.step_batching.steps.scheduler`),
+        then, for an inpainting request, its mask applied to its own rows (`keep_unmasked`)."""
+        errors = scheduler_step(states, noise)
+        for i, state in enumerate(states):
+            if errors[i] is None and state.inpaint is not None:
+                try:
+                    keep_unmasked(state)
+                except Exception as exc:  # noqa: BLE001 -- its own error
+                    errors[i] = exc
+        return errors
 
 
     # shared helpers --------------------------------------------------------------------------------
 
-    @staticmethod
-    def _args(pipe, kwargs: dict) -> dict:
-        """The request's call arguments over the pipeline's defaults, its height and width resolved."""
-        a = call_defaults(pipe) | kwargs
+    def call_pipeline(self, pipe, kwargs: dict):
+        """The pipeline whose ``__call__`` a request's arguments are for: `pipe`, or for an edit (``image``,
+        ``mask_image``: `bcg.diffusers.edits`) diffusers' edit pipeline of its family made from `pipe`'s
+        components, kept by these hooks."""
+        kind = edit_kind_of(kwargs)
+        if kind is None:
+            return pipe
+        edits = getattr(self, "_edit_pipelines", None)
+        if edits is None:
+            edits = self._edit_pipelines = EditPipelines()
+        return edits.get(pipe, kind)
+
+    def _args(self, pipe, kwargs: dict) -> dict:
+        """The request's call arguments over its pipeline's defaults (`call_pipeline`'s: an edit's
+        ``strength`` and guidance are its edit pipeline's), its height and width resolved."""
+        a = call_defaults(self.call_pipeline(pipe, kwargs)) | kwargs
         a["height"] = a.get("height") or pipe.default_sample_size * pipe.vae_scale_factor
         a["width"] = a.get("width") or pipe.default_sample_size * pipe.vae_scale_factor
         return a

@@ -2,6 +2,14 @@
 
 Guidance is an embedding per row; true CFG (``true_cfg_scale`` > 1 with a negative prompt) is a second
 transformer call on the negative rows, and a second ``encode_prompt`` call over the negative prompts.
+
+Edits from an input image (``image``; ``mask_image`` for inpainting; ``strength``) are prepared as
+``FluxImg2ImgPipeline`` / ``FluxInpaintPipeline`` prepare them, with those pipelines' own methods
+(`bcg.diffusers.edits`): the image preprocessed, the timesteps cut by ``get_timesteps`` (the request starts
+part-way through its schedule), its latents from ``prepare_latents`` (the image's latents noised to its first
+timestep); an inpainting request keeps its mask, image latents and noise, applied after each of its steps
+(`bcg.diffusers.step_batching.steps.state.keep_unmasked`). Their rows have the text rows' layout: they share
+a step batch with text requests of the same size, each row at its own timestep.
 """
 from __future__ import annotations
 
@@ -10,6 +18,7 @@ import contextlib
 import numpy as np
 import torch
 
+from bcg.diffusers.edits import edit_kind_of, with_scheduler
 from bcg.diffusers.step_batching.steps.base import StepFamily, guided, prompt_columns
 from bcg.diffusers.step_batching.steps.state import RequestState, cat_rows, layout_of
 from bcg.runtime.rows import call_branch
@@ -26,16 +35,25 @@ class FluxStepFamily(StepFamily):
     batch_args = frozenset({
         "prompt", "prompt_2", "negative_prompt", "negative_prompt_2", "true_cfg_scale", "height", "width",
         "num_inference_steps", "sigmas", "guidance_scale", "num_images_per_prompt", "generator", "latents",
-        "output_type", "return_dict", "max_sequence_length",
+        "output_type", "return_dict", "max_sequence_length", "image", "mask_image", "strength",
     })
     prompt_fields = ("prompt", "prompt_2", "negative_prompt", "negative_prompt_2")
 
     # preparation -------------------------------------------------------------------------------------
 
     def _check(self, pipe, a):
-        pipe.check_inputs(a["prompt"], a.get("prompt_2"), a["height"], a["width"],
-                          negative_prompt=a.get("negative_prompt"), negative_prompt_2=a.get("negative_prompt_2"),
-                          max_sequence_length=a["max_sequence_length"])
+        negatives = {"negative_prompt": a.get("negative_prompt"), "negative_prompt_2": a.get("negative_prompt_2"),
+                     "max_sequence_length": a["max_sequence_length"]}
+        kind = edit_kind_of(a)
+        if kind is None:
+            pipe.check_inputs(a["prompt"], a.get("prompt_2"), a["height"], a["width"], **negatives)
+        elif kind == "image-to-image":
+            self.call_pipeline(pipe, a).check_inputs(a["prompt"], a.get("prompt_2"), a["strength"], a["height"],
+                                                     a["width"], **negatives)
+        else:
+            self.call_pipeline(pipe, a).check_inputs(a["prompt"], a.get("prompt_2"), a["image"], a["mask_image"],
+                                                     a["strength"], a["height"], a["width"],
+                                                     output_type=a.get("output_type"), **negatives)
 
     def _encode_settings(self, a):
         return ("flux", a["max_sequence_length"], self._cfg(a))
@@ -64,23 +82,65 @@ class FluxStepFamily(StepFamily):
             rows |= {"neg_embeds": neg_embeds, "neg_pooled": neg_pooled}
         return rows, {"txt_ids": text_ids}
 
-    def _state(self, pipe, a, rows, shared, device):
-        count = self._rows(a)
-        embeds, pooled = rows["embeds"], rows["pooled"]
-        latents, image_ids = pipe.prepare_latents(
-            count, pipe.transformer.config.in_channels // 4, a["height"], a["width"], embeds.dtype, device,
-            a.get("generator"), a.get("latents"))
+    def _timesteps(self, pipe, a, seq_len: int, device):
+        """``(scheduler, timesteps)`` of the full schedule, as the pipeline's step 4 prepares them."""
         steps = a["num_inference_steps"]
         sigmas = np.linspace(1.0, 1 / steps, steps) if a.get("sigmas") is None else a["sigmas"]
         config = pipe.scheduler.config
         if getattr(config, "use_flow_sigmas", False):
             sigmas = None
         mu = self._pipeline_function(pipe, "calculate_shift", _PIPELINE_MODULE)(
-            latents.shape[1], config.get("base_image_seq_len", 256), config.get("max_image_seq_len", 4096),
+            seq_len, config.get("base_image_seq_len", 256), config.get("max_image_seq_len", 4096),
             config.get("base_shift", 0.5), config.get("max_shift", 1.15))
         retrieve = self._pipeline_function(pipe, "retrieve_timesteps", _PIPELINE_MODULE)
-        scheduler, timesteps = self._scheduler_at(pipe, retrieve, steps, device, sigmas=sigmas, mu=mu)
-        scheduler.set_begin_index(0)
+        return self._scheduler_at(pipe, retrieve, steps, device, sigmas=sigmas, mu=mu)
+
+    def _edit_latents(self, pipe, a, count: int, dtype, device):
+        """An edit's ``(latents, image_ids, scheduler, timesteps, start_step, inpaint)``, as its pipeline
+        (``FluxImg2ImgPipeline`` / ``FluxInpaintPipeline``) makes them before its loop, with its own methods."""
+        edit = self.call_pipeline(pipe, a)
+        height, width = a["height"], a["width"]
+        init_image = edit.image_processor.preprocess(a["image"], height=height, width=width).to(dtype=torch.float32)
+        seq_len = (int(height) // edit.vae_scale_factor // 2) * (int(width) // edit.vae_scale_factor // 2)
+        scheduler, _ = self._timesteps(pipe, a, seq_len, device)
+        view = with_scheduler(edit, scheduler)  # its methods read self.scheduler: the request's own
+        steps = a["num_inference_steps"]
+        timesteps, run = type(edit).get_timesteps(view, steps, a["strength"], device)
+        if run < 1:
+            raise ValueError(f"strength {a['strength']} leaves {run} of {steps} steps to run; raise strength or "
+                             "num_inference_steps")
+        channels = pipe.transformer.config.in_channels // 4
+        prepared = type(edit).prepare_latents(view, init_image, timesteps[:1].repeat(count), count, channels, height,
+                                              width, dtype, device, a.get("generator"), a.get("latents"))
+        inpaint = None
+        if len(prepared) == 2:  # image-to-image
+            latents, image_ids = prepared
+        else:
+            latents, noise, image_latents, image_ids = prepared
+            mask = edit.mask_processor.preprocess(a["mask_image"], height=height, width=width)
+            # the mask half of the pipeline's prepare_mask_latents (its masked-image latents, a VAE encode,
+            # feed only 384-channel Fill transformers: the loop of FluxInpaintPipeline never reads them)
+            h, w = 2 * (int(height) // (edit.vae_scale_factor * 2)), 2 * (int(width) // (edit.vae_scale_factor * 2))
+            mask = torch.nn.functional.interpolate(mask, size=(h, w)).to(device=device, dtype=dtype)
+            if mask.shape[0] < count:
+                mask = mask.repeat(count // mask.shape[0], 1, 1, 1)
+            mask = edit._pack_latents(mask.repeat(1, channels, 1, 1), count, channels, h, w)
+            inpaint = {"mask": mask, "image_latents": image_latents, "noise": noise}
+        return latents, image_ids, scheduler, timesteps, steps - run, inpaint
+
+    def _state(self, pipe, a, rows, shared, device):
+        count = self._rows(a)
+        embeds, pooled = rows["embeds"], rows["pooled"]
+        start, inpaint = 0, None
+        if edit_kind_of(a) is None:
+            latents, image_ids = pipe.prepare_latents(
+                count, pipe.transformer.config.in_channels // 4, a["height"], a["width"], embeds.dtype, device,
+                a.get("generator"), a.get("latents"))
+            scheduler, timesteps = self._timesteps(pipe, a, latents.shape[1], device)
+            scheduler.set_begin_index(0)
+        else:
+            latents, image_ids, scheduler, timesteps, start, inpaint = self._edit_latents(pipe, a, count,
+                                                                                         embeds.dtype, device)
         guidance = None
         if pipe.transformer.config.guidance_embeds:
             guidance = torch.full([1], a["guidance_scale"], device=device, dtype=torch.float32).expand(count)
@@ -94,7 +154,7 @@ class FluxStepFamily(StepFamily):
             rows=count, latents=latents, scheduler=scheduler, timesteps=timesteps, row_inputs=row_inputs,
             neg_inputs=neg, shared={"txt_ids": text_ids, "img_ids": image_ids},
             guidance_scale=float(a["true_cfg_scale"]), height=a["height"], width=a["width"],
-            output_type=a.get("output_type") or "pil",
+            output_type=a.get("output_type") or "pil", start_step=start, inpaint=inpaint,
             layout=("flux", neg is not None, layout_of(latents, embeds, pooled, guidance), tuple(text_ids.shape),
                     tuple(image_ids.shape)))
 

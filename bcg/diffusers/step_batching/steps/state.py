@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["RequestState", "cat_rows", "layout_of", "pad_rows"]
+__all__ = ["RequestState", "cat_rows", "keep_unmasked", "layout_of", "pad_rows"]
 
 
 @dataclasses.dataclass
@@ -19,6 +19,12 @@ class RequestState:
     requests (``neg_inputs`` the negative branch's), ``shared`` tensors are the same for every request of a
     layout (Flux's position ids) and taken from the first request. ``layout`` is what two requests must
     share to be batched: every shape but the batch dimension, dtypes, CFG on/off.
+
+    An edit from an input image starts part-way through its schedule: ``timesteps`` are the ones it runs
+    (its pipeline's ``get_timesteps``), ``start_step`` where they begin in the full schedule, and its
+    ``step_index`` counts from 0 like any request's. An inpainting request holds its ``inpaint`` tensors
+    (``mask``, ``image_latents``, ``noise``, packed as its latents) for `keep_unmasked` after each step;
+    neither changes its layout, so edits and text requests of one size share a step batch.
     """
 
     rows: int
@@ -34,6 +40,8 @@ class RequestState:
     output_type: str
     layout: tuple
     step_index: int = 0
+    start_step: int = 0
+    inpaint: dict | None = None
 
     @property
     def num_steps(self) -> int:
@@ -65,3 +73,19 @@ def cat_rows(parts: list[torch.Tensor], rows: int) -> torch.Tensor:
 def layout_of(*tensors) -> tuple:
     """What two requests' tensors must share to be batched: every shape but the batch dimension, dtypes."""
     return tuple(None if t is None else (tuple(t.shape[1:]), t.dtype) for t in tensors)
+
+
+def keep_unmasked(state: RequestState) -> None:
+    """After an inpainting request's scheduler step: outside its mask, its latents become its image's latents
+    noised to the next timestep (the last step: the image's latents), as ``FluxInpaintPipeline``'s loop
+    makes them: ``(1 - mask) * init_latents_proper + mask * latents``.
+
+    The noise level is the request's scheduler's own at its new step index (``scale_noise`` reads the
+    index, not the timestep's value, once the scheduler has stepped): its timestep is passed as a 1-element
+    tensor as the pipeline's is, without the host read the pipeline's ``torch.tensor([t])`` costs on a GPU."""
+    tensors = state.inpaint
+    proper = tensors["image_latents"]
+    if state.step_index < len(state.timesteps):
+        proper = state.scheduler.scale_noise(proper, state.timesteps[state.step_index].reshape(1), tensors["noise"])
+    mask = tensors["mask"]
+    state.latents = (1 - mask) * proper + mask * state.latents

@@ -1,0 +1,115 @@
+"""A request's input images (image-to-image, inpainting): read and checked once where they enter, carried as
+the bytes that were sent.
+
+`read_image` checks an uploaded file before anything decodes it whole: PIL must identify it, its size (read
+from its header) must be within the deployment's pixel limit and PIL's decompression-bomb limit, and it must
+then decode completely. It returns an `ImageInput`: the file's bytes and what was read of it (size, alpha),
+small and picklable, which a `bcg.diffusers.request_plan.RequestPlan` carries to the replica. There
+`open_image` / `open_mask` give the PIL images diffusers' pipelines take (``image`` / ``mask_image``).
+
+Masks follow two conventions: a mask with transparency marks the region to edit where it is fully
+transparent (OpenAI's ``POST /v1/images/edits``); a mask without marks it white (diffusers' ``mask_image``:
+white is repainted, black kept). `open_mask` returns diffusers' form either way.
+
+Torch-free (PIL only), so the ingress reads images without torch.
+"""
+from __future__ import annotations
+
+import dataclasses
+import io
+import warnings
+
+__all__ = ["EDIT_KINDS", "ImageInput", "ImageInputError", "edit_kind", "open_image", "open_mask", "read_image"]
+
+# what a request with input images asks for: no mask, image-to-image; with a mask, inpainting
+EDIT_KINDS = ("image-to-image", "inpaint")
+
+
+def edit_kind(images: int, mask: bool) -> str | None:
+    """The edit a request with `images` input images and a `mask` (or none) asks for; None: none (text)."""
+    if not images:
+        return None
+    return "inpaint" if mask else "image-to-image"
+
+
+class ImageInputError(ValueError):
+    """An uploaded file that cannot be an input image; the message says why (the caller names the field)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ImageInput:
+    """An input image as it was sent (``data``, its file's bytes, checked by `read_image`), with its size
+    and whether it has an alpha channel (a mask's edit region then is its transparent pixels)."""
+
+    data: bytes = dataclasses.field(repr=False)
+    width: int
+    height: int
+    format: str
+    has_alpha: bool
+
+    @property
+    def size(self) -> str:
+        return f"{self.width}x{self.height}"
+
+
+def _pil():
+    from PIL import Image
+
+    return Image
+
+
+def read_image(data: bytes, max_pixels: int) -> ImageInput:
+    """`data` checked as an image file: PIL identifies it, its width*height (from the header, before any
+    decoding) is at most `max_pixels` and within PIL's decompression-bomb limit (``Image.MAX_IMAGE_PIXELS``),
+    and it decodes completely (a truncated or corrupt file is refused). Raises `ImageInputError`."""
+    Image = _pil()
+    if not isinstance(data, (bytes, bytearray)) or not data:
+        raise ImageInputError("an empty file is not an image")
+    with warnings.catch_warnings():
+        # PIL warns past MAX_IMAGE_PIXELS and raises past twice that: both are bombs here
+        warnings.simplefilter("error", Image.DecompressionBombWarning)
+        try:
+            image = Image.open(io.BytesIO(data))  # reads the header only
+        except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
+            raise ImageInputError(f"refused as a decompression bomb: {exc}") from None
+        except Exception:  # noqa: BLE001 -- PIL's UnidentifiedImageError, or a header it cannot parse
+            raise ImageInputError("not an image file PIL can read (PNG, JPEG or WebP)") from None
+        width, height = image.size
+        if width < 1 or height < 1:
+            raise ImageInputError(f"an image of {width}x{height} pixels has no pixels")
+        if width * height > max_pixels:
+            raise ImageInputError(f"{width}x{height} is {width * height} pixels, over the limit of {max_pixels} "
+                                  "(the deployment's max_image_pixels); send a smaller image")
+        try:
+            image.load()
+        except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
+            raise ImageInputError(f"refused as a decompression bomb: {exc}") from None
+        except Exception as exc:  # noqa: BLE001 -- truncated or corrupt data
+            raise ImageInputError(f"the image does not decode ({type(exc).__name__}: {exc})") from None
+    has_alpha = image.mode in ("RGBA", "LA", "PA") or (image.mode == "P" and "transparency" in image.info)
+    return ImageInput(data=bytes(data), width=width, height=height, format=str(image.format or ""),
+                      has_alpha=has_alpha)
+
+
+def _open(inp: ImageInput):
+    Image = _pil()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", Image.DecompressionBombWarning)
+        image = Image.open(io.BytesIO(inp.data))
+        image.load()
+    return image
+
+
+def open_image(inp: ImageInput):
+    """The PIL image (RGB) of a checked input: what diffusers' pipelines take as ``image``."""
+    return _open(inp).convert("RGB")
+
+
+def open_mask(inp: ImageInput):
+    """The mask (a PIL ``"L"`` image, white where the image is repainted) of a checked input: with alpha, its
+    fully transparent pixels (OpenAI's convention); without, its grey levels as they are (diffusers')."""
+    image = _open(inp)
+    if not inp.has_alpha:
+        return image.convert("L")
+    alpha = image.convert("RGBA").getchannel("A")
+    return alpha.point(lambda a: 255 if a == 0 else 0)

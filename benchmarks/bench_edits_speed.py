@@ -1,0 +1,154 @@
+"""Served edits against text-to-image of the same size and steps, over HTTP (issue 51's speed check:
+image-to-image at ``strength`` 0.6 within 0.7x of a full request, every request warm, no eager call).
+
+    python3 benchmarks/bench_edits_speed.py --model benchmarks/pipelines/flux.1-dev --size 1024x1024 \\
+        --app-args quantize=fp8,attention_backend=fa3_fp8 --compile --out $R/bench_edits_speed.json  # GPU host
+    python3 benchmarks/bench_edits_speed.py --allow-cpu --out /tmp/bench_edits_speed.json            # smoke run
+
+One app (`build_app`: ``--model``, one replica, warm for ``--size``, ``default_steps`` ``--steps``, no step
+batching: requests one at a time, as a single client sends them), then rounds (``--rounds``) of the variants
+in turn: ``text`` (``POST /v1/images/generations``), ``img2img`` (``POST /v1/images/edits`` of a picture the
+app made, ``strength`` ``--strength``) and ``inpaint`` (the same with a mask over its centre, the same
+strength); each round's figure is the median client wall clock of ``--iters`` requests. Ratios per round
+(`_common.ratio`: variants timed next to each other), each response's ``bcg`` (warm, eager calls, steps
+computed) kept: a row whose requests were not all warm with 0 eager calls says so (``all_warm``). JSON
+through `_common.write_json`.
+"""
+from __future__ import annotations
+
+import argparse
+import base64
+import io
+import os
+import statistics
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(1, os.path.dirname(HERE))
+
+from _common import machine_info, pick_device, ratio, start_local_serve, time_interleaved, write_json  # noqa: E402
+
+
+def _say(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def _app_args(text: str) -> dict:
+    out = {}
+    for part in filter(None, (p.strip() for p in (text or "").split(","))):
+        name, sep, value = part.partition("=")
+        if not sep:
+            raise SystemExit(f"--app-args takes name=value pairs, got {part!r}")
+        out[name.strip()] = value.strip()
+    return out
+
+
+def run(args) -> dict:
+    import httpx
+    import numpy as np
+    from PIL import Image
+    from ray import serve
+
+    from deployments.app import build_app
+
+    port, started = start_local_serve()
+    app_args = {"model": args.model, "num_replicas": 1, "warmup": args.size, "default_steps": args.steps,
+                "max_batch_size": 1, **({"device": "cpu", "num_gpus_per_replica": 0, "num_cpus_per_replica": 0}
+                                        if args.device == "cpu" else {}),
+                **({"runner": "compile=true"} if args.compile else {}), **_app_args(args.app_args)}
+    _say(f"starting the app: {app_args}")
+    serve.run(build_app(app_args), name="bench-edits", route_prefix="/bench-edits")
+    base = f"http://127.0.0.1:{port}/bench-edits"
+    seen = {"text": [], "img2img": [], "inpaint": []}
+    try:
+        with httpx.Client(base_url=base, timeout=args.timeout_s) as client:
+            made = client.post("/v1/images/generations", json={"prompt": "a red circle in the center", "seed": 1})
+            made.raise_for_status()
+            picture = base64.b64decode(made.json()["data"][0]["b64_json"])
+            width, height = Image.open(io.BytesIO(picture)).size
+            mask = np.zeros((height, width), np.uint8)
+            mask[height // 4: 3 * height // 4, width // 4: 3 * width // 4] = 255
+            buffer = io.BytesIO()
+            Image.fromarray(mask).save(buffer, format="PNG")
+            mask_png = buffer.getvalue()
+            form = {"prompt": "a blue square in the center", "strength": str(args.strength)}
+
+            def text(seed):
+                return client.post("/v1/images/generations", json={"prompt": "a blue square in the center",
+                                                                   "seed": seed})
+
+            def img2img(seed):
+                return client.post("/v1/images/edits", data={**form, "seed": str(seed)},
+                                   files=[("image", ("in.png", picture, "image/png"))])
+
+            def inpaint(seed):
+                return client.post("/v1/images/edits", data={**form, "seed": str(seed)},
+                                   files=[("image", ("in.png", picture, "image/png")),
+                                          ("mask", ("mask.png", mask_png, "image/png"))])
+
+            variants = {"text": text, "img2img": img2img, "inpaint": inpaint}
+            for name, fn in variants.items():  # untimed: the first request of each route
+                fn(0).raise_for_status()
+
+            def measure(fn):
+                name = next(n for n, f in variants.items() if f is fn)
+                times = []
+                for i in range(args.iters):
+                    t0 = time.perf_counter()
+                    response = fn(100 + i)
+                    times.append((time.perf_counter() - t0) * 1e3)
+                    response.raise_for_status()
+                    seen[name].append(response.json()["bcg"])
+                return statistics.median(times)
+
+            timed = time_interleaved(variants, rounds=args.rounds, measure=measure,
+                                     on_round=lambda i, r: _say(f"round {i + 1}: " + ", ".join(
+                                         f"{n} {v['median']:.1f} ms" for n, v in r.items())))
+    finally:
+        serve.delete("bench-edits")
+        if started:
+            serve.shutdown()
+            import ray
+            ray.shutdown()
+    return {"model": args.model, "size": args.size, "steps": args.steps, "strength": args.strength,
+            "device": args.device, "app_args": app_args, "ms": timed,
+            "img2img_over_text": ratio(timed, "img2img", "text"), "inpaint_over_text": ratio(timed, "inpaint", "text"),
+            "steps_computed": {n: sorted({b["steps_computed"] for b in v}) for n, v in seen.items()},
+            "all_warm": all(b["warm"] and b["eager_calls"] == 0 for v in seen.values() for b in v),
+            "eager_calls": {n: sum(b["eager_calls"] for b in v) for n, v in seen.items()},
+            "machine": machine_info()}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="tiny-flux", help="a built-in name or a pipeline directory")
+    parser.add_argument("--size", default=None, help="WxH (default: 1024x1024 on CUDA, 64x64 on a CPU)")
+    parser.add_argument("--steps", type=int, default=None, help="default: 28 on CUDA, 4 on a CPU")
+    parser.add_argument("--strength", type=float, default=0.6)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--iters", type=int, default=None, help="requests per variant and round (default 5; CPU 1)")
+    parser.add_argument("--compile", action="store_true", help="runner=compile=true")
+    parser.add_argument("--app-args", default="", help="more build_app args: 'quantize=fp8,attention_backend=...'")
+    parser.add_argument("--timeout-s", type=float, default=600.0)
+    parser.add_argument("--device", default=None)
+    parser.add_argument("--allow-cpu", action="store_true", help="a smoke run on CPU replicas")
+    parser.add_argument("--out", default="out/bench_edits_speed.json")
+    args = parser.parse_args(argv)
+    if not pick_device(args, _say):
+        return 2
+    cpu = args.device == "cpu"
+    args.size = args.size or ("64x64" if cpu else "1024x1024")
+    args.steps = args.steps or (4 if cpu else 28)
+    args.iters = args.iters or (1 if cpu else 5)
+    result = run(args)
+    write_json(args.out, {"command": "python3 benchmarks/bench_edits_speed.py " + " ".join(argv or sys.argv[1:]),
+                          **result})
+    _say(f"img2img/text {result['img2img_over_text']['median']:.3f}, inpaint/text "
+         f"{result['inpaint_over_text']['median']:.3f}, all warm with 0 eager calls: {result['all_warm']}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,87 @@
+"""GPU: edits from an input image (image-to-image, inpainting) on the graphs a text warmup captured.
+
+An edit's transformer calls have a text request's signature (its rows start part-way through the schedule
+and are masked between steps, outside the graphs), so after ``StepBatcher.warmup`` of a size, an edit of
+that size, alone or in a step batch with text requests, replays the transformer's (and the VAE decoder's)
+graphs without a capture or an eager call; its image equals its eager run (the same pipeline unaccelerated)
+within 3/255 alone and in the batch, and is diffusers' own edit pipeline's within 3/255 (bfloat16).
+"""
+import numpy as np
+import pytest
+import torch
+from diffusers import FluxImg2ImgPipeline, FluxInpaintPipeline
+
+from bcg.diffusers import accelerate
+from bcg.diffusers.models import load_pipeline
+from bcg.diffusers.pipelines import plan_request
+from bcg.diffusers.step_batching.batcher import StepBatcher
+from bcg.runtime.call_record import CallRecord
+from bcg.runtime.config import RunnerConfig, TransformerOptions
+from tests.bcg.diffusers.test_edits import scene, square_mask
+
+pytestmark = pytest.mark.gpu
+
+SIZE = 64
+STEPS = 8
+TOLERANCE = 3 / 255
+EDITS = {
+    "image-to-image": {"image": scene(), "strength": 0.6},
+    "inpaint": {"image": scene(), "mask_image": square_mask(), "strength": 0.8},
+}
+
+
+def _kwargs(pipe, seed, edit):
+    _, kwargs = plan_request(pipe, "a yellow star", size=f"{SIZE}x{SIZE}", steps=STEPS, seed=seed,
+                             output_type="np", **edit)
+    return kwargs
+
+
+def _reference(kind, seed):
+    """diffusers' edit pipeline on an unaccelerated bfloat16 tiny-flux."""
+    pipe = load_pipeline("tiny-flux", device="cuda")
+    cls = FluxInpaintPipeline if kind == "inpaint" else FluxImg2ImgPipeline
+    with torch.no_grad():
+        out = cls.from_pipe(pipe, torch_dtype=pipe.transformer.dtype)(**_kwargs(pipe, seed, EDITS[kind]))
+    return np.asarray(out.images)
+
+
+def _drain(batcher, futures):
+    for _ in range(500):
+        if all(f.done() for f in futures):
+            return [np.asarray(f.result()) for f in futures]
+        batcher.step()
+    raise AssertionError("requests not answered")
+
+
+def test_edits_replay_the_text_warmup_graphs_alone_and_in_a_step_batch():
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    pipe = accelerate(load_pipeline("tiny-flux", device="cuda"), config=RunnerConfig(max_entries=32),
+                      options=TransformerOptions(attention_backend="sdpa"))
+    batcher = StepBatcher(pipe, max_batch_size=4, batch_buckets=(1, 2, 4))
+    batcher.warmup([f"{SIZE}x{SIZE}"], num_inference_steps=2)
+    transformer = pipe.transformer
+    captures = transformer.stats()["captures"]
+    alone = {}
+    for i, kind in enumerate(EDITS):
+        record = CallRecord()
+        key, kwargs = plan_request(pipe, "a yellow star", size=f"{SIZE}x{SIZE}", steps=STEPS, seed=i,
+                                   output_type="np", **EDITS[kind])
+        (alone[kind],) = _drain(batcher, [batcher.submit_planned(key, kwargs, records=(record,))])
+        assert record.eager_total == 0 and record.replays > 0, (kind, record.eager)
+        assert np.abs(alone[kind] - _reference(kind, i)).max() <= TOLERANCE, kind
+    # a text request running, both edits joining it
+    text_key, text_kwargs = plan_request(pipe, "a red circle", size=f"{SIZE}x{SIZE}", steps=STEPS, seed=9,
+                                         output_type="np")
+    record = CallRecord()
+    futures = [batcher.submit_planned(text_key, text_kwargs, records=(record,))]
+    batcher.step()
+    for i, kind in enumerate(EDITS):
+        key, kwargs = plan_request(pipe, "a yellow star", size=f"{SIZE}x{SIZE}", steps=STEPS, seed=i,
+                                   output_type="np", **EDITS[kind])
+        futures.append(batcher.submit_planned(key, kwargs, records=(record,)))
+    images = _drain(batcher, futures)
+    assert batcher.stats()["joins_mid_run"] >= 2
+    assert record.eager_total == 0 and transformer.stats()["captures"] == captures   # nothing captured anew
+    for kind, image in zip(EDITS, images[1:]):
+        assert np.abs(image - alone[kind]).max() <= TOLERANCE, kind
