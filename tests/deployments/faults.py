@@ -4,7 +4,7 @@ Each hook registers a forward pre-hook on the pipeline's transformer that acts o
 recognised by the number of packed latent tokens (tiny-flux: ``(W/16) * (H/16)``):
 
 * ``fail_96``: 96x96 raises (warmup and serving) and 112x112 sleeps ``SLOW_S`` per transformer call;
-* ``slow_112``: only the sleep of 112x112;
+* ``slow_112``: only a sleep of 112x112, ``SLOW_112_S`` per transformer call;
 * ``fail_capture_96`` (GPU): 96x96 raises only while a CUDA graph is being captured;
 * ``oom_capture_512x256`` (GPU): 512x256 raises ``torch.cuda.OutOfMemoryError`` while capturing;
 * ``fail_guidance``: a transformer call with a row at embedded guidance ``POISON_GUIDANCE`` raises (a
@@ -15,7 +15,8 @@ import time
 import torch
 
 FAIL_SIZE, SLOW_SIZE, OOM_SIZE = "96x96", "112x112", "512x256"
-SLOW_S = 9.0
+SLOW_S = 9.0        # longer than the faults app's request_timeout_s
+SLOW_112_S = 4.0    # a warmup of 112x112 makes one call per batch bucket (4 of them): 16 s to watch it run
 POISON_GUIDANCE = 7.25
 
 
@@ -34,13 +35,17 @@ def fail_96(pipe):
         if _hidden_tokens(args, kwargs) == _tokens(FAIL_SIZE):
             raise RuntimeError(f"injected fault for {FAIL_SIZE}")
     pipe.transformer.register_forward_pre_hook(pre, with_kwargs=True)
-    slow_112(pipe)
+    _sleep_at_slow_size(pipe, SLOW_S)
 
 
 def slow_112(pipe):
+    _sleep_at_slow_size(pipe, SLOW_112_S)
+
+
+def _sleep_at_slow_size(pipe, seconds: float):
     def pre(module, args, kwargs):
         if _hidden_tokens(args, kwargs) == _tokens(SLOW_SIZE):
-            time.sleep(SLOW_S)
+            time.sleep(seconds)
     pipe.transformer.register_forward_pre_hook(pre, with_kwargs=True)
 
 

@@ -3,7 +3,7 @@
 The app of this module: two CPU replicas behind two ingress replicas (HTTP requests reach either),
 a sharded start-up plan, and routing stats polled only every ``PERIOD_S`` seconds, so a router that
 read warm keys from the stats alone would route most requests right after a warmup by stale warm
-sets. ``SLOW_SIZE`` sleeps ``SLOW_S`` in the transformer (``faults.slow_112``). Tests run in file
+sets. ``SLOW_SIZE`` sleeps ``SLOW_112_S`` in the transformer (``faults.slow_112``). Tests run in file
 order; the last one adopts a plan of the slow size.
 """
 import threading
@@ -14,13 +14,15 @@ import pytest
 from ray import serve
 
 from tests.deployments.conftest import http_app
-from tests.deployments.faults import SLOW_S, SLOW_SIZE
+from tests.deployments.faults import SLOW_112_S, SLOW_SIZE
 
 APP, PREFIX = "bcg_warm", "/warm"
 GEN = "/v1/images/generations"
 PERIOD_S = 5.0
 START_KEYS = ["32x32", "48x48"]                          # sharded: one replica each
 NEW_KEYS = ["64x64", "64x128", "128x64", "128x128"]      # POST /v1/warmup, sharded: two per replica
+# a call answered while the warmup of SLOW_SIZE runs (4 batch buckets of SLOW_112_S each): well within it
+ANSWER_S = 4.5
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +89,7 @@ def test_stats_and_a_new_replicas_assignment_are_answered_while_a_warmup_runs(wa
     thread.start()
     deadline = time.monotonic() + 60
     while True:  # poll until both replicas run the warmup; every stats call must answer meanwhile
-        stats = warm_app.get("/v1/stats", timeout=SLOW_S / 2)
+        stats = warm_app.get("/v1/stats", timeout=ANSWER_S)
         assert stats.status_code == 200, stats.text
         st = stats.json()
         if st["warmup_in_progress"] and all(s["ongoing"] >= 1 for s in st["replicas"].values()):
@@ -96,7 +98,7 @@ def test_stats_and_a_new_replicas_assignment_are_answered_while_a_warmup_runs(wa
         time.sleep(0.1)
     assert st["warmup_in_progress"]["keys"] == [SLOW_SIZE] and len(st["replicas"]) == 2
     # a replica that starts now gets its share without waiting for the warmup (placement all: all)
-    share = serve.get_deployment_handle("Coordinator", APP).assign.remote("joining").result(timeout_s=SLOW_S / 2)
+    share = serve.get_deployment_handle("Coordinator", APP).assign.remote("joining").result(timeout_s=ANSWER_S)
     assert share == [SLOW_SIZE]
     assert not done.is_set()                              # both answered while the warmup ran
     thread.join(timeout=120)
