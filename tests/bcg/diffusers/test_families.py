@@ -94,13 +94,20 @@ def test_the_step_hooks_run_cfg_exactly_when_the_request_key_does(name):
 
 @pytest.mark.parametrize("family", NAMED, ids=lambda f: f.name)
 def test_every_record_is_complete_and_names_what_resolves_on_its_builtin(family):
-    """A record names its pipeline classes, built-in, CFG rule, step hooks and step-caching adapter; every
-    name it gives resolves on its built-in pipeline, and a family without step hooks or caching says so."""
+    """A record names its pipeline classes, built-in, CFG rule, edit pipelines, step hooks and step-caching
+    adapter; every name it gives resolves (on its built-in pipeline), and a family without step hooks or
+    caching says so."""
     from bcg.diffusers.families import BlockAdapter, family_of_transformer
     from bcg.diffusers.step_caching.blocks import adapter_blocks
     from bcg.diffusers.step_caching.hook import supports_step_cache
 
+    import diffusers
+
+    from bcg.diffusers.image_inputs import EDIT_KINDS
+
     assert family.pipeline_classes and family.builtin in BUILTIN_MODELS and isinstance(family.cfg, CfgRule)
+    for kind, cls in family.edit_pipelines.items():   # each edit names a diffusers pipeline class
+        assert kind in EDIT_KINDS and isinstance(getattr(diffusers, cls), type), (kind, cls)
     pipe = load_pipeline(family.builtin)
     hooks = family.batching_hooks()
     assert (hooks is None) is (family.batching is None)
