@@ -8,6 +8,7 @@ seed (parameters that the model initialises to zero get small random values so e
 The pipelines produce real (if meaningless) images: 128x128 in 2 steps takes well under a second on a CPU.
 
 - `tiny-flux` (default): FluxPipeline (CLIP + T5, guidance-embedded Flux transformer, AutoencoderKL).
+- `tiny-flux-kontext`: FluxKontextPipeline (instruction edits from a reference image), tiny-flux's weights.
 - `tiny-sd3`: StableDiffusion3Pipeline (two CLIPs with projection + T5, MMDiT).
 - `tiny-pixart`: PixArtSigmaPipeline (T5, PixArt transformer, AutoencoderKL, DPM-Solver).
 - `tiny-sana`: SanaPipeline (Gemma2, Sana linear-attention transformer, DC-AE).
@@ -106,7 +107,22 @@ def vae_kl(latent_channels: int, shift_factor: float | None = None):
 @_seeded
 def build_tiny_flux():
     """FluxPipeline: CLIP-L-like + T5-like text encoders, 2 double + 4 single Flux blocks, guidance embed."""
-    from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+    from diffusers import FluxPipeline
+
+    return FluxPipeline(**_tiny_flux_components())
+
+
+@_seeded
+def build_tiny_flux_kontext():
+    """FluxKontextPipeline (instruction edits: the reference image's tokens beside the image's): tiny-flux's
+    components, the same seeded weights."""
+    from diffusers import FluxKontextPipeline
+
+    return FluxKontextPipeline(**_tiny_flux_components())
+
+
+def _tiny_flux_components() -> dict:
+    from diffusers import FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
 
     transformer = FluxTransformer2DModel(
         patch_size=1, in_channels=16, out_channels=None, num_layers=2, num_single_layers=4,
@@ -120,7 +136,7 @@ def build_tiny_flux():
         shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
         base_image_seq_len=256, max_image_seq_len=4096,
     )
-    return FluxPipeline(
+    return dict(
         scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=build_tokenizer("clip", 77),
         text_encoder_2=text_encoder_2, tokenizer_2=build_tokenizer("t5", 512), transformer=transformer.eval(),
     )
@@ -269,6 +285,7 @@ def build_shapes_flux():
 
 BUILTIN_MODELS: dict[str, Callable] = {
     "tiny-flux": build_tiny_flux,
+    "tiny-flux-kontext": build_tiny_flux_kontext,
     "tiny-sd3": build_tiny_sd3,
     "tiny-pixart": build_tiny_pixart,
     "tiny-sana": build_tiny_sana,

@@ -8,8 +8,10 @@ transformer, VAE, text encoders and scheduler objects: no weights copied, an acc
 and hooks shared) and keeps it while the loaded pipeline's components stay the same. It calls the class's
 constructor with them, as diffusers' ``from_pipe`` does, but not ``from_pipe`` itself: that ends with
 ``new_pipeline.to(dtype=torch_dtype or torch.float32)``, which would cast the served pipeline's shared modules
-(bfloat16 weights to float32; and with a dtype given, modules a pipeline keeps in another dtype). A request's call arguments say which edit it
-is (`edit_kind_of`: ``image`` and ``mask_image``, diffusers' names).
+(bfloat16 weights to float32; and with a dtype given, modules a pipeline keeps in another dtype). A family whose
+loaded pipeline makes the edit itself (Kontext's ``"instruction"``: ``FluxKontextPipeline``) gets the loaded
+pipeline. A request's call arguments say which edit it is (`edit_kind_of`: ``image`` and ``mask_image``,
+diffusers' names, and the edits the family makes).
 
 The step hooks (`bcg.diffusers.step_batching.steps`) call these pipelines' own methods for a request's
 preparation (``get_timesteps``, ``prepare_latents``) with the request's own scheduler in place of the
@@ -26,12 +28,13 @@ from bcg.diffusers.families import family_of
 __all__ = ["EditPipelines", "edit_kind_of", "with_scheduler"]
 
 
-def edit_kind_of(kwargs: dict) -> str | None:
-    """The edit a pipeline call's arguments ask for: ``"inpaint"`` (an ``image`` and a ``mask_image``),
+def edit_kind_of(kwargs: dict, edits=()) -> str | None:
+    """The edit a pipeline call's arguments ask for of a family that makes `edits`: ``"inpaint"`` (an ``image``
+    and a ``mask_image``), ``"instruction"`` (an ``image`` where the family makes instruction edits),
     ``"image-to-image"`` (an ``image``), None (text-to-image)."""
-    if kwargs.get("image") is None:
-        return None
-    return "inpaint" if kwargs.get("mask_image") is not None else "image-to-image"
+    from bcg.diffusers.image_inputs import edit_kind
+
+    return edit_kind(int(kwargs.get("image") is not None), kwargs.get("mask_image") is not None, edits)
 
 
 class EditPipelines:
@@ -54,6 +57,8 @@ class EditPipelines:
             edits = sorted(family_of(pipe).edit_pipelines)
             raise ValueError(f"{type(pipe).__name__} cannot do {kind}: its family makes "
                              f"{', '.join(edits) if edits else 'no edits from input images'}")
+        if name in {cls.__name__ for cls in type(pipe).__mro__}:
+            return pipe  # the loaded pipeline makes this edit itself (Kontext)
         edit = _from_components(getattr(importlib.import_module("diffusers"), name), pipe)
         progress = getattr(pipe, "_progress_bar_config", None)
         if progress is not None:

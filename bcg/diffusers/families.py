@@ -15,9 +15,17 @@ A `ModelFamily` says how a request becomes a call of that family's pipeline:
 - how step caching hooks its transformer's block lists (`step_cache`, a `BlockAdapter`: the transformer
   classes, the block lists in the order its forward runs them, what a block takes per row and returns;
   None: no step caching);
-- the edits it makes from input images (`edit_pipelines`: ``"image-to-image"`` / ``"inpaint"`` -> the name of
-  diffusers' pipeline class that makes it, built from the loaded pipeline's components:
-  `bcg.diffusers.edits`).
+- the edits it makes from input images (`edit_pipelines`: ``"image-to-image"`` / ``"inpaint"`` /
+  ``"instruction"`` -> the name of diffusers' pipeline class that makes it, built from the loaded pipeline's
+  components, or the loaded pipeline itself where it is that class: `bcg.diffusers.edits`);
+- the call argument that resizes the output to an area (`area_arg`: Kontext's ``max_area``, which
+  ``FluxKontextPipeline`` fits the requested aspect ratio to), set to the key's width*height so the key's
+  size is the image's.
+
+FLUX.1-Kontext (``FluxKontextPipeline``) is a family of its own, ``flux-kontext``: Flux's CFG rule, packing and
+step-caching adapter (the same transformer class), its own step hooks (the reference image's latent tokens
+concatenated to the image sequence: `bcg.diffusers.step_batching.steps.flux_kontext`) and one edit,
+``"instruction"``, made by the loaded pipeline itself; without an image it makes images from text.
 
 The size default and the defaults of the call (steps, guidance, frames) are the pipeline's own and are
 read from it by `bcg.diffusers.pipeline_info`. `family_of(pipe)` finds a pipeline's record by its class
@@ -191,6 +199,8 @@ class ModelFamily:
     step_cache: Optional[BlockAdapter] = None
     # edit kind (bcg.diffusers.image_inputs.EDIT_KINDS) -> the diffusers pipeline class that makes it
     edit_pipelines: Mapping[str, str] = dataclasses.field(default_factory=lambda: MappingProxyType({}), hash=False)
+    # the call argument that resizes the output to an area (None: the call's height and width are the output's)
+    area_arg: Optional[str] = None
 
     def batching_hooks(self) -> Optional[BatchingHooks]:
         """A new instance of this family's step-wise batching hooks; None when it has none."""
@@ -207,16 +217,24 @@ _STEPS = "bcg.diffusers.step_batching.steps."
 
 GENERIC = ModelFamily("generic", (), video=None)
 
+_FLUX_CFG = CfgRule(scale_arg="true_cfg_scale", embedded_arg="guidance_scale", separate_calls=True)
+# Flux and Flux-Kontext: one transformer class, one adapter
+_FLUX_BLOCKS = BlockAdapter(("FluxTransformer2DModel",), ("transformer_blocks", "single_transformer_blocks"),
+                            bypass_args=("controlnet_block_samples", "controlnet_single_block_samples",
+                                         "joint_attention_kwargs"))
+
 FAMILIES: dict[str, ModelFamily] = {f.name: f for f in (
-    ModelFamily("flux", ("FluxPipeline",), builtin="tiny-flux",
-                cfg=CfgRule(scale_arg="true_cfg_scale", embedded_arg="guidance_scale", separate_calls=True),
-                latent_packing=2, prompt_tokenizer="tokenizer_2", batching=_STEPS + "flux:FluxStepFamily",
+    ModelFamily("flux", ("FluxPipeline",), builtin="tiny-flux", cfg=_FLUX_CFG, latent_packing=2,
+                prompt_tokenizer="tokenizer_2", batching=_STEPS + "flux:FluxStepFamily",
                 edit_pipelines=MappingProxyType({"image-to-image": "FluxImg2ImgPipeline",
                                                  "inpaint": "FluxInpaintPipeline"}),
-                step_cache=BlockAdapter(
-                    ("FluxTransformer2DModel",), ("transformer_blocks", "single_transformer_blocks"),
-                    bypass_args=("controlnet_block_samples", "controlnet_single_block_samples",
-                                 "joint_attention_kwargs"))),
+                step_cache=_FLUX_BLOCKS),
+    # the reference image at its own size (rounded down to the multiple): its token count is the key's `.r`
+    ModelFamily("flux-kontext", ("FluxKontextPipeline",), builtin="tiny-flux-kontext", cfg=_FLUX_CFG,
+                latent_packing=2, prompt_tokenizer="tokenizer_2",
+                batching=_STEPS + "flux_kontext:FluxKontextStepFamily",
+                edit_pipelines=MappingProxyType({"instruction": "FluxKontextPipeline"}), step_cache=_FLUX_BLOCKS,
+                fixed_kwargs=MappingProxyType({"_auto_resize": False}), area_arg="max_area"),
     # the last joint block updates the image stream only (its text stream comes back None)
     ModelFamily("sd3", ("StableDiffusion3Pipeline",), builtin="tiny-sd3", prompt_tokenizer="tokenizer_3",
                 batching=_STEPS + "sd3:SD3StepFamily",
@@ -254,7 +272,8 @@ def family_of(pipe) -> ModelFamily:
 
 def family_of_transformer(module) -> Optional[ModelFamily]:
     """The family whose step-caching adapter hooks `module`'s class (or a base class), by name; None when none
-    does."""
+    does. Families that share a transformer class share its adapter (Flux and Flux-Kontext): the first is
+    returned."""
     for cls in type(module).__mro__:
         for family in FAMILIES.values():
             if family.step_cache is not None and cls.__name__ in family.step_cache.transformer_classes:

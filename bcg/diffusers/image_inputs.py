@@ -1,5 +1,5 @@
-"""A request's input images (image-to-image, inpainting): read and checked once where they enter, carried as
-the bytes that were sent.
+"""A request's input images (image-to-image, inpainting, instruction edits): read and checked once where they
+enter, carried as the bytes that were sent.
 
 `read_image` checks an uploaded file before anything decodes it whole: PIL must identify it, its size (read
 from its header) must be within the deployment's pixel limit and PIL's decompression-bomb limit, and it must
@@ -11,6 +11,11 @@ Masks follow two conventions: a mask with transparency marks the region to edit 
 transparent (OpenAI's ``POST /v1/images/edits``); a mask without marks it white (diffusers' ``mask_image``:
 white is repainted, black kept). `open_mask` returns diffusers' form either way.
 
+An instruction edit (FLUX.1-Kontext: ``FluxKontextPipeline``) concatenates its reference image's latent
+tokens to the image sequence: `reference_tokens` counts them from the image's size (diffusers' rule with
+``_auto_resize=False``: each side rounded down to the model's size multiple), which a request's shape key
+carries.
+
 Torch-free (PIL only), so the ingress reads images without torch.
 """
 from __future__ import annotations
@@ -19,17 +24,29 @@ import dataclasses
 import io
 import warnings
 
-__all__ = ["EDIT_KINDS", "ImageInput", "ImageInputError", "edit_kind", "open_image", "open_mask", "read_image"]
+__all__ = ["EDIT_KINDS", "ImageInput", "ImageInputError", "edit_kind", "open_image", "open_mask", "read_image",
+           "reference_tokens"]
 
-# what a request with input images asks for: no mask, image-to-image; with a mask, inpainting
-EDIT_KINDS = ("image-to-image", "inpaint")
+# what a request with input images asks for: with a mask, inpainting; without, an instruction edit on a model
+# that makes them (Kontext: the image is a reference the prompt edits), else image-to-image
+EDIT_KINDS = ("image-to-image", "inpaint", "instruction")
 
 
-def edit_kind(images: int, mask: bool) -> str | None:
-    """The edit a request with `images` input images and a `mask` (or none) asks for; None: none (text)."""
+def edit_kind(images: int, mask: bool, edits=()) -> str | None:
+    """The edit a request with `images` input images and a `mask` (or none) asks for of a model that makes
+    `edits` (its family's edit kinds); None: none (text)."""
     if not images:
         return None
-    return "inpaint" if mask else "image-to-image"
+    if mask:
+        return "inpaint"
+    return "instruction" if "instruction" in edits else "image-to-image"
+
+
+def reference_tokens(width: int, height: int, size_multiple: int) -> int:
+    """The latent tokens of a reference image of `width` x `height` pixels on a model whose latent tokens are
+    `size_multiple` pixels a side: each side rounded down to the multiple, as ``FluxKontextPipeline`` with
+    ``_auto_resize=False`` resizes it (0: smaller than one token)."""
+    return (int(width) // size_multiple) * (int(height) // size_multiple)
 
 
 class ImageInputError(ValueError):

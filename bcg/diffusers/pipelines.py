@@ -32,7 +32,8 @@ from bcg.runtime.proxy import unwrap_runner
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["count_prompt_tokens", "generate", "pipeline_info", "plan_request", "warmup_pipeline", "warmup_request"]
+__all__ = ["count_prompt_tokens", "generate", "pipeline_info", "plan_request", "warmup_pipeline",
+           "warmup_reference_image", "warmup_request"]
 
 # --------------------------------------------------------------------------------------------------
 # pipeline facts
@@ -219,16 +220,19 @@ def plan_request(
     An edit brings an input `image` (a PIL image, or a checked `bcg.diffusers.image_inputs.ImageInput`),
     for inpainting a `mask_image` (white: repainted) and `strength` in (0, 1] (None: its pipeline's
     default): call arguments of its family's edit pipeline (`bcg.diffusers.edits`), which resizes the
-    image to the key's size; ValueError where the family makes no such edit.
+    image to the key's size; ValueError where the family makes no such edit. On a family that makes
+    instruction edits (Kontext) an image without a mask is the reference the prompt edits, used at its own
+    size: its latent tokens are the key's ``reference_tokens`` (``.r``), and it takes no `strength`.
     """
     info = info or pipeline_info(pipe)
     family = family_named(info["family"])
     if not isinstance(prompt, str) or not prompt:
         raise ValueError("prompt must be a non-empty string")
+    reference = _reference_tokens(family, info, image, mask_image)
     if key is None:
         key = request_shape_key(info, size=size, n=1 if n is None else n, guidance=guidance,
                                 negative_prompt=negative_prompt, num_frames=num_frames, prompt_bucket=prompt_bucket,
-                                prompt_buckets=prompt_buckets,
+                                prompt_buckets=prompt_buckets, reference_tokens=reference,
                                 count_tokens=lambda: count_prompt_tokens(pipe, prompt, info))
         check_shape(key, info["size_multiple"], frame_multiple=info["frame_multiple"] if info["is_video"] else None)
         _, guidance_kwargs = family.cfg.call_kwargs(guidance, negative_prompt, info["default_guidance"])
@@ -236,9 +240,11 @@ def plan_request(
         key = ShapeKey.parse(key)  # a ShapeKey as it is
         cfg, guidance_kwargs = family.cfg.call_kwargs(guidance, negative_prompt, info["default_guidance"])
         assert not (wrong := _disagreement(key, info, cfg, size=size, n=n, num_frames=num_frames,
-                                           prompt_bucket=prompt_bucket)), wrong
+                                           prompt_bucket=prompt_bucket, reference_tokens=reference)), wrong
     kwargs: dict[str, Any] = {"prompt": prompt, "height": key.height, "width": key.width,
                               "output_type": output_type, **guidance_kwargs, **family.fixed_kwargs}
+    if family.area_arg is not None:  # the output at the key's size (Kontext fits its aspect ratio to an area)
+        kwargs[family.area_arg] = key.width * key.height
     if key.prompt_bucket is not None:
         if not info["max_prompt_tokens"]:
             raise ValueError(f"{info['pipeline_class']} takes no max_sequence_length; use prompt_buckets=False")
@@ -269,10 +275,12 @@ def _edit_kwargs(family, image, mask_image, strength) -> dict:
             if value is not None:
                 raise ValueError(f"{name} applies to an edit: pass an image too")
         return {}
-    kind = edit_kind(1, mask_image is not None)
+    kind = edit_kind(1, mask_image is not None, family.edit_pipelines)
     if kind not in family.edit_pipelines:
         raise ValueError(f"the {family.name} family cannot do {kind} (it makes "
                          f"{', '.join(sorted(family.edit_pipelines)) or 'no edits from input images'})")
+    if kind == "instruction" and strength is not None:
+        raise ValueError("strength: an instruction edit starts from noise (its image is a reference): no strength")
     kwargs = {"image": open_image(image) if isinstance(image, ImageInput) else image}
     if mask_image is not None:
         kwargs["mask_image"] = open_mask(mask_image) if isinstance(mask_image, ImageInput) else mask_image
@@ -283,9 +291,27 @@ def _edit_kwargs(family, image, mask_image, strength) -> dict:
     return kwargs
 
 
-def _disagreement(key: ShapeKey, info: dict, cfg: bool, **given) -> str:
-    """What contradicts a request's shape key (fields given beside it, its guidance's CFG, the
-    pipeline's multiples), or "" when nothing does; for the debug checks of `plan_request`."""
+def _reference_tokens(family, info: dict, image, mask_image) -> int | None:
+    """The latent tokens of an instruction edit's reference `image` (a PIL image or an `ImageInput`), None
+    for any other request; ValueError where it is smaller than one token."""
+    from bcg.diffusers.image_inputs import edit_kind, reference_tokens
+
+    if image is None or edit_kind(1, mask_image is not None, family.edit_pipelines) != "instruction":
+        return None
+    width, height = (image.width, image.height)
+    tokens = reference_tokens(width, height, info["size_multiple"])
+    if tokens < 1:
+        raise ValueError(f"image: a reference image must be at least {info['size_multiple']} pixels a side, "
+                         f"got {width}x{height}")
+    return tokens
+
+
+def _disagreement(key: ShapeKey, info: dict, cfg: bool, reference_tokens: int | None = None, **given) -> str:
+    """What contradicts a request's shape key (fields given beside it, its guidance's CFG, its reference
+    image's tokens, the pipeline's multiples), or "" when nothing does; for the debug checks of `plan_request`."""
+    if reference_tokens != key.reference_tokens:
+        return f"shape key {key.key} carries {key.reference_tokens} reference tokens, the request's image " \
+               f"{reference_tokens}"
     carried = {"size": key.size, "n": key.batch_size, "num_frames": key.num_frames,
                "prompt_bucket": key.prompt_bucket}
     if given["size"] is not None:
@@ -309,7 +335,7 @@ def generate(pipe, prompt: str, **request) -> list:
     from bcg.diffusers.edits import EditPipelines, edit_kind_of
 
     _, kwargs = plan_request(pipe, prompt, **request)
-    out = EditPipelines().get(pipe, edit_kind_of(kwargs))(**kwargs)
+    out = EditPipelines().get(pipe, edit_kind_of(kwargs, family_of(pipe).edit_pipelines))(**kwargs)
     return list(out.frames) if hasattr(out, "frames") else list(out.images)
 
 
@@ -323,12 +349,29 @@ def warmup_request(pipe, key: ShapeKey, info: dict, steps: int, prompt: str, bat
     its images come from as many prompts (one image each), so the text encoders see that batch too."""
     guidance, negative = family_named(info["family"]).cfg.request_for(key.cfg, info["default_guidance"])
     kwargs = plan_request(pipe, prompt, key=key, steps=steps, guidance=guidance, negative_prompt=negative,
-                          seed=0, output_type=output_type, info=info)[1]
+                          seed=0, output_type=output_type, info=info, image=warmup_reference_image(key, info))[1]
     if batched and key.batch_size > 1 and "num_images_per_prompt" in kwargs:
         kwargs |= {"prompt": [prompt] * key.batch_size, "num_images_per_prompt": 1}
         if isinstance(kwargs.get("negative_prompt"), str):  # one negative row in some pipelines (Flux)
             kwargs["negative_prompt"] = [kwargs["negative_prompt"]] * key.batch_size
     return kwargs
+
+
+def warmup_reference_image(key: ShapeKey, info: dict):
+    """A grey reference image of as many latent tokens as `key` carries (None for a key without): the key's
+    size where that has as many, else the most nearly square grid of them. The transformer's signature
+    depends on the count only (the tokens' positions are values, not shapes)."""
+    tokens = key.reference_tokens
+    if tokens is None:
+        return None
+    from PIL import Image
+
+    multiple = info["size_multiple"]
+    across, down = key.width // multiple, key.height // multiple
+    if across * down != tokens:
+        down = max(d for d in range(1, int(tokens ** 0.5) + 1) if tokens % d == 0)
+        across = tokens // down
+    return Image.new("RGB", (across * multiple, down * multiple), (128, 128, 128))
 
 
 def warmup_pipeline(pipe, plan, num_inference_steps: int = 2, prompt: str = "a photo of a cat",

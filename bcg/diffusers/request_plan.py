@@ -10,9 +10,11 @@ holds the request's `ShapeKey`, its LoRA choice (`LoraChoice`), its validated st
 `resolve_plan` is the one place a request's defaults are resolved: the deployment's (`PlanDefaults`:
 size, steps, step-cache config) over the model's (``info``, `bcg.diffusers.pipeline_info`'s facts). It
 also checks that step caching is available where a request asks for it (``info["step_cache"]``), and that
-the model can make the edit a request with input images asks for (``info["edits"]``: image-to-image without
-a mask, inpainting with one; at most ``info["max_input_images"]`` images, a mask of the image's size,
-``strength`` in (0, 1]).
+the model can make the edit a request with input images asks for (``info["edits"]``: inpainting with a mask;
+without one, an instruction edit where the model makes them (Kontext), else image-to-image; at most
+``info["max_input_images"]`` images, a mask of the image's size, ``strength`` in (0, 1] and only where the
+edit starts part-way through the schedule). An instruction edit's shape key carries its reference image's
+latent tokens (``.r<tokens>``, `bcg.diffusers.image_inputs.reference_tokens`).
 
 Torch-free (stdlib and torch-free `bcg.diffusers` modules only), so the ingress stays torch-free; plans
 are frozen and pickle.
@@ -23,10 +25,11 @@ import dataclasses
 from typing import NamedTuple
 
 from bcg.diffusers.buckets import ShapeKey, parse_size, request_shape_key
-from bcg.diffusers.image_inputs import ImageInput, edit_kind
+from bcg.diffusers.image_inputs import ImageInput, edit_kind, reference_tokens
 from bcg.diffusers.step_caching.config import StepCacheConfig
 
-__all__ = ["LoraChoice", "PlanDefaults", "PlanError", "RequestPlan", "check_edit", "check_edit_kind", "resolve_plan"]
+__all__ = ["LoraChoice", "PlanDefaults", "PlanError", "RequestPlan", "check_edit", "check_edit_kind",
+           "plan_reference_tokens", "resolve_plan"]
 
 
 class LoraChoice(NamedTuple):
@@ -84,7 +87,10 @@ class RequestPlan:
 
     @property
     def edit(self) -> str | None:
-        """The edit it asks for (`bcg.diffusers.image_inputs.EDIT_KINDS`), None for text-to-image."""
+        """The edit it asks for (`bcg.diffusers.image_inputs.EDIT_KINDS`), None for text-to-image; its key's
+        reference tokens say an instruction edit."""
+        if self.shape_key.reference_tokens is not None:
+            return "instruction"
         return edit_kind(len(self.images), self.mask is not None)
 
 
@@ -109,11 +115,12 @@ def resolve_plan(prompt: str, info: dict, defaults: PlanDefaults = PlanDefaults(
     assert cache is None or isinstance(cache, StepCacheConfig), "cache: a StepCacheConfig, validated where it was made"
     images = tuple(images)
     check_edit(info, images, mask, strength)
+    reference = plan_reference_tokens(info, images, mask)
     if key is None:
         key = request_shape_key(info, size=size or defaults.size, n=n, guidance=guidance_scale,
-                                num_frames=num_frames)
+                                num_frames=num_frames, reference_tokens=reference)
     else:
-        assert not (wrong := _disagreement(key, size=size, n=n, num_frames=num_frames)), wrong
+        assert not (wrong := _disagreement(key, size=size, n=n, num_frames=num_frames, reference=reference)), wrong
     return RequestPlan(shape_key=key, prompt=prompt, steps=steps if steps is not None else defaults.steps,
                        guidance_scale=guidance_scale, seed=seed, lora=lora,
                        cache=cache if cache is not None else defaults.cache, output_format=output_format,
@@ -124,8 +131,8 @@ def check_edit_kind(info: dict, images: int, mask: bool) -> None:
     """That the model `info` describes makes the edit of `images` input images with a `mask` (or without)
     and takes that many images: `PlanError` naming ``model`` or ``image`` (what the ingress checks before it
     reads the files)."""
-    kind = edit_kind(images, mask)
     edits = info.get("edits") or ()
+    kind = edit_kind(images, mask, edits)
     if kind not in edits:
         served = info.get("model") or info.get("pipeline_class", "this model")
         can = f"it makes {' and '.join(edits)}" if edits else "it makes images from text only"
@@ -148,13 +155,31 @@ def check_edit(info: dict, images: tuple[ImageInput, ...], mask: ImageInput | No
     if strength is not None and not 0 < strength <= 1:
         raise PlanError("strength", f"must be in (0, 1] (1: start from pure noise), got {strength!r}")
     check_edit_kind(info, len(images), mask is not None)
+    if strength is not None and edit_kind(len(images), mask is not None, info.get("edits") or ()) == "instruction":
+        raise PlanError("strength", "an instruction edit starts from noise, its image a reference the prompt "
+                                    "edits: it takes no strength")
     if mask is not None and (mask.width, mask.height) != (images[0].width, images[0].height):
         raise PlanError("mask", f"must be the image's size {images[0].size}, got {mask.size}")
 
 
-def _disagreement(key: ShapeKey, size: str | None, n: int, num_frames: int | None) -> str:
+def plan_reference_tokens(info: dict, images: tuple[ImageInput, ...], mask: ImageInput | None) -> int | None:
+    """The reference tokens of an instruction edit's image (`reference_tokens`), None for any other request;
+    `PlanError` naming ``image`` where the image is smaller than one latent token."""
+    if edit_kind(len(images), mask is not None, info.get("edits") or ()) != "instruction":
+        return None
+    multiple = int(info["size_multiple"])
+    tokens = reference_tokens(images[0].width, images[0].height, multiple)
+    if tokens < 1:
+        raise PlanError("image", f"a reference image must be at least {multiple}x{multiple} pixels (one latent "
+                                 f"token), got {images[0].size}")
+    return tokens
+
+
+def _disagreement(key: ShapeKey, size: str | None, n: int, num_frames: int | None, reference: int | None) -> str:
     """The request fields given beside its `key` that contradict it ("" when none do)."""
     wrong = []
+    if reference != key.reference_tokens:
+        wrong.append(f"image (reference tokens {reference})")
     if size is not None and parse_size(size) != (key.width, key.height):
         wrong.append(f"size={size!r}")
     if n != key.batch_size:

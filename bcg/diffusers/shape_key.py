@@ -3,10 +3,12 @@
 - ``height``, ``width`` (pixels), ``num_frames`` (1 for images), ``batch_size`` (images per prompt);
 - ``cfg``: whether classifier-free guidance runs a negative branch (batched into the same call or as a
   second call, depending on the pipeline; either way it changes what the transformer sees);
-- ``prompt_bucket``: the text sequence length the prompt is padded to (None: the pipeline's default).
+- ``prompt_bucket``: the text sequence length the prompt is padded to (None: the pipeline's default);
+- ``reference_tokens``: the latent tokens of a reference image concatenated to the image sequence (an
+  instruction edit, FLUX.1-Kontext: they lengthen every transformer call; None: none).
 
 ``.key`` is a stable, readable string: ``"1024x1024"`` for the plain case, else suffixes in a fixed order,
-e.g. ``"768x512.f17.b2.cfg.p128"``. Sizes are written **width x height**, as in the OpenAI Images API
+e.g. ``"768x512.f17.b2.cfg.p128"``, ``"1024x1024.r4096"``. Sizes are written **width x height**, as in the OpenAI Images API
 ``size`` field ("1792x1024" is landscape). `ShapeKey.parse` is the inverse and also accepts a bare
 ``"WxH"``. `ShapeKey.group` and `ShapeKey.with_batch` are its batch-free and per-bucket forms.
 
@@ -23,7 +25,7 @@ import re
 __all__ = ["ShapeKey", "parse_size"]
 
 _SIZE_RE = re.compile(r"^\s*(\d+)\s*[xX]\s*(\d+)\s*$")
-_SUFFIX_RE = re.compile(r"^(f(?P<f>\d+)|b(?P<b>\d+)|(?P<cfg>cfg)|p(?P<p>\d+))$")
+_SUFFIX_RE = re.compile(r"^(f(?P<f>\d+)|b(?P<b>\d+)|(?P<cfg>cfg)|p(?P<p>\d+)|r(?P<r>\d+))$")
 
 
 def parse_size(size: str) -> tuple[int, int]:
@@ -47,6 +49,7 @@ class ShapeKey:
     batch_size: int = 1
     cfg: bool = False
     prompt_bucket: int | None = None
+    reference_tokens: int | None = None
 
     def __post_init__(self):
         for name in ("height", "width", "num_frames", "batch_size"):
@@ -55,9 +58,10 @@ class ShapeKey:
                 raise ValueError(f"ShapeKey.{name} must be a positive int, got {value!r}")
         if not isinstance(self.cfg, bool):
             raise ValueError(f"ShapeKey.cfg must be a bool, got {self.cfg!r}")
-        bucket = self.prompt_bucket
-        if bucket is not None and (isinstance(bucket, bool) or not isinstance(bucket, int) or bucket <= 0):
-            raise ValueError(f"ShapeKey.prompt_bucket must be a positive int or None, got {bucket!r}")
+        for name in ("prompt_bucket", "reference_tokens"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
+                raise ValueError(f"ShapeKey.{name} must be a positive int or None, got {value!r}")
 
     @property
     def size(self) -> str:
@@ -78,6 +82,8 @@ class ShapeKey:
             parts.append("cfg")
         if self.prompt_bucket is not None:
             parts.append(f"p{self.prompt_bucket}")
+        if self.reference_tokens is not None:
+            parts.append(f"r{self.reference_tokens}")
         return ".".join(parts)
 
     def __str__(self) -> str:
@@ -113,11 +119,11 @@ class ShapeKey:
             name = None if not match else next(k for k, v in match.groupdict().items() if v is not None)
             if name is None or name in fields:
                 raise ValueError(
-                    f"bad shape key {text!r}: after 'WxH' only '.f<frames>', '.b<batch>', '.cfg', '.p<tokens>' "
-                    f"may follow, each at most once (got {suffix!r})"
+                    f"bad shape key {text!r}: after 'WxH' only '.f<frames>', '.b<batch>', '.cfg', '.p<tokens>', "
+                    f"'.r<reference tokens>' may follow, each at most once (got {suffix!r})"
                 )
             fields[name] = True if name == "cfg" else int(match.group(name))
         return cls(
             height=height, width=width, num_frames=fields.get("f", 1), batch_size=fields.get("b", 1),
-            cfg=fields.get("cfg", False), prompt_bucket=fields.get("p"),
+            cfg=fields.get("cfg", False), prompt_bucket=fields.get("p"), reference_tokens=fields.get("r"),
         )

@@ -262,7 +262,7 @@ class StepFamily:
         """The pipeline whose ``__call__`` a request's arguments are for: `pipe`, or for an edit (``image``,
         ``mask_image``: `bcg.diffusers.edits`) diffusers' edit pipeline of its family made from `pipe`'s
         components, kept by these hooks."""
-        kind = edit_kind_of(kwargs)
+        kind = edit_kind_of(kwargs, family_named(self.name).edit_pipelines)
         if kind is None:
             return pipe
         edits = getattr(self, "_edit_pipelines", None)

@@ -128,19 +128,23 @@ class FluxStepFamily(StepFamily):
             inpaint = {"mask": mask, "image_latents": image_latents, "noise": noise}
         return latents, image_ids, scheduler, timesteps, steps - run, inpaint
 
+    def _latents(self, pipe, a, count: int, dtype, device):
+        """One request's ``(latents, image_ids, scheduler, timesteps, start_step, inpaint, reference)``: a text
+        request's as the pipeline's steps 4 and 5 make them, an edit's by `_edit_latents` (Kontext's reference
+        latents, concatenated to its latents in each call, by its own family)."""
+        if edit_kind_of(a) is not None:
+            return (*self._edit_latents(pipe, a, count, dtype, device), None)
+        latents, image_ids = pipe.prepare_latents(count, pipe.transformer.config.in_channels // 4, a["height"],
+                                                  a["width"], dtype, device, a.get("generator"), a.get("latents"))
+        scheduler, timesteps = self._timesteps(pipe, a, latents.shape[1], device)
+        scheduler.set_begin_index(0)
+        return latents, image_ids, scheduler, timesteps, 0, None, None
+
     def _state(self, pipe, a, rows, shared, device):
         count = self._rows(a)
         embeds, pooled = rows["embeds"], rows["pooled"]
-        start, inpaint = 0, None
-        if edit_kind_of(a) is None:
-            latents, image_ids = pipe.prepare_latents(
-                count, pipe.transformer.config.in_channels // 4, a["height"], a["width"], embeds.dtype, device,
-                a.get("generator"), a.get("latents"))
-            scheduler, timesteps = self._timesteps(pipe, a, latents.shape[1], device)
-            scheduler.set_begin_index(0)
-        else:
-            latents, image_ids, scheduler, timesteps, start, inpaint = self._edit_latents(pipe, a, count,
-                                                                                         embeds.dtype, device)
+        latents, image_ids, scheduler, timesteps, start, inpaint, reference = self._latents(pipe, a, count,
+                                                                                           embeds.dtype, device)
         guidance = None
         if pipe.transformer.config.guidance_embeds:
             guidance = torch.full([1], a["guidance_scale"], device=device, dtype=torch.float32).expand(count)
@@ -154,15 +158,15 @@ class FluxStepFamily(StepFamily):
             rows=count, latents=latents, scheduler=scheduler, timesteps=timesteps, row_inputs=row_inputs,
             neg_inputs=neg, shared={"txt_ids": text_ids, "img_ids": image_ids},
             guidance_scale=float(a["true_cfg_scale"]), height=a["height"], width=a["width"],
-            output_type=a.get("output_type") or "pil", start_step=start, inpaint=inpaint,
-            layout=("flux", neg is not None, layout_of(latents, embeds, pooled, guidance), tuple(text_ids.shape),
-                    tuple(image_ids.shape)))
+            output_type=a.get("output_type") or "pil", start_step=start, inpaint=inpaint, reference=reference,
+            layout=("flux", neg is not None, layout_of(latents, embeds, pooled, guidance, reference),
+                    tuple(text_ids.shape), tuple(image_ids.shape)))
 
     # the loop ----------------------------------------------------------------------------------------
 
     def forward(self, pipe, states, bucket):
         first = states[0]
-        latents = cat_rows([s.latents for s in states], bucket)
+        latents = cat_rows([self._model_input(s) for s in states], bucket)
         # as the pipeline: t broadcast to the rows in the latents' dtype, then scaled (each row its own t)
         timestep = cat_rows([s.timestep.expand(s.rows).to(s.latents.dtype) for s in states], bucket)
         transformer = pipe.transformer
@@ -182,6 +186,11 @@ class FluxStepFamily(StepFamily):
         cond = call("cond", [s.row_inputs for s in states])
         uncond = call("uncond", [s.neg_inputs for s in states]) if first.neg_inputs is not None else None
         return guided(states, cond, uncond)
+
+    @staticmethod
+    def _model_input(state) -> torch.Tensor:
+        """A state's rows of the transformer's ``hidden_states``: its latents (Kontext: with its reference)."""
+        return state.latents
 
     def decode_latents(self, pipe, latents, state):
         latents = pipe._unpack_latents(latents, state.height, state.width, pipe.vae_scale_factor)

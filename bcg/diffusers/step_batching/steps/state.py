@@ -24,7 +24,9 @@ class RequestState:
     (its pipeline's ``get_timesteps``), ``start_step`` where they begin in the full schedule, and its
     ``step_index`` counts from 0 like any request's. An inpainting request holds its ``inpaint`` tensors
     (``mask``, ``image_latents``, ``noise``, packed as its latents) for `keep_unmasked` after each step;
-    neither changes its layout, so edits and text requests of one size share a step batch.
+    neither changes its layout, so edits and text requests of one size share a step batch. An instruction edit
+    (Kontext) holds its reference image's packed latents (``reference``), concatenated after its latents in
+    each transformer call and never stepped: they lengthen its rows, so they are part of its layout.
     """
 
     rows: int
@@ -42,6 +44,7 @@ class RequestState:
     step_index: int = 0
     start_step: int = 0
     inpaint: dict | None = None
+    reference: torch.Tensor | None = None
 
     @property
     def num_steps(self) -> int:
