@@ -28,6 +28,7 @@ FAMILIES = sorted(BUILTIN_MODELS)
 # must have made eager): the attention core where the processor calls one, else the whole processor
 EXPECTED_BREAKS = {
     "tiny-flux": ["dispatch_attention_fn"] * 6,
+    "tiny-flux-kontext": ["dispatch_attention_fn"] * 6,
     "tiny-sd3": ["scaled_dot_product_attention"] * 2,
     "tiny-pixart": ["scaled_dot_product_attention"] * 4,
     "tiny-sana": ["SanaLinearAttnProcessor2_0.__call__", "scaled_dot_product_attention"] * 2,
@@ -422,7 +423,7 @@ def test_pipeline_info_is_plain_and_right():
     info = {name: pipeline_info(load_pipeline(name)) for name in FAMILIES}
     json.dumps(info)
     assert {n: i["size_multiple"] for n, i in info.items()} == {
-        "tiny-flux": 16, "tiny-sd3": 16, "tiny-pixart": 16, "tiny-sana": 32, "tiny-wan": 16, "tiny-qwen-image": 16,
+        "tiny-flux": 16, "tiny-flux-kontext": 16, "tiny-sd3": 16, "tiny-pixart": 16, "tiny-sana": 32, "tiny-wan": 16, "tiny-qwen-image": 16,
         "shapes-flux": 8}  # its VAE downsamples 4x (then Flux's 2x2 patches), FLUX.1's 8x
     assert info["shapes-flux"]["default_size"] == "64x64"  # its trained size; tiny-flux keeps FLUX's 1024x1024
     assert info["tiny-flux"]["default_size"] == "1024x1024"

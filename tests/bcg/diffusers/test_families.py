@@ -67,7 +67,7 @@ def test_a_request_carrying_its_key_runs_at_it_and_debug_runs_assert_what_contra
 def test_batching_hooks_are_found_through_the_family_record():
     from bcg.diffusers.step_batching.batcher import StepBatcher
     batched = {f.name for f in FAMILIES.values() if f.batching is not None}
-    assert batched == {"flux", "sd3"}
+    assert batched == {"flux", "flux-kontext", "sd3"}
     for family in NAMED:
         pipe = load_pipeline(family.builtin)
         hooks = family_of(pipe).batching_hooks()
@@ -76,7 +76,7 @@ def test_batching_hooks_are_found_through_the_family_record():
         assert type(StepBatcher(pipe).family) is type(hooks)
 
 
-@pytest.mark.parametrize("name", ["tiny-flux", "tiny-sd3"])
+@pytest.mark.parametrize("name", ["tiny-flux", "tiny-flux-kontext", "tiny-sd3"])
 def test_the_step_hooks_run_cfg_exactly_when_the_request_key_does(name):
     # one CFG rule (`CfgRule.runs`): the key a request is planned at and the step hooks that batch it agree
     from bcg.diffusers.call_args import call_defaults
@@ -119,15 +119,18 @@ def test_every_record_is_complete_and_names_what_resolves_on_its_builtin(family)
         assert family_of_transformer(pipe.transformer) is None
         return
     assert isinstance(adapter, BlockAdapter)
-    assert family_of_transformer(pipe.transformer) is family
+    # Flux-Kontext hooks Flux's transformer class with Flux's adapter: the transformer's family is the first
+    assert family_of_transformer(pipe.transformer).step_cache is adapter
     blocks = adapter_blocks(pipe.transformer, adapter, family.name)   # its lists, taking its per-row arguments
     assert len(blocks) >= 2 and all(b in list(pipe.transformer.modules()) for b in blocks)   # first + middle
 
 
 def test_the_families_step_caching_runs_are_the_ones_whose_records_name_an_adapter():
-    assert {f.name for f in NAMED if f.step_cache} == {"flux", "sd3", "wan", "qwen-image"}
-    claimed = [c for f in NAMED if f.step_cache for c in f.step_cache.transformer_classes]
-    assert len(claimed) == len(set(claimed))   # one adapter per transformer class
+    assert {f.name for f in NAMED if f.step_cache} == {"flux", "flux-kontext", "sd3", "wan", "qwen-image"}
+    adapters = {}
+    for family in NAMED:
+        for cls in family.step_cache.transformer_classes if family.step_cache else ():
+            assert adapters.setdefault(cls, family.step_cache) is family.step_cache, cls   # one adapter per class
 
 
 @pytest.mark.parametrize("bad, match", [
