@@ -2,6 +2,7 @@
 
     python3 benchmarks/make_pipeline_dirs.py --out /data/pipelines                      # flux.1-dev, wan2.1-1.3b
     python3 benchmarks/make_pipeline_dirs.py --out /data/pipelines --models flux.1-dev --device cuda
+    python3 benchmarks/make_pipeline_dirs.py --out /data/pipelines --models flux.1-kontext-dev  # Kontext edits
     python3 benchmarks/make_pipeline_dirs.py --out /tmp/p --num-layers 2              # real widths, 2 blocks
     python3 benchmarks/make_pipeline_dirs.py --out /tmp/p --tiny                      # CPU-sized, same classes
     python3 benchmarks/make_pipeline_dirs.py --dry-run                                # parameter counts, bytes
@@ -93,6 +94,18 @@ PIPELINES = {
             scheduler=("diffusers", "FlowMatchEulerDiscreteScheduler", FLUX_SCHEDULER)),
         tokenizers=dict(tokenizer=("clip", 77), tokenizer_2=("t5", 512)),
         extra={}),
+    # FLUX.1-Kontext-dev: FLUX.1-dev's published components (its transformer config is FLUX.1-dev's),
+    # FluxKontextPipeline's class: served as a Kontext model (instruction edits)
+    "flux.1-kontext-dev": dict(
+        pipeline="FluxKontextPipeline",
+        components=dict(
+            transformer=("diffusers", "FluxTransformer2DModel", None),
+            vae=("diffusers", "AutoencoderKL", FLUX_VAE),
+            text_encoder=("transformers", "CLIPTextModel", CLIP_L),
+            text_encoder_2=("transformers", "T5EncoderModel", T5_XXL),
+            scheduler=("diffusers", "FlowMatchEulerDiscreteScheduler", FLUX_SCHEDULER)),
+        tokenizers=dict(tokenizer=("clip", 77), tokenizer_2=("t5", 512)),
+        extra={}, transformer_of="flux.1-dev"),
     "wan2.1-1.3b": dict(
         pipeline="WanPipeline",
         components=dict(
@@ -114,6 +127,7 @@ def component_config(model: str, name: str, tiny: bool = False, num_layers: int 
     """The config `name` of `model` is built from: published, then ``--num-layers``, then ``--tiny``."""
     library, cls, config = PIPELINES[model]["components"][name]
     if name == "transformer":
+        model = PIPELINES[model].get("transformer_of", model)   # a transformer config published as another's
         config = model_config(model, num_layers)
         return {**config, **(TINY_TRANSFORMERS[model] if tiny else {})}
     config = dict(config)
@@ -211,7 +225,7 @@ def _du(path: str) -> int:
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=os.path.join(HERE, "pipelines"))
-    p.add_argument("--models", default=",".join(PIPELINES), help=f"comma-separated: {', '.join(PIPELINES)}")
+    p.add_argument("--models", default="flux.1-dev,wan2.1-1.3b", help=f"comma-separated: {', '.join(PIPELINES)}")
     p.add_argument("--device", default=None, help="where weights are initialised (default: cuda if available)")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--num-layers", type=int, default=None, help="blocks in transformer and text encoders")

@@ -64,3 +64,25 @@ def test_unknown_model_is_an_error_that_lists_the_known_ones(capsys):
     with pytest.raises(SystemExit):
         mpd.main(["--models", "flux.2", "--dry-run"])
     assert "flux.1-dev" in capsys.readouterr().err
+
+
+def test_a_kontext_dir_is_served_as_a_kontext_model(tmp_path):
+    """A directory whose model_index.json names FluxKontextPipeline loads as the flux-kontext family: it makes
+    instruction edits (a reference image's tokens in its key) and images from text."""
+    from PIL import Image
+
+    from bcg.diffusers.models import load_pipeline
+    from bcg.diffusers.pipelines import generate, pipeline_info, plan_request
+
+    mpd.make_pipeline_dir("flux.1-kontext-dev", str(tmp_path), device="cpu", dtype="float32", tiny=True)
+    path = tmp_path / "flux.1-kontext-dev"
+    assert json.loads((path / "model_index.json").read_text())["_class_name"] == "FluxKontextPipeline"
+    assert json.loads((path / "transformer" / "config.json").read_text())["in_channels"] == 64   # FLUX.1-dev's
+    pipe = load_pipeline(str(path), device="cpu", dtype=torch.float32)
+    info = pipeline_info(pipe)
+    assert (info["family"], info["edits"]) == ("flux-kontext", ["instruction"])
+    reference = Image.new("RGB", (48, 32), (200, 30, 30))
+    assert plan_request(pipe, "make it blue", size="32x32", image=reference)[0].key == "32x32.r6"
+    for image in (reference, None):
+        (out,) = generate(pipe, "make it blue", size="32x32", steps=1, seed=0, image=image, output_type="np")
+        assert out.shape == (32, 32, 3)
