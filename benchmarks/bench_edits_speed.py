@@ -4,6 +4,8 @@ image-to-image at ``strength`` 0.6 within 0.7x of a full request, every request 
     python3 benchmarks/bench_edits_speed.py --model benchmarks/pipelines/flux.1-dev --size 1024x1024 \\
         --app-args quantize=fp8,attention_backend=fa3_fp8 --compile --out $R/bench_edits_speed.json  # GPU host
     python3 benchmarks/bench_edits_speed.py --allow-cpu --out /tmp/bench_edits_speed.json            # smoke run
+    python3 benchmarks/bench_edits_speed.py --kontext --model benchmarks/pipelines/flux.1-kontext-dev \
+        --size 1024x1024 --app-args quantize=fp8,attention_backend=fa3_fp8 --compile --out $R/bench_kontext.json
 
 One app (`build_app`: ``--model``, one replica, warm for ``--size``, ``default_steps`` ``--steps``, no step
 batching: requests one at a time, as a single client sends them), then rounds (``--rounds``) of the variants
@@ -13,6 +15,11 @@ strength); each round's figure is the median client wall clock of ``--iters`` re
 (`_common.ratio`: variants timed next to each other), each response's ``bcg`` (warm, eager calls, steps
 computed) kept: a row whose requests were not all warm with 0 eager calls says so (``all_warm``). JSON
 through `_common.write_json`.
+
+``--kontext`` (a Kontext model: default ``tiny-flux-kontext``; issue 51's bar: a Kontext edit at most 2.2x a
+text-to-image request of the same size and steps): the variants are ``text`` and ``kontext`` (an instruction
+edit whose reference is the app's picture at ``--size``), the app warm for ``<size>`` and its reference key
+``<size>.r<tokens>`` (16 pixels a token side: Flux's VAE and 2x2 packing).
 """
 from __future__ import annotations
 
@@ -54,14 +61,16 @@ def run(args) -> dict:
     from deployments.app import build_app
 
     port, started = start_local_serve()
-    app_args = {"model": args.model, "num_replicas": 1, "warmup": args.size, "default_steps": args.steps,
+    width, height = (int(v) for v in args.size.lower().split("x"))
+    warmup = f"{args.size},{args.size}.r{(width // 16) * (height // 16)}" if args.kontext else args.size
+    app_args = {"model": args.model, "num_replicas": 1, "warmup": warmup, "default_steps": args.steps,
                 "max_batch_size": 1, **({"device": "cpu", "num_gpus_per_replica": 0, "num_cpus_per_replica": 0}
                                         if args.device == "cpu" else {}),
                 **({"runner": "compile=true"} if args.compile else {}), **_app_args(args.app_args)}
     _say(f"starting the app: {app_args}")
     serve.run(build_app(app_args), name="bench-edits", route_prefix="/bench-edits")
     base = f"http://127.0.0.1:{port}/bench-edits"
-    seen = {"text": [], "img2img": [], "inpaint": []}
+    seen = {name: [] for name in (("text", "kontext") if args.kontext else ("text", "img2img", "inpaint"))}
     try:
         with httpx.Client(base_url=base, timeout=args.timeout_s) as client:
             made = client.post("/v1/images/generations", json={"prompt": "a red circle in the center", "seed": 1})
@@ -88,7 +97,13 @@ def run(args) -> dict:
                                    files=[("image", ("in.png", picture, "image/png")),
                                           ("mask", ("mask.png", mask_png, "image/png"))])
 
-            variants = {"text": text, "img2img": img2img, "inpaint": inpaint}
+            def kontext(seed):
+                return client.post("/v1/images/edits", data={"prompt": "make the circle a blue square",
+                                                             "seed": str(seed)},
+                                   files=[("image", ("in.png", picture, "image/png"))])
+
+            variants = {"text": text, "kontext": kontext} if args.kontext else \
+                {"text": text, "img2img": img2img, "inpaint": inpaint}
             for name, fn in variants.items():  # untimed: the first request of each route
                 fn(0).raise_for_status()
 
@@ -112,9 +127,9 @@ def run(args) -> dict:
             serve.shutdown()
             import ray
             ray.shutdown()
+    ratios = {f"{name}_over_text": ratio(timed, name, "text") for name in seen if name != "text"}
     return {"model": args.model, "size": args.size, "steps": args.steps, "strength": args.strength,
-            "device": args.device, "app_args": app_args, "ms": timed,
-            "img2img_over_text": ratio(timed, "img2img", "text"), "inpaint_over_text": ratio(timed, "inpaint", "text"),
+            "device": args.device, "app_args": app_args, "ms": timed, **ratios,
             "steps_computed": {n: sorted({b["steps_computed"] for b in v}) for n, v in seen.items()},
             "all_warm": all(b["warm"] and b["eager_calls"] == 0 for v in seen.values() for b in v),
             "eager_calls": {n: sum(b["eager_calls"] for b in v) for n, v in seen.items()},
@@ -123,7 +138,10 @@ def run(args) -> dict:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="tiny-flux", help="a built-in name or a pipeline directory")
+    parser.add_argument("--model", default=None, help="a built-in name or a pipeline directory (default "
+                                                      "tiny-flux; with --kontext tiny-flux-kontext)")
+    parser.add_argument("--kontext", action="store_true", help="Kontext instruction edits against text (a Kontext "
+                                                               "model)")
     parser.add_argument("--size", default=None, help="WxH (default: 1024x1024 on CUDA, 64x64 on a CPU)")
     parser.add_argument("--steps", type=int, default=None, help="default: 28 on CUDA, 4 on a CPU")
     parser.add_argument("--strength", type=float, default=0.6)
@@ -139,14 +157,15 @@ def main(argv=None) -> int:
     if not pick_device(args, _say):
         return 2
     cpu = args.device == "cpu"
+    args.model = args.model or ("tiny-flux-kontext" if args.kontext else "tiny-flux")
     args.size = args.size or ("64x64" if cpu else "1024x1024")
     args.steps = args.steps or (4 if cpu else 28)
     args.iters = args.iters or (1 if cpu else 5)
     result = run(args)
     write_json(args.out, {"command": "python3 benchmarks/bench_edits_speed.py " + " ".join(argv or sys.argv[1:]),
                           **result})
-    _say(f"img2img/text {result['img2img_over_text']['median']:.3f}, inpaint/text "
-         f"{result['inpaint_over_text']['median']:.3f}, all warm with 0 eager calls: {result['all_warm']}")
+    _say(", ".join(f"{name.replace('_over_', '/')} {value['median']:.3f}" for name, value in result.items()
+                   if name.endswith("_over_text")) + f", all warm with 0 eager calls: {result['all_warm']}")
     return 0
 
 

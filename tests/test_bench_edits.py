@@ -30,3 +30,12 @@ def test_bench_edits_quality_scores_each_variant_against_the_new_and_the_old_cap
         assert 0 <= entry["new_caption"]["colour_shape"] <= 1 and entry["psnr_db"]["median"] > 0
     assert result["variants"]["inpaint"]["psnr_outside_mask_db"]["median"] > result["variants"]["inpaint"]["psnr_db"]["median"]
     assert result["new_captions"] != result["captions"] and len(result["scene_seeds"]) == 2
+
+
+def test_bench_edits_speed_times_kontext_edits_against_text_requests(tmp_path):
+    result, proc = run_smoke("bench_edits_speed.py", tmp_path / "kontext.json", "--kontext", "--steps", "2",
+                             "--rounds", "3")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert result["model"] == "tiny-flux-kontext" and set(result["ms"]) == {"text", "kontext"}
+    assert result["app_args"]["warmup"] == "64x64,64x64.r16" and result["kontext_over_text"]["median"] > 0
+    assert result["steps_computed"] == {"text": [2], "kontext": [2]}
