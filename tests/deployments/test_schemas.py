@@ -74,3 +74,11 @@ def test_plans_are_normalised_once_with_duplicates_dropped():
     with pytest.raises(FieldError) as info:
         check_plan(["64x64", "64xx"], LIMITS, "warmup")
     assert info.value.field == "warmup[1]"
+
+
+def test_a_plan_key_with_reference_tokens_is_kept_within_the_image_pixel_limit():
+    limits = RequestLimits(max_n=4, max_pixels=64 * 64 * 4, size_multiple=16, max_image_pixels=128 * 128)
+    assert check_plan(["64x64.r16", "64x64.b2.r64"], limits) == ["64x64.r16", "64x64.b2.r64"]
+    with pytest.raises(FieldError, match="max_image_pixels") as info:
+        check_plan(["64x64.r65"], limits)   # 65 tokens of 16x16 pixels: over 128x128
+    assert info.value.field == "keys[0]"
