@@ -126,7 +126,8 @@ class ReplicaEngine:
         transformer_compiles = self.config.compile and (compile_components == "all"
                                                         or "transformer" in (compile_components or ()))
         pipe = load_pipeline(model, device=self.device, dtype=getattr(torch, dtype) if dtype else None, times=load,
-                             quantize=self.options.quantize, quantize_form=quantize_form(transformer_compiles),
+                             quantize=self.options.quantize,
+                             quantize_form=quantize_form(transformer_compiles, self.config.compile_precompile),
                              weights_store=weights_store_root(quantized_weights_cache) if self.options.quantize else None)
         self.quantized_weights = dict(load.quantized)  # per transformer: reloaded, quantized (stored), or why not
         if pipeline_hook:

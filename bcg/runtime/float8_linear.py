@@ -1,4 +1,4 @@
-"""Float8 linear layers as plain tensors, for graphs that are not compiled: `install_float8_linears`.
+"""Float8 linear layers as plain tensors, for plain graphs and the precompile: `install_float8_linears`.
 
 torchao's float8 layers (`bcg.runtime.quantize`'s other form) quantize each activation row inside a tensor
 subclass's dispatch: compiled, inductor fuses that into the kernel before it; uncompiled, it runs as a
@@ -6,30 +6,28 @@ handful of eager kernels per linear (absolute value, row maximum, division, clam
 activation again, and float8 on plain graphs ends up slower than bf16. This form keeps what the GEMM needs
 and nothing else:
 
-* the layer's ``weight`` becomes a plain ``torch.float8_e4m3fn`` parameter (row-major, as ``nn.Linear``
-  keeps it) and a buffer ``weight_scale`` (float32, one per output row) is registered beside it: both are
-  in the module's ``state_dict``, so a quantized state stores and reloads as ordinary tensors
-  (`bcg.runtime.weights_store` needs no trusted classes for it);
+* each chosen ``nn.Linear`` is replaced in its parent by a `Float8Linear` (a ``nn.Linear`` subclass, as
+  `bcg.lora` replaces the layers it adapts): ``weight`` a plain ``torch.float8_e4m3fn`` parameter
+  (row-major, as ``nn.Linear`` keeps it), a buffer ``weight_scale`` (float32, one per output row) and the
+  layer's bias: all in the module's ``state_dict``, so a quantized state stores and reloads as ordinary
+  tensors (`bcg.runtime.weights_store` needs no trusted classes for it), and a compile sees ordinary
+  tensors (dynamo's caching precompile carries them, where it cannot carry torchao's subclass);
 * each call quantizes its input per row with **one** kernel (`quantize_rows`: Triton on CUDA, reading the
-  row for its maximum and once more to scale and cast; plain torch elsewhere) and runs
+  row for its maximum and once more to scale and cast; plain torch elsewhere, and where a compile traces
+  the call, so that inductor fuses it into the kernel before it, as it fuses torchao's) and runs
   ``torch._scaled_mm`` with both per-row scales and the bias, bf16 out -- the same scheme as torchao's
   ``Float8DynamicActivationFloat8WeightConfig(granularity=PerRow())`` (scale = row maximum / 448).
 
-Installed through each layer's hook registry (hook ``bcg_float8_linear``, `bcg.runtime.hooks`), which
-replaces the layer's forward; removing the hook puts the forward back but not the bf16 weights (a fresh
-module is the undo, as for torchao's form). `prepare_float8_linears` installs the same hooks over empty
-float8 weights and scales, so that a stored state can be loaded into a module built from its config.
+A fresh module is the undo, as for torchao's form. `prepare_float8_linears` puts the same layers, over
+empty tensors, in a module built from its config, so that a stored state can be loaded into it.
 """
 from __future__ import annotations
 
 import torch
 
-from bcg.runtime.hooks import HookRegistry, ModelHook
+__all__ = ["FLOAT8_DTYPE", "Float8Linear", "float8_linears", "install_float8_linears", "prepare_float8_linears",
+           "quantize_rows", "triton_unavailable_reason"]
 
-__all__ = ["FLOAT8_DTYPE", "HOOK_NAME", "Float8LinearHook", "float8_linears", "install_float8_linears",
-           "prepare_float8_linears", "quantize_rows", "triton_unavailable_reason"]
-
-HOOK_NAME = "bcg_float8_linear"
 FLOAT8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FLOAT8_DTYPE).max)  # 448
 _EPS = 1e-12  # a row of zeros gets this maximum, so its scale is not 0 (torchao's float8 epsilon)
@@ -100,54 +98,58 @@ def quantize_rows(x: torch.Tensor, fused: bool | None = None) -> tuple[torch.Ten
     return q, scale
 
 
-class Float8LinearHook(ModelHook):
-    """On one ``nn.Linear``: float8 weight and per-row scale (installed), the float8 GEMM as its forward."""
+class Float8Linear(torch.nn.Linear):
+    """A linear layer in float8 (this module's form): ``weight`` float8 e4m3 (row-major, ``requires_grad``
+    off), ``weight_scale`` float32 per output row, ``bias`` as the layer had it. A ``nn.Linear`` still, so
+    code that looks for linear layers (LoRA's targets, `bcg.lora`) finds it."""
 
-    def __init__(self, empty: bool = False):
-        super().__init__()
-        self.empty = empty  # install over empty tensors (a stored state is loaded into them next)
+    def __init__(self, in_features: int, out_features: int, bias: torch.nn.Parameter | None, device=None):
+        torch.nn.Module.__init__(self)  # not nn.Linear's: it would allocate a weight in the default dtype
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = torch.nn.Parameter(torch.empty((out_features, in_features), dtype=FLOAT8_DTYPE, device=device),
+                                         requires_grad=False)
+        self.register_buffer("weight_scale", torch.empty((out_features, 1), dtype=torch.float32, device=device))
+        self.bias = bias
 
-    def initialize_hook(self, module):
-        weight = module.weight
-        if self.empty:
-            data = torch.empty(weight.shape, dtype=FLOAT8_DTYPE, device=weight.device)
-            scale = torch.empty((weight.shape[0], 1), dtype=torch.float32, device=weight.device)
-        else:
-            data, scale = quantize_rows(weight.detach(), fused=False)
-        module.weight = torch.nn.Parameter(data, requires_grad=False)
-        module.register_buffer("weight_scale", scale)
-        return module
+    @classmethod
+    def from_linear(cls, linear: torch.nn.Linear, empty: bool = False) -> "Float8Linear":
+        """`linear` in float8 (`empty`: over empty tensors, a stored state is loaded into them next)."""
+        layer = cls(linear.in_features, linear.out_features, linear.bias, device=linear.weight.device)
+        if not empty:
+            with torch.no_grad():
+                data, scale = quantize_rows(linear.weight.detach(), fused=False)
+            layer.weight = torch.nn.Parameter(data, requires_grad=False)
+            layer.weight_scale = scale
+        return layer.train(linear.training)
 
-    def deinitialize_hook(self, module):
-        # the float8 weight stays (see the module docstring); the scale goes with the forward that reads it
-        module._buffers.pop("weight_scale", None)
-        return module
-
-    def new_forward(self, module, x):
+    def forward(self, x):
         shape = x.shape
-        q, scale = quantize_rows(x.reshape(-1, shape[-1]))
-        bias = module.bias
-        out = torch._scaled_mm(q, module.weight.t(), scale_a=scale, scale_b=module.weight_scale.t(),
+        # traced by a compile, the torch form: inductor fuses it into the kernel before it, as it does torchao's
+        fused = False if torch.compiler.is_compiling() else None
+        q, scale = quantize_rows(x.reshape(-1, shape[-1]), fused=fused)
+        bias = self.bias
+        out = torch._scaled_mm(q, self.weight.t(), scale_a=scale, scale_b=self.weight_scale.t(),
                                bias=bias.to(torch.bfloat16) if bias is not None else None,
                                out_dtype=torch.bfloat16)
-        return out.reshape(*shape[:-1], out.shape[-1])
+        return out.reshape(*shape[:-1], out.shape[-1]).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, " \
+               f"bias={self.bias is not None}, float8 e4m3 per-row scales"
 
 
 def install_float8_linears(module: torch.nn.Module, chosen: set, empty: bool = False) -> int:
-    """Put each linear layer of `module` whose ``id`` is in `chosen` in float8 (this module's form);
-    returns how many. A layer that has the hook already is left as it is."""
-    count = 0
-    for sub in module.modules():
-        if id(sub) in chosen and isinstance(sub, torch.nn.Linear):
-            registry = HookRegistry.check_if_exists_or_initialize(sub)
-            if registry.get_hook(HOOK_NAME) is None:
-                registry.register_hook(Float8LinearHook(empty=empty), HOOK_NAME)
-                count += 1
-    return count
+    """Replace each linear layer of `module` whose ``id`` is in `chosen` by its `Float8Linear`; returns how
+    many. A layer in float8 already is left as it is."""
+    swaps = [(parent, name, child) for parent in module.modules() for name, child in parent.named_children()
+             if id(child) in chosen and type(child) is torch.nn.Linear]
+    for parent, name, child in swaps:
+        setattr(parent, name, Float8Linear.from_linear(child, empty=empty))
+    return len(swaps)
 
 
 def prepare_float8_linears(module: torch.nn.Module, names) -> int:
-    """The hooks of `install_float8_linears` over empty float8 tensors, on the layers named (qualified
+    """The layers of `install_float8_linears` over empty float8 tensors, for the layers named (qualified
     names): a module built from its config, about to load a stored state."""
     names = set(names)
     return install_float8_linears(module, {id(sub) for name, sub in module.named_modules() if name in names},
@@ -156,9 +158,4 @@ def prepare_float8_linears(module: torch.nn.Module, names) -> int:
 
 def float8_linears(module: torch.nn.Module) -> list[str]:
     """Qualified names of `module`'s layers in this form."""
-    out = []
-    for name, sub in module.named_modules():
-        registry = HookRegistry.of(sub)
-        if registry is not None and registry.get_hook(HOOK_NAME) is not None:
-            out.append(name)
-    return out
+    return [name for name, sub in module.named_modules() if isinstance(sub, Float8Linear)]

@@ -150,8 +150,14 @@ def quantize_module(module: torch.nn.Module, mode: str | None, *, skip: Iterable
         report.seconds = time.perf_counter() - t0
         return _keep(module, report)
     report.applied, report.layers, report.skipped, report.scheme = True, len(chosen), skipped, scheme
-    report.weight_bytes_after = sum(_nbytes(sub.weight) for sub in module.modules()
-                                    if isinstance(sub, torch.nn.Linear) and id(sub) in chosen)
+    if form == "plain":  # the layers were replaced: count their float8 weights and scales
+        from bcg.runtime.float8_linear import Float8Linear
+
+        report.weight_bytes_after = sum(_nbytes(sub.weight) + _nbytes(sub.weight_scale) for sub in module.modules()
+                                        if isinstance(sub, Float8Linear))
+    else:
+        report.weight_bytes_after = sum(_nbytes(sub.weight) for sub in module.modules()
+                                        if isinstance(sub, torch.nn.Linear) and id(sub) in chosen)
     logger.info("%s: %d linear layers in float8 (%s), %d left in their dtype; weights %.2f -> %.2f GB",
                 type(module).__name__, report.layers, scheme, skipped, report.weight_bytes_before / 1e9,
                 report.weight_bytes_after / 1e9)

@@ -9,9 +9,8 @@ import pytest
 import torch
 
 from bcg.diffusers.models import _prepare_form, load_pipeline
-from bcg.runtime.float8_linear import (FLOAT8_DTYPE, HOOK_NAME, float8_linears, install_float8_linears,
-                                       quantize_rows)
-from bcg.runtime.hooks import HookRegistry
+from bcg.lora.layers import LoraLinear
+from bcg.runtime.float8_linear import FLOAT8_DTYPE, Float8Linear, float8_linears, install_float8_linears, quantize_rows
 from bcg.runtime.quantize import quantize_fields, quantize_module
 from bcg.runtime.weights_store import WeightsKey, WeightsStore
 
@@ -50,6 +49,8 @@ def test_the_plain_form_is_torchs_float8_gemm_with_both_row_scales_and_close_to_
     assert install_float8_linears(model, chosen) == 0  # installed once
     assert float8_linears(model) == ["0", "2"]
     layer = model[0]
+    assert isinstance(layer, Float8Linear) and isinstance(layer, torch.nn.Linear)  # LoRA's targets still find it
+    assert torch.equal(layer.bias, reference[0].bias)  # the bias stays in bf16
     assert layer.weight.dtype == FLOAT8_DTYPE and not layer.weight.requires_grad
     assert set(layer.state_dict()) == {"weight", "bias", "weight_scale"}
     x = torch.randn(3, 7, 64, dtype=torch.bfloat16)  # leading dims are kept
@@ -63,8 +64,8 @@ def test_the_plain_form_is_torchs_float8_gemm_with_both_row_scales_and_close_to_
         assert torch.equal(layer(x), by_hand)
     assert out.shape == expected.shape == (3, 7, 24) and out.dtype == torch.bfloat16
     assert _cosine(out, expected) > 0.99
-    HookRegistry.of(layer).remove_hook(HOOK_NAME)  # the forward goes back; the float8 weight stays
-    assert "weight_scale" not in layer.state_dict() and float8_linears(model) == ["2"]
+    # a LoRA update over a float8 layer computes in bf16 (what its GEMM returns), not in float8
+    assert LoraLinear.compute_dtype(layer) == torch.bfloat16
 
 
 def test_quantize_module_names_its_form_and_the_store_keys_differ_by_it():
