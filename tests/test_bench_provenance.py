@@ -35,7 +35,7 @@ def repo(tmp_path):
 def _written(tmp_path, repo) -> dict:
     """What a benchmark's result file records, written as the benchmarks write it (one state per process:
     the cache is cleared to stand for a new run)."""
-    _common.run_source.cache_clear()
+    _common._run_source.cache_clear()
     path = tmp_path / "result.json"
     _common.write_json(path, {"benchmark": "x", "ms": 1.5}, repo=str(repo))
     result = json.loads(path.read_text())
