@@ -127,6 +127,8 @@ def test_encoding_smoke_run_times_every_format_and_the_apng_ways_make_the_same_b
     # ours, on one thread or two, write the same file; Pillow's writer compresses at its own level
     assert noise["apng_one_thread"] == noise["apng_2_threads"] > 0 and noise["apng_pillow_writer"] > 0
     assert all(r["ms"] > 0 for r in result["images"] + result["videos"])
+    # interleaved rounds (3 by default): each figure the median of its rounds, with their min and max
+    assert all(r["ms_min"] <= r["ms"] <= r["ms_max"] for r in result["images"] + result["videos"])
     (fig,) = saved_figures  # left: the noise image per format; right: each video way per video kind
     left, right = fig.axes
     assert bars(left) == [round(r["ms"], 6) for f in ("png", "png_threads", "jpeg", "webp") for r in result["images"]
