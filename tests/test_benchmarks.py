@@ -148,24 +148,6 @@ def test_compiled_targets_with_repeats_compare_medians_and_state_the_spread():
     assert single == [{"check": "sd3-small 512: runner / one_graph <= 1.02", "value": 1.0, "met": True}]
 
 
-def test_time_interleaved_runs_variants_in_turn_and_gives_ratio_spread():
-    import _common
-
-    order = []
-    figures = {"a": iter([10.0, 12.0, 11.0]), "b": iter([5.0, 4.0, 5.5])}
-    partial = []
-    result = _common.time_interleaved({"a": lambda: order.append("a"), "b": lambda: order.append("b")},
-                                      rounds=3, measure=lambda fn: (fn(), next(figures[order[-1]]))[1],
-                                      on_round=lambda i, r: partial.append((i, len(r["a"]["rounds"]))))
-    assert order == ["a", "b", "a", "b", "a", "b"]
-    assert partial == [(0, 1), (1, 2), (2, 3)]
-    assert result["a"] == {"rounds": [10.0, 12.0, 11.0], "median": 11.0, "min": 10.0, "max": 12.0}
-    speedup = _common.ratio(result, "a", "b")
-    assert speedup["rounds"] == [2.0, 3.0, 2.0] and speedup["median"] == 2.0 and speedup["max"] == 3.0
-    with pytest.raises(ValueError, match="rounds must be >= 3"):
-        _common.time_interleaved({"a": lambda: None}, rounds=2)
-
-
 def test_fp8_smoke_run_reports_why_fp8_is_off_and_times_both_variants_interleaved(tmp_path):
     import bench_fp8
 
