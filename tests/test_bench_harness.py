@@ -16,7 +16,7 @@ import _common  # noqa: E402
 # Scripts that compare variants and time them through `time_interleaved`.
 INTERLEAVED = {
     "bench_break_cost.py", "bench_edits_speed.py", "bench_encoding.py", "bench_fp8.py", "bench_lora.py",
-    "bench_lora_layer.py", "bench_pipeline_host.py", "bench_runner_overhead.py",
+    "bench_lora_layer.py", "bench_pipeline.py", "bench_pipeline_host.py", "bench_runner_overhead.py",
 }
 # Every other script, with why it does not (yet) time through it; a new script must be named in one of the two.
 NOT_INTERLEAVED = {
@@ -42,7 +42,6 @@ NOT_INTERLEAVED = {
     "bench_forward.py": "to move: eager and one graph are captured before the breaks exist, segments after",
     "bench_compiled.py": "to move: variants built one after the other (--repeat repeats a whole variant)",
     "bench_real_size.py": "to move: real-size models, one variant built and dropped at a time (memory)",
-    "bench_pipeline.py": "to move: each variant's pipeline built, timed and dropped in turn",
 }
 # the one writer of JSON that is no result: a pipeline folder's facts file (`bcg_random_weights.json`)
 WRITES_JSON_ITSELF = {"make_pipeline_dirs.py"}
@@ -158,3 +157,24 @@ def test_time_interleaved_refuses_fewer_than_three_rounds_or_no_variant():
         _common.time_interleaved({"a": lambda: None}, rounds=2)
     with pytest.raises(ValueError, match="variants is empty"):
         _common.time_interleaved({})
+
+
+@pytest.mark.slow
+def test_bench_pipeline_times_its_variants_in_rounds_and_pairs_the_speedup_per_round(tmp_path):
+    """A CPU smoke run of a script moved onto the harness: the figures come from interleaved rounds, the
+    speed-up is the median of per-round ratios, and what was timed still makes the eager image."""
+    import json
+
+    import bench_pipeline
+
+    out = tmp_path / "pipe.json"
+    assert bench_pipeline.main(["--size", "64x64", "--steps", "1", "--iters", "1", "--warmup", "0",
+                                "--phase-iters", "1", "--variants", "eager,host_only", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["source"]["commit"] and result["machine"]["cpu_count"]
+    for entry in result["variants"].values():
+        assert len(entry["rounds_ms"]) == 3 and entry["min_ms"] <= entry["median_ms"] <= entry["max_ms"]
+        assert entry["matches_eager"] is True
+    pairs = zip(result["variants"]["eager"]["rounds_ms"], result["variants"]["host_only"]["rounds_ms"])
+    assert result["speedup_vs_eager_spread"]["host_only"]["rounds"] == pytest.approx(
+        [a / b for a, b in pairs], rel=1e-3)
