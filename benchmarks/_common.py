@@ -5,7 +5,7 @@ Stable on purpose (every benchmark imports it): ``machine_info() -> dict``,
 file it writes records the code that produced it, ``source``: commit, clean, the diff's hash when dirty;
 ``source_state(repo) -> dict``; a dirty tree is announced on stderr),
 ``sync(device)``, ``pick_device(args, say) -> bool``, ``runner_fields(text) -> dict`` (``--runner k=v,...``), ``save_figure(fig, path, dpi=120) -> True`` (the CUDA-or-``--allow-cpu`` rule of the end-to-end
-benchmarks), ``time_interleaved(variants, rounds=3, measure=...) -> dict`` and ``ratio(result, a, b)``: figures
+benchmarks), ``time_interleaved(variants, rounds=3, measure=...) -> dict``, ``ratio(result, a, b)`` and ``spread(values)``: figures
 that survive a re-run (variants timed A, B, A, B, ... in one process; a ratio is a median with its min-max
 over rounds).
 """
@@ -84,10 +84,14 @@ def source_state(repo: str = REPO) -> dict:
     return state
 
 
-@functools.cache
 def run_source(repo: str = REPO) -> dict:
     """`source_state` once per process (the code this run imported), saying on stderr, in one line, when
     the results will not name a clean commit. `write_json` records it in every result as ``source``."""
+    return _run_source(os.path.abspath(repo))
+
+
+@functools.cache
+def _run_source(repo: str) -> dict:  # one cache entry per repository, however the caller named it
     state = source_state(repo)
     if state["clean"] is False:
         print(f"WARNING: results from a dirty tree: {len(state['dirty_paths'])} files differ from "
@@ -168,7 +172,7 @@ def time_interleaved(variants: dict, rounds: int = 3, measure=None, on_round=Non
     for index in range(rounds):
         for name, fn in variants.items():
             per[name].append(float(measure(fn)))
-        result = {name: _spread(values) for name, values in per.items()}
+        result = {name: spread(values) for name, values in per.items()}
         if on_round is not None:
             on_round(index, result)
     return result
@@ -178,10 +182,12 @@ def ratio(result: dict, numerator: str, denominator: str) -> dict:
     """Per-round ``result[numerator] / result[denominator]`` (e.g. slower / faster = a speed-up), as a
     median with min and max: the rounds pair variants timed next to each other."""
     a, b = result[numerator]["rounds"], result[denominator]["rounds"]
-    return _spread([x / y for x, y in zip(a, b) if y])
+    return spread([x / y for x, y in zip(a, b) if y])
 
 
-def _spread(values) -> dict:
+def spread(values) -> dict:
+    """``values`` (one figure per round) as ``{"rounds": [...], "median": m, "min": lo, "max": hi}``: the one
+    shape every benchmark reports a figure with its spread in."""
     return {"rounds": [round(v, 4) for v in values], "median": round(statistics.median(values), 4),
             "min": round(min(values), 4), "max": round(max(values), 4)}
 

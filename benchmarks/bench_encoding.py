@@ -8,15 +8,19 @@ barely compress) and ``smooth`` (a gradient with mild noise, closer to a decoded
 512x512 and 1024x1024. For each, `deployments.encoding.encode_image` as png (at its
 ``PNG_COMPRESS_LEVEL``), ``png_threads`` (what a replica does: a large image's PNG compressed in bands on
 ``--threads`` threads), jpeg and webp (Pillow's default quality), and ``png_pillow_default`` (Pillow's own
-default zlib level, what answers used before): median ms of --iters calls and the bytes. Videos: 33 frames of 832x480 (a Wan2.1 request
+default zlib level, what answers used before), timed in turn, round after round (`_common.time_interleaved`,
+--rounds rounds of --iters calls; a round's figure is its calls' median): ``ms`` (the rounds' median),
+``ms_min``/``ms_max`` and the bytes. Videos: 33 frames of 832x480 (a Wan2.1 request
 at its served size), as one APNG: Pillow's own APNG writer (frames one after another, what a replica did
 before `deployments.encoding`), `encode_image` with the frames on one thread, and with the frames on a
-pool of --threads threads (as a replica encodes them); and as one animated WebP. The JSON records the
+pool of --threads threads (as a replica encodes them); and as one animated WebP (the ways interleaved too,
+--video-iters calls a round). The JSON records the
 machine (CPU count); a PNG bar plot goes next to it.
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import io
 import os
 import statistics
@@ -28,7 +32,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(1, os.path.dirname(HERE))  # the repository root, for `deployments`
 
-from _common import add_plot_only, machine_info, pyplot, run_or_plot, save_figure, write_json  # noqa: E402
+from _common import add_plot_only, machine_info, pyplot, run_or_plot, save_figure, time_interleaved, write_json  # noqa: E402
 
 DEFAULT_OUT = os.path.join(HERE, "results", "bench_encoding.json")
 
@@ -48,13 +52,22 @@ def make_image(kind: str, width: int, height: int, seed: int):
     return Image.fromarray(np.clip(ramp + rng.normal(0, 6, ramp.shape), 0, 255).astype(np.uint8))
 
 
-def median_ms(fn, iters: int) -> tuple[float, int]:
-    times, size = [], 0
-    for _ in range(iters):
-        start = time.perf_counter()
-        size = len(fn())
-        times.append((time.perf_counter() - start) * 1e3)
-    return round(statistics.median(times), 3), size
+def timed(ways: dict, iters: int, rounds: int) -> dict:
+    """``{way: fn -> bytes}`` timed in turn, round after round: ``{way: {"ms", "ms_min", "ms_max", "bytes"}}``
+    (a round's figure: the median ms of its `iters` calls)."""
+    sizes = {}
+
+    def measure(fn):
+        times = []
+        for _ in range(iters):
+            start = time.perf_counter()
+            sizes[fn] = len(fn())
+            times.append((time.perf_counter() - start) * 1e3)
+        return statistics.median(times)
+
+    result = time_interleaved(ways, rounds=rounds, measure=measure)
+    return {way: {"ms": round(r["median"], 3), "ms_min": round(r["min"], 3), "ms_max": round(r["max"], 3),
+                  "bytes": sizes[ways[way]]} for way, r in result.items()}
 
 
 def pillow_apng(frames) -> bytes:
@@ -78,22 +91,20 @@ def run(args) -> dict:
     for kind in ("noise", "smooth"):
         for side in args.sizes:
             image = make_image(kind, side, side, seed=side)
-            for output_format in ("png", "jpeg", "webp"):
-                ms, size = median_ms(lambda: encode_image(image, output_format), args.iters)
-                result["images"].append({"image": kind, "size": f"{side}x{side}", "output_format": output_format,
-                                         "ms": ms, "bytes": size})
-                _say(f"{kind} {side}x{side} {output_format}: {ms:.2f} ms, {size} bytes")
-            # the PNG answers' zlib level against Pillow's default, same pixels
-            ms, size = median_ms(lambda: _pillow_png(image), args.iters)
-            result["images"].append({"image": kind, "size": f"{side}x{side}", "output_format": "png_pillow_default",
-                                     "ms": ms, "bytes": size})
-            _say(f"{kind} {side}x{side} png at Pillow's default level: {ms:.2f} ms, {size} bytes")
-            # what a replica does: a large image's PNG compressed in bands on its frame threads
             with ThreadPoolExecutor(args.threads) as pool:
-                ms, size = median_ms(lambda: encode_image(image, "png", map_fn=pool.map), args.iters)
-            result["images"].append({"image": kind, "size": f"{side}x{side}", "output_format": "png_threads",
-                                     "threads": args.threads, "ms": ms, "bytes": size})
-            _say(f"{kind} {side}x{side} png on {args.threads} threads: {ms:.2f} ms, {size} bytes")
+                ways = {output_format: functools.partial(encode_image, image, output_format)
+                        for output_format in ("png", "jpeg", "webp")}
+                # the PNG answers' zlib level against Pillow's default, same pixels
+                ways["png_pillow_default"] = functools.partial(_pillow_png, image)
+                # what a replica does: a large image's PNG compressed in bands on its frame threads
+                ways["png_threads"] = functools.partial(encode_image, image, "png", map_fn=pool.map)
+                figures = timed(ways, args.iters, args.rounds)
+            for output_format, row in figures.items():
+                extra = {"threads": args.threads} if output_format == "png_threads" else {}
+                result["images"].append({"image": kind, "size": f"{side}x{side}", "output_format": output_format,
+                                         **extra, **row})
+                _say(f"{kind} {side}x{side} {output_format}: {row['ms']:.2f} ms ({row['ms_min']:.2f}-"
+                     f"{row['ms_max']:.2f}), {row['bytes']} bytes")
     width, height = 832, 480
     for kind in ("noise", "smooth"):
         frames = [make_image(kind, width, height, seed=i) for i in range(args.frames)]
@@ -102,11 +113,12 @@ def run(args) -> dict:
                     "apng_one_thread": lambda: encode_image(frames, "png"),
                     f"apng_{args.threads}_threads": lambda: encode_image(frames, "png", map_fn=pool.map),
                     "webp_animated": lambda: encode_image(frames, "webp")}
-            for way, fn in ways.items():
-                ms, size = median_ms(fn, args.video_iters)
-                result["videos"].append({"video": kind, "size": f"{width}x{height}", "frames": args.frames,
-                                         "way": way, "ms": ms, "bytes": size})
-                _say(f"{kind} video {width}x{height}x{args.frames} {way}: {ms:.1f} ms, {size} bytes")
+            figures = timed(ways, args.video_iters, args.rounds)
+        for way, row in figures.items():
+            result["videos"].append({"video": kind, "size": f"{width}x{height}", "frames": args.frames,
+                                     "way": way, **row})
+            _say(f"{kind} video {width}x{height}x{args.frames} {way}: {row['ms']:.1f} ms ({row['ms_min']:.1f}-"
+                 f"{row['ms_max']:.1f}), {row['bytes']} bytes")
         write_json(args.out, result)
     return result
 
@@ -146,9 +158,10 @@ def plot(result: dict, png: str) -> bool:
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--sizes", default="256,512,1024", type=lambda s: [int(x) for x in s.split(",") if x])
-    p.add_argument("--iters", type=int, default=9)
+    p.add_argument("--iters", type=int, default=3, help="calls per round and way (images)")
     p.add_argument("--frames", type=int, default=33)
-    p.add_argument("--video-iters", type=int, default=3)
+    p.add_argument("--video-iters", type=int, default=1, help="calls per round and way (videos)")
+    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds (>= 3)")
     from deployments.encoding import encoding_threads
 
     p.add_argument("--threads", type=int, default=encoding_threads(),

@@ -16,7 +16,9 @@ Three sections, each optional, the JSON rewritten after every measurement (a tim
   bf16 eager output as reference, then the same module quantized (`bcg.runtime.quantize`, float8 per-row)
   on the same inputs: cosine, relative L2, max abs. Random weights: these are numerical-error figures,
   not a quality judgement (``--model-dir`` runs the same check on a real checkpoint's transformer).
-- ``timing`` (per model and size): variants ``bf16`` and ``fp8`` (``--variants``; ``fp8+fa3_fp8`` names an
+- ``timing`` (per model and size): variants ``bf16`` and ``fp8`` (``--variants``; ``fp8`` in the form the app
+  picks for the runner -- torchao's compiled, plain float8 tensors with one fused activation kernel on plain
+  graphs, `bcg.runtime.float8_linear` --, ``fp8_torchao`` / ``fp8_plain`` either form; ``fp8+fa3_fp8`` names an
   attention kernel for one variant, e.g. float8 attention beside float8 GEMMs), each a
   `BreakableGraphRunner` over its own copy of the model, prepared as a served replica prepares it
   (`bcg.diffusers.prepare_transformer`: fp8, the attention kernel per shape (``--attention``), automatic
@@ -137,6 +139,7 @@ def model_section(args, result, out_path, model):
     import torch
 
     from bcg.diffusers import prepare_transformer
+    from bcg.diffusers.accelerated import quantize_form
     from bcg.runtime.config import RunnerConfig, TransformerOptions
     from bcg.runtime.quantize import quantize_module
     from bcg.runtime.runner import BreakableGraphRunner
@@ -164,18 +167,22 @@ def model_section(args, result, out_path, model):
         write_json(out_path, result)
     if args.errors_only:
         return
-    built, owned = {"bf16": module, "fp8": quantized}, {}
+    config = RunnerConfig(**args.runner)
+    # float8's form: "fp8" the one the app picks for these graphs (torchao's compiled, plain on plain graphs),
+    # "fp8_torchao" / "fp8_plain" either one
+    forms = {"fp8": quantize_form(config.compile), "fp8_torchao": "torchao", "fp8_plain": "plain"}
+    built, owned = {"bf16": module, "torchao": quantized}, {}
     for variant in args.variants:  # the first variant of each weights kind takes the built module, later ones
         weights = variant.partition("+")[0]  # a copy of the bf16 model made before anything is prepared
-        owned[variant] = built.pop(weights) if weights in built else copy.deepcopy(module)
-        if weights == "fp8" and owned[variant] is not quantized:
-            quantize_module(owned[variant], "fp8")
+        kind = forms.get(weights, weights)
+        owned[variant] = built.pop(kind) if kind in built else copy.deepcopy(module)
+        if weights in forms:
+            quantize_module(owned[variant], "fp8", form=kind)  # a no-op on the errors' copy (torchao's)
     runners = {}
     for variant in args.variants:
         weights, _, attention = variant.partition("+")
         own = owned.pop(variant)
-        config = RunnerConfig(**args.runner)
-        options = TransformerOptions(quantize="fp8" if weights == "fp8" else None,
+        options = TransformerOptions(quantize="fp8" if weights in forms else None,
                                      attention_backend=attention or args.attention)
         runners[variant] = BreakableGraphRunner(prepare_transformer(own, options, compile=config.compile),
                                                 config=config)

@@ -6,7 +6,10 @@
 
 What is timed: the plain user call ``pipe(prompt=..., height=..., width=..., num_inference_steps=...,
 max_sequence_length=<prompt bucket>, generator=<fresh CPU generator, seed 0>, output_type=...)``
-(wall clock, the device synchronised at the end, median over ``--iters`` calls after ``--warmup``).
+(wall clock, the device synchronised at the end). Every variant's pipeline is built and warmed first (``--warmup``
+calls each), then the variants are timed in turn, round after round (`_common.time_interleaved`, ``--rounds``
+rounds of ``--iters`` calls; a round's figure is its calls' median): ``median_ms`` is the rounds' median, with
+``min_ms``/``max_ms`` and the rounds (``rounds_ms``); ``speedup_vs_eager`` pairs each round with eager's.
 The request is planned once with `plan_request` outside the timing (a server does that in its
 ingress); with ``--output-type pil`` (default, what a server encodes) a call ends with a PIL image on
 the host, so it includes tokenisation, both text encoders, the scheduler, the VAE decoder, the
@@ -48,7 +51,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _common import add_plot_only, machine_info, plot_only, pyplot, save_figure, sync, write_json# noqa: E402
+from _common import (add_plot_only, machine_info, plot_only, pyplot, ratio, save_figure, sync,  # noqa: E402
+                     time_interleaved, write_json)
 
 from bcg.runtime.config import RunnerConfig  # noqa: E402
 from bcg.diffusers import accelerate, pipeline_info, pipeline_runners, plan_request, warmup_pipeline  # noqa: E402
@@ -64,21 +68,18 @@ def _as_array(out):
     return np.asarray(first) if not isinstance(first, list) else np.stack([np.asarray(f) for f in first])
 
 
-def time_pipeline(pipe, kwargs_fn, device, iters, warmup):
-    """Median/min/mean wall milliseconds of ``pipe(**kwargs_fn())`` (kwargs built before the clock starts)."""
-    out = None
-    for _ in range(warmup):
-        out = pipe(**kwargs_fn())
+def round_ms(pipe, kwargs_fn, device, iters, outputs: dict) -> float:
+    """One round: the median wall milliseconds of `iters` calls ``pipe(**kwargs_fn())`` (kwargs built before
+    the clock starts); the last output is kept in ``outputs[id(pipe)]``."""
     sync(device)
     times = []
     for _ in range(iters):
         kwargs = kwargs_fn()
         start = time.perf_counter()
-        out = pipe(**kwargs)
+        outputs[id(pipe)] = pipe(**kwargs)
         sync(device)
         times.append((time.perf_counter() - start) * 1e3)
-    return {"median_ms": round(statistics.median(times), 3), "min_ms": round(min(times), 3),
-            "mean_ms": round(statistics.fmean(times), 3), "iters": iters}, out
+    return statistics.median(times)
 
 
 class PhaseClock:
@@ -203,7 +204,8 @@ def main(argv=None):
     parser.add_argument("--model", default="tiny-flux")
     parser.add_argument("--size", default="256x256", help="WxH")
     parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--iters", type=int, default=7, help="calls per round and variant")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (>= 3)")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--phase-iters", type=int, default=5, help="calls of the per-phase breakdown")
     parser.add_argument("--output-type", default="pil", choices=("pil", "np", "pt", "latent"))
@@ -245,10 +247,10 @@ def main(argv=None):
     unknown = [v for v in chosen if v not in variants]
     if unknown or "eager" not in chosen:
         parser.error(f"--variants must include eager and name only {list(variants)}, got {args.variants!r}")
-    reference = None
-    for name in chosen:
+    pipes, entries = {}, {}
+    for name in chosen:  # every variant built and warmed before any is timed
         components = variants[name]
-        entry = {}
+        entry = entries[name] = {}
         if name == "served":
             from deployments.engine import ReplicaEngine  # the replica's own pipeline, at its defaults
 
@@ -270,12 +272,21 @@ def main(argv=None):
                 entry["warmup"] = report
                 print(f"  {name}: warmup {report['seconds']:.2f} s, {report['captured']} graphs, "
                       f"{report['failed']} failures", file=sys.stderr)
-        timing, out = time_pipeline(pipe, kwargs_fn, args.device, args.iters, args.warmup)
-        entry.update(timing)
-        image = _as_array(out)
-        if reference is None:
-            reference = image
-        entry["matches_eager"] = bool(np.array_equal(image, reference))
+        for _ in range(args.warmup):
+            pipe(**kwargs_fn())
+        pipes[name] = pipe
+
+    outputs = {}
+    timed = time_interleaved({name: pipe for name, pipe in pipes.items()}, rounds=args.rounds,
+                             measure=lambda pipe: round_ms(pipe, kwargs_fn, args.device, args.iters, outputs))
+    reference = _as_array(outputs[id(pipes["eager"])])
+    for name in chosen:
+        pipe, entry, components = pipes[name], entries[name], variants[name]
+        figures = timed[name]
+        entry.update(median_ms=round(figures["median"], 3), min_ms=round(figures["min"], 3),
+                     max_ms=round(figures["max"], 3), rounds_ms=figures["rounds"], iters=args.iters)
+        out = outputs[id(pipe)]
+        entry["matches_eager"] = bool(np.array_equal(_as_array(out), reference))
         entry["png_ms"] = png_ms(out)
         entry["phases_ms"] = phase_breakdown(pipe, kwargs_fn, args.device, args.phase_iters)
         if components is not None:
@@ -287,19 +298,18 @@ def main(argv=None):
             }
         results["variants"][name] = entry
         phases = ", ".join(f"{k} {v:.2f}" for k, v in entry["phases_ms"].items())
-        print(f"  {name}: median {entry['median_ms']:.2f} ms (min {entry['min_ms']:.2f}), "
+        print(f"  {name}: median {entry['median_ms']:.2f} ms (min {entry['min_ms']:.2f}, max {entry['max_ms']:.2f}), "
               f"matches eager: {entry['matches_eager']}\n    phases (ms, synced): {phases}", file=sys.stderr)
-        del pipe
-        if args.device.startswith("cuda"):
-            torch.cuda.empty_cache()
+    del pipes, outputs
 
-    eager = results["variants"]["eager"]["median_ms"]
-    results["speedup_vs_eager"] = {n: round(eager / v["median_ms"], 2) for n, v in results["variants"].items()}
+    results["speedup_vs_eager"] = {n: round(ratio(timed, "eager", n)["median"], 2) for n in chosen}
+    results["speedup_vs_eager_spread"] = {n: ratio(timed, "eager", n) for n in chosen}
+    print(f"  speedup vs eager: {results['speedup_vs_eager']}", file=sys.stderr)
     if "bcg_all" in results["variants"]:
+        eager = results["variants"]["eager"]["median_ms"]
         all_match = all(v["matches_eager"] for v in results["variants"].values())
         results["target"] = {"variant": "bcg_all", "min_speedup": 5.0, "max_ms": round(eager / 5.0, 3),
                              "met": results["speedup_vs_eager"]["bcg_all"] >= 5.0 and all_match}
-    print(f"  speedup vs eager: {results['speedup_vs_eager']}", file=sys.stderr)
     write_json(args.out, results)
     plot(results, os.path.splitext(args.out)[0] + ".png")
     return 0

@@ -2,10 +2,10 @@
 
 On the CPU nothing is captured, so a call is eager compute plus the pipeline's host work (device
 lookups, tokenizing, scheduler): the part `accelerate` changes besides graphs. ``--trees A B ...``
-times the same call with the code of each checkout (PYTHONPATH), interleaved: each round runs every
-tree once in a fresh process (``--calls`` timed calls after ``--warm`` untimed ones), so a change in
-machine load falls on every tree alike. Reports each tree's per-round medians (median, min, max in
-ms per call) as JSON.
+times the same call with the code of each checkout (PYTHONPATH), interleaved (`_common.time_interleaved`):
+each round runs every tree once in a fresh process (``--calls`` timed calls after ``--warm`` untimed ones;
+the round's figure is their median), so a change in machine load falls on every tree alike. Reports each
+tree's rounds with their median, min and max (ms per call), and each tree's per-round ratio to the first.
 
     python benchmarks/bench_pipeline_host.py --trees ../before . --labels class_swap hooks --rounds 9 \\
         --calls 40 --out benchmarks/results/bench_pipeline_host.json
@@ -13,6 +13,7 @@ ms per call) as JSON.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -23,7 +24,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from _common import report  # noqa: E402
+from _common import ratio, report, time_interleaved  # noqa: E402
 
 
 def _one(calls: int, warm: int, components: list[str]) -> list[float]:
@@ -52,7 +53,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--trees", nargs="+", default=["."], help="checkouts to time (their PYTHONPATH)")
     p.add_argument("--labels", nargs="+", default=None, help="a name per tree in the JSON (default: the paths)")
-    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--rounds", type=int, default=5, help="interleaved rounds (>= 3)")
     p.add_argument("--calls", type=int, default=40)
     p.add_argument("--warm", type=int, default=5)
     p.add_argument("--components", default="transformer,text_encoder,text_encoder_2,vae_decoder",
@@ -63,32 +64,36 @@ def main() -> None:
     if args.child:
         print(json.dumps(_one(args.calls, args.warm, args.components.split(","))))
         return
-    labels = dict(zip(args.trees, args.labels or args.trees))
-    per_round: dict[str, list[float]] = {t: [] for t in args.trees}
-    every: dict[str, list[float]] = {t: [] for t in args.trees}
-    for _ in range(args.rounds):
-        for tree in args.trees:
-            env = {**os.environ, "PYTHONPATH": os.path.abspath(tree)}
-            out = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", "--calls", str(args.calls),
-                                  "--warm", str(args.warm), "--components", args.components], env=env, cwd=os.path.abspath(tree),
-                                 capture_output=True, text=True, check=True)
-            times = json.loads(out.stdout.strip().splitlines()[-1])
-            per_round[tree].append(statistics.median(times))
-            every[tree].extend(times)
+    names = args.labels or args.trees
+    if len(names) != len(args.trees) or len(set(names)) != len(names):
+        p.error(f"--labels must give one distinct name per tree, got {names} for {args.trees}")
+    every: dict[str, list[float]] = {name: [] for name in names}
+
+    def one_round(tree: str, name: str) -> float:
+        """A fresh process with `tree`'s code: its calls' median ms (every call kept for the totals)."""
+        env = {**os.environ, "PYTHONPATH": os.path.abspath(tree)}
+        out = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", "--calls", str(args.calls),
+                              "--warm", str(args.warm), "--components", args.components], env=env,
+                             cwd=os.path.abspath(tree), capture_output=True, text=True, check=True)
+        times = json.loads(out.stdout.strip().splitlines()[-1])
+        every[name].extend(times)
+        return statistics.median(times)
+
+    timed = time_interleaved({name: functools.partial(one_round, t, name) for t, name in zip(args.trees, names)},
+                             rounds=args.rounds, measure=lambda fn: fn())
     result = {
         "what": "tiny-flux float32 CPU pipe() call, 64x64, 2 steps, max_sequence_length=32, output_type=latent, "
                 "after accelerate(pipe, components=...); one thread",
         "components": args.components.split(","),
         "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
         "rounds": args.rounds, "calls_per_round": args.calls,
-        "trees": {labels[t]: {"median_ms": round(statistics.median(every[t]), 3),
-                      "round_medians_ms": [round(v, 3) for v in per_round[t]],
-                      "min_ms": round(min(every[t]), 3), "max_ms": round(max(every[t]), 3)} for t in args.trees},
+        "timing": "trees in turn, round after round (A, B, A, B, ...), a fresh process each; a round's figure "
+                  "is the median of its calls",
+        "trees": {name: {**figures, "all_calls_min_ms": round(min(every[name]), 3),
+                         "all_calls_max_ms": round(max(every[name]), 3)} for name, figures in timed.items()},
     }
-    first, *others = args.trees
-    result["median_ratio_to_first"] = {labels[t]: round(statistics.median(every[t]) / statistics.median(every[first]), 4)
-                                       for t in others}
-    result["min_ratio_to_first"] = {labels[t]: round(min(every[t]) / min(every[first]), 4) for t in others}
+    first, *others = names
+    result["ratio_to_first"] = {name: ratio(timed, name, first) for name in others}
     report(result, args.out)
 
 

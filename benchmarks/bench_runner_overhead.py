@@ -5,8 +5,10 @@
 
 Module: 10 small tensor inputs (256 float32 each), a handful of tiny kernels, one output, so the GPU
 finishes long before the CPU has launched the next call: per-call time is CPU time, which is what the
-runner adds. Each variant runs --calls calls back to back with torch.cuda.synchronize() at both ends;
-per-call time is wall time / calls, and the reported figure is the median over --repeats such runs:
+runner adds. One round of a variant runs --calls calls back to back with torch.cuda.synchronize() at both
+ends; per-call time is wall time / calls. The variants are timed in turn, round after round
+(`_common.time_interleaved`, --repeats rounds), and the reported figure is each variant's median over its
+rounds (``spread_us``: median, min, max; ``overhead_spread_us``: the per-round difference to bare_replay):
 - bare_replay: the runner's own captured graph, ``entry.graph.replay()`` alone;
 - runner_copy: ``runner(**kwargs)`` with fresh caller tensors (signature, 10 copies in, replay, clone out);
 - runner_no_copy: the same with ``copy_outputs=False`` (static output returned);
@@ -20,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import time
 
@@ -33,8 +34,8 @@ import torch  # noqa: E402
 DEFAULT_OUT = os.path.join(HERE, "results", "bench_runner_overhead.json")
 BAR_US = 30.0
 
-from _common import (add_plot_only, machine_info, plot_only, pyplot, save_figure, write_json,  # noqa: E402
-                     write_result)
+from _common import (add_plot_only, machine_info, plot_only, pyplot, save_figure,  # noqa: E402
+                     spread, time_interleaved, write_json, write_result)
 
 
 class TenInputs(torch.nn.Module):
@@ -49,21 +50,16 @@ class TenInputs(torch.nn.Module):
         return torch.tanh((stacked * self.weight).sum(0))
 
 
-def per_call_us(fn, calls, repeats, sync=True):
-    """Median over `repeats` of (wall time of `calls` back-to-back calls) / calls, in microseconds."""
-    for _ in range(min(calls, 200)):
+def per_call_us(fn, calls, sync=True) -> float:
+    """One round: (wall time of `calls` back-to-back calls) / calls, in microseconds."""
+    if sync:
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
         fn()
-    samples = []
-    for _ in range(repeats):
-        if sync:
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        if sync:
-            torch.cuda.synchronize()
-        samples.append((time.perf_counter() - start) / calls * 1e6)
-    return statistics.median(samples), samples
+    if sync:
+        torch.cuda.synchronize()
+    return (time.perf_counter() - start) / calls * 1e6
 
 
 ORDER = ("signature_only", "bare_replay", "runner_static_inputs", "runner_no_copy", "runner_copy", "eager")
@@ -100,7 +96,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=DEFAULT_OUT)
     parser.add_argument("--calls", type=int, default=2000)
-    parser.add_argument("--repeats", type=int, default=9)
+    parser.add_argument("--repeats", type=int, default=9, help="interleaved rounds (>= 3)")
     parser.add_argument("--inputs", type=int, default=10)
     parser.add_argument("--numel", type=int, default=256)
     add_plot_only(parser)
@@ -119,39 +115,59 @@ def main(argv=None):
     make = lambda: {f"x{i}": torch.randn(args.numel, generator=generator).to(device)  # noqa: E731
                     for i in range(args.inputs)}
     kwargs = make()
-    result = {"machine": machine_info(), "args": vars(args), "bar_us": BAR_US, "results_us": {}, "samples_us": {}}
+    result = {"machine": machine_info(), "args": vars(args), "bar_us": BAR_US, "results_us": {}, "samples_us": {},
+              "timing": "variants in turn, round after round (A, B, A, B, ...); median of the rounds"}
+    host_only = set()  # variants that queue no GPU work: timed without the synchronize at both ends
 
-    def record(name, fn, sync=cuda):
-        median, samples = per_call_us(fn, args.calls, args.repeats, sync=sync)
-        result["results_us"][name] = round(median, 3)
-        result["samples_us"][name] = [round(s, 3) for s in samples]
-        print(f"{name:>22}: {median:8.2f} us/call", flush=True)
+    def measure(fn):
+        return per_call_us(fn, args.calls, sync=cuda and fn not in host_only)
 
-    record("signature_only", lambda: signature_of(kwargs), sync=False)
+    def record(variants: dict):
+        for fn in variants.values():  # warm each variant before any round is timed
+            for _ in range(min(args.calls, 200)):
+                fn()
+        timed = time_interleaved(variants, rounds=args.repeats, measure=measure)
+        for name, figures in timed.items():
+            result["results_us"][name] = round(figures["median"], 3)
+            result["samples_us"][name] = figures["rounds"]
+            print(f"{name:>22}: {figures['median']:8.2f} us/call (min {figures['min']:.2f}, max {figures['max']:.2f})",
+                  flush=True)
+        return timed
+
+    signature_only = lambda: signature_of(kwargs)  # noqa: E731
+    host_only.add(signature_only)
     if not cuda:
+        record({"signature_only": signature_only})
         result["note"] = "no CUDA here: only signature_only was measured"
         print(result["note"])
         write_json(args.out, result)
         return 0
 
     with torch.no_grad():
-        record("eager", lambda: module(**kwargs))
         runners = {}
         for copy in (True, False):
             runner = BreakableGraphRunner(module, config=RunnerConfig(copy_outputs=copy, enabled=True))
             assert runner.capture(**kwargs), runner.stats()
             runners[copy] = runner
         graph = runners[True]._entries.entries()[0].graph
-        record("bare_replay", graph.replay)
-        record("runner_copy", lambda: runners[True](**kwargs))
-        record("runner_no_copy", lambda: runners[False](**kwargs))
         static = dict(zip(sorted(kwargs), runners[True]._entries.entries()[0].static_inputs))
-        record("runner_static_inputs", lambda: runners[True](**static))
+        timed = record({
+            "signature_only": signature_only,
+            "eager": lambda: module(**kwargs),
+            "bare_replay": graph.replay,
+            "runner_copy": lambda: runners[True](**kwargs),
+            "runner_no_copy": lambda: runners[False](**kwargs),
+            "runner_static_inputs": lambda: runners[True](**static),
+        })
         # correctness of what was timed: the replayed output equals eager bit for bit
         fresh = make()
         result["replay_equals_eager"] = bool(torch.equal(runners[True](**fresh), module(**fresh)))
         result["runner_stats"] = {k: v for k, v in runners[True].stats().items() if k != "entries"}
 
+    bare = timed["bare_replay"]["rounds"]
+    result["overhead_spread_us"] = {
+        name: spread([a - b for a, b in zip(timed[name]["rounds"], bare)])
+        for name in ("runner_copy", "runner_no_copy", "runner_static_inputs")}
     us = result["results_us"]
     result["overhead_us"] = {name: round(us[name] - us["bare_replay"], 3)
                              for name in ("runner_copy", "runner_no_copy", "runner_static_inputs")}

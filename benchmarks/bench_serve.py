@@ -12,15 +12,19 @@ ingress's router stats (decisions; spills with the wait each was estimated to av
 
     python3 benchmarks/bench_serve.py --out benchmarks/results/bench_serve.json
     python3 benchmarks/bench_serve.py --replicas 4 --gpus-per-replica 1 --placement all --requests 400
+    python3 benchmarks/bench_serve.py --plot-only benchmarks/results/bench_serve.json   # the PNG from a JSON
 
 Needs CUDA unless ``--allow-cpu`` (a smoke run with CPU replicas and small sizes). Ray workers get the
-repository on PYTHONPATH through the job's runtime_env (the GPU host has no pip-installed package).
+repository on PYTHONPATH through the job's runtime_env (the GPU host has no pip-installed package). A PNG
+(warm-hit rate and p50/p99 latency per router) is written next to the JSON.
+
+The routers run one after the other (a deployment each), not in interleaved rounds: each run deploys,
+warms and tears down its own app, so a round would be a whole redeploy.
 """
 from __future__ import annotations
 
 import argparse
 import os
-import platform
 import random
 import statistics
 import sys
@@ -48,15 +52,11 @@ def _pct(values, q):
 
 
 def _machine() -> dict:
-    import diffusers
     import ray
-    import torch
-    info = {"python": platform.python_version(), "torch": torch.__version__, "diffusers": diffusers.__version__,
-            "ray": ray.__version__, "cuda": torch.cuda.is_available(), "host": platform.node()}
-    if torch.cuda.is_available():
-        info.update(gpu=torch.cuda.get_device_name(0), gpu_count=torch.cuda.device_count(),
-                    cuda_version=torch.version.cuda)
-    return info
+
+    from benchmarks._common import machine_info
+
+    return {**machine_info(), "ray": ray.__version__}
 
 
 def _workload(keys, n, seed):
@@ -149,6 +149,34 @@ def _run_router(router: str, a, keys, gpus: float) -> dict:
     return summary
 
 
+def plot(data: dict, png_path: str) -> bool:
+    """Warm-hit rate and p50/p99 client latency per router, side by side."""
+    from benchmarks._common import pyplot, save_figure
+
+    plt = pyplot()
+    if plt is None or not data.get("results"):
+        return False
+    routers = list(data["results"])
+    res = [data["results"][r] for r in routers]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(9, 3.6))
+    ax1.bar(routers, [100 * r["warm_hit_rate"] for r in res], color=["tab:green", "tab:gray"][: len(res)])
+    ax1.set_ylabel("warm-hit rate (%)")
+    ax1.set_ylim(0, 105)
+    for i, r in enumerate(res):
+        ax1.text(i, 100 * r["warm_hit_rate"] + 1, f"{100 * r['warm_hit_rate']:.0f}%", ha="center")
+    width = 0.38
+    xs = range(len(res))
+    ax2.bar([x - width / 2 for x in xs], [r["p50_ms"] for r in res], width, label="p50")
+    ax2.bar([x + width / 2 for x in xs], [r["p99_ms"] for r in res], width, label="p99")
+    ax2.set_xticks(list(xs), routers)
+    ax2.set_ylabel("latency (ms)")
+    ax2.legend()
+    a = data["args"]
+    fig.suptitle(f"{a['model']}: {a['replicas']} replicas x {a['gpus_per_replica']} GPU, {a['requests']} requests, "
+                 f"{a['placement']} warmup", fontsize=10)
+    return save_figure(fig, png_path, dpi=110)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description="shape-affinity routing vs Serve's default router")
     p.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "bench_serve.json"))
@@ -171,7 +199,12 @@ def main(argv=None) -> int:
     p.add_argument("--routers", default="shape_affinity,power_of_two")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--allow-cpu", action="store_true", help="smoke run without CUDA (CPU replicas, small sizes)")
+    from benchmarks._common import add_plot_only, plot_only, write_result
+
+    add_plot_only(p)
     a = p.parse_args(argv)
+    if a.plot_only:
+        return plot_only(a.plot_only, plot)
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     import ray
@@ -184,10 +217,7 @@ def main(argv=None) -> int:
         return 2
     keys = [k.strip() for k in (a.keys or (GPU_KEYS if cuda else CPU_KEYS)).split(",") if k.strip()]
     gpus = a.gpus_per_replica if cuda else 0.0
-    from benchmarks._common import run_source, write_json
-
-    run_source()  # a dirty tree is said at the start, not only in the result's ``source``
-    machine = _machine()
+    machine = _machine()  # says at the start when the tree is dirty
     _say(f"machine: {machine}")
     path = os.pathsep.join(x for x in (str(REPO), os.environ.get("PYTHONPATH")) if x)
     num_gpus = torch.cuda.device_count() if cuda else 0
@@ -210,7 +240,7 @@ def main(argv=None) -> int:
                              "p50_speedup": d["p50_ms"] / s["p50_ms"], "p99_speedup": d["p99_ms"] / s["p99_ms"]}
         _say(f"shape_affinity vs power_of_two: warm-hit {s['warm_hit_rate']:.1%} vs {d['warm_hit_rate']:.1%}, "
              f"p50 x{out['comparison']['p50_speedup']:.2f}, p99 x{out['comparison']['p99_speedup']:.2f}")
-    write_json(a.out, out)
+    write_result(a.out, out, plot)
     return 0
 
 

@@ -99,6 +99,7 @@ class ReplicaEngine:
         import torch
         from bcg.runtime.config import RunnerConfig, TransformerOptions
         from bcg.diffusers import accelerate, pipeline_info, pipeline_runners
+        from bcg.diffusers.accelerated import quantize_form
         from bcg.diffusers.step_batching.batcher import BatcherConfig, StepBatcher
         from bcg.diffusers.step_batching.costs import StepCosts
         from bcg.diffusers.models import LoadTimes, load_pipeline
@@ -121,8 +122,12 @@ class ReplicaEngine:
         load = LoadTimes()
         # the transformers quantized as they load (before LoRA slots and step caching), reloaded as they are
         # from the quantized weights store where an earlier start wrote them (`bcg.runtime.weights_store`)
+        # float8 in the form the transformer's graphs want: torchao's where it compiles, plain where not
+        transformer_compiles = self.config.compile and (compile_components == "all"
+                                                        or "transformer" in (compile_components or ()))
         pipe = load_pipeline(model, device=self.device, dtype=getattr(torch, dtype) if dtype else None, times=load,
                              quantize=self.options.quantize,
+                             quantize_form=quantize_form(transformer_compiles, self.config.compile_precompile),
                              weights_store=weights_store_root(quantized_weights_cache) if self.options.quantize else None)
         self.quantized_weights = dict(load.quantized)  # per transformer: reloaded, quantized (stored), or why not
         if pipeline_hook:

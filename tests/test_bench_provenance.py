@@ -35,7 +35,7 @@ def repo(tmp_path):
 def _written(tmp_path, repo) -> dict:
     """What a benchmark's result file records, written as the benchmarks write it (one state per process:
     the cache is cleared to stand for a new run)."""
-    _common.run_source.cache_clear()
+    _common._run_source.cache_clear()
     path = tmp_path / "result.json"
     _common.write_json(path, {"benchmark": "x", "ms": 1.5}, repo=str(repo))
     result = json.loads(path.read_text())
@@ -101,15 +101,3 @@ def test_without_git_the_fields_are_null_with_a_reason(tmp_path, repo, monkeypat
     source = _common.source_state(str(repo))
     assert source["commit"] is None and source["clean"] is None and source["reason"]
 
-
-def test_every_benchmark_writes_its_json_through_write_json():
-    """One place records provenance: a script that dumps JSON itself would write a result without it."""
-    offenders = []
-    for name in sorted(os.listdir(BENCHMARKS)):
-        if not name.endswith(".py") or name in ("_common.py", "make_pipeline_dirs.py"):  # the latter: model dirs
-            continue
-        with open(os.path.join(BENCHMARKS, name)) as f:
-            text = f.read()
-        if re.search(r"json\.dump\(|\.write_text\(", text):
-            offenders.append(name)
-    assert offenders == []

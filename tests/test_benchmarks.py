@@ -127,6 +127,8 @@ def test_encoding_smoke_run_times_every_format_and_the_apng_ways_make_the_same_b
     # ours, on one thread or two, write the same file; Pillow's writer compresses at its own level
     assert noise["apng_one_thread"] == noise["apng_2_threads"] > 0 and noise["apng_pillow_writer"] > 0
     assert all(r["ms"] > 0 for r in result["images"] + result["videos"])
+    # interleaved rounds (3 by default): each figure the median of its rounds, with their min and max
+    assert all(r["ms_min"] <= r["ms"] <= r["ms_max"] for r in result["images"] + result["videos"])
     (fig,) = saved_figures  # left: the noise image per format; right: each video way per video kind
     left, right = fig.axes
     assert bars(left) == [round(r["ms"], 6) for f in ("png", "png_threads", "jpeg", "webp") for r in result["images"]
@@ -144,24 +146,6 @@ def test_compiled_targets_with_repeats_compare_medians_and_state_the_spread():
     assert check["spread"] == pytest.approx((0.97 - 0.90) / 0.93, abs=1e-4)  # the runner's, the larger one
     single = bench_compiled.targets([_row("sd3-small", 512, "runner", 0.9), _row("sd3-small", 512, "one_graph", 0.9)])
     assert single == [{"check": "sd3-small 512: runner / one_graph <= 1.02", "value": 1.0, "met": True}]
-
-
-def test_time_interleaved_runs_variants_in_turn_and_gives_ratio_spread():
-    import _common
-
-    order = []
-    figures = {"a": iter([10.0, 12.0, 11.0]), "b": iter([5.0, 4.0, 5.5])}
-    partial = []
-    result = _common.time_interleaved({"a": lambda: order.append("a"), "b": lambda: order.append("b")},
-                                      rounds=3, measure=lambda fn: (fn(), next(figures[order[-1]]))[1],
-                                      on_round=lambda i, r: partial.append((i, len(r["a"]["rounds"]))))
-    assert order == ["a", "b", "a", "b", "a", "b"]
-    assert partial == [(0, 1), (1, 2), (2, 3)]
-    assert result["a"] == {"rounds": [10.0, 12.0, 11.0], "median": 11.0, "min": 10.0, "max": 12.0}
-    speedup = _common.ratio(result, "a", "b")
-    assert speedup["rounds"] == [2.0, 3.0, 2.0] and speedup["median"] == 2.0 and speedup["max"] == 3.0
-    with pytest.raises(ValueError, match="rounds must be >= 3"):
-        _common.time_interleaved({"a": lambda: None}, rounds=2)
 
 
 def test_fp8_smoke_run_reports_why_fp8_is_off_and_times_both_variants_interleaved(tmp_path):

@@ -32,7 +32,7 @@ from bcg.diffusers.step_caching.hook import attach_step_cache
 logger = logging.getLogger(__name__)
 
 __all__ = ["COMPONENTS", "accelerate", "first_tensor_device", "pipeline_call_scope", "pipeline_runners",
-           "pipeline_stats", "prepare_transformer", "unaccelerate"]
+           "pipeline_stats", "prepare_transformer", "quantize_form", "unaccelerate"]
 
 # --------------------------------------------------------------------------------------------------
 # accelerated pipelines
@@ -112,16 +112,34 @@ def pipeline_stats(pipe) -> dict:
     return out
 
 
-def prepare_transformer(module, options: TransformerOptions, policy: Any = "auto", compile: bool = False):
+def quantize_form(compile: bool, precompile: bool = False) -> str:
+    """The float8 form for a transformer whose runner compiles (`compile`) or not, with dynamo's caching
+    precompile (`precompile`) or not (`bcg.runtime.quantize.QUANTIZE_FORMS`): torchao's where inductor
+    compiles it, plain tensors on plain graphs and under the precompile (which cannot carry torchao's
+    tensor subclass: its ``empty_like`` copies of the parameters fail on it)."""
+    return "torchao" if compile and not precompile else "plain"
+
+
+def prepare_transformer(module, options: TransformerOptions, policy: Any = "auto", compile: bool = False,
+                        precompile: bool = False):
     """What `accelerate` does to a transformer before its runner wraps it, each a hook of its registry in
     this order (`bcg.runtime.hooks`): float8 linears (``options.quantize``: ``bcg_quantize``), the attention
     kernel per shape (``options.attention_backend``: ``bcg_attention``), then breaks per `policy`
-    (``bcg_breaks``). `compile`: whether its runner compiles (float8 is slow uncompiled). Returns `module`."""
+    (``bcg_breaks``). `compile`, `precompile`: whether its runner compiles, with dynamo's caching precompile
+    (they choose float8's form: `quantize_form`). Returns `module`."""
     if options.quantize is not None:  # before the attention kernels are timed on it
-        if quantize_module(module, options.quantize).applied and not compile:
-            logger.warning("quantize=%r without compile: each activation's float8 scale and cast run as eager "
-                           "kernels, slower than bf16 (0.82x on FLUX.1-dev 1024^2, one H200); set compile=True",
-                           options.quantize)
+        # compiled: torchao's float8 tensors, which inductor fuses; plain graphs: plain float8 tensors with
+        # one fused activation kernel (`bcg.runtime.float8_linear`). A transformer loaded quantized has its
+        # report already, and this is a no-op.
+        report = quantize_module(module, options.quantize, form=quantize_form(compile, precompile))
+        if report.applied and report.form == "plain":
+            from bcg.runtime.float8_linear import triton_unavailable_reason
+
+            reason = triton_unavailable_reason()
+            if reason is not None:
+                logger.warning("quantize=%r on plain graphs without Triton (%s): each activation's float8 scale "
+                               "and cast run as separate torch kernels, slower than bf16; install Triton or set "
+                               "compile=True", options.quantize, reason)
     _set_attention(module, options.attention_backend)
     # step caching (options.step_cache) registers its hooks here: after the attention kernel, before breaks
     # (the order and why: bcg.runtime.hooks)
@@ -350,7 +368,8 @@ def accelerate(pipe, config=None, policy: Any = "auto", components: Iterable[str
                 continue
             if name in _TRANSFORMERS:
                 before = {id(h) for _, _, h in _hooks_of(module)}
-                prepare_transformer(module, options, policy, compile=config_of(name).compile)
+                prepare_transformer(module, options, policy, compile=config_of(name).compile,
+                                    precompile=config_of(name).compile_precompile)
                 hook.installed.extend(entry for entry in _hooks_of(module) if id(entry[2]) not in before)
             runner = BreakableGraphRunner(module, config=config_of(name))
             if name in _TRANSFORMERS:

@@ -83,12 +83,13 @@ def _default_dtype(device) -> torch.dtype:
 
 def load_pipeline(name_or_path: str | None = None, device=None, dtype: torch.dtype | None = None,
                   times: LoadTimes | None = None, quantize: str | None = None,
-                  weights_store: WeightsStore | str | None = None):
+                  weights_store: WeightsStore | str | None = None, quantize_form: str = "torchao"):
     """A built-in pipeline by name (default `tiny-flux`) or a diffusers-format directory, on `device`.
 
     `dtype=None` means float32 on CPU and bfloat16 on CUDA. Nothing is ever downloaded. `times`, when
     given, gets the seconds read and moved (and quantized, reloaded, stored). `quantize` (a
-    `TransformerOptions.quantize` mode): the transformers' linear layers quantized here; with
+    `TransformerOptions.quantize` mode): the transformers' linear layers quantized here (in `quantize_form`,
+    `bcg.runtime.quantize.QUANTIZE_FORMS`: torchao's for a compiled transformer, plain for plain graphs); with
     `weights_store` (a `WeightsStore` or its root) reloaded from there when it holds them, else written
     there once quantized (see the module docstring).
     """
@@ -113,7 +114,8 @@ def load_pipeline(name_or_path: str | None = None, device=None, dtype: torch.dty
 
         prebuilt = {}
         if quantize is not None and store is not None:
-            prebuilt, reloaded = _reload_from_directory(name_or_path, quantize, store, device, dtype, times)
+            prebuilt, reloaded = _reload_from_directory(name_or_path, quantize, store, device, dtype, times,
+                                                        quantize_form)
         pipe = DiffusionPipeline.from_pretrained(name_or_path, local_files_only=True, torch_dtype=dtype, **prebuilt)
         pipe.set_progress_bar_config(disable=True)
     else:
@@ -127,12 +129,12 @@ def load_pipeline(name_or_path: str | None = None, device=None, dtype: torch.dty
         pipe.to(device)
     times.read_s, times.move_s = t_read - t0 - times.reload_s, time.perf_counter() - t_read
     if quantize is not None:
-        _quantize(pipe, name_or_path, quantize, store, dtype, reloaded, times)
+        _quantize(pipe, name_or_path, quantize, store, dtype, reloaded, times, quantize_form)
     return pipe
 
 
 def _quantize(pipe, source: str, mode: str, store: WeightsStore | None, dtype, reloaded: dict,
-              times: LoadTimes) -> None:
+              times: LoadTimes, form: str = "torchao") -> None:
     """Quantize each transformer of `pipe` not reloaded already: a built-in's reloaded from `store` when it
     holds it, else quantized and written there."""
     for name in _TRANSFORMERS:
@@ -147,15 +149,15 @@ def _quantize(pipe, source: str, mode: str, store: WeightsStore | None, dtype, r
             device = next(module.parameters()).device
             directory = _is_directory(source)  # a directory's was tried before it was read (`_reload_from_directory`)
             identity = _directory_identity(source, name) if directory else _content_identity(source, module)
-            key = _weights_key(source, name, identity, mode, dtype, device)
+            key = _weights_key(source, name, identity, mode, dtype, device, form)
             t0 = time.perf_counter()
-            meta = None if directory else store.load_into(module, key, device)
+            meta = None if directory else store.load_into(module, key, device, prepare=_prepare_form(form))
             if meta is not None:
                 restore_report(module, meta["report"], reloaded_from=meta["path"], seconds=meta["seconds"])
                 times.reload_s += time.perf_counter() - t0
                 times.quantized[name] = "reloaded"
                 continue
-        report = quantize_module(module, mode)
+        report = quantize_module(module, mode, form=form)
         times.quantize_s += report.seconds
         if not report.applied:
             times.quantized[name] = report.reason
@@ -177,10 +179,26 @@ def _is_directory(source: str) -> bool:
     return source not in BUILTIN_MODELS and os.path.isdir(source)
 
 
-def _weights_key(source: str, component: str, identity: dict, mode: str, dtype, device) -> WeightsKey:
+def _weights_key(source: str, component: str, identity: dict, mode: str, dtype, device,
+                 form: str = "torchao") -> WeightsKey:
     name = source if source in BUILTIN_MODELS else os.path.basename(os.path.abspath(source))
-    return WeightsKey.make(f"{name}/{component}", {**identity, **quantize_fields(mode), "dtype": str(dtype),
-                                                   **environment_fields(device)})
+    return WeightsKey.make(f"{name}/{component}", {**identity, **quantize_fields(mode, form=form),
+                                                   "dtype": str(dtype), **environment_fields(device)})
+
+
+def _prepare_form(form: str):
+    """What a module needs before a stored state of `form` loads into it: the plain form's float8 layers
+    (their hooks over empty tensors, on the layers the state gives a ``weight_scale``); torchao's none (its
+    tensors carry their class)."""
+    if form != "plain":
+        return None
+
+    def prepare(module, state_dict):
+        from bcg.runtime.float8_linear import prepare_float8_linears
+
+        suffix = ".weight_scale"
+        prepare_float8_linears(module, [k[: -len(suffix)] for k in state_dict if k.endswith(suffix)])
+    return prepare
 
 
 def _sha256_file(path: str) -> str | None:
@@ -216,7 +234,8 @@ def _content_identity(name: str, module: torch.nn.Module) -> dict:
     return {"source": name, "weights": digest.hexdigest()[:24]}
 
 
-def _reload_from_directory(path: str, mode: str, store: WeightsStore, device, dtype, times: LoadTimes):
+def _reload_from_directory(path: str, mode: str, store: WeightsStore, device, dtype, times: LoadTimes,
+                           form: str = "torchao"):
     """``({component: module}, {component: meta})``: the transformers of the directory at `path` the store
     holds quantized, each built without weights and loaded from the store straight to `device` (the
     components ``from_pretrained`` is then handed instead of reading them)."""
@@ -228,11 +247,11 @@ def _reload_from_directory(path: str, mode: str, store: WeightsStore, device, dt
             continue
         t0 = time.perf_counter()
         key = _weights_key(path, name, _directory_identity(path, name), mode, dtype,
-                           torch.device(device) if device is not None else torch.device("cpu"))
+                           torch.device(device) if device is not None else torch.device("cpu"), form)
         if not store.has(key):
             continue
         module = _empty_component(path, name, index[name])
-        meta = store.load_into(module, key, device)
+        meta = store.load_into(module, key, device, prepare=_prepare_form(form))
         if meta is None:
             continue
         restore_report(module, meta["report"], reloaded_from=meta["path"], seconds=meta["seconds"])

@@ -75,8 +75,12 @@ class LoraLinear(nn.Module):
 
     @staticmethod
     def compute_dtype(base: nn.Linear) -> torch.dtype:
-        """The dtype of the low-rank update of `base` (its weights', float32 for integer weights)."""
-        return base.weight.dtype if base.weight.dtype.is_floating_point else torch.float32
+        """The dtype of the low-rank update of `base` (its weights', bfloat16 for float8 weights -- the dtype
+        their GEMM returns, `bcg.runtime.float8_linear` --, float32 for integer weights)."""
+        dtype = base.weight.dtype
+        if not dtype.is_floating_point:
+            return torch.float32
+        return torch.bfloat16 if dtype.itemsize == 1 else dtype
 
     @property
     def in_features(self) -> int:

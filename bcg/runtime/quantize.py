@@ -47,6 +47,9 @@ __all__ = ["QUANTIZE_MODES", "QuantizeReport", "fp8_unavailable_reason", "quanti
 QUANTIZE_MODES = ("fp8",)
 #: Each mode's scheme, as its report names it.
 SCHEMES = {"fp8": "float8 e4m3, per-row scales"}
+#: The forms a mode's weights take: torchao's tensor subclass (what inductor fuses: for compiled graphs) or
+#: plain float8 tensors with one fused activation kernel (`bcg.runtime.float8_linear`: for plain graphs).
+QUANTIZE_FORMS = ("torchao", "plain")
 #: Bumped whenever what `quantize_module` makes of the same weights changes (which layers it chooses, the
 #: scheme's settings): states stored by an earlier version (`bcg.runtime.weights_store`) no longer match.
 QUANTIZE_FORMAT = 1
@@ -59,6 +62,7 @@ class QuantizeReport:
     """What `quantize_module` did: the mode asked for, whether it applied, why not, which layers."""
 
     mode: str | None
+    form: str = "torchao"      # `QUANTIZE_FORMS`
     applied: bool = False
     reason: str | None = None
     layers: int = 0            # linear layers quantized
@@ -73,8 +77,9 @@ class QuantizeReport:
         return dataclasses.asdict(self)
 
 
-def fp8_unavailable_reason(device: torch.device | str | None = None) -> str | None:
-    """Why float8 cannot run on `device` (None: it can): no CUDA, capability below 8.9, no torchao."""
+def fp8_unavailable_reason(device: torch.device | str | None = None, form: str = "torchao") -> str | None:
+    """Why float8 cannot run on `device` (None: it can): no CUDA, capability below 8.9, no torchao (the
+    torchao form)."""
     device = torch.device(device) if device is not None else None
     if device is not None and device.type != "cuda":
         return f"fp8 needs a CUDA device, the module is on {device}"
@@ -85,6 +90,8 @@ def fp8_unavailable_reason(device: torch.device | str | None = None) -> str | No
     if capability < _FP8_MIN_CAPABILITY:
         return (f"fp8 needs compute capability >= 8.9 (Ada, Hopper or newer); "
                 f"{torch.cuda.get_device_name(index)} has {capability[0]}.{capability[1]}")
+    if form == "plain":
+        return None
     try:
         _torchao_fp8()
     except ImportError as exc:
@@ -93,13 +100,16 @@ def fp8_unavailable_reason(device: torch.device | str | None = None) -> str | No
 
 
 def quantize_module(module: torch.nn.Module, mode: str | None, *, skip: Iterable[str] = (),
-                    device=None) -> QuantizeReport:
-    """Quantize `module`'s linear layers in place (see the module docstring); returns the report, which
-    is also kept in the module's hook registry (``quantize_report(module)``). Quantizing twice is a no-op."""
+                    device=None, form: str = "torchao") -> QuantizeReport:
+    """Quantize `module`'s linear layers in place (see the module docstring) in `form` (`QUANTIZE_FORMS`);
+    returns the report, which is also kept in the module's hook registry (``quantize_report(module)``).
+    Quantizing twice is a no-op."""
     if mode is None:
         return QuantizeReport(mode=None)
     if mode not in QUANTIZE_MODES:
         raise ValueError(f"quantize must be one of {list(QUANTIZE_MODES)} or None, got {mode!r}")
+    if form not in QUANTIZE_FORMS:
+        raise ValueError(f"quantize form must be one of {list(QUANTIZE_FORMS)}, got {form!r}")
     done = quantize_report(module)
     if done is not None:
         return done
@@ -107,8 +117,8 @@ def quantize_module(module: torch.nn.Module, mode: str | None, *, skip: Iterable
     if device is None:
         first = next(module.parameters(), None)
         device = first.device if first is not None else None
-    report = QuantizeReport(mode=mode)
-    reason = fp8_unavailable_reason(device)
+    report = QuantizeReport(mode=mode, form=form)
+    reason = fp8_unavailable_reason(device, form)
     if reason is not None:
         report.reason = reason
         logger.warning("%s stays in its dtype: %s", type(module).__name__, reason)
@@ -125,17 +135,29 @@ def quantize_module(module: torch.nn.Module, mode: str | None, *, skip: Iterable
             continue
         chosen.add(id(sub))
         report.weight_bytes_before += sub.weight.numel() * sub.weight.element_size()
-    quantize_, config, scheme = _torchao_fp8()
     try:
-        quantize_(module, config, filter_fn=lambda sub, fqn: id(sub) in chosen)
+        if form == "plain":
+            from bcg.runtime.float8_linear import install_float8_linears
+
+            install_float8_linears(module, chosen)
+            scheme = f"{SCHEMES[mode]}, plain tensors"
+        else:
+            quantize_, config, scheme = _torchao_fp8()
+            quantize_(module, config, filter_fn=lambda sub, fqn: id(sub) in chosen)
     except Exception as exc:  # noqa: BLE001 -- a layer torchao refuses: serve unquantized, say why
         report.reason = f"torchao could not quantize {type(module).__name__}: {type(exc).__name__}: {exc}"
         logger.warning("%s stays in its dtype: %s", type(module).__name__, report.reason)
         report.seconds = time.perf_counter() - t0
         return _keep(module, report)
     report.applied, report.layers, report.skipped, report.scheme = True, len(chosen), skipped, scheme
-    report.weight_bytes_after = sum(_nbytes(sub.weight) for sub in module.modules()
-                                    if isinstance(sub, torch.nn.Linear) and id(sub) in chosen)
+    if form == "plain":  # the layers were replaced: count their float8 weights and scales
+        from bcg.runtime.float8_linear import Float8Linear
+
+        report.weight_bytes_after = sum(_nbytes(sub.weight) + _nbytes(sub.weight_scale) for sub in module.modules()
+                                        if isinstance(sub, Float8Linear))
+    else:
+        report.weight_bytes_after = sum(_nbytes(sub.weight) for sub in module.modules()
+                                        if isinstance(sub, torch.nn.Linear) and id(sub) in chosen)
     logger.info("%s: %d linear layers in float8 (%s), %d left in their dtype; weights %.2f -> %.2f GB",
                 type(module).__name__, report.layers, scheme, skipped, report.weight_bytes_before / 1e9,
                 report.weight_bytes_after / 1e9)
@@ -143,12 +165,15 @@ def quantize_module(module: torch.nn.Module, mode: str | None, *, skip: Iterable
     return _keep(module, report)
 
 
-def quantize_fields(mode: str | None, skip: Iterable[str] = ()) -> dict:
+def quantize_fields(mode: str | None, skip: Iterable[str] = (), form: str = "torchao") -> dict:
     """What decides the weights `quantize_module` makes of a module's (beside the weights, their dtype and
     the versions and device of `bcg.runtime.weights_store.environment_fields`): the key fields of a stored
     quantized state."""
-    return {"quantize": mode, "scheme": SCHEMES.get(mode), "quantize_format": QUANTIZE_FORMAT,
-            "skip": sorted(skip)}
+    fields = {"quantize": mode, "scheme": SCHEMES.get(mode), "quantize_format": QUANTIZE_FORMAT,
+              "skip": sorted(skip)}
+    if form != "torchao":  # torchao's keys stay what they were (entries stored before forms existed)
+        fields["form"] = form
+    return fields
 
 
 def restore_report(module, report: dict, **changes) -> QuantizeReport:

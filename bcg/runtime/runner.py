@@ -162,12 +162,13 @@ class BreakableGraphRunner(CaptureLimits, ModuleProxy):
             from bcg.runtime.compile import compile_for_segments
             precompile = self._runner_config.compile_precompile
             quantized = _quantize_report(module)
-            if precompile and quantized is not None and quantized.applied:
+            if precompile and quantized is not None and quantized.applied and quantized.form == "torchao":
                 # torch's caching precompile makes empty_like copies of the parameters, which torchao's
-                # Float8Tensor does not implement: every capture failed (FLUX.1-dev on the H100, torchao 0.18)
+                # Float8Tensor does not implement: every capture failed (FLUX.1-dev on the H100, torchao 0.18).
+                # The plain float8 form (what a replica with the precompile quantizes to) has no such limit.
                 logger.warning("compile_precompile is off for %s: torch's caching precompile cannot handle "
-                               "float8 weights (torchao's Float8Tensor has no empty_like); its compiled code "
-                               "is shared as without it", type(module).__name__)
+                               "torchao's float8 weights (Float8Tensor has no empty_like; the 'plain' form "
+                               "can); its compiled code is shared as without it", type(module).__name__)
                 precompile = False
             self._compiled = compile_for_segments(module, dynamic=self._runner_config.compile_dynamic,
                                                   mode=self._runner_config.compile_mode,

@@ -202,11 +202,12 @@ class WeightsStore:
 
     # -- loading -----------------------------------------------------------------------------------
 
-    def load_into(self, module: torch.nn.Module, key: WeightsKey, device=None) -> Optional[dict]:
+    def load_into(self, module: torch.nn.Module, key: WeightsKey, device=None, prepare=None) -> Optional[dict]:
         """Replace `module`'s tensors by the entry of `key`, straight to `device` (default: where the
         entry's tensors were); returns the entry's ``meta`` with ``seconds`` (the load) and ``path``, or
         None when there is no usable entry (a miss; a bad file is warned about once). A module built on
-        the meta device is whole afterwards."""
+        the meta device is whole afterwards. `prepare(module, state_dict)`, when given, runs once the entry
+        is read and found valid, before its tensors are assigned (a form that adds tensors to the module)."""
         t0 = time.perf_counter()
         path = self._local_path(key)
         if path is None:
@@ -215,6 +216,8 @@ class WeightsStore:
             entry = _load_trusting(path, device, self.trusted)
             problem = _entry_problem(entry, key)
             if problem is None:
+                if prepare is not None:
+                    prepare(module, entry["state_dict"])
                 module.load_state_dict(entry["state_dict"], strict=True, assign=True)
                 for name, tensor in entry["buffers"].items():
                     owner, _, leaf = name.rpartition(".")

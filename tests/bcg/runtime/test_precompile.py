@@ -44,14 +44,19 @@ SCRIPT = textwrap.dedent('''
         def forward(self, x):
             return self.proj_out(self.blocks[2](self.blocks[1](self.blocks[0](x))))
 
-    mode, path = sys.argv[1], sys.argv[2]
+    mode, path, weights = sys.argv[1], sys.argv[2], sys.argv[3]
     torch.manual_seed(0)
     model = Model().eval()
+    dtype = torch.float32
+    if weights == "float8":  # the plain float8 form (bcg.runtime.float8_linear): ordinary tensors for dynamo
+        from bcg.runtime.float8_linear import install_float8_linears
+        model, dtype = model.to(torch.bfloat16), torch.bfloat16
+        install_float8_linears(model, {id(m) for b in model.blocks for m in (b.up, b.down)})
     if mode == "load":
         with open(path, "rb") as f:
             torch.compiler.load_cache_artifacts(f.read())
     compiled = compile_for_segments(model, regional=True, precompile=True)
-    out = compiled(torch.randn(2, 4, 16, generator=torch.Generator().manual_seed(1)))
+    out = compiled(torch.randn(2, 4, 16, generator=torch.Generator().manual_seed(1)).to(dtype)).float()
     if mode == "save":
         with open(path, "wb") as f:
             f.write(torch.compiler.save_cache_artifacts()[0])
@@ -60,23 +65,25 @@ SCRIPT = textwrap.dedent('''
 ''')
 
 
-def _run(tmp_path, mode):
+def _run(tmp_path, mode, weights="float32"):
     # a file both processes run (dynamo finds a precompiled frame's code by its module)
     script = tmp_path / "precompiled_model.py"
     if not script.exists():
         script.write_text(SCRIPT)
     env = {**os.environ, "PYTHONPATH": REPO, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / f"inductor-{mode}"),
            "CUDA_VISIBLE_DEVICES": ""}
-    proc = subprocess.run([sys.executable, str(script), mode, str(tmp_path / "artifacts.bin")], env=env,
+    proc = subprocess.run([sys.executable, str(script), mode, str(tmp_path / "artifacts.bin"), weights], env=env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def test_a_process_that_loads_precompiled_artifacts_compiles_nothing_and_computes_the_same(tmp_path):
-    first = _run(tmp_path, "save")
+@pytest.mark.parametrize("weights", ["float32", "float8"])
+def test_a_process_that_loads_precompiled_artifacts_compiles_nothing_and_computes_the_same(tmp_path, weights):
+    """float8: the plain form's weights (not torchao's tensor subclass, which the precompile cannot copy)."""
+    first = _run(tmp_path, "save", weights)
     assert first["precompile"] is True and first["graphs"] >= 2  # each block: before and after its break
-    second = _run(tmp_path, "load")  # a fresh inductor cache: only the artifacts carry the compiled code
+    second = _run(tmp_path, "load", weights)  # a fresh inductor cache: only the artifacts carry the compiled code
     assert second["precompile"] is True and second["graphs"] == 0
     assert second["out"] == first["out"]
 
@@ -120,6 +127,7 @@ def test_float8_weights_turn_the_precompile_off_for_their_forward_alone(caplog):
             runner = BreakableGraphRunner(model, config=RunnerConfig(compile=True, compile_precompile=True))
         assert runner.stats()["compile"]["precompile"] is False
         assert "compile_precompile is off for Model" in caplog.text and "Float8Tensor" in caplog.text
+        assert "the 'plain' form can" in caplog.text
         torch._dynamo.config.caching_precompile = True  # another runner's
         torch._dynamo.reset()
         with torch.no_grad():
