@@ -23,7 +23,11 @@ empty tensors, in a module built from its config, so that a stored state can be 
 """
 from __future__ import annotations
 
+import logging
+
 import torch
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["FLOAT8_DTYPE", "Float8Linear", "float8_linears", "install_float8_linears", "prepare_float8_linears",
            "quantize_rows", "triton_unavailable_reason"]
@@ -33,6 +37,7 @@ FP8_MAX = float(torch.finfo(FLOAT8_DTYPE).max)  # 448
 _EPS = 1e-12  # a row of zeros gets this maximum, so its scale is not 0 (torchao's float8 epsilon)
 
 _TRITON = None  # (kernel, error): found on first use
+_CHECKED: list = []  # the fused kernel's one check ran (`_fused_checked`)
 
 
 def _triton_kernel():
@@ -71,15 +76,37 @@ def triton_unavailable_reason() -> str | None:
     return _triton_kernel()[1]
 
 
+def _fused_checked(device) -> bool:
+    """Whether the fused kernel may run by default: once per process, on a small tensor of `device`, it must
+    run and agree with the torch form (scales equal, float8 values within one rounding); where it does not,
+    one warning and the torch form from then on (slower, never wrong)."""
+    global _TRITON
+    kernel, reason = _triton_kernel()
+    if kernel is None or _CHECKED:
+        return kernel is not None
+    _CHECKED.append(True)
+    try:
+        x = torch.randn(3, 200, device=device).to(torch.bfloat16) * 5
+        q, scale = quantize_rows(x, fused=True)
+        q_ref, scale_ref = quantize_rows(x, fused=False)
+        torch.testing.assert_close(scale, scale_ref, rtol=0, atol=0)
+        torch.testing.assert_close(q.float() * scale, q_ref.float() * scale_ref, rtol=0.07, atol=1e-6)
+        return True
+    except Exception as exc:  # noqa: BLE001 -- a kernel this GPU or Triton cannot run or runs wrong
+        _TRITON = (None, f"the fused kernel failed its check: {type(exc).__name__}: {str(exc)[:300]}")
+        logger.warning("float8 linears quantize their inputs with torch's ops (slower): %s", _TRITON[1])
+        return False
+
+
 def quantize_rows(x: torch.Tensor, fused: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(q, scale)`` of a 2-D tensor: ``q = clamp(x / scale)`` in float8 e4m3 and ``scale`` (float32,
     shape ``(rows, 1)``) each row's absolute maximum over 448. `fused`: the Triton kernel (default: on CUDA
     where Triton is installed), else torch's ops."""
     if x.dim() != 2:
         raise ValueError(f"quantize_rows takes a 2-D tensor, got shape {tuple(x.shape)}")
-    kernel = _triton_kernel()[0]
     if fused is None:
-        fused = x.is_cuda and kernel is not None
+        fused = x.is_cuda and _fused_checked(x.device)
+    kernel = _triton_kernel()[0]
     if not fused:
         peak = x.abs().amax(dim=1, keepdim=True).float().clamp(min=_EPS)
         scale = peak / FP8_MAX

@@ -105,3 +105,24 @@ def test_a_stored_plain_state_reloads_into_a_transformer_built_without_weights(t
                   guidance=torch.tensor([3.5]) if config.guidance_embeds else None)
     with torch.no_grad():
         assert torch.equal(empty(**kwargs).sample, transformer(**kwargs).sample)
+
+
+def test_a_fused_kernel_that_disagrees_with_the_torch_form_is_dropped_once_with_a_warning(monkeypatch, caplog):
+    """The fused kernel checks itself once per process before it runs by default; a kernel that runs wrong
+    (here one that writes zero scales) is replaced by the torch form, with one warning."""
+    from bcg.runtime import float8_linear
+
+    class WrongKernel:
+        def __getitem__(self, grid):
+            def launch(x, q, scale, *args, **kwargs):
+                q.zero_()
+                scale.zero_()
+            return launch
+
+    monkeypatch.setattr(float8_linear, "_TRITON", (WrongKernel(), None))
+    monkeypatch.setattr(float8_linear, "_CHECKED", [])
+    with caplog.at_level("WARNING", logger="bcg.runtime.float8_linear"):
+        assert float8_linear._fused_checked(torch.device("cpu")) is False
+        assert float8_linear._fused_checked(torch.device("cpu")) is False  # checked once
+    assert "failed its check" in float8_linear.triton_unavailable_reason()
+    assert caplog.text.count("quantize their inputs with torch's ops") == 1
