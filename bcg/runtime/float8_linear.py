@@ -157,7 +157,7 @@ class Float8Linear(torch.nn.Linear):
         bias = self.bias
         out = torch._scaled_mm(q, self.weight.t(), scale_a=scale, scale_b=self.weight_scale.t(),
                                bias=bias.to(torch.bfloat16) if bias is not None else None,
-                               out_dtype=torch.bfloat16)
+                               out_dtype=torch.bfloat16, use_fast_accum=True)  # as torchao's default
         return out.reshape(*shape[:-1], out.shape[-1]).to(x.dtype)
 
     def extra_repr(self) -> str:

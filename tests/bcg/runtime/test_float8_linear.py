@@ -60,7 +60,7 @@ def test_the_plain_form_is_torchs_float8_gemm_with_both_row_scales_and_close_to_
         q, s = quantize_rows(x.reshape(-1, 64), fused=False)
         wq, ws = quantize_rows(reference[0].weight, fused=False)
         by_hand = torch._scaled_mm(q, wq.t(), scale_a=s, scale_b=ws.t(), bias=reference[0].bias,
-                                   out_dtype=torch.bfloat16).reshape(3, 7, 128)
+                                   out_dtype=torch.bfloat16, use_fast_accum=True).reshape(3, 7, 128)
         assert torch.equal(layer(x), by_hand)
     assert out.shape == expected.shape == (3, 7, 24) and out.dtype == torch.bfloat16
     assert _cosine(out, expected) > 0.99
