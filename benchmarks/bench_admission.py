@@ -64,8 +64,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 
-from _common import (APP_FIELDS, _spread, add_plot_only, machine_info, pick_device, pyplot,  # noqa: E402
-                     run_or_plot, runner_fields, save_figure, start_local_serve, write_json)
+from _common import (APP_FIELDS, add_plot_only, machine_info, pick_device, pyplot, run_or_plot,  # noqa: E402
+                     runner_fields, save_figure, spread, start_local_serve, write_json)
 import bench_batching  # noqa: E402
 from bench_batching import PROMPTS, _request, batch_figures, _percentiles  # noqa: E402
 
@@ -292,8 +292,8 @@ def _row(args, case: dict, c: int, policy: str, runs: list, alone: dict) -> dict
            "rounds": len(runs),
            "images_per_s": round(sum(s["images"] for s in runs) / sum(s["wall_s"] for s in runs), 4),
            "latency_ms": _percentiles(latencies),
-           "round_mean_latency_ms": _spread([statistics.fmean(s["latencies_ms"]) for s in runs]),
-           "round_images_per_s": _spread([s["images"] / s["wall_s"] for s in runs]),
+           "round_mean_latency_ms": spread([statistics.fmean(s["latencies_ms"]) for s in runs]),
+           "round_images_per_s": spread([s["images"] / s["wall_s"] for s in runs]),
            "batch_size_histogram": dict(sorted(hist.items())),
            "deferred_requests": sum(s["deferred_requests"] for s in runs),
            "steps_cached": sum(s["steps_cached"] for s in runs)}
@@ -345,12 +345,12 @@ def _compare(samples: dict, args, label: str) -> dict:
         level = {}
         for other in (p for p in args.policies if p != "auto"):
             them = samples[(label, c, other)]
-            level[f"images_per_s_auto_vs_{other}"] = _spread([_tput(a) / _tput(b) for a, b in zip(auto, them)])
-            level[f"mean_latency_auto_vs_{other}"] = _spread([_mean(a) / _mean(b) for a, b in zip(auto, them)])
+            level[f"images_per_s_auto_vs_{other}"] = spread([_tput(a) / _tput(b) for a, b in zip(auto, them)])
+            level[f"mean_latency_auto_vs_{other}"] = spread([_mean(a) / _mean(b) for a, b in zip(auto, them)])
         if {"always", "never"} <= set(args.policies):
             rounds_ = list(zip(auto, samples[(label, c, "always")], samples[(label, c, "never")]))
-            mean = _spread([_mean(a) / min(_mean(b), _mean(n)) for a, b, n in rounds_])
-            tput = _spread([_tput(a) / max(_tput(b), _tput(n)) for a, b, n in rounds_])
+            mean = spread([_mean(a) / min(_mean(b), _mean(n)) for a, b, n in rounds_])
+            tput = spread([_tput(a) / max(_tput(b), _tput(n)) for a, b, n in rounds_])
             level["auto_vs_best"] = {"mean_latency": mean, "images_per_s": tput,
                                      "meets": mean["median"] <= MEAN_LATENCY_BAR and tput["median"] >= IMAGES_PER_S_BAR}
         out[str(c)] = level
