@@ -137,9 +137,9 @@ def prepare_transformer(module, options: TransformerOptions, policy: Any = "auto
 
             reason = triton_unavailable_reason()
             if reason is not None:
-                logger.warning("quantize=%r on plain graphs without Triton (%s): each activation's float8 scale "
-                               "and cast run as separate torch kernels, slower than bf16; install Triton or set "
-                               "compile=True", options.quantize, reason)
+                logger.warning("quantize=%r on plain graphs without the fused kernel (%s): each activation's "
+                               "float8 scale and cast run as separate torch kernels, as torchao's uncompiled "
+                               "form did (slower than bf16 on an H200); set compile=True", options.quantize, reason)
     _set_attention(module, options.attention_backend)
     # step caching (options.step_cache) registers its hooks here: after the attention kernel, before breaks
     # (the order and why: bcg.runtime.hooks)

@@ -187,8 +187,8 @@ def _weights_key(source: str, component: str, identity: dict, mode: str, dtype, 
 
 
 def _prepare_form(form: str):
-    """What a module needs before a stored state of `form` loads into it: the plain form's float8 layers
-    (their hooks over empty tensors, on the layers the state gives a ``weight_scale``); torchao's none (its
+    """What a module needs before a stored state of `form` loads into it: the plain form's `Float8Linear`
+    layers over empty tensors, where the state gives a layer a ``weight_scale``; torchao's none (its
     tensors carry their class)."""
     if form != "plain":
         return None

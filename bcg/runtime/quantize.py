@@ -10,6 +10,11 @@ uncompiled, each activation's scale and cast are separate eager kernels and the 
 bf16 (FLUX.1-dev 1024² on one graph: 213.5 against 174.8 ms a forward on the H200). Quantizing leaves
 inductor's process-wide settings as they were (torchao's ``set_inductor_config`` is off).
 
+That is the ``"torchao"`` form, for a transformer inductor compiles. ``form="plain"`` makes the same scheme of
+plain tensors instead (`bcg.runtime.float8_linear.Float8Linear`: float8 weights and per-row scales, each input
+quantized by one fused kernel): for plain graphs, and for dynamo's caching precompile, which cannot carry
+torchao's tensor subclass (`bcg.diffusers.accelerated.quantize_form` picks).
+
 Where float8 cannot run -- no CUDA device, compute capability below 8.9 (float8 tensor cores arrived with
 Ada and Hopper), torchao not installed, a layer torchao refuses -- nothing is changed: the returned
 `QuantizeReport` says why (``applied=False``, ``reason``) and one warning is logged. A caller serves the
