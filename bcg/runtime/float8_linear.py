@@ -90,7 +90,11 @@ def _fused_checked(device) -> bool:
         q, scale = quantize_rows(x, fused=True)
         q_ref, scale_ref = quantize_rows(x, fused=False)
         torch.testing.assert_close(scale, scale_ref, rtol=0, atol=0)
-        torch.testing.assert_close(q.float() * scale, q_ref.float() * scale_ref, rtol=0.07, atol=1e-6)
+        # one float8 step apart at most where a fused division rounds a tie the other way (e4m3: 1/8 of the
+        # value, 2**-9 below its normal range)
+        step = torch.clamp(q_ref.float().abs() / 8, min=2.0 ** -9)
+        if not ((q.float() - q_ref.float()).abs() <= step).all():
+            raise AssertionError("float8 values more than one step from the torch form's")
         return True
     except Exception as exc:  # noqa: BLE001 -- a kernel this GPU or Triton cannot run or runs wrong
         _TRITON = (None, f"the fused kernel failed its check: {type(exc).__name__}: {str(exc)[:300]}")
