@@ -4,7 +4,7 @@ The form holds the input image as one file field ``image`` (or several: ``image`
 as OpenAI's SDKs send a list), an optional ``mask`` file, and text fields: ``prompt``, ``model``, ``n``,
 ``size``, ``response_format``, ``output_format``, ``output_compression``, ``user``, this project's
 ``num_inference_steps``, ``guidance_scale``, ``seed``, ``lora_scale``, ``cache`` (a JSON object, as on
-generations) and diffusers' ``strength``. Text fields are parsed as form values are (``"2"`` is the number
+generations), ``num_frames`` (an image-to-video model's video length) and diffusers' ``strength``. Text fields are parsed as form values are (``"2"`` is the number
 2), then validated by the same model a Python handle caller sends; anything else is an error naming the
 field (`EditFormError`, the FastAPI error list's shape). The body's size was capped before it was read
 (`deployments.security`, ``max_upload_bytes``). Torch-free.

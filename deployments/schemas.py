@@ -102,6 +102,7 @@ class _ImageRequest(BaseModel):
     lora_scale: Optional[float] = Field(None, ge=-10.0, le=10.0)
     # step caching for this request (None: the deployment's ``step_cache``, which may be none)
     cache: Optional[StepCache] = None
+    num_frames: Optional[int] = Field(None, ge=1)  # video models only; None: the model's default
 
     @field_validator("output_compression")
     @classmethod
@@ -124,15 +125,15 @@ class _ImageRequest(BaseModel):
 
 class ImageGenerationRequest(_ImageRequest):
     """OpenAI ``POST /v1/images/generations`` body, plus diffusion knobs."""
-    num_frames: Optional[int] = Field(None, ge=1)  # video models only; None: the model's default
 
 
 class ImageEditRequest(_ImageRequest):
     """OpenAI ``POST /v1/images/edits`` (multipart over HTTP: `deployments.edit_form`), plus the knobs of
     generations and diffusers' ``strength``. ``image``: the input image files' bytes (one for the edits
     served today; a bare bytes is one file); ``mask``: where to repaint (transparent pixels, OpenAI's
-    convention; without alpha, white: diffusers'), None: image-to-image. The files are checked and
-    planned by `check_request`."""
+    convention; without alpha, white: diffusers'), None: image-to-image. On an image-to-video model (Wan
+    I2V) the image is the video's first frame and ``num_frames`` its length, as on generations. The files
+    are checked and planned by `check_request`."""
     image: List[bytes] = Field(min_length=1, max_length=16)
     mask: Optional[bytes] = None
     # how far into the schedule the edit starts from its image (diffusers' strength; None: the pipeline's)

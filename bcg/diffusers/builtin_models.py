@@ -13,6 +13,7 @@ The pipelines produce real (if meaningless) images: 128x128 in 2 steps takes wel
 - `tiny-pixart`: PixArtSigmaPipeline (T5, PixArt transformer, AutoencoderKL, DPM-Solver).
 - `tiny-sana`: SanaPipeline (Gemma2, Sana linear-attention transformer, DC-AE).
 - `tiny-wan`: WanPipeline, text-to-video (UMT5, Wan transformer, Wan causal 3D VAE).
+- `tiny-wan-i2v`: WanImageToVideoPipeline, image-to-video as Wan2.1 makes it (tiny-wan's parts, a CLIP vision encoder).
 - `tiny-qwen-image`: QwenImagePipeline (Qwen2.5-VL, Qwen-Image MMDiT, Qwen-Image causal 3D VAE).
 
 One built-in is trained, not random: `shapes-flux`, a FluxPipeline trained on captioned pictures of shapes
@@ -219,22 +220,43 @@ def build_tiny_sana():
 @_seeded
 def build_tiny_wan():
     """WanPipeline (text to video): UMT5, 2 Wan blocks, Wan causal 3D VAE (8x spatial, 4x temporal)."""
-    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel
+    from diffusers import WanPipeline
+
+    return WanPipeline(**_tiny_wan_components(in_channels=16))
+
+
+@_seeded
+def build_tiny_wan_i2v():
+    """WanImageToVideoPipeline (image to video, Wan2.1-style): tiny-wan's text encoder, VAE and scheduler, a Wan
+    transformer taking the image's condition latents on its channels (16 noise + 4 mask + 16 condition) and a
+    tiny CLIP vision encoder's penultimate hidden states (``image_dim``), with its ``CLIPImageProcessor``."""
+    from diffusers import WanImageToVideoPipeline
+    from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel
+
+    image_encoder = CLIPVisionModel(CLIPVisionConfig(
+        hidden_size=32, intermediate_size=64, projection_dim=32, num_hidden_layers=2, num_attention_heads=2,
+        image_size=32, patch_size=8,
+    )).eval()
+    image_processor = CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
+    return WanImageToVideoPipeline(**_tiny_wan_components(in_channels=36, image_dim=32),
+                                   image_encoder=image_encoder, image_processor=image_processor)
+
+
+def _tiny_wan_components(in_channels: int, image_dim: int | None = None) -> dict:
+    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanTransformer3DModel
 
     transformer = WanTransformer3DModel(
-        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=16, in_channels=16, out_channels=16,
+        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=16, in_channels=in_channels, out_channels=16,
         text_dim=64, freq_dim=32, ffn_dim=64, num_layers=2, cross_attn_norm=True,
-        qk_norm="rms_norm_across_heads", rope_max_seq_len=64,
+        qk_norm="rms_norm_across_heads", rope_max_seq_len=64, image_dim=image_dim,
     )
     vae = AutoencoderKLWan(
         base_dim=8, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True],
     ).eval()
     _randomize_zero_params(transformer, vae)
     scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0)
-    return WanPipeline(
-        tokenizer=build_tokenizer("t5", 512), text_encoder=t5_encoder(64, umt5=True), vae=vae,
-        transformer=transformer.eval(), scheduler=scheduler,
-    )
+    return dict(tokenizer=build_tokenizer("t5", 512), text_encoder=t5_encoder(64, umt5=True), vae=vae,
+                transformer=transformer.eval(), scheduler=scheduler)
 
 
 @_seeded
@@ -290,6 +312,7 @@ BUILTIN_MODELS: dict[str, Callable] = {
     "tiny-pixart": build_tiny_pixart,
     "tiny-sana": build_tiny_sana,
     "tiny-wan": build_tiny_wan,
+    "tiny-wan-i2v": build_tiny_wan_i2v,
     "tiny-qwen-image": build_tiny_qwen_image,
     "shapes-flux": build_shapes_flux,
 }

@@ -26,6 +26,8 @@ FLUX.1-Kontext (``FluxKontextPipeline``) is a family of its own, ``flux-kontext`
 step-caching adapter (the same transformer class), its own step hooks (the reference image's latent tokens
 concatenated to the image sequence: `bcg.diffusers.step_batching.steps.flux_kontext`) and one edit,
 ``"instruction"``, made by the loaded pipeline itself; without an image it makes images from text.
+Wan image-to-video (``WanImageToVideoPipeline``) is ``wan-i2v``: Wan's CFG rule and adapter, one edit,
+``"image-to-video"``, made by the loaded pipeline itself, and nothing without an image.
 
 The size default and the defaults of the call (steps, guidance, frames) are the pipeline's own and are
 read from it by `bcg.diffusers.pipeline_info`. `family_of(pipe)` finds a pipeline's record by its class
@@ -223,6 +225,10 @@ _FLUX_BLOCKS = BlockAdapter(("FluxTransformer2DModel",), ("transformer_blocks", 
                             bypass_args=("controlnet_block_samples", "controlnet_single_block_samples",
                                          "joint_attention_kwargs"))
 
+# Wan and Wan image-to-video: one transformer class, one adapter
+_WAN_BLOCKS = BlockAdapter(("WanTransformer3DModel",), ("blocks",), returns=("hidden_states",),
+                           bypass_args=("attention_kwargs",))
+
 FAMILIES: dict[str, ModelFamily] = {f.name: f for f in (
     ModelFamily("flux", ("FluxPipeline",), builtin="tiny-flux", cfg=_FLUX_CFG, latent_packing=2,
                 prompt_tokenizer="tokenizer_2", batching=_STEPS + "flux:FluxStepFamily",
@@ -247,8 +253,12 @@ FAMILIES: dict[str, ModelFamily] = {f.name: f for f in (
     # Wan2.1 makes 16 frames a second (its model card exports videos at fps=16)
     # Wan 2.1 and 2.2: cross-attention to the text, which the blocks leave unchanged
     ModelFamily("wan", ("WanPipeline",), builtin="tiny-wan", cfg=CfgRule(separate_calls=True), video=True, fps=16,
-                step_cache=BlockAdapter(("WanTransformer3DModel",), ("blocks",), returns=("hidden_states",),
-                                        bypass_args=("attention_kwargs",))),
+                step_cache=_WAN_BLOCKS),
+    # Wan image-to-video: the image's condition latents on the transformer's channels, its CLIP embeddings
+    # before the text in the blocks' `encoder_hidden_states` (so the adapter carries them per row)
+    ModelFamily("wan-i2v", ("WanImageToVideoPipeline",), builtin="tiny-wan-i2v", cfg=CfgRule(separate_calls=True),
+                video=True, fps=16, step_cache=_WAN_BLOCKS,
+                edit_pipelines=MappingProxyType({"image-to-video": "WanImageToVideoPipeline"})),
     # Qwen-Image's `guidance_scale` feeds guidance-distilled transformers only; `true_cfg_scale` is CFG.
     ModelFamily("qwen-image", ("QwenImagePipeline",), builtin="tiny-qwen-image",
                 cfg=CfgRule(scale_arg="true_cfg_scale", default_negative_prompt=" ", separate_calls=True),

@@ -1,4 +1,4 @@
-"""A request's input images (image-to-image, inpainting, instruction edits): read and checked once where they
+"""A request's input images (image-to-image, inpainting, instruction edits, image-to-video): read and checked once where they
 enter, carried as the bytes that were sent.
 
 `read_image` checks an uploaded file before anything decodes it whole: PIL must identify it, its size (read
@@ -24,12 +24,15 @@ import dataclasses
 import io
 import warnings
 
-__all__ = ["EDIT_KINDS", "ImageInput", "ImageInputError", "edit_kind", "open_image", "open_mask", "read_image",
-           "reference_tokens"]
+__all__ = ["EDIT_KINDS", "FROM_NOISE_KINDS", "ImageInput", "ImageInputError", "edit_kind", "needs_image",
+           "open_image", "open_mask", "read_image", "reference_tokens"]
 
 # what a request with input images asks for: with a mask, inpainting; without, an instruction edit on a model
-# that makes them (Kontext: the image is a reference the prompt edits), else image-to-image
-EDIT_KINDS = ("image-to-image", "inpaint", "instruction")
+# that makes them (Kontext: the image is a reference the prompt edits), image-to-video on a model that makes
+# it (Wan I2V: the image is the video's first frame), else image-to-image
+EDIT_KINDS = ("image-to-image", "inpaint", "instruction", "image-to-video")
+# edits that start from noise, their image a condition: they take no ``strength``
+FROM_NOISE_KINDS = ("instruction", "image-to-video")
 
 
 def edit_kind(images: int, mask: bool, edits=()) -> str | None:
@@ -39,7 +42,13 @@ def edit_kind(images: int, mask: bool, edits=()) -> str | None:
         return None
     if mask:
         return "inpaint"
-    return "instruction" if "instruction" in edits else "image-to-image"
+    return next((kind for kind in FROM_NOISE_KINDS if kind in edits), "image-to-image")
+
+
+def needs_image(edits) -> bool:
+    """Whether a model that makes `edits` makes nothing without an input image (image-to-video: every call of
+    ``WanImageToVideoPipeline`` takes one)."""
+    return "image-to-video" in edits
 
 
 def reference_tokens(width: int, height: int, size_multiple: int) -> int:

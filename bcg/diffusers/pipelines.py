@@ -32,7 +32,7 @@ from bcg.runtime.proxy import unwrap_runner
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["count_prompt_tokens", "generate", "pipeline_info", "plan_request", "warmup_pipeline",
+__all__ = ["count_prompt_tokens", "generate", "pipeline_info", "plan_request", "warmup_image", "warmup_pipeline",
            "warmup_reference_image", "warmup_request"]
 
 # --------------------------------------------------------------------------------------------------
@@ -222,7 +222,9 @@ def plan_request(
     default): call arguments of its family's edit pipeline (`bcg.diffusers.edits`), which resizes the
     image to the key's size; ValueError where the family makes no such edit. On a family that makes
     instruction edits (Kontext) an image without a mask is the reference the prompt edits, used at its own
-    size: its latent tokens are the key's ``reference_tokens`` (``.r``), and it takes no `strength`.
+    size: its latent tokens are the key's ``reference_tokens`` (``.r``), and it takes no `strength`. On an
+    image-to-video family (Wan I2V) the image is the video's first frame, resized to the key's size: it is
+    required, takes no `strength` and makes one video (``n`` 1).
     """
     info = info or pipeline_info(pipe)
     family = family_named(info["family"])
@@ -255,7 +257,7 @@ def plan_request(
         kwargs.update(num_frames=key.num_frames, num_videos_per_prompt=key.batch_size)
     else:
         kwargs["num_images_per_prompt"] = key.batch_size
-    kwargs.update(_edit_kwargs(family, image, mask_image, strength))
+    kwargs.update(_edit_kwargs(family, image, mask_image, strength, key.batch_size))
     if steps is not None:
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
             raise ValueError(f"steps (num_inference_steps) must be a positive int, got {steps!r}")
@@ -266,11 +268,13 @@ def plan_request(
     return key, kwargs
 
 
-def _edit_kwargs(family, image, mask_image, strength) -> dict:
+def _edit_kwargs(family, image, mask_image, strength, n: int = 1) -> dict:
     """An edit's call arguments (diffusers' ``image``, ``mask_image``, ``strength``), checked; {} for text."""
-    from bcg.diffusers.image_inputs import ImageInput, edit_kind, open_image, open_mask
+    from bcg.diffusers.image_inputs import FROM_NOISE_KINDS, ImageInput, edit_kind, needs_image, open_image, open_mask
 
     if image is None:
+        if needs_image(family.edit_pipelines):
+            raise ValueError(f"image: the {family.name} family makes videos from an image (the first frame): pass one")
         for name, value in (("mask_image", mask_image), ("strength", strength)):
             if value is not None:
                 raise ValueError(f"{name} applies to an edit: pass an image too")
@@ -279,8 +283,11 @@ def _edit_kwargs(family, image, mask_image, strength) -> dict:
     if kind not in family.edit_pipelines:
         raise ValueError(f"the {family.name} family cannot do {kind} (it makes "
                          f"{', '.join(sorted(family.edit_pipelines)) or 'no edits from input images'})")
-    if kind == "instruction" and strength is not None:
-        raise ValueError("strength: an instruction edit starts from noise (its image is a reference): no strength")
+    if kind in FROM_NOISE_KINDS and strength is not None:
+        raise ValueError(f"strength: {kind} starts from noise (its image is a condition): no strength")
+    if kind == "image-to-video" and n > 1:
+        raise ValueError(f"n: image-to-video makes one video per request (diffusers' WanImageToVideoPipeline "
+                         f"makes one per image), got {n}")
     kwargs = {"image": open_image(image) if isinstance(image, ImageInput) else image}
     if mask_image is not None:
         kwargs["mask_image"] = open_mask(mask_image) if isinstance(mask_image, ImageInput) else mask_image
@@ -349,12 +356,25 @@ def warmup_request(pipe, key: ShapeKey, info: dict, steps: int, prompt: str, bat
     its images come from as many prompts (one image each), so the text encoders see that batch too."""
     guidance, negative = family_named(info["family"]).cfg.request_for(key.cfg, info["default_guidance"])
     kwargs = plan_request(pipe, prompt, key=key, steps=steps, guidance=guidance, negative_prompt=negative,
-                          seed=0, output_type=output_type, info=info, image=warmup_reference_image(key, info))[1]
+                          seed=0, output_type=output_type, info=info, image=warmup_image(key, info))[1]
     if batched and key.batch_size > 1 and "num_images_per_prompt" in kwargs:
         kwargs |= {"prompt": [prompt] * key.batch_size, "num_images_per_prompt": 1}
         if isinstance(kwargs.get("negative_prompt"), str):  # one negative row in some pipelines (Flux)
             kwargs["negative_prompt"] = [kwargs["negative_prompt"]] * key.batch_size
     return kwargs
+
+
+def warmup_image(key: ShapeKey, info: dict):
+    """The input image of a warmup request at `key` (None: a text request): a grey image of the key's size
+    for a model that makes nothing without one (image-to-video: the pipeline resizes any image to the key's
+    size, so the image's own size changes no signature), else `warmup_reference_image`."""
+    from bcg.diffusers.image_inputs import needs_image
+
+    if needs_image(info.get("edits") or ()):
+        from PIL import Image
+
+        return Image.new("RGB", (key.width, key.height), (128, 128, 128))
+    return warmup_reference_image(key, info)
 
 
 def warmup_reference_image(key: ShapeKey, info: dict):

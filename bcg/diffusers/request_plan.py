@@ -5,15 +5,17 @@ whole: to the replica (the router reads its shape key and LoRA choice), the engi
 batcher's queued request, which read its fields where they use them and decide nothing again. The plan
 holds the request's `ShapeKey`, its LoRA choice (`LoraChoice`), its validated step-cache config
 (`StepCacheConfig`), steps, guidance, seed, prompt and output format, and for an edit its input images
-(`bcg.diffusers.image_inputs.ImageInput`: the files as sent, checked), mask and ``strength``.
+(`bcg.diffusers.image_inputs.ImageInput`: the files as sent, checked), mask, ``strength`` and the edit they
+ask for.
 
 `resolve_plan` is the one place a request's defaults are resolved: the deployment's (`PlanDefaults`:
 size, steps, step-cache config) over the model's (``info``, `bcg.diffusers.pipeline_info`'s facts). It
 also checks that step caching is available where a request asks for it (``info["step_cache"]``), and that
 the model can make the edit a request with input images asks for (``info["edits"]``: inpainting with a mask;
-without one, an instruction edit where the model makes them (Kontext), else image-to-image; at most
-``info["max_input_images"]`` images, a mask of the image's size, ``strength`` in (0, 1] and only where the
-edit starts part-way through the schedule). An instruction edit's shape key carries its reference image's
+without one, an instruction edit where the model makes them (Kontext), image-to-video where it makes that
+(Wan I2V, which makes nothing without an image), else image-to-image; at most ``info["max_input_images"]``
+images, a mask of the image's size, ``strength`` in (0, 1] and only where the edit starts part-way through
+the schedule). An instruction edit's shape key carries its reference image's
 latent tokens (``.r<tokens>``, `bcg.diffusers.image_inputs.reference_tokens`).
 
 Torch-free (stdlib and torch-free `bcg.diffusers` modules only), so the ingress stays torch-free; plans
@@ -25,7 +27,7 @@ import dataclasses
 from typing import NamedTuple
 
 from bcg.diffusers.buckets import ShapeKey, parse_size, request_shape_key
-from bcg.diffusers.image_inputs import ImageInput, edit_kind, reference_tokens
+from bcg.diffusers.image_inputs import FROM_NOISE_KINDS, ImageInput, edit_kind, needs_image, reference_tokens
 from bcg.diffusers.step_caching.config import StepCacheConfig
 
 __all__ = ["LoraChoice", "PlanDefaults", "PlanError", "RequestPlan", "check_edit", "check_edit_kind",
@@ -71,7 +73,8 @@ class RequestPlan:
     lora: its adapter and scale (None: the base model). cache: its step caching (None: every step
     computes). output_format / output_compression: how its images are encoded. images: its input images
     (empty: text-to-image); mask: the region to repaint (None: image-to-image); strength: how far into the
-    schedule an edit starts from its image (diffusers' ``strength``; None: the pipeline's default)."""
+    schedule an edit starts from its image (diffusers' ``strength``; None: the pipeline's default); edit: the
+    edit its images ask for of its model (`bcg.diffusers.image_inputs.EDIT_KINDS`; None: text-to-image)."""
     shape_key: ShapeKey
     prompt: str
     steps: int | None = None
@@ -84,14 +87,7 @@ class RequestPlan:
     images: tuple[ImageInput, ...] = ()
     mask: ImageInput | None = None
     strength: float | None = None
-
-    @property
-    def edit(self) -> str | None:
-        """The edit it asks for (`bcg.diffusers.image_inputs.EDIT_KINDS`), None for text-to-image; its key's
-        reference tokens say an instruction edit."""
-        if self.shape_key.reference_tokens is not None:
-            return "instruction"
-        return edit_kind(len(self.images), self.mask is not None)
+    edit: str | None = None
 
 
 def resolve_plan(prompt: str, info: dict, defaults: PlanDefaults = PlanDefaults(), *, key: ShapeKey | None = None,
@@ -114,7 +110,7 @@ def resolve_plan(prompt: str, info: dict, defaults: PlanDefaults = PlanDefaults(
     assert defaults.cache is None or info.get("step_cache"), "a default cache config where step caching is off"
     assert cache is None or isinstance(cache, StepCacheConfig), "cache: a StepCacheConfig, validated where it was made"
     images = tuple(images)
-    check_edit(info, images, mask, strength)
+    check_edit(info, images, mask, strength, n=n)
     reference = plan_reference_tokens(info, images, mask)
     if key is None:
         key = request_shape_key(info, size=size or defaults.size, n=n, guidance=guidance_scale,
@@ -124,7 +120,8 @@ def resolve_plan(prompt: str, info: dict, defaults: PlanDefaults = PlanDefaults(
     return RequestPlan(shape_key=key, prompt=prompt, steps=steps if steps is not None else defaults.steps,
                        guidance_scale=guidance_scale, seed=seed, lora=lora,
                        cache=cache if cache is not None else defaults.cache, output_format=output_format,
-                       output_compression=output_compression, images=images, mask=mask, strength=strength)
+                       output_compression=output_compression, images=images, mask=mask, strength=strength,
+                       edit=edit_kind(len(images), mask is not None, info.get("edits") or ()))
 
 
 def check_edit_kind(info: dict, images: int, mask: bool) -> None:
@@ -135,19 +132,28 @@ def check_edit_kind(info: dict, images: int, mask: bool) -> None:
     kind = edit_kind(images, mask, edits)
     if kind not in edits:
         served = info.get("model") or info.get("pipeline_class", "this model")
-        can = f"it makes {' and '.join(edits)}" if edits else "it makes images from text only"
-        raise PlanError("model", f"{served!r} ({info.get('pipeline_class')}) cannot do {kind}: {can}")
+        can = f"it makes {' and '.join(edits)}" if edits else \
+            f"it makes {'videos' if info.get('is_video') else 'images'} from text only"
+        asks = " (a mask asks for it)" if mask else ""
+        raise PlanError("model", f"{served!r} ({info.get('pipeline_class')}) cannot do {kind}{asks}: {can}")
     most = int(info.get("max_input_images") or 1)
     if images > most:
         raise PlanError("image", f"at most {most} input image{'s' * (most > 1)} for {kind}, got {images}")
 
 
-def check_edit(info: dict, images: tuple[ImageInput, ...], mask: ImageInput | None, strength: float | None) -> None:
+def check_edit(info: dict, images: tuple[ImageInput, ...], mask: ImageInput | None, strength: float | None,
+               n: int = 1) -> None:
     """That the model `info` describes can make the edit these inputs ask for; raises `PlanError` naming the
-    field: ``mask`` or ``strength`` without an image, ``strength`` outside (0, 1], ``model`` where the model
-    makes no such edit (``info["edits"]``), ``image`` past ``info["max_input_images"]`` images, ``mask`` of
-    another size than the image."""
+    field: ``image`` missing where the model makes nothing without one (image-to-video), ``mask`` or
+    ``strength`` without an image, ``strength`` outside (0, 1] or for an edit that starts from noise,
+    ``model`` where the model makes no such edit (``info["edits"]``), ``image`` past
+    ``info["max_input_images"]`` images, ``mask`` of another size than the image, ``n`` above 1 for
+    image-to-video (diffusers' ``WanImageToVideoPipeline`` makes one video per image)."""
+    edits = info.get("edits") or ()
     if not images:
+        if needs_image(edits):
+            raise PlanError("image", f"{info.get('model') or info.get('pipeline_class')!r} makes videos from an "
+                                     "image: send it as the file field 'image' of a multipart POST /v1/images/edits")
         for name, value in (("mask", mask), ("strength", strength)):
             if value is not None:
                 raise PlanError(name, "applies to an edit: send an input image too")
@@ -155,11 +161,19 @@ def check_edit(info: dict, images: tuple[ImageInput, ...], mask: ImageInput | No
     if strength is not None and not 0 < strength <= 1:
         raise PlanError("strength", f"must be in (0, 1] (1: start from pure noise), got {strength!r}")
     check_edit_kind(info, len(images), mask is not None)
-    if strength is not None and edit_kind(len(images), mask is not None, info.get("edits") or ()) == "instruction":
-        raise PlanError("strength", "an instruction edit starts from noise, its image a reference the prompt "
-                                    "edits: it takes no strength")
+    kind = edit_kind(len(images), mask is not None, edits)
+    if strength is not None and kind in FROM_NOISE_KINDS:
+        raise PlanError("strength", f"{_FROM_NOISE[kind]}: it takes no strength")
+    if kind == "image-to-video" and n > 1:
+        raise PlanError("n", f"image-to-video makes one video per request (diffusers' WanImageToVideoPipeline "
+                             f"makes one per image), got {n}")
     if mask is not None and (mask.width, mask.height) != (images[0].width, images[0].height):
         raise PlanError("mask", f"must be the image's size {images[0].size}, got {mask.size}")
+
+
+# why an edit that starts from noise takes no strength
+_FROM_NOISE = {"instruction": "an instruction edit starts from noise, its image a reference the prompt edits",
+               "image-to-video": "image-to-video starts from noise, its image the video's first frame"}
 
 
 def plan_reference_tokens(info: dict, images: tuple[ImageInput, ...], mask: ImageInput | None) -> int | None:
