@@ -11,12 +11,20 @@ from bcg.diffusers import generate
 from bcg.diffusers.models import BUILTIN_MODELS, DEFAULT_MODEL, build_tokenizer, load_pipeline
 
 FAMILIES = sorted(BUILTIN_MODELS)
+VIDEO = ("tiny-wan", "tiny-wan-i2v")
+
+
+def _first_frame() -> Image.Image:
+    """Image-to-video's input (tiny-wan-i2v): a gradient, resized by the pipeline to the video's size."""
+    return Image.fromarray(np.linspace(0, 255, 48 * 40 * 3).reshape(40, 48, 3).astype(np.uint8))
 
 
 def _request(name):
     req = dict(size="128x64", steps=2, seed=7)
-    if name == "tiny-wan":
+    if name in VIDEO:
         req.update(size="64x32", num_frames=5)
+    if name == "tiny-wan-i2v":
+        req.update(image=_first_frame())
     return req
 
 
@@ -27,13 +35,13 @@ def test_builtin_makes_deterministic_png_images(name):
     start = time.perf_counter()
     images = generate(pipe, "a watercolor painting of a lake", **_request(name))
     print(f"{name}: 2 steps in {time.perf_counter() - start:.2f} s (first call, CPU)")
-    first = images[0][0] if name == "tiny-wan" else images[0]
-    if name == "tiny-wan":
+    first = images[0][0] if name in VIDEO else images[0]
+    if name in VIDEO:
         assert len(images[0]) == 5 and first.size == (64, 32)
     else:
         assert first.size == (128, 64)  # size is WxH
     pixels = np.asarray(first)
-    assert pixels.dtype == np.uint8 and pixels.shape == (64 if name != "tiny-wan" else 32, first.size[0], 3)
+    assert pixels.dtype == np.uint8 and pixels.shape == (64 if name not in VIDEO else 32, first.size[0], 3)
     assert pixels.std() > 1.0  # not a constant image
     buffer = io.BytesIO()
     first.save(buffer, format="PNG")
@@ -41,7 +49,7 @@ def test_builtin_makes_deterministic_png_images(name):
     decoded = Image.open(io.BytesIO(buffer.getvalue()))
     assert decoded.size == first.size and np.array_equal(np.asarray(decoded.convert("RGB")), pixels)  # lossless
     again = generate(pipe, "a watercolor painting of a lake", **_request(name))
-    again_first = again[0][0] if name == "tiny-wan" else again[0]
+    again_first = again[0][0] if name in VIDEO else again[0]
     assert np.array_equal(np.asarray(again_first), pixels)  # same request, same seed: same image
 
 
@@ -116,12 +124,14 @@ def test_builtin_answers_the_call_diffusers_documents(name):
     # for Sana and PixArt): the image comes back at the asked size.
     pipe = load_pipeline(name)
     kwargs = dict(prompt="a cat", height=256, width=256, num_inference_steps=1)
-    if name == "tiny-wan":
+    if name in VIDEO:
         kwargs.update(num_frames=5)
+    if name == "tiny-wan-i2v":
+        kwargs.update(image=_first_frame())
     if name == "tiny-flux-kontext":   # it fits the aspect ratio to max_area (default 1024²)
         kwargs.update(max_area=256 * 256)
     out = pipe(**kwargs)
-    frames = out.frames[0] if name == "tiny-wan" else None
+    frames = out.frames[0] if name in VIDEO else None
     image = frames[0] if frames is not None else out.images[0]
     size = image.shape[:2][::-1] if isinstance(image, np.ndarray) else image.size
     assert tuple(size) == (256, 256)
