@@ -4,7 +4,8 @@ Routes: ``POST /v1/images/generations`` (OpenAI Images shape plus ``num_inferenc
 ``guidance_scale``, ``seed``; images come back as ``output_format`` (png, jpeg or webp), which the
 response names as OpenAI's does, and the response adds ``bcg: {replica, warm, shape_key, latency_ms}``),
 ``POST /v1/images/edits`` (OpenAI's multipart form, `deployments.edit_form`: an ``image`` file, an optional
-``mask``, the generation fields and diffusers' ``strength``; the same response),
+``mask``, the generation fields and diffusers' ``strength``; the same response; on an image-to-video model
+the image is the video's first frame, with ``num_frames``),
 ``POST /v1/warmup`` (a ``WarmupRequest`` -> the coordinator's merged report), ``GET /v1/stats``,
 ``GET /v1/models`` (the model and its LoRA adapters, with ``parent``), ``POST /v1/load_lora_adapter`` and
 ``POST /v1/unload_lora_adapter`` (vLLM's; ``deployments.lora``: 403 unless the app sets
@@ -231,8 +232,9 @@ class Ingress:
         return await self._serve(request)
 
     async def edit(self, request: ImageEditRequest) -> ImageGenerationResponse:
-        """An edit from an input image (image-to-image; inpainting with a ``mask``), as `generate`: its files
-        checked and planned once (`check_request`); raises FieldError naming the field."""
+        """An edit from an input image (image-to-image; inpainting with a ``mask``; a video from its first frame
+        on an image-to-video model), as `generate`: its files checked and planned once (`check_request`);
+        raises FieldError naming the field."""
         if isinstance(request, dict):
             request = ImageEditRequest.model_validate(request)
         return await self._serve(request)
