@@ -10,12 +10,10 @@ import numpy as np
 import pytest
 import torch
 
-from bcg.diffusers import accelerate
 from bcg.diffusers.models import load_pipeline
 from bcg.diffusers.pipelines import plan_request
-from bcg.diffusers.step_batching.batcher import StepBatcher
 from bcg.runtime.call_record import CallRecord
-from bcg.runtime.config import RunnerConfig, TransformerOptions
+from tests.bcg.diffusers.gpu_batching import drain, warm_batcher
 from tests.bcg.diffusers.test_edits import scene
 
 pytestmark = pytest.mark.gpu
@@ -36,21 +34,10 @@ def _reference(prompt, seed, image):
         return np.asarray(pipe(**_plan(pipe, prompt, seed, image)[1]).images)
 
 
-def _drain(batcher, futures):
-    for _ in range(500):
-        if all(f.done() for f in futures):
-            return [np.asarray(f.result()) for f in futures]
-        batcher.step()
-    raise AssertionError("requests not answered")
-
-
 def test_kontext_edits_replay_their_reference_key_graphs_alone_and_in_a_step_batch():
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    pipe = accelerate(load_pipeline("tiny-flux-kontext", device="cuda"), config=RunnerConfig(max_entries=32),
-                      options=TransformerOptions(attention_backend="sdpa"))
-    batcher = StepBatcher(pipe, max_batch_size=4, batch_buckets=(1, 2, 4))
-    batcher.warmup([f"{SIZE}x{SIZE}.r16"], num_inference_steps=2)
+    pipe, batcher = warm_batcher("tiny-flux-kontext", [f"{SIZE}x{SIZE}.r16"])
     transformer = pipe.transformer
     captures = transformer.stats()["captures"]
     edits = [("make the disc green", 1), ("turn the square red", 2)]
@@ -59,14 +46,14 @@ def test_kontext_edits_replay_their_reference_key_graphs_alone_and_in_a_step_bat
         record = CallRecord()
         key, kwargs = _plan(pipe, prompt, seed, scene())
         assert key.key == f"{SIZE}x{SIZE}.r16"
-        (image,) = _drain(batcher, [batcher.submit_planned(key, kwargs, records=(record,))])
+        (image,) = drain(batcher, [batcher.submit_planned(key, kwargs, records=(record,))])
         assert record.eager_total == 0 and record.replays > 0, record.eager
         assert np.abs(image - _reference(prompt, seed, scene())).max() <= TOLERANCE, prompt
         alone.append(image)
     record = CallRecord()
     futures = [batcher.submit_planned(*_plan(pipe, prompt, seed, scene()), records=(record,))
                for prompt, seed in edits]
-    images = _drain(batcher, futures)
+    images = drain(batcher, futures)
     assert max(batcher.stats()["batch_size_histogram"]) >= 2
     assert record.eager_total == 0 and transformer.stats()["captures"] == captures   # nothing captured anew
     for image, want in zip(images, alone):
@@ -75,5 +62,5 @@ def test_kontext_edits_replay_their_reference_key_graphs_alone_and_in_a_step_bat
     record = CallRecord()
     key, kwargs = _plan(pipe, "a yellow star", 3, scene().resize((96, 64)))
     assert key.key == f"{SIZE}x{SIZE}.r24"
-    _drain(batcher, [batcher.submit_planned(key, kwargs, records=(record,))])
+    drain(batcher, [batcher.submit_planned(key, kwargs, records=(record,))])
     assert record.eager_total > 0
