@@ -8,10 +8,15 @@ from bcg.diffusers.step_batching.batcher import StepBatcher
 from bcg.runtime.config import RunnerConfig, TransformerOptions
 
 
-def warm_batcher(builtin: str, keys):
-    """`builtin` on CUDA (SDPA attention) and a step batcher of up to 4 rows warm for `keys` (2 steps each)."""
-    pipe = accelerate(load_pipeline(builtin, device="cuda"), config=RunnerConfig(max_entries=32),
-                      options=TransformerOptions(attention_backend="sdpa"))
+def warm_batcher(builtin: str, keys, step_cache: bool = False):
+    """`builtin` on CUDA (SDPA attention) and a step batcher of up to 4 rows warm for `keys` (2 steps each); with
+    `step_cache`, step caching installed first (requests bring their own config)."""
+    pipe = load_pipeline(builtin, device="cuda")
+    if step_cache:
+        from bcg.diffusers.step_caching.hook import enable_step_cache
+
+        enable_step_cache(pipe, None)
+    pipe = accelerate(pipe, config=RunnerConfig(max_entries=32), options=TransformerOptions(attention_backend="sdpa"))
     batcher = StepBatcher(pipe, max_batch_size=4, batch_buckets=(1, 2, 4))
     batcher.warmup(list(keys), num_inference_steps=2)
     return pipe, batcher

@@ -12,14 +12,11 @@ import numpy as np
 import pytest
 import torch
 
-from bcg.diffusers import accelerate
 from bcg.diffusers.models import load_pipeline
 from bcg.diffusers.pipelines import plan_request
-from bcg.diffusers.step_batching.batcher import StepBatcher
 from bcg.diffusers.step_caching.config import StepCacheConfig
-from bcg.diffusers.step_caching.hook import enable_step_cache
 from bcg.runtime.call_record import CallRecord
-from bcg.runtime.config import RunnerConfig, TransformerOptions
+from tests.bcg.diffusers.gpu_batching import drain, warm_batcher
 from tests.bcg.diffusers.test_edits import scene
 
 pytestmark = pytest.mark.gpu
@@ -34,29 +31,11 @@ def _plan(pipe, prompt, seed, image):
                         output_type="np")
 
 
-def _reference(prompt, seed, image):
-    """diffusers' WanImageToVideoPipeline on an unaccelerated bfloat16 tiny-wan-i2v."""
-    pipe = load_pipeline("tiny-wan-i2v", device="cuda")
-    with torch.no_grad():
-        return np.asarray(pipe(**_plan(pipe, prompt, seed, image)[1]).frames)
-
-
-def _drain(batcher, futures):
-    for _ in range(500):
-        if all(f.done() for f in futures):
-            return [np.asarray(f.result()) for f in futures]
-        batcher.step()
-    raise AssertionError("requests not answered")
-
-
 def test_image_to_video_replays_its_key_graphs_and_caches_steps_on_its_rows():
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    pipe = load_pipeline("tiny-wan-i2v", device="cuda")
-    enable_step_cache(pipe, None)
-    accelerate(pipe, config=RunnerConfig(max_entries=32), options=TransformerOptions(attention_backend="sdpa"))
-    batcher = StepBatcher(pipe)
-    batcher.warmup([KEY], num_inference_steps=2)
+    plain = load_pipeline("tiny-wan-i2v", device="cuda")   # diffusers' own pipeline, unaccelerated bfloat16
+    pipe, batcher = warm_batcher("tiny-wan-i2v", [KEY], step_cache=True)
     transformer = pipe.transformer
     captures = transformer.stats()["captures"]
     assert captures > 0
@@ -65,13 +44,15 @@ def test_image_to_video_replays_its_key_graphs_and_caches_steps_on_its_rows():
         record = CallRecord()
         key, kwargs = _plan(pipe, prompt, seed, image)
         assert key.key == KEY
-        (video,) = _drain(batcher, [batcher.submit_planned(key, kwargs, records=(record,), cache=cache)])
+        (video,) = drain(batcher, [batcher.submit_planned(key, kwargs, records=(record,), cache=cache)])
         assert record.eager_total == 0 and record.replays >= 2 * STEPS, record.eager   # CFG: two calls a step
         return video, record
 
     for prompt, seed, image in (("the disc rolls away", 1, scene()), ("the square turns", 2, scene().resize((96, 48)))):
         video, _ = run(prompt, seed, image)
-        assert np.abs(video - _reference(prompt, seed, image)).max() <= TOLERANCE, prompt
+        with torch.no_grad():
+            expected = np.asarray(plain(**_plan(plain, prompt, seed, image)[1]).frames)
+        assert np.abs(video - expected).max() <= TOLERANCE, prompt
     assert transformer.stats()["captures"] == captures   # the first frame's size changes no signature
 
     uncached, _ = run("the disc rolls away", 1, scene())
