@@ -6,6 +6,7 @@ CPU has no second kernel whose speed a test controls); the dispatch, the coordin
 replicas' hand-off are the real ones.
 """
 import httpx
+import pytest
 
 from tests.deployments import fake_attention
 from tests.deployments.conftest import http_app
@@ -31,6 +32,7 @@ def _attention(client: httpx.Client, replicas: int) -> tuple:
     return st["attention"], per_replica, st
 
 
+@pytest.mark.slow
 def test_replicas_and_apps_sharing_a_store_run_one_attention_kernel_per_shape(ray_serve, tmp_path):
     store = str(tmp_path / "cache")
     with http_app(ray_serve, "bcg_attention_a", "/attention_a", _args(store, 2)) as client:

@@ -9,6 +9,7 @@ tests/deployments/test_compile_cache.py loads real inductor artifacts in a fresh
 import time
 
 import httpx
+import pytest
 import ray
 
 from deployments.compile_cache import decode
@@ -38,6 +39,7 @@ def _artifacts(st: dict) -> dict:
     return {rid: rep["compile_artifacts"] for rid, rep in st["replicas"].items()}
 
 
+@pytest.mark.slow
 def test_artifacts_travel_from_the_compiling_replica_to_the_others_and_persist(ray_serve, tmp_path):
     store = str(tmp_path / "cache")
     with http_app(ray_serve, APP, PREFIX, _args(store), wait_deleted=True) as client:   # APP again below
