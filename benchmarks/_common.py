@@ -7,7 +7,8 @@ file it writes records the code that produced it, ``source``: commit, clean, the
 ``sync(device)``, ``pick_device(args, say) -> bool``, ``runner_fields(text) -> dict`` (``--runner k=v,...``), ``save_figure(fig, path, dpi=120) -> True`` (the CUDA-or-``--allow-cpu`` rule of the end-to-end
 benchmarks), ``time_interleaved(variants, rounds=3, measure=...) -> dict``, ``ratio(result, a, b)`` and ``spread(values)``: figures
 that survive a re-run (variants timed A, B, A, B, ... in one process; a ratio is a median with its min-max
-over rounds).
+over rounds); ``shared_weights_copy(module)``: a variant's own module over the same weights (so every variant
+of a large model can be built at once).
 """
 from __future__ import annotations
 
@@ -244,6 +245,17 @@ def spread(values) -> dict:
     shape every benchmark reports a figure with its spread in."""
     return {"rounds": [round(v, 4) for v in values], "median": round(statistics.median(values), 4),
             "min": round(min(values), 4), "max": round(max(values), 4)}
+
+
+def shared_weights_copy(module):
+    """A copy of `module` (its own submodules, processors and hooks) whose parameters and buffers are the
+    original's tensors: variants that install breaks, compile or capture each get one, and every variant of a
+    model fits on the GPU at once (one set of weights), as `time_interleaved` needs. Copy before anything is
+    installed on `module`; in-place changes to a weight show in every copy."""
+    import copy
+
+    shared = {id(t): t for t in (*module.parameters(), *module.buffers())}
+    return copy.deepcopy(module, memo=shared)
 
 
 def _default_measure(fn) -> float:

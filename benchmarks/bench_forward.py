@@ -1,25 +1,31 @@
 """One forward of a small diffusers Flux transformer: eager vs one CUDA graph vs breakable graph segments.
 
     python3 benchmarks/bench_forward.py [--out benchmarks/results/bench_forward.json] [--sizes 256,512,1024]
+    python3 benchmarks/bench_forward.py --allow-cpu --sizes 32 --iters 2 --out /tmp/f.json   # smoke run
     python3 benchmarks/bench_forward.py --plot-only benchmarks/results/bench_forward.json
 
 Model: FluxTransformer2DModel with random (seeded) weights, 2 double + 4 single blocks, inner dim 256
 (~9.2 M parameters), bf16, batch 1, 64 text tokens; an HxW image is (H/16)*(W/16) latent tokens (Flux packs
-2x2 patches of a /8 VAE latent, 64 channels each). Modes, each timed as the median of 50 CUDA-event-timed
-forwards after 10 warm-up ones:
+2x2 patches of a /8 VAE latent, 64 channels each). Modes, all three built for a size before any is timed:
 - eager: the module called directly;
 - one_graph: a torch.cuda.CUDAGraph of the whole forward, replayed;
 - segments: a BreakableCUDAGraph with a break at every attention core (the attention runs eagerly between
-  graph segments), replayed. Breaks come from ``bcg.diffusers.install_breaks(model, policy="attention")``
-  when it imports, else from a local wrapper around each whole attention processor (recorded in the JSON).
-The JSON also records segment counts, the ratio segments / one_graph and whether the segments' output
-equals the eager output bit for bit. A PNG bar plot is written next to the JSON when matplotlib imports.
+  graph segments), replayed. Its module is a copy of the eager one over the same weights
+  (`_common.shared_weights_copy`) with ``bcg.diffusers.install_breaks(policy="attention")``.
+Then the modes are timed in turn, round after round (`_common.time_interleaved`, ``--rounds`` >= 3; a round
+is the median of ``--iters`` CUDA-event-timed calls after ``--warmup``): ``<mode>_ms`` is the median over
+rounds, ``rounds_ms`` each mode's rounds with min and max, and ``ratios`` (``ratio_*`` their medians) the
+per-round ratios segments / one_graph, eager / segments, eager / one_graph with their min-max. The JSON
+also records segment counts and whether each graph's output equals the eager output bit for bit. With
+``--allow-cpu`` and no CUDA the graph modes are eager calls of their modules (checks the script, not
+graphs). A PNG bar plot is written next to the JSON when matplotlib imports.
 """
 from __future__ import annotations
 
 import argparse
 import gc
 import os
+import statistics
 import sys
 import time
 
@@ -69,111 +75,145 @@ def install_attention_breaks(model) -> tuple[str, int]:
     return 'bcg.diffusers.install_breaks(policy="attention")', install_breaks(model, policy="attention")
 
 
-def bench_size(model, size, iters, warmup, with_breaks):
+def _capture(forward, graph, capture):
+    """Warm `forward` on a side stream, then capture it into `graph` there; the capture's output tensor."""
     import torch
 
-    from _common import time_cuda
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            forward()
+    torch.cuda.current_stream().wait_stream(stream)
+    with capture(graph, stream=stream):
+        out = forward()
+    torch.cuda.synchronize()
+    return out
+
+
+def build_variants(plain, broken, static, cuda: bool):
+    """Every mode of one size, built before any is timed: ``(variants {name: fn}, outputs {name: fn() -> the
+    output tensor after a call}, facts)``. Without CUDA (``--allow-cpu``) one_graph and segments are
+    stand-ins, the module each would capture called eagerly: the run checks the script, not graphs."""
+    import torch
+
     from bcg.graphs.capture import BreakableCUDAGraph, BreakableCUDAGraphCapture
 
-    dev, dtype = "cuda", torch.bfloat16
-    static = make_inputs(size, dev, dtype)
+    facts = {}
+    variants = {"eager": lambda: plain(**static, return_dict=False)[0]}
+    outputs = {"eager": variants["eager"]}
+    if not cuda:
+        variants["one_graph"] = outputs["one_graph"] = variants["eager"]
+        variants["segments"] = outputs["segments"] = lambda: broken(**static, return_dict=False)[0]
+        facts["graphs"] = "none: no CUDA, one_graph and segments are eager calls of their modules"
+        return variants, outputs, facts
+    whole = torch.cuda.CUDAGraph()
+    whole_out = _capture(variants["eager"], whole, torch.cuda.graph)
+    variants["one_graph"] = whole.replay
+    outputs["one_graph"] = lambda: (whole.replay(), whole_out)[1]
+    graph = BreakableCUDAGraph()
+    start = time.perf_counter()
+    try:
+        out = _capture(lambda: broken(**static, return_dict=False)[0], graph, BreakableCUDAGraphCapture)
+    except Exception as exc:  # noqa: BLE001 - keep eager and one graph, and say what failed
+        facts["segments_error"] = f"{type(exc).__name__}: {exc}"
+        return variants, outputs, facts
+    facts.update(segments_capture_ms=(time.perf_counter() - start) * 1e3, segments=graph.num_segments,
+                 breaks=graph.num_breaks)
+    variants["segments"] = graph.replay
+    outputs["segments"] = lambda: (graph.replay(), out)[1]
+    facts["_graphs"] = (whole, graph)  # released after the size's rounds
+    return variants, outputs, facts
+
+
+def _wall_ms(fn, iters: int) -> float:
+    """Median wall milliseconds of `iters` calls (no CUDA: the smoke run's measure)."""
+    times = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def bench_size(plain, broken, size, args, device, dtype):
+    """One size: every mode built, then timed in turn for ``--rounds`` rounds; medians, per-round ratios."""
+    import torch
+
+    from _common import ratio, time_cuda, time_interleaved
+
+    cuda = device == "cuda"
+    static = make_inputs(size, device, dtype)
     row = {"size": size, "latent_tokens": (size // 16) ** 2, "text_tokens": TEXT_TOKENS}
-
-    def forward():
-        return model(**static, return_dict=False)[0]
-
-    stream = torch.cuda.Stream()
     with torch.no_grad():
-        if not with_breaks:
-            row["eager_ms"] = time_cuda(forward, iters, warmup)
-            reference = forward().clone()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                for _ in range(3):
-                    forward()
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, stream=stream):
-                out = forward()
-            row["one_graph_ms"] = time_cuda(graph.replay, iters, warmup)
-            graph.replay()
-            torch.cuda.synchronize()
-            row["one_graph_bitwise_equal_eager"] = bool(torch.equal(out, reference))
-            row["_reference"] = reference
-            del graph, out
-        else:
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                for _ in range(3):
-                    forward()
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = BreakableCUDAGraph()
-            start = time.perf_counter()
-            with BreakableCUDAGraphCapture(graph, stream=stream):
-                out = forward()
-            torch.cuda.synchronize()
-            row["segments_capture_ms"] = (time.perf_counter() - start) * 1e3
-            row["segments"] = graph.num_segments
-            row["breaks"] = graph.num_breaks
-            row["segments_ms"] = time_cuda(graph.replay, iters, warmup)
-            graph.replay()
-            torch.cuda.synchronize()
-            row["segments_out"] = out.clone()
+        variants, outputs, facts = build_variants(plain, broken, static, cuda)
+        graphs = facts.pop("_graphs", ())
+        row.update(facts)
+        measure = (lambda fn: time_cuda(fn, args.iters, args.warmup)) if cuda else (
+            lambda fn: _wall_ms(fn, args.iters))
+        timed = time_interleaved(variants, rounds=args.rounds, measure=measure)
+        reference = outputs["eager"]().clone()
+        for name in variants:
+            row[f"{name}_ms"] = timed[name]["median"]
+            if name != "eager":
+                row[f"{name}_bitwise_equal_eager"] = bool(torch.equal(outputs[name](), reference))
+    row["rounds_ms"] = timed
+    if "segments" in timed:
+        row["ratios"] = {"segments_over_one_graph": ratio(timed, "segments", "one_graph"),
+                         "eager_over_segments": ratio(timed, "eager", "segments"),
+                         "eager_over_one_graph": ratio(timed, "eager", "one_graph")}
+        row["ratio_segments_over_one_graph"] = row["ratios"]["segments_over_one_graph"]["median"]
+        row["ratio_eager_over_segments"] = row["ratios"]["eager_over_segments"]["median"]
+    for graph in graphs:
+        if hasattr(graph, "reset"):
             graph.reset()
-            del graph, out
+    del graphs, variants, outputs
     gc.collect()
-    torch.cuda.empty_cache()
+    if cuda:
+        torch.cuda.empty_cache()
     return row
 
 
 def run(args) -> dict:
     import torch
 
-    from _common import machine_info
+    from _common import machine_info, pick_device, shared_weights_copy
 
+    if not pick_device(args, lambda msg: print(msg, file=sys.stderr)):
+        raise SystemExit("bench_forward needs CUDA (no CUDA device here); run it on the GPU host or pass "
+                         "--allow-cpu for a smoke run")
     sizes = [int(s) for s in args.sizes.split(",")]
-    model = build_model("cpu", torch.float32)
-    params = sum(p.numel() for p in model.parameters())
+    device = args.device
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    plain = build_model(device, dtype)
+    params = sum(p.numel() for p in plain.parameters())
     print(f"FluxTransformer2DModel {params / 1e6:.2f} M params, config {CONFIG}", flush=True)
-    if not torch.cuda.is_available():
-        raise SystemExit("bench_forward needs CUDA (no CUDA device here); run it on the GPU host")
-    model = model.to("cuda", torch.bfloat16)
-    rows = {}
-    for size in sizes:  # without breaks: eager and one whole-forward graph
-        rows[size] = bench_size(model, size, args.iters, args.warmup, with_breaks=False)
-        print(f"{size}x{size}: eager {rows[size]['eager_ms']:.3f} ms, one graph {rows[size]['one_graph_ms']:.3f} ms",
-              flush=True)
-    breaks_from, break_count = install_attention_breaks(model)
+    broken = shared_weights_copy(plain)  # the segments' module: the same weights, breaks of its own
+    breaks_from, break_count = install_attention_breaks(broken)
     print(f"breaks: {break_count} from {breaks_from}", flush=True)
+    rows = []
     for size in sizes:
-        row = rows[size]
-        reference = row.pop("_reference")
-        try:
-            row.update(bench_size(model, size, args.iters, args.warmup, with_breaks=True))
-        except Exception as exc:  # noqa: BLE001 - keep the numbers measured so far, and say what failed
-            row["segments_error"] = f"{type(exc).__name__}: {exc}"
-            print(f"{size}x{size}: segments FAILED: {row['segments_error']}", flush=True)
-            continue
-        row["segments_bitwise_equal_eager"] = bool(torch.equal(row.pop("segments_out"), reference))
-        row["ratio_segments_over_one_graph"] = row["segments_ms"] / row["one_graph_ms"]
-        row["ratio_eager_over_segments"] = row["eager_ms"] / row["segments_ms"]
-        print(f"{size}x{size}: segments {row['segments_ms']:.3f} ms ({row['segments']} segments, "
-              f"{row['ratio_segments_over_one_graph']:.3f}x one graph, bitwise equal to eager: "
-              f"{row['segments_bitwise_equal_eager']})", flush=True)
-    first = rows[sizes[0]]
-    ratio = first.get("ratio_segments_over_one_graph")
+        row = bench_size(plain, broken, size, args, device, dtype)
+        rows.append(row)
+        shown = ", ".join(f"{n} {t['median']:.3f} ms ({t['min']:.3f}-{t['max']:.3f})"
+                          for n, t in row["rounds_ms"].items())
+        print(f"{size}x{size}: {shown}; segments / one graph {row.get('ratios', {}).get('segments_over_one_graph')}"
+              f"{'; segments FAILED: ' + row['segments_error'] if 'segments_error' in row else ''}", flush=True)
+    ratio = rows[0].get("ratio_segments_over_one_graph")
     return {
         "benchmark": "bench_forward",
         "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
         "machine": machine_info(),
-        "model": {"class": "FluxTransformer2DModel", "params": params, "config": CONFIG, "dtype": "bfloat16",
+        "model": {"class": "FluxTransformer2DModel", "params": params, "config": CONFIG, "dtype": str(dtype)[6:],
                   "batch": 1, "text_tokens": TEXT_TOKENS, "weights": "random, torch.manual_seed(0)"},
-        "timing": {"statistic": "median", "iters": args.iters, "warmup": args.warmup, "unit": "ms",
-                   "method": "CUDA events around each call, calls back to back"},
+        "timing": {"statistic": "median over rounds of each round's median", "rounds": args.rounds,
+                   "iters": args.iters, "warmup": args.warmup, "unit": "ms", "device": device,
+                   "method": "modes in turn, round after round (_common.time_interleaved); in a round CUDA "
+                             "events around each call, calls back to back (wall clock without CUDA)"},
         "breaks": {"placement": breaks_from, "count": break_count},
-        "results": [rows[s] for s in sizes],
+        "results": rows,
         "bar": {"size": sizes[0], "ratio_segments_over_one_graph": ratio, "target": 1.05,
-                "met": ratio is not None and ratio <= 1.05},
+                "met": ratio is not None and ratio <= 1.05 if device == "cuda" else None},
     }
 
 
@@ -207,8 +247,12 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=DEFAULT_OUT, help="JSON path (the PNG goes next to it)")
     parser.add_argument("--sizes", default="256,512,1024", help="square image sizes, comma separated")
-    parser.add_argument("--iters", type=int, default=50)
-    parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--iters", type=int, default=50, help="timed calls per mode and round")
+    parser.add_argument("--warmup", type=int, default=10, help="untimed calls before each round's")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (>= 3)")
+    parser.add_argument("--device", default=None, help="cuda (default where available) or cpu")
+    parser.add_argument("--allow-cpu", action="store_true",
+                        help="without CUDA, a smoke run: graph modes stand in as eager calls")
     from _common import add_plot_only, run_or_plot
 
     add_plot_only(parser)
