@@ -3,13 +3,21 @@
     python3 benchmarks/bench_real_size.py [--models qwen-image,sana-1.6b,...] [--sizes 512] \
         [--variants eager,one_graph,runner,runner_attention] [--out benchmarks/results/bench_real_size.json]
     python3 benchmarks/bench_real_size.py --dry-run              # parameter counts, no GPU needed
-    python3 benchmarks/bench_real_size.py --num-layers 1 ...     # smoke test of the inputs (CPU: eager only)
+    python3 benchmarks/bench_real_size.py --allow-cpu --num-layers 1 --num-heads 2 --models flux.1-dev \
+        --sizes 32 --variants eager,runner --iters 1 --warmup 0 --out /tmp/r.json   # smoke run on a CPU
     python3 benchmarks/bench_real_size.py --plot-only benchmarks/results/bench_real_size.json
 
 Each model is built on the device from its published transformer config (seeded default init, bf16;
-``_keep_in_fp32_modules`` kept in fp32 as ``from_pretrained`` does), called with the inputs its pipeline
-passes at batch 1 (text tokens as the pipeline pads them), and timed as the median of ``--iters``
-CUDA-event-timed calls after ``--warmup``. Variants:
+``_keep_in_fp32_modules`` kept in fp32 as ``from_pretrained`` does) and called with the inputs its pipeline
+passes at batch 1 (text tokens as the pipeline pads them). For each size every variant is built first, all
+beside each other over the one set of weights (variants that place breaks or compile get their own
+`_common.shared_weights_copy` of the module: its own processors, the same tensors), then timed in turn
+(`_common.time_interleaved`, ``--rounds`` >= 3 rounds; a round is the median of ``--iters`` CUDA-event-timed
+calls after ``--warmup``). Memory: one copy of the weights (Qwen-Image 20.4 B: 41 GB in bf16) plus each
+variant's graph pool and compiled code at once; two copies of the weights would not fit one 80 GB GPU beside
+the pools, hence the shared weights. A variant that still does not fit beside those built before it is a row
+with its error (out of memory, naming them) and the others are timed; list the variants that matter first.
+Variants:
 
 - ``eager``: the module called directly (the reference output);
 - ``one_graph``: one ``torch.cuda.CUDAGraph`` of the whole forward, where it captures (else the error);
@@ -20,9 +28,13 @@ CUDA-event-timed calls after ``--warmup``. Variants:
 - ``compiled_segments``: ``RunnerConfig(compile=True)`` at the default policy (compile seconds, max error);
 - ``reduce_overhead``: ``torch.compile(mode="reduce-overhead", dynamic=False)``.
 
-Outputs are compared with eager bit for bit (``bitwise_equal``; bf16 bits, so NaN compares equal to NaN)
-and by max abs error. The JSON is rewritten after every measurement (a timeout keeps what was measured);
-a PNG (speed-up over eager per model and variant) goes next to it.
+Each row: ``ms`` (the median over rounds), ``ms_spread`` (the rounds, median, min, max), ``speedup_vs_eager``
+(the median of per-round eager / variant) with ``speedup_vs_eager_spread``, ``peak_allocated_gib`` (the peak
+while that variant was built, all those before it alive). Outputs are compared with eager bit for bit
+(``bitwise_equal``; bf16 bits, so NaN compares equal to NaN) and by max abs error. The JSON is rewritten after
+every round (a timeout keeps what was measured); a PNG (speed-up over eager per model and variant) goes next
+to it. Without CUDA (``--allow-cpu``, fp32) one_graph, compiled_segments and reduce_overhead are skipped and
+the runners call eagerly: a check of the script, not of graphs.
 """
 from __future__ import annotations
 
@@ -37,7 +49,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(1, os.path.dirname(HERE))
 
-from _common import (add_plot_only, machine_info, plot_only, pyplot, save_figure, time_cuda, write_json,  # noqa: E402
+from _common import (add_plot_only, machine_info, pick_device, plot_only, pyplot, save_figure, write_json,  # noqa: E402
                      write_result)
 
 DEFAULT_OUT = os.path.join(HERE, "results", "bench_real_size.json")
@@ -191,38 +203,38 @@ def compare(out, reference):
             "finite": bool(torch.isfinite(reference.float()).all())}
 
 
-def _timed(fn, args):
-    import torch
+class Skipped(Exception):
+    """A variant this machine cannot run (the row says why)."""
 
-    if torch.cuda.is_available():
-        return time_cuda(fn, args.iters, args.warmup)
+
+def _wall_ms(fn, iters):
     times = []
-    for _ in range(max(1, min(args.iters, 2))):
+    for _ in range(max(1, min(iters, 2))):
         start = time.perf_counter()
         fn()
         times.append((time.perf_counter() - start) * 1e3)
     return statistics.median(times)
 
 
-def measure(variant, model, inputs, args):
-    """(row, output) of one variant on the already built model."""
+def build(variant, model, inputs, args, cuda):
+    """One variant made ready to time on the already built `model`: ``{"fn": the timed call, "output": a call
+    whose output tensor is compared, "facts": dict, "after": () -> dict (stats once timed), "teardown": ...}``.
+    Variants that install breaks or compile do it on their own `shared_weights_copy` of `model`."""
     import torch
 
+    from _common import shared_weights_copy
+    from bcg.diffusers import install_breaks, placement_stats
     from bcg.runtime.config import RunnerConfig
-    from bcg.diffusers import install_breaks, placement_stats, remove_breaks
     from bcg.runtime.runner import BreakableGraphRunner
 
-    row = {"variant": variant}
-    cuda = torch.cuda.is_available()
+    nothing = dict(facts={}, after=dict, teardown=lambda: None)
     if variant == "eager":
         def call():
             return _first(model(**inputs, return_dict=False))
-        out = call()
-        row["ms"] = _timed(call, args)
-        return row, out.clone()
+        return {**nothing, "fn": call, "output": call}
+    if variant in ("one_graph", "reduce_overhead", "compiled_segments") and not cuda:
+        raise Skipped("no CUDA")
     if variant == "one_graph":
-        if not cuda:
-            return {**row, "skipped": "no CUDA"}, None
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
@@ -236,16 +248,10 @@ def measure(variant, model, inputs, args):
                 out = _first(model(**inputs, return_dict=False))
         except Exception as exc:  # noqa: BLE001 - record why one graph cannot hold this forward
             torch.cuda.synchronize()
-            return {**row, "error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"}, None
-        row["capture_s"] = time.perf_counter() - start
-        row["ms"] = time_cuda(graph.replay, args.iters, args.warmup)
-        result = out.clone()
-        del graph
-        return row, result
+            raise Skipped(f"error: {type(exc).__name__}: {str(exc).splitlines()[0][:300]}") from None
+        return {**nothing, "fn": graph.replay, "output": lambda: (graph.replay(), out)[1],
+                "facts": {"capture_s": time.perf_counter() - start}}
     if variant == "reduce_overhead":
-        if not cuda:
-            return {**row, "skipped": "no CUDA"}, None
-        torch._dynamo.reset()
         compiled = torch.compile(model, mode="reduce-overhead", dynamic=False)
 
         def call():
@@ -255,42 +261,104 @@ def measure(variant, model, inputs, args):
         call()
         call()
         torch.cuda.synchronize()
-        row["compile_s"] = time.perf_counter() - start
-        row["ms"] = time_cuda(call, args.iters, args.warmup)
-        out = call().clone()
-        del compiled
-        torch._dynamo.reset()
-        return row, out
-    # runner variants
+        return {**nothing, "fn": call, "output": call, "facts": {"compile_s": time.perf_counter() - start}}
+    # runner variants, each on its own copy of the module (its own breaks and, compiled, its own code)
     policy = "attention" if variant == "runner_attention" else None
     config = RunnerConfig(compile=True) if variant == "compiled_segments" else RunnerConfig()
-    placed = install_breaks(model, policy=policy) if policy else install_breaks(model)
-    row["policy"] = policy or "default"
-    row["breaks_installed"] = placed if isinstance(placed, int) else str(placed)
-    runner = BreakableGraphRunner(model, config=config)
+    own = shared_weights_copy(model)
+    placed = install_breaks(own, policy=policy) if policy else install_breaks(own)
+    facts = {"policy": policy or "default", "breaks_installed": placed if isinstance(placed, int) else str(placed)}
+    runner = BreakableGraphRunner(own, config=config)
     start = time.perf_counter()
     with runner.warmup():
         runner(**inputs, return_dict=False)
     if cuda:
         torch.cuda.synchronize()
-    row["capture_s"] = time.perf_counter() - start
+    facts["capture_s"] = time.perf_counter() - start
 
     def call():
         return _first(runner(**inputs, return_dict=False))
-    out = call()
-    row["ms"] = _timed(call, args)
-    stats = runner.stats()
-    entries = stats.get("entries", [])
-    row.update(segments=[e.get("segments") for e in entries], replays=stats.get("replays"),
-               eager_by_reason=stats.get("eager_by_reason", stats.get("eager")),
-               placement=placement_stats(model))
-    result = _first(out).clone()
-    runner.reset()
-    del runner
-    remove_breaks(model)
-    if variant == "compiled_segments":
-        torch._dynamo.reset()
-    return row, result
+
+    def after():
+        stats = runner.stats()
+        return dict(segments=[e.get("segments") for e in stats.get("entries", [])], replays=stats.get("replays"),
+                    eager_by_reason=stats.get("eager_calls"), placement=placement_stats(own))
+    return {"fn": call, "output": call, "facts": facts, "after": after, "teardown": runner.reset}
+
+
+def measure_group(name, size, model, inputs, variants, args, result, cuda):
+    """One model and size: every variant built first (beside the others, over one set of weights), then
+    timed in turn for ``--rounds`` rounds; each row's ``ms`` the median over rounds, ``ms_spread`` its rounds
+    with min-max, ``speedup_vs_eager`` the median of per-round eager / variant (``speedup_vs_eager_spread``)."""
+    import torch
+
+    from _common import ratio, time_cuda, time_interleaved
+
+    video = MODELS[name]["latent"] == "video"
+    built, rows = {}, {}
+    for variant in variants:
+        row = rows[variant] = {"variant": variant, "model": name, "size": size, "frames": args.frames if video else 1}
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        try:
+            with torch.no_grad():
+                ready = build(variant, model, inputs, args, cuda)
+                ready["fn"]()  # one call before the rounds: a variant that cannot run fails here, alone
+            built[variant] = ready
+            row.update(ready["facts"])
+        except Skipped as why:
+            row["error" if str(why).startswith("error: ") else "skipped"] = str(why).removeprefix("error: ")
+        except Exception as exc:  # noqa: BLE001 - one failing variant must not cost the others
+            row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+            if isinstance(exc, torch.cuda.OutOfMemoryError):
+                row["error"] += f" (did not fit beside {', '.join(built)})"
+            gc.collect()
+        if cuda:
+            torch.cuda.synchronize()
+            row["peak_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        result["rows"].append(row)
+        log(f"  {name} {size}² {variant}: built {({k: v for k, v in row.items() if k in ('error', 'skipped', 'capture_s', 'compile_s')})}")
+    if "eager" not in built:
+        return rows
+
+    def partial(index, timed):
+        for variant, figures in timed.items():
+            row = rows[variant]
+            row.update(ms=figures["median"], ms_spread=figures, rounds_done=index + 1)
+            if variant != "eager":
+                row["speedup_vs_eager_spread"] = ratio(timed, "eager", variant)
+                row["speedup_vs_eager"] = row["speedup_vs_eager_spread"]["median"]
+        write_json(args.out, result)
+
+    measure = (lambda fn: time_cuda(fn, args.iters, args.warmup)) if cuda else (lambda fn: _wall_ms(fn, args.iters))
+    with torch.no_grad():
+        time_interleaved({v: b["fn"] for v, b in built.items()}, rounds=args.rounds, measure=measure,
+                         on_round=partial)
+        reference = built["eager"]["output"]().clone()
+        for variant, b in built.items():
+            if variant != "eager":
+                rows[variant].update(compare(b["output"]().clone(), reference))
+            rows[variant].update(b["after"]())
+    for variant in variants:
+        row = rows[variant]
+        shown = {k: row[k] for k in ("ms", "speedup_vs_eager", "bitwise_equal", "segments", "error", "skipped")
+                 if k in row}
+        log(f"  {name} {size}² {variant}: {shown}")
+    for b in built.values():
+        b["teardown"]()
+    return rows
+
+
+def _free(cuda):
+    import torch
+
+    torch._dynamo.reset()
+    trees = getattr(getattr(torch._inductor, "cudagraph_trees", None), "reset_cudagraph_trees", None)
+    if trees is not None and cuda:
+        trees()
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
 
 
 def plot(result, png):
@@ -322,21 +390,25 @@ def plot(result, png):
     return save_figure(fig, png, dpi=110)
 
 
-def main():
+def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--sizes", default="512", help="comma-separated square sizes")
     parser.add_argument("--frames", type=int, default=9, help="video frames (Wan)")
     parser.add_argument("--video-size", type=int, default=256, help="square size for video models")
     parser.add_argument("--variants", default=DEFAULT_VARIANTS)
-    parser.add_argument("--iters", type=int, default=10)
-    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--iters", type=int, default=10, help="timed calls per variant and round")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed calls before each round's")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (>= 3)")
     parser.add_argument("--num-layers", type=int, default=None, help="override depth (smoke tests)")
+    parser.add_argument("--num-heads", type=int, default=None, help="override width in heads (smoke tests)")
     parser.add_argument("--budget-s", type=float, default=540.0, help="stop starting models after this")
     parser.add_argument("--dry-run", action="store_true")
+    parser.add_argument("--allow-cpu", action="store_true",
+                        help="without CUDA, a smoke run: eager and the runner variants (runners call eagerly)")
     parser.add_argument("--out", default=DEFAULT_OUT)
     add_plot_only(parser)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.plot_only:
         return plot_only(args.plot_only, plot)
     models = [m.strip() for m in args.models.split(",") if m.strip()]
@@ -352,10 +424,18 @@ def main():
 
     import torch
 
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    args.device = None
+    if not pick_device(args, parser.error):
+        return 2
+    cuda = args.device == "cuda"
+    dtype = torch.bfloat16 if cuda else torch.float32
+    # reduce_overhead and compiled_segments compile the same model class side by side: room for both
+    limit_name = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
+    setattr(torch._dynamo.config, limit_name, max(getattr(torch._dynamo.config, limit_name), 64))
     result = {"machine": machine_info(), "command": " ".join(sys.argv), "dtype": str(dtype),
-              "params": {k: v for k, v in vars(args).items() if k != "out"}, "models": {}, "rows": []}
+              "params": {k: v for k, v in vars(args).items() if k != "out"}, "models": {}, "rows": [],
+              "timing": "variants of a model and size built at once, then timed in turn for --rounds rounds "
+                        "(_common.time_interleaved); a round: median of --iters CUDA-event-timed calls"}
     began = time.perf_counter()
     for name in models:
         if time.perf_counter() - began > args.budget_s:
@@ -363,45 +443,20 @@ def main():
             result.setdefault("not_run", []).append(name)
             continue
         start = time.perf_counter()
-        model = build_model(name, device, dtype, args.num_layers)
+        model = build_model(name, args.device, dtype, args.num_layers, args.num_heads)
         params = sum(p.numel() for p in model.parameters())
         result["models"][name] = {"cls": MODELS[name]["cls"], "params": params, "build_s": time.perf_counter() - start,
-                                  "config": model_config(name, args.num_layers)}
+                                  "config": model_config(name, args.num_layers, args.num_heads)}
         log(f"{name}: {params / 1e9:.2f} B params built in {time.perf_counter() - start:.1f} s")
         video = MODELS[name]["latent"] == "video"
         sizes = [args.video_size] if video else [int(s) for s in args.sizes.split(",") if s.strip()]
         for size in sizes:
-            inputs = make_inputs(name, size, args.frames, device, dtype, args.num_layers)
-            reference = None
-            for variant in variants:
-                label = f"{name} {size}²" + (f" x{args.frames} frames" if video else "") + f" {variant}"
-                try:
-                    row, out = measure(variant, model, inputs, args)
-                except Exception as exc:  # noqa: BLE001 - one failing variant must not cost the others
-                    row, out = {"variant": variant, "error": f"{type(exc).__name__}: {str(exc)[:300]}"}, None
-                if device == "cuda":
-                    torch.cuda.synchronize()
-                    row["peak_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
-                    torch.cuda.reset_peak_memory_stats()
-                row.update(model=name, size=size, frames=args.frames if video else 1)
-                if variant == "eager":
-                    reference = out
-                elif out is not None and reference is not None:
-                    row.update(compare(out, reference))
-                    row["speedup_vs_eager"] = next(r["ms"] for r in result["rows"]
-                                                   if (r["model"], r["size"], r["variant"]) == (name, size, "eager")) / row["ms"]
-                result["rows"].append(row)
-                shown = {k: row[k] for k in ("ms", "speedup_vs_eager", "bitwise_equal", "segments", "error",
-                                             "skipped", "capture_s", "compile_s") if k in row}
-                log(f"  {label}: {shown}")
-                write_json(args.out, result)
-                gc.collect()
-                if device == "cuda":
-                    torch.cuda.empty_cache()
+            inputs = make_inputs(name, size, args.frames, args.device, dtype, args.num_layers)
+            measure_group(name, size, model, inputs, variants, args, result, cuda)
+            write_json(args.out, result)
+            _free(cuda)
         del model
-        gc.collect()
-        if device == "cuda":
-            torch.cuda.empty_cache()
+        _free(cuda)
     write_result(args.out, result, plot)
     return 0
 
