@@ -3,9 +3,14 @@
     python3 benchmarks/bench_compiled.py [--out benchmarks/results/bench_compiled.json]
         [--models flux-9m,flux-2.5b,sd3-small] [--sizes 256,512,1024] [--variants all] [--budget-s 540]
     python3 benchmarks/bench_compiled.py --dry-run          # parameter counts and plan, no GPU needed
+    python3 benchmarks/bench_compiled.py --allow-cpu --models flux-9m --sizes 32 --variants eager,runner \
+        --iters 1 --warmup 0 --out /tmp/c.json              # smoke run on a CPU (eager and runner only)
     python3 benchmarks/bench_compiled.py --plot-only benchmarks/results/bench_compiled.json
 
-Variants (each built fresh per model from the same seed; ``torch._dynamo.reset()`` between them):
+Variants of a model, all alive at once over its one set of weights (built once from the seed); a variant that
+places breaks or compiles gets its own `_common.shared_weights_copy` of the module (``torch._dynamo.reset()``
+between models, no longer between variants). flux-2.5b's weights are 5.1 GB in bf16, so every variant and its
+graph pools fit one GPU; a variant that does not fit beside those before it is a row with its error:
 - eager: the module called directly;
 - one_graph: one torch.cuda.CUDAGraph of the whole forward;
 - segments: `bcg.diffusers.install_breaks(policy="attention")` + a BreakableCUDAGraph (attention eager);
@@ -21,13 +26,19 @@ Variants (each built fresh per model from the same seed; ``torch._dynamo.reset()
   One runner serves all sizes of a model, as in a replica; ``--runner-compile-dynamic false`` gives its
   compiled code static kernels per size (the default, dynamo's automatic dynamic, recompiles with dynamic
   sizes at the second size and reuses them after).
-Each is timed as the median of --iters CUDA-event-timed calls (after --warmup), bf16, batch 1; ``--repeat N``
-builds, compiles and times every variant N times (one sweep after another) and the targets compare the
-medians across repeats, each check stating the larger spread of its two variants, the noise floor. Compile
-time (first call wall time per size) and compile statistics are recorded; outputs are compared with
+For each size every variant is prepared (captured, compiled, warmed) first, then they are timed in turn,
+round after round (`_common.time_interleaved`, ``--rounds`` >= 3; a round is the median of --iters
+CUDA-event-timed calls after --warmup), bf16, batch 1: a row's ``ms`` is the median over rounds,
+``ms_spread`` its rounds with min and max, ``speedup_vs_eager`` eager / variant per round (median, min,
+max), and each target check the median of its per-round ratio with ``rounds`` (min, max). ``--diagnose``
+figures are taken after the rounds, one variant after another. ``--repeat N`` builds, compiles and times
+every model's variants N times (one sweep after another: two compiles may pick other kernels); the checks
+then pair rounds within each repeat and state the larger spread of their two variants across repeats.
+Compile time (first call wall time per size) and compile statistics are recorded; outputs are compared with
 eager (max abs error, relative L2 error) and, for compiled_segments, replay with the compiled forward
-run eagerly (bit for bit). The JSON is rewritten after every measurement (a timeout keeps what was
-measured); a PNG bar plot goes next to it. The targets (issues 8 and 16) are evaluated at the end.
+run eagerly (bit for bit). The JSON is rewritten after every size (a timeout keeps what was measured); a
+PNG bar plot goes next to it. The targets (issues 8 and 16) are evaluated at the end. Without CUDA
+(``--allow-cpu``, fp32) only eager and runner run (the runner calls eagerly): a check of the script.
 """
 from __future__ import annotations
 
@@ -45,6 +56,8 @@ sys.path.insert(1, os.path.dirname(HERE))  # the repository root, for `bcg`
 DEFAULT_OUT = os.path.join(HERE, "results", "bench_compiled.json")
 VARIANTS = ("eager", "one_graph", "segments", "compiled_segments", "inductor_one_graph", "reduce_overhead",
             "runner", "runner_compiled")
+UNCHANGED = {"eager", "one_graph", "reduce_overhead"}  # variants that run the built module as it is
+RECOMPILE_LIMIT = 256
 COMPILE_VARIANTS = {"compiled_segments", "inductor_one_graph", "reduce_overhead", "runner_compiled"}
 MODELS = {
     # 9.17 M parameters: the bench_forward model (64 text tokens)
@@ -245,24 +258,67 @@ def _diagnose(replay, graph, args, out=None):
     return row
 
 
-def measure(variant, model, name, size, args, state):
-    """One (variant, size): returns a result row. `state` carries per-variant objects across sizes."""
+class Skipped(Exception):
+    """A variant this machine cannot run (the row says why)."""
+
+
+def prepare(variant, model, name, size, args, state):
+    """One (variant, size) made ready to time: ``(row, fn, finish)``: `fn` the call the rounds time,
+    ``finish() -> output`` run after the rounds (diagnosis, checks, stats into `row`; the output to compare
+    with eager). `model` is the variant's own module (a shared-weights copy where it places breaks or
+    compiles); `state` carries its objects across sizes (one runner or compiled forward for all sizes)."""
     import torch
 
-    from _common import time_cuda
-    from bcg.graphs.capture import BreakableCUDAGraph, BreakableCUDAGraphCapture
-
-    static = make_inputs(name, size, "cuda", torch.bfloat16)
     row = {"model": name, "size": size, "variant": variant}
-    stream = torch.cuda.Stream()
+    cuda = args.device == "cuda"
+    static = make_inputs(name, size, args.device, args.dtype)
 
     if variant == "eager":
         def fn():
             return model(**static, return_dict=False)[0]
-        out = fn()
-        row["ms"] = time_cuda(fn, args.iters, args.warmup)
-        return row, out.clone()
+        return row, fn, fn
 
+    if variant == "runner_compiled" and not cuda:
+        raise Skipped("no CUDA")
+    if variant in ("runner", "runner_compiled"):
+        from bcg.diffusers import install_breaks, placement_stats
+        from bcg.runtime.config import RunnerConfig
+        from bcg.runtime.runner import BreakableGraphRunner
+
+        runner = state.get("runner")
+        if runner is None:  # one runner across sizes, as a replica holds one per component
+            install_breaks(model)
+            compiled = variant == "runner_compiled"
+            runner = state["runner"] = BreakableGraphRunner(model, config=RunnerConfig(
+                compile=compiled, **({"compile_dynamic": args.runner_compile_dynamic}
+                                     if compiled and args.runner_compile_dynamic != "default" else {})))
+        start = time.perf_counter()
+        with runner.warmup():
+            runner(**static, return_dict=False)
+        if cuda:
+            torch.cuda.synchronize()
+        row["compile_s" if variant == "runner_compiled" else "capture_s"] = time.perf_counter() - start
+        eager_before = runner.stats()["eager_calls_total"]
+
+        def fn():
+            return runner(**static, return_dict=False)[0]
+
+        def finish():
+            out = fn()
+            stats = runner.stats()
+            row["segments"] = [e.get("segments") for e in stats.get("entries", [])][-1:]
+            # 0 on a GPU: every timed call replayed (without CUDA every call is eager, counted)
+            row["eager_calls"] = stats["eager_calls_total"] - eager_before
+            row["placement"] = placement_stats(model)
+            row.update(_diagnose(fn, None, args))
+            return out
+        return row, fn, finish
+
+    if not cuda:
+        raise Skipped("no CUDA")
+    from bcg.graphs.capture import BreakableCUDAGraph, BreakableCUDAGraphCapture
+
+    stream = torch.cuda.Stream()
     if variant == "one_graph":
         def fwd():
             return model(**static, return_dict=False)[0]
@@ -270,13 +326,11 @@ def measure(variant, model, name, size, args, state):
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, stream=stream):
             out = fwd()
-        row["ms"] = time_cuda(graph.replay, args.iters, args.warmup)
-        row.update(_diagnose(graph.replay, None, args))
-        graph.replay()
-        torch.cuda.synchronize()
-        result = out.clone()
-        del graph
-        return row, result
+
+        def finish():
+            row.update(_diagnose(graph.replay, None, args))
+            return _replayed_output(graph, out)
+        return row, graph.replay, finish
 
     if variant == "reduce_overhead":
         compiled = state.get("compiled")
@@ -293,40 +347,11 @@ def measure(variant, model, name, size, args, state):
         row["compile_s"] = time.perf_counter() - start
         for _ in range(3):  # cudagraph trees record on the second or third call
             fn()
-        row["ms"] = time_cuda(fn, args.iters, args.warmup)
-        row.update(_diagnose(fn, None, args))
-        result = fn().clone()
-        return row, result
 
-    if variant in ("runner", "runner_compiled"):
-        from bcg.diffusers import install_breaks, placement_stats
-        from bcg.runtime.config import RunnerConfig
-        from bcg.runtime.runner import BreakableGraphRunner
-
-        runner = state.get("runner")
-        if runner is None:  # one runner across sizes, as a replica holds one per component
-            install_breaks(model)
-            compiled = variant == "runner_compiled"
-            runner = state["runner"] = BreakableGraphRunner(model, config=RunnerConfig(
-                compile=compiled, **({"compile_dynamic": args.runner_compile_dynamic}
-                                     if compiled and args.runner_compile_dynamic != "default" else {})))
-        eager_before = runner.stats()["eager_calls_total"]
-        start = time.perf_counter()
-        with runner.warmup():
-            runner(**static, return_dict=False)
-        torch.cuda.synchronize()
-        row["compile_s" if variant == "runner_compiled" else "capture_s"] = time.perf_counter() - start
-
-        def fn():
-            return runner(**static, return_dict=False)[0]
-        row["ms"] = time_cuda(fn, args.iters, args.warmup)
-        out = fn()
-        stats = runner.stats()
-        row["segments"] = [e.get("segments") for e in stats.get("entries", [])][-1:]
-        row["eager_calls"] = stats["eager_calls_total"] - eager_before  # 0: every timed call replayed
-        row["placement"] = placement_stats(model)
-        row.update(_diagnose(fn, None, args))
-        return row, out.clone()
+        def finish():
+            row.update(_diagnose(fn, None, args))
+            return fn().clone()
+        return row, fn, finish
 
     # compiled_segments / inductor_one_graph / segments: a capture of `forward` on `stream`
     if variant == "segments":
@@ -339,7 +364,7 @@ def measure(variant, model, name, size, args, state):
         if forward_fn is None:
             breaks = install_compiled_breaks if variant == "compiled_segments" else None
             forward_fn = state["compiled"] = compile_for_segments(
-                model, dynamic=args.dynamic, breaks=breaks, recompile_limit=64, mode=args.compile_mode)
+                model, dynamic=args.dynamic, breaks=breaks, recompile_limit=RECOMPILE_LIMIT, mode=args.compile_mode)
     graphs_before = forward_fn.stats()["graphs_compiled"] if variant != "segments" else 0
 
     def fwd():
@@ -349,12 +374,8 @@ def measure(variant, model, name, size, args, state):
     _warm(fwd, stream, 1)  # compile + autotune + lazy kernel loads, on the capture stream
     row["compile_s"] = time.perf_counter() - start
     _warm(fwd, stream, 2)
-    if variant == "inductor_one_graph":
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
-            out = fwd()
-        replay = graph.replay
-    else:
+    breakable = variant != "inductor_one_graph"
+    if breakable:
         graph = BreakableCUDAGraph()
         start = time.perf_counter()
         with BreakableCUDAGraphCapture(graph, stream=stream):
@@ -362,26 +383,89 @@ def measure(variant, model, name, size, args, state):
         torch.cuda.synchronize()
         row["capture_ms"] = (time.perf_counter() - start) * 1e3
         row["segments"], row["breaks"] = graph.num_segments, graph.num_breaks
-        replay = graph.replay
-    row["ms"] = time_cuda(replay, args.iters, args.warmup)
-    breakable = variant != "inductor_one_graph"
-    row.update(_diagnose(replay, graph if breakable else None, args, out if breakable else None))
-    replay()
-    torch.cuda.synchronize()
-    result = out.clone()
-    if variant != "segments":
-        with torch.no_grad():
+    else:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            out = fwd()
+
+    def finish():
+        row.update(_diagnose(graph.replay, graph if breakable else None, args, out if breakable else None))
+        result = _replayed_output(graph, out)
+        if variant != "segments":
             direct = fwd()  # the compiled forward, run eagerly (no capture) on the same inputs
-        torch.cuda.synchronize()
-        row["bitwise_equal_compiled_eager"] = bool(torch.equal(result, direct))
-        stats = forward_fn.stats()
-        row["graphs_compiled"] = stats["graphs_compiled"] - graphs_before
-        row["compile_stats"] = {k: stats[k] for k in ("graphs_compiled", "frames_compiled", "recompiles",
-                                                      "graph_breaks", "compile_ms_total")}
-    if hasattr(graph, "reset"):
-        graph.reset()
-    del graph, out
-    return row, result
+            torch.cuda.synchronize()
+            row["bitwise_equal_compiled_eager"] = bool(torch.equal(result, direct))
+            stats = forward_fn.stats()
+            row["graphs_compiled"] = stats["graphs_compiled"] - graphs_before
+            row["compile_stats"] = {k: stats[k] for k in ("graphs_compiled", "frames_compiled", "recompiles",
+                                                          "graph_breaks", "compile_ms_total")}
+        if hasattr(graph, "reset"):
+            graph.reset()
+        return result
+    return row, graph.replay, finish
+
+
+def measure_size(name, size, modules, states, args, result):
+    """One model and size: every variant prepared (all alive at once), timed in turn for ``--rounds``
+    rounds, then finished (outputs, checks, diagnosis) one after another."""
+    import torch
+
+    from _common import ratio, time_cuda, time_interleaved
+
+    rows, timed_fns, finishers = {}, {}, {}
+    for variant, module in modules.items():
+        try:
+            row, fn, finish = prepare(variant, module, name, size, args, states[variant])
+            fn()  # one call before the rounds: a variant that cannot run fails here, alone
+            timed_fns[variant], finishers[variant] = fn, finish
+        except Skipped as why:
+            row = {"model": name, "size": size, "variant": variant, "skipped": str(why)}
+        except Exception as exc:  # noqa: BLE001 - keep going, say what failed
+            row = {"model": name, "size": size, "variant": variant, "error": f"{type(exc).__name__}: {str(exc)[:500]}"}
+            if isinstance(exc, torch.cuda.OutOfMemoryError):
+                row["error"] += f" (did not fit beside {', '.join(timed_fns)})"
+            if args.device == "cuda":
+                torch.cuda.synchronize()
+        rows[variant] = row
+    if not timed_fns:
+        return list(rows.values())
+    if args.device == "cuda":
+        measure = lambda fn: time_cuda(fn, args.iters, args.warmup)  # noqa: E731
+    else:  # a smoke run: wall ms of one call
+        measure = None
+    timed = time_interleaved(timed_fns, rounds=args.rounds, measure=measure)
+    for variant, figures in timed.items():
+        rows[variant].update(ms=figures["median"], ms_spread=figures)
+        if "eager" in timed and variant != "eager":
+            rows[variant]["speedup_vs_eager"] = ratio(timed, "eager", variant)
+    reference = None
+    for variant, finish in finishers.items():  # eager first (variant_modules' order): the reference
+        try:
+            out = finish()
+        except Exception as exc:  # noqa: BLE001
+            rows[variant]["finish_error"] = f"{type(exc).__name__}: {str(exc)[:500]}"
+            continue
+        if variant == "eager":
+            reference = out.clone()
+        elif reference is not None:
+            rows[variant].update(_errors(out, reference))
+    return list(rows.values())
+
+
+def variant_modules(model, variants):
+    """Each variant's module: the built `model` where the variant leaves it as it is (eager, one_graph,
+    reduce_overhead: torch.compile wraps it), else a `shared_weights_copy` of its own (breaks placed, code
+    compiled) -- every variant of a model alive at once over one set of weights."""
+    from _common import shared_weights_copy
+
+    modules = {}
+    for variant in sorted(variants, key=lambda v: v != "eager"):  # eager first: the reference output
+        modules[variant] = model if variant in UNCHANGED else shared_weights_copy(model)
+        if variant == "segments":
+            from bcg.diffusers import install_breaks
+
+            install_breaks(modules[variant], policy="attention")
+    return modules
 
 
 def _free(state):
@@ -393,6 +477,8 @@ def _free(state):
     state.clear()
     gc.collect()
     torch._dynamo.reset()
+    if not torch.cuda.is_available():
+        return
     trees = getattr(getattr(torch._inductor, "cudagraph_trees", None), "reset_cudagraph_trees", None)
     if trees is not None:
         trees()
@@ -417,18 +503,31 @@ def medians(rows):
 
 
 def targets(rows):
-    """Evaluate the issue's targets on the measured rows (a check only where both numbers exist). With
-    repeats, a check compares medians and carries ``spread``: the larger relative spread of its two variants."""
+    """Evaluate the issue's targets on the measured rows (a check only where both numbers exist). Rows timed
+    in interleaved rounds (``ms_spread``) give each check the median of per-round ratios (rounds of one run
+    paired) with ``rounds``: that ratio's rounds, min and max. With repeats, a check compares medians and
+    carries ``spread``: the larger relative spread of its two variants across repeats."""
+    from _common import spread
+
     stats = medians(rows)
+    rounds = {}  # (model, size, variant) -> {repeat: that run's rounds}
+    for r in rows:
+        if r.get("ms_spread"):
+            rounds.setdefault((r["model"], r["size"], r["variant"]), {})[r.get("repeat")] = r["ms_spread"]["rounds"]
     checks = []
 
     def add(model, size, num, den, op, bar):
         a, b = stats.get((model, size, num)), stats.get((model, size, den))
         if a is None or b is None:
             return
-        value = a["ms"] / b["ms"]
+        ra, rb = rounds.get((model, size, num), {}), rounds.get((model, size, den), {})
+        paired = [x / y for rep in ra if rep in rb for x, y in zip(ra[rep], rb[rep]) if y]
+        per_round = spread(paired) if paired else None
+        value = per_round["median"] if per_round else a["ms"] / b["ms"]
         check = {"check": f"{model} {size}: {num} / {den} {op} {bar}", "value": round(value, 4),
                  "met": value >= bar if op == ">=" else value <= bar}
+        if per_round:
+            check["rounds"] = per_round
         if max(a["n"], b["n"]) > 1:
             check["spread"] = round(max(a["spread"], b["spread"]), 4)
         checks.append(check)
@@ -468,67 +567,62 @@ def run(args):
     if args.dry_run:
         log(f"plan: {len(models)} models x {len(variants)} variants x {len(sizes)} sizes x {args.repeat} repeats")
         return None
-    if not torch.cuda.is_available():
-        raise SystemExit("bench_compiled needs CUDA (no CUDA device here); --dry-run shows the plan")
-    # static kernels per size for reduce_overhead too: several entries per frame (one per size and block type)
+    if not torch.cuda.is_available() and not args.allow_cpu:
+        raise SystemExit("bench_compiled needs CUDA (no CUDA device here); --dry-run shows the plan, "
+                         "--allow-cpu makes a smoke run")
+    args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    args.dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+    # static kernels per size, and up to four compiled copies of one model class side by side
     limit_name = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
-    setattr(torch._dynamo.config, limit_name, max(getattr(torch._dynamo.config, limit_name), 64))
+    setattr(torch._dynamo.config, limit_name, max(getattr(torch._dynamo.config, limit_name), RECOMPILE_LIMIT))
     result = {
         "benchmark": "bench_compiled",
         "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
         "machine": machine_info(),
         "models": info,
-        "settings": {"dtype": "bfloat16", "batch": 1, "iters": args.iters, "warmup": args.warmup,
-                     "statistic": "median ms, CUDA events around each call, calls back to back",
+        "settings": {"dtype": str(args.dtype)[6:], "batch": 1, "iters": args.iters, "warmup": args.warmup,
+                     "rounds": args.rounds, "device": args.device,
+                     "statistic": "median over interleaved rounds (variants of a model and size in turn, "
+                                  "_common.time_interleaved) of each round's median ms, CUDA events around "
+                                  "each call, calls back to back",
                      "compiled_segments_dynamic": args.dynamic, "compile_mode": args.compile_mode,
                      "runner_compile_dynamic": args.runner_compile_dynamic, "repeat": args.repeat,
-                     "weights": "random, torch.manual_seed(0)"},
+                     "weights": "random, torch.manual_seed(0); one set per model, shared by its variants"},
         "targets_text": TARGETS,
         "results": [],
         "skipped": [],
     }
     t0 = time.perf_counter()
-    references = {}  # (model, size) -> eager output
-    for repeat, name, variant in [(i, n, v) for i in range(args.repeat) for n in models for v in variants]:
-        tag = f"{name}/{variant}" + (f" (repeat {repeat + 1} of {args.repeat})" if args.repeat > 1 else "")
+    for repeat, name in [(i, n) for i in range(args.repeat) for n in models]:
+        tag = name + (f" (repeat {repeat + 1} of {args.repeat})" if args.repeat > 1 else "")
         if time.perf_counter() - t0 > args.budget_s:
             result["skipped"].append(f"{tag}: time budget {args.budget_s:.0f} s spent")
             log(f"skip {tag}: time budget spent")
             continue
-        state = {}
+        states = {variant: {} for variant in variants}
         try:
-            model = build_model(name, "cuda", torch.bfloat16)
-            if variant == "segments":
-                from bcg.diffusers import install_breaks
-
-                install_breaks(model, policy="attention")
+            model = build_model(name, args.device, args.dtype)
+            modules = variant_modules(model, variants)
         except Exception as exc:  # noqa: BLE001
             result["skipped"].append(f"{tag}: build failed: {type(exc).__name__}: {exc}")
             log(f"{tag}: build FAILED {exc!r}")
             continue
         with torch.no_grad():
             for size in sizes:
-                try:
-                    row, out = measure(variant, model, name, size, args, state)
-                except Exception as exc:  # noqa: BLE001 - keep going, say what failed
-                    row, out = {"model": name, "size": size, "variant": variant,
-                                "error": f"{type(exc).__name__}: {str(exc)[:500]}"}, None
-                    torch.cuda.synchronize()
-                if out is not None:
-                    if variant == "eager":
-                        references[name, size] = out
-                    elif (name, size) in references:
-                        row.update(_errors(out, references[name, size]))
-                if args.repeat > 1:
-                    row["repeat"] = repeat
-                result["results"].append(row)
-                shown = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()
-                         if k not in ("model", "size", "variant", "compile_stats")}
-                log(f"{tag} {size}x{size}: {shown}")
+                rows = measure_size(name, size, modules, states, args, result)
+                for row in rows:
+                    if args.repeat > 1:
+                        row["repeat"] = repeat
+                    result["results"].append(row)
+                    shown = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()
+                             if k not in ("model", "size", "variant", "compile_stats", "ms_spread", "placement")}
+                    log(f"{tag} {size}x{size} {row['variant']}: {shown}")
                 write_json(args.out, {**result, "targets": targets(result["results"]),
                                       "elapsed_s": time.perf_counter() - t0})
-        del model
-        _free(state)
+        del model, modules
+        for state in states.values():
+            _free(state)
+        _free({})
     result["targets"] = targets(result["results"])
     result["elapsed_s"] = time.perf_counter() - t0
     for check in result["targets"]:
@@ -600,8 +694,11 @@ def main(argv=None):
     parser.add_argument("--models", default=",".join(MODELS), help=f"comma separated: {', '.join(MODELS)}")
     parser.add_argument("--sizes", default="256,512,1024", help="square image sizes, comma separated")
     parser.add_argument("--variants", default="all", help=f"comma separated: {', '.join(VARIANTS)}, or all")
-    parser.add_argument("--iters", type=int, default=50)
-    parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--iters", type=int, default=50, help="timed calls per variant and round")
+    parser.add_argument("--warmup", type=int, default=10, help="untimed calls before each round's")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (>= 3)")
+    parser.add_argument("--allow-cpu", action="store_true",
+                        help="without CUDA, a smoke run: eager and the runner variants (runners call eagerly)")
     parser.add_argument("--repeat", type=int, default=1,
                         help="build, compile and time every variant this many times (all variants once, then "
                              "again): the targets compare medians and state each variant's spread across repeats")

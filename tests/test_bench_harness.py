@@ -15,8 +15,9 @@ import _common  # noqa: E402
 
 # Scripts that compare variants and time them through `time_interleaved`.
 INTERLEAVED = {
-    "bench_break_cost.py", "bench_edits_speed.py", "bench_encoding.py", "bench_fp8.py", "bench_lora.py",
-    "bench_lora_layer.py", "bench_pipeline.py", "bench_pipeline_host.py", "bench_runner_overhead.py",
+    "bench_break_cost.py", "bench_compiled.py", "bench_edits_speed.py", "bench_encoding.py", "bench_forward.py",
+    "bench_fp8.py", "bench_lora.py", "bench_lora_layer.py", "bench_pipeline.py", "bench_pipeline_host.py",
+    "bench_real_size.py", "bench_runner_overhead.py",
 }
 # Every other script, with why it does not (yet) time through it; a new script must be named in one of the two.
 NOT_INTERLEAVED = {
@@ -38,10 +39,6 @@ NOT_INTERLEAVED = {
     "bench_served.py": "one served configuration's latency split",
     "bench_served_variants.py": "served variants side by side over HTTP, interleaved rounds of its own",
     "bench_scale_up.py": "served scale-up stages (first replica compiles, the next loads), one sequence",
-    # not moved yet (GPU-only; the change is not mechanical and cannot be checked without a GPU)
-    "bench_forward.py": "to move: eager and one graph are captured before the breaks exist, segments after",
-    "bench_compiled.py": "to move: variants built one after the other (--repeat repeats a whole variant)",
-    "bench_real_size.py": "to move: real-size models, one variant built and dropped at a time (memory)",
 }
 # the one writer of JSON that is no result: a pipeline folder's facts file (`bcg_random_weights.json`)
 WRITES_JSON_ITSELF = {"make_pipeline_dirs.py"}
@@ -178,3 +175,105 @@ def test_bench_pipeline_times_its_variants_in_rounds_and_pairs_the_speedup_per_r
     pairs = zip(result["variants"]["eager"]["rounds_ms"], result["variants"]["host_only"]["rounds_ms"])
     assert result["speedup_vs_eager_spread"]["host_only"]["rounds"] == pytest.approx(
         [a / b for a, b in pairs], rel=1e-3)
+
+
+def _check_rounds(figures: dict, rounds: int = 3):
+    assert len(figures["rounds"]) == rounds
+    assert figures["min"] <= figures["median"] <= figures["max"]
+    assert figures["median"] == pytest.approx(sorted(figures["rounds"])[rounds // 2], rel=1e-3)
+
+
+def _check_ratio(ratio: dict, numerator: dict, denominator: dict):
+    """`ratio` pairs the rounds of two variants timed side by side: one quotient per round, its median."""
+    _check_rounds(ratio)
+    assert ratio["rounds"] == pytest.approx([a / b for a, b in zip(numerator["rounds"], denominator["rounds"])],
+                                            rel=2e-3)
+
+
+cpu_only = pytest.mark.skipif(_common.torch.cuda.is_available(), reason="the CPU smoke path; a GPU host runs "
+                              "the GPU command lines")
+
+
+@cpu_only
+def test_bench_forward_smoke_run_times_the_three_modes_in_rounds(tmp_path):
+    """Eager, one graph and segments (stand-ins without CUDA) built, then timed in turn; the segments' module
+    shares the eager one's weights and still gives its output bit for bit."""
+    import json
+
+    import bench_forward
+
+    out = tmp_path / "forward.json"
+    assert bench_forward.main(["--allow-cpu", "--sizes", "32", "--iters", "1", "--warmup", "0",
+                               "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["source"]["commit"] and result["timing"]["rounds"] == 3 and result["breaks"]["count"] > 0
+    (row,) = result["results"]
+    timed = row["rounds_ms"]
+    assert set(timed) == {"eager", "one_graph", "segments"}
+    for name, figures in timed.items():
+        _check_rounds(figures)
+        assert row[f"{name}_ms"] == figures["median"]
+    _check_ratio(row["ratios"]["segments_over_one_graph"], timed["segments"], timed["one_graph"])
+    _check_ratio(row["ratios"]["eager_over_segments"], timed["eager"], timed["segments"])
+    assert row["ratio_segments_over_one_graph"] == row["ratios"]["segments_over_one_graph"]["median"]
+    assert row["segments_bitwise_equal_eager"] is True and "no CUDA" in row["graphs"]
+    assert result["bar"]["met"] is None  # no graphs, no verdict
+
+
+@cpu_only
+def test_bench_real_size_smoke_run_builds_every_variant_then_times_them_in_rounds(tmp_path):
+    import json
+
+    import bench_real_size
+
+    out = tmp_path / "real.json"
+    assert bench_real_size.main(["--allow-cpu", "--num-layers", "1", "--num-heads", "2", "--models", "flux.1-dev",
+                                 "--sizes", "32", "--variants", "eager,runner_attention,one_graph", "--iters", "1",
+                                 "--warmup", "0", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    rows = {r["variant"]: r for r in result["rows"]}
+    assert rows["one_graph"]["skipped"] == "no CUDA" and "ms" not in rows["one_graph"]
+    eager, broken = rows["eager"], rows["runner_attention"]
+    for row in (eager, broken):
+        _check_rounds(row["ms_spread"])
+        assert row["ms"] == row["ms_spread"]["median"] and row["rounds_done"] == 3
+    _check_ratio(broken["speedup_vs_eager_spread"], eager["ms_spread"], broken["ms_spread"])
+    assert broken["speedup_vs_eager"] == broken["speedup_vs_eager_spread"]["median"]
+    # its own copy of the module, over the eager module's weights: breaks placed, the same output bit for bit
+    assert broken["breaks_installed"] > 0 and broken["bitwise_equal"] is True
+
+
+@cpu_only
+def test_bench_compiled_smoke_run_times_in_rounds_and_checks_targets_per_round(tmp_path):
+    import json
+
+    import bench_compiled
+
+    out = tmp_path / "compiled.json"
+    assert bench_compiled.main(["--allow-cpu", "--models", "flux-9m", "--sizes", "32", "--variants",
+                                "runner,eager,one_graph", "--iters", "1", "--warmup", "0", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    rows = {r["variant"]: r for r in result["results"]}
+    assert rows["one_graph"]["skipped"] == "no CUDA" and result["settings"]["rounds"] == 3
+    for row in (rows["eager"], rows["runner"]):
+        _check_rounds(row["ms_spread"])
+        assert row["ms"] == row["ms_spread"]["median"]
+    _check_ratio(rows["runner"]["speedup_vs_eager"], rows["eager"]["ms_spread"], rows["runner"]["ms_spread"])
+    assert rows["runner"]["max_abs_err"] == 0.0  # the runner's copy shares the weights: eager's output
+    # a target check from rounds: the median of per-round ratios, with them
+    made = [{**rows["runner"], "variant": "runner", "size": 256},
+            {**rows["eager"], "variant": "one_graph", "size": 256}]
+    (check,) = bench_compiled.targets(made)
+    _check_ratio(check["rounds"], rows["runner"]["ms_spread"], rows["eager"]["ms_spread"])
+    assert check["value"] == check["rounds"]["median"]
+
+
+def test_shared_weights_copy_has_its_own_modules_over_the_same_tensors():
+    torch = _common.torch
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
+    copy = _common.shared_weights_copy(model)
+    assert copy is not model and copy[0] is not model[0]
+    assert all(a is b for a, b in zip(copy.parameters(), model.parameters()))
+    assert all(a is b for a, b in zip(copy.buffers(), model.buffers()))
+    copy[0].forward = lambda x: x  # what one variant installs on its copy stays there
+    assert model[0].forward.__self__ is model[0]
