@@ -377,6 +377,8 @@ def warmup_request(pipe, key: ShapeKey, info: dict, steps: int, prompt: str, bat
         kwargs |= {"prompt": [prompt] * key.batch_size, "num_images_per_prompt": 1}
         if isinstance(kwargs.get("negative_prompt"), str):  # one negative row in some pipelines (Flux)
             kwargs["negative_prompt"] = [kwargs["negative_prompt"]] * key.batch_size
+        if info["reference_area"] is not None and "image" in kwargs:  # Qwen-Image-Edit: an image per prompt
+            kwargs["image"] = [kwargs["image"]] * key.batch_size
     return kwargs
 
 
