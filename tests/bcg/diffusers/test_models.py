@@ -17,6 +17,8 @@ def _request(name):
     req = dict(size="128x64", steps=2, seed=7)
     if name == "tiny-wan":
         req.update(size="64x32", num_frames=5)
+    if name == "tiny-qwen-image-edit":   # instruction edits only
+        req.update(image=Image.new("RGB", (64, 64), (90, 160, 30)))
     return req
 
 
@@ -120,6 +122,8 @@ def test_builtin_answers_the_call_diffusers_documents(name):
         kwargs.update(num_frames=5)
     if name == "tiny-flux-kontext":   # it fits the aspect ratio to max_area (default 1024²)
         kwargs.update(max_area=256 * 256)
+    if name == "tiny-qwen-image-edit":   # it edits an image: no text-to-image
+        kwargs.update(image=Image.new("RGB", (64, 64)))
     out = pipe(**kwargs)
     frames = out.frames[0] if name == "tiny-wan" else None
     image = frames[0] if frames is not None else out.images[0]
