@@ -31,14 +31,19 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OUTPUT_DIRS = ("out/", ".gpuhost/", "benchmarks/results/")
 
 
-def source_state(repo: str = REPO) -> dict:
+def source_state(repo: str = REPO, use_stamp: bool = True) -> dict:
     """The code a result was measured with, from git: ``commit`` (HEAD's full hash), ``clean`` (no tracked
     change and no untracked file outside `OUTPUT_DIRS`), and on a dirty tree ``dirty_paths`` and
     ``diff_sha256`` (sha256 of ``git diff --binary HEAD``, then each untracked path and its bytes), so two
     results from the same edits carry the same hash. ``reason`` says why a field is None: where git cannot
     answer (no git, a copied tree without .git) ``BCG_COMMIT``, if set, names the commit and ``clean`` is
-    None (unknown)."""
-    state = {"commit": None, "clean": None, "dirty_paths": [], "diff_sha256": None, "reason": None}
+    None (unknown). A `STAMP` whose files match (`write_stamp`, made before the tree was sent) answers first:
+    a copy's own git metadata may name another commit."""
+    stamped = _stamped_state(repo) if use_stamp else None
+    if isinstance(stamped, dict):
+        return stamped
+    state = {"commit": None, "clean": None, "dirty_paths": [], "diff_sha256": None,
+             "reason": stamped}
 
     def git(*cmd) -> bytes:
         # safe.directory: a copied tree's .git may belong to another user (the GPU host's copy); read-only use
@@ -82,6 +87,55 @@ def source_state(repo: str = REPO) -> dict:
                 pass
         state.update(dirty_paths=sorted(changed + untracked), diff_sha256=digest.hexdigest())
     return state
+
+
+STAMP = ".bcg-source.json"  # ignored by git; carried to the GPU host beside the tree it describes
+
+
+def _code_paths(repo: str) -> list[str]:
+    """The tree's code as git sees it here: tracked files present and untracked ones git does not ignore,
+    outside `OUTPUT_DIRS`."""
+    listed = subprocess.run(["git", "-c", "safe.directory=*", "ls-files", "-z", "--cached", "--others",
+                             "--exclude-standard"], cwd=repo, capture_output=True, timeout=60, check=True).stdout
+    return sorted({p for p in listed.decode().split("\0")
+                   if p and not p.startswith(OUTPUT_DIRS) and os.path.isfile(os.path.join(repo, p))})
+
+
+def _tree_sha256(repo: str, paths) -> str | None:
+    """sha256 of `paths` and their bytes; None when one is missing."""
+    digest = hashlib.sha256()
+    for path in paths:
+        try:
+            with open(os.path.join(repo, path), "rb") as f:
+                digest.update(path.encode() + b"\0" + f.read() + b"\0")
+        except OSError:
+            return None
+    return digest.hexdigest()
+
+
+def write_stamp(repo: str = REPO) -> dict:
+    """Write `STAMP`: this tree's `source_state` and the digest of its code's bytes, taken where git knows the
+    commit. A copy of the tree elsewhere (the GPU host's, whose git metadata may be stale) carries it, and
+    `source_state` there trusts it only while the copy's files still hash to the same digest."""
+    paths = _code_paths(repo)
+    stamp = {**source_state(repo, use_stamp=False), "paths": paths, "tree_sha256": _tree_sha256(repo, paths)}
+    with open(os.path.join(repo, STAMP), "w") as f:
+        json.dump(stamp, f)
+    return stamp
+
+
+def _stamped_state(repo: str):
+    """`STAMP`'s state when the tree's files are the ones it hashed; None without one; a reason when they
+    differ."""
+    try:
+        with open(os.path.join(repo, STAMP)) as f:
+            stamp = json.load(f)
+    except (OSError, ValueError):
+        return None
+    if _tree_sha256(repo, stamp.get("paths", ())) != stamp.get("tree_sha256"):
+        return f"{STAMP} describes other files than these (edited after it was written): git's answer instead"
+    return {k: stamp[k] for k in ("commit", "clean", "dirty_paths", "diff_sha256")} | {
+        "reason": f"from {STAMP}, written where the tree was sent from; its {len(stamp['paths'])} files match"}
 
 
 def run_source(repo: str = REPO) -> dict:
@@ -369,3 +423,10 @@ def served_split(times: list[float], infos: list[dict]) -> dict:
         "ingress": median([g - r for g, r in zip(ingress, replica) if g is not None and r is not None]),
         "replica_run": median([r - e for r, e in zip(replica, encode) if r is not None and e is not None]),
         "encode": median(encode)}}
+
+
+if __name__ == "__main__":  # python benchmarks/_common.py stamp: before a GPU-host run (carry .bcg-source.json)
+    if sys.argv[1:] != ["stamp"]:
+        sys.exit("usage: python benchmarks/_common.py stamp")
+    written = write_stamp()
+    print(f"{STAMP}: {written['commit']} clean={written['clean']} ({len(written['paths'])} files)")

@@ -83,29 +83,21 @@ TINY_TRANSFORMERS = {
 }
 
 # model -> pipeline class, component -> (library, class, config), tokenizers -> (style, model_max_length)
+FLUX = dict(
+    pipeline="FluxPipeline",
+    components=dict(
+        transformer=("diffusers", "FluxTransformer2DModel", None),
+        vae=("diffusers", "AutoencoderKL", FLUX_VAE),
+        text_encoder=("transformers", "CLIPTextModel", CLIP_L),
+        text_encoder_2=("transformers", "T5EncoderModel", T5_XXL),
+        scheduler=("diffusers", "FlowMatchEulerDiscreteScheduler", FLUX_SCHEDULER)),
+    tokenizers=dict(tokenizer=("clip", 77), tokenizer_2=("t5", 512)),
+    extra={})
 PIPELINES = {
-    "flux.1-dev": dict(
-        pipeline="FluxPipeline",
-        components=dict(
-            transformer=("diffusers", "FluxTransformer2DModel", None),
-            vae=("diffusers", "AutoencoderKL", FLUX_VAE),
-            text_encoder=("transformers", "CLIPTextModel", CLIP_L),
-            text_encoder_2=("transformers", "T5EncoderModel", T5_XXL),
-            scheduler=("diffusers", "FlowMatchEulerDiscreteScheduler", FLUX_SCHEDULER)),
-        tokenizers=dict(tokenizer=("clip", 77), tokenizer_2=("t5", 512)),
-        extra={}),
+    "flux.1-dev": FLUX,
     # FLUX.1-Kontext-dev: FLUX.1-dev's published components (its transformer config is FLUX.1-dev's),
     # FluxKontextPipeline's class: served as a Kontext model (instruction edits)
-    "flux.1-kontext-dev": dict(
-        pipeline="FluxKontextPipeline",
-        components=dict(
-            transformer=("diffusers", "FluxTransformer2DModel", None),
-            vae=("diffusers", "AutoencoderKL", FLUX_VAE),
-            text_encoder=("transformers", "CLIPTextModel", CLIP_L),
-            text_encoder_2=("transformers", "T5EncoderModel", T5_XXL),
-            scheduler=("diffusers", "FlowMatchEulerDiscreteScheduler", FLUX_SCHEDULER)),
-        tokenizers=dict(tokenizer=("clip", 77), tokenizer_2=("t5", 512)),
-        extra={}, transformer_of="flux.1-dev"),
+    "flux.1-kontext-dev": {**FLUX, "pipeline": "FluxKontextPipeline", "transformer_of": "flux.1-dev"},
     "wan2.1-1.3b": dict(
         pipeline="WanPipeline",
         components=dict(

@@ -9,7 +9,9 @@
 # changes: the small models' one graph / runner / compiled runner / inductor's one graph / reduce-overhead at
 # today's defaults, every variant built, compiled and timed twice (--repeat 2) so each target states the spread
 # between two runs of one variant, with host ms and GPU time per call (--diagnose).
-# Writes logs, junit XML and benchmark JSON/PNG under $OUT (default ./out/gpu).
+# Writes logs, junit XML and benchmark JSON/PNG under $OUT (default ./out/gpu). Before the device call, here:
+# `.venv/bin/python benchmarks/_common.py stamp`, and carry .bcg-source.json with .gpuhost (the host's .git
+# may be stale: the stamp names the commit sent; benchmarks/results/README.md, "Provenance").
 set -uo pipefail
 cd "$(dirname "$0")/.."
 DEST=${OUT:-out/gpu}; mkdir -p "$DEST"

@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
 # One entry point for a newcomer:  scripts/dev.sh main   |   scripts/dev.sh test [pytest args]
+# `test` runs the suite but its `slow` tier (benchmark scripts run end to end over Serve, fresh processes
+# that compile); `test -m slow` runs that tier alone (CI runs both: .ci/run).
 # Creates .venv on first use. torch is installed first when none is present: on a machine without an
 # NVIDIA GPU (no nvidia-smi) the pinned CPU build from PyTorch's CPU wheel index (PyPI's Linux wheel is
 # the multi-GB CUDA build), PyPI's where that index cannot be reached or there is a GPU; a torch already
@@ -36,7 +38,7 @@ cmd=${1:-test}; shift || true
 case "$cmd" in
   main) exec "$PY" -m deployments.demo "$@" ;;
   test)
-    echo "dev.sh test: the CPU suite takes $SUITE_TIME; pytest args run part of it (e.g. tests/bcg)"
-    exec "$PY" -m pytest -q "$@" ;;
+    echo "dev.sh test: the CPU suite takes $SUITE_TIME; pytest args run part of it (e.g. tests/bcg, -m slow)"
+    exec "$PY" -m pytest -q -m "not slow" "$@" ;;
   *) echo "usage: scripts/dev.sh main|test [args]" >&2; exit 2 ;;
 esac

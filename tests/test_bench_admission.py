@@ -54,6 +54,7 @@ def test_cpu_smoke_run_serializes_auto_under_compute_bound_costs_and_always_batc
     assert bars(tput) == [runs[(c, p)]["images_per_s"] for p in ("auto", "always", "never") for c in (1, 2)]
 
 
+@pytest.mark.slow
 def test_cpu_smoke_run_over_http_times_each_case_with_every_policy_on_one_replica(tmp_path):
     out = tmp_path / "bench_admission_http.json"
     # fed tables: every row computing, 2 rows pay (1.11x); a cached row costs a tenth of a computing one

@@ -57,6 +57,7 @@ def test_output_format_is_refused_in_process_where_nothing_is_encoded(capsys):
     assert "--via handle or http" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_cpu_smoke_run_answers_every_request_once(tmp_path, saved_figures):
     out = tmp_path / "bench_batching.json"
     code = bench_batching.main(["--allow-cpu", "--size", "64x64", "--steps", "2", "--requests", "4",

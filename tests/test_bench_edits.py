@@ -5,9 +5,12 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from tests.bench_smoke import BENCHMARKS, run_smoke
 
 
+@pytest.mark.slow
 def test_bench_edits_speed_times_edits_against_text_requests_of_one_key(tmp_path):
     result, proc = run_smoke("bench_edits_speed.py", tmp_path / "speed.json", "--steps", "4", "--rounds", "3")
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -32,6 +35,7 @@ def test_bench_edits_quality_scores_each_variant_against_the_new_and_the_old_cap
     assert result["new_captions"] != result["captions"] and len(result["scene_seeds"]) == 2
 
 
+@pytest.mark.slow
 def test_bench_edits_speed_times_kontext_edits_against_text_requests(tmp_path):
     result, proc = run_smoke("bench_edits_speed.py", tmp_path / "kontext.json", "--kontext", "--steps", "2",
                              "--rounds", "3")

@@ -12,6 +12,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 import bench_lora  # noqa: E402
 
 
+@pytest.mark.slow
 def test_smoke_run_switches_adapters_and_batches_four_adapters_in_one_step(tmp_path):
     out = tmp_path / "lora.json"
     # the smoke settings named, so that a GPU host runs the same small case (on graphs there)

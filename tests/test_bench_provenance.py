@@ -101,3 +101,28 @@ def test_without_git_the_fields_are_null_with_a_reason(tmp_path, repo, monkeypat
     source = _common.source_state(str(repo))
     assert source["commit"] is None and source["clean"] is None and source["reason"]
 
+
+
+def test_a_stamp_names_the_commit_where_a_copy_carries_stale_git_metadata(tmp_path, repo):
+    """The GPU host runs a copy of the tree whose .git may be an older one: the stamp written before the tree
+    was sent names the commit while the copy's files hash as they did; an edited file makes git answer."""
+    (repo / ".gitignore").write_text(_common.STAMP + "\n")
+    _git(repo, "add", ".gitignore")
+    _git(repo, "commit", "-qm", "ignore the stamp")
+    copy = tmp_path / "copy"
+    shutil.copytree(repo, copy)                    # the host's copy: its .git stays at this commit
+    (repo / "a.py").write_text("x = 4\n")
+    _git(repo, "commit", "-qam", "b")
+    head = _git(repo, "rev-parse", "HEAD").strip()
+    stamp = _common.write_stamp(str(repo))
+    assert stamp["commit"] == head and stamp["clean"] is True and stamp["paths"] == [".gitignore", "a.py", "b.py"]
+    assert _common.source_state(str(repo))["commit"] == head           # here too, stamp and git agree
+    for name in ("a.py", _common.STAMP):                                # the tree sent over the stale copy
+        shutil.copy(repo / name, copy / name)
+    assert _common.source_state(str(copy), use_stamp=False)["commit"] != head   # what the copy's git says
+    source = _common.source_state(str(copy))
+    assert (source["commit"], source["clean"], source["dirty_paths"]) == (head, True, [])
+    assert _common.STAMP in source["reason"]
+    (copy / "b.py").write_text("y = 2\n")                               # edited after the stamp
+    source = _common.source_state(str(copy))
+    assert source["commit"] != head and source["clean"] is False and "other files" in source["reason"]

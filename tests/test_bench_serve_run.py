@@ -35,6 +35,7 @@ def test_targets_need_the_first_compile_the_second_warmup_from_artifacts_and_a_w
     assert bench_serve_run.main(["--plot-only", str(path)]) == 0 and (tmp_path / "serve_run.png").stat().st_size > 0
 
 
+@pytest.mark.slow
 def test_cpu_smoke_run_starts_serve_run_and_reads_its_replicas_start(tmp_path):
     result, proc = run_smoke("bench_serve_run.py", tmp_path / "bench_serve_run.json", "--requests", "1",
                              "--starts", "1")

@@ -34,6 +34,7 @@ def test_app_args_put_app_fields_at_the_top_and_the_rest_in_the_runner():
     assert app["num_gpus_per_replica"] == 0.5 and app["warmup"] == ["1024x1024", "512x512"]
 
 
+@pytest.mark.slow
 def test_cpu_smoke_run_times_step_caching_interleaved_against_a_plain_app(tmp_path, saved_figures):
     out = tmp_path / "variants.json"
     cache = {"method": "schedule", "schedule": [0], "warmup_steps": 0}

@@ -212,6 +212,7 @@ class WeightsStore:
         path = self._local_path(key)
         if path is None:
             return None
+        before = _snapshot(module)
         try:
             entry = _load_trusting(path, device, self.trusted)
             problem = _entry_problem(entry, key)
@@ -230,11 +231,29 @@ class WeightsStore:
         except Exception as exc:  # noqa: BLE001 -- a torn, foreign or refused file is a miss
             problem = f"{type(exc).__name__}: {exc}"
         if problem is not None:
+            # a miss leaves the module as it came (layers `prepare` swapped in, tensors assigned before the
+            # failure), so what the caller does next (quantize it) starts from its own weights
+            _restore(before)
             logger.warning("quantized weights store %s: ignoring %s: %s", self.root, key.path, problem)
             return None
         seconds = time.perf_counter() - t0
         logger.info("%s: reloaded from %s in %.2f s", type(module).__name__, path, seconds)
         return {**entry["meta"], "seconds": seconds, "path": path}
+
+
+def _snapshot(module: torch.nn.Module) -> list:
+    """Each submodule's children, parameters and buffers as they are (references, no copies)."""
+    return [(m, dict(m._modules), dict(m._parameters), dict(m._buffers), set(m._non_persistent_buffers_set))
+            for m in module.modules()]
+
+
+def _restore(snapshot: list) -> None:
+    """Put back what `_snapshot` saw: a failed load's swapped layers and assigned tensors undone."""
+    for m, children, parameters, buffers, non_persistent in snapshot:
+        for held, saved in ((m._modules, children), (m._parameters, parameters), (m._buffers, buffers),
+                            (m._non_persistent_buffers_set, non_persistent)):
+            held.clear()
+            held.update(saved)
 
 
 def _load_trusting(path: str, device, trusted: tuple):

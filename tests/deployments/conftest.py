@@ -67,17 +67,31 @@ def serve_app(ray_serve):
 
 
 @contextlib.contextmanager
-def http_app(port: int, name: str, prefix: str, args: dict, timeout: float = 120):
+def http_app(port: int, name: str, prefix: str, args: dict, timeout: float = 120, wait_deleted: bool = False):
     """``build_app(args)`` deployed as `name` under `prefix`; yields an httpx client for it, then
-    deletes the app (module fixtures of the hardened, faults and warm-routing apps)."""
+    deletes the app (module fixtures of the hardened, faults and warm-routing apps). Its replicas' graceful
+    shutdown (2 s and more) goes on while the next test runs, unless `wait_deleted` (`name` is deployed
+    again next); no two apps of this session share a name or a route prefix otherwise."""
+    with http_apps(port, {name: (prefix, args)}, timeout, wait_deleted) as (client,):
+        yield client
+
+
+@contextlib.contextmanager
+def http_apps(port: int, apps: dict, timeout: float = 120, wait_deleted: bool = False):
+    """Apps started side by side (``serve.run_many``), ``{name: (prefix, build_app args)}``; yields an
+    httpx client per app, in that order, then deletes the apps (as `http_app`)."""
     import httpx
     from ray import serve
 
     from deployments.app import build_app
 
-    serve.run(build_app(args), name=name, route_prefix=prefix)
+    serve.run_many([serve.RunTarget(build_app(args), name=name, route_prefix=prefix)
+                    for name, (prefix, args) in apps.items()])
     try:
-        with httpx.Client(base_url=f"http://127.0.0.1:{port}{prefix}", timeout=timeout) as client:
-            yield client
+        with contextlib.ExitStack() as clients:
+            yield [clients.enter_context(httpx.Client(base_url=f"http://127.0.0.1:{port}{prefix}", timeout=timeout))
+                   for prefix, _ in apps.values()]
     finally:
-        serve.delete(name)
+        for name in apps:
+            serve.delete(name, _blocking=wait_deleted)
+

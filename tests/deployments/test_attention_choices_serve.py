@@ -1,11 +1,12 @@
 """``"auto"``'s attention choice between real Ray Serve CPU replicas: two replicas of one app, timing the same
 shapes at once under a load that would make them disagree, run one kernel per shape (the first one
-published to the coordinator); a second app started over the same compile store adopts it from the store
-without timing anything. The timing function stands in for the load (``tests.deployments.fake_attention``:
+published to the coordinator); a second app (one replica) started over the same compile store adopts it from
+the store without timing anything. The timing function stands in for the load (``tests.deployments.fake_attention``:
 CPU has no second kernel whose speed a test controls); the dispatch, the coordinator, the store and the
 replicas' hand-off are the real ones.
 """
 import httpx
+import pytest
 
 from tests.deployments import fake_attention
 from tests.deployments.conftest import http_app
@@ -13,28 +14,29 @@ from tests.deployments.conftest import http_app
 KEY = "64x64"
 
 
-def _args(store) -> dict:
-    return {"model": "tiny-flux", "num_replicas": 2, "num_cpus_per_replica": 0, "num_gpus_per_replica": 0,
+def _args(store, replicas: int) -> dict:
+    return {"model": "tiny-flux", "num_replicas": replicas, "num_cpus_per_replica": 0, "num_gpus_per_replica": 0,
             "device": "cpu", "warmup": KEY, "placement": "all", "warmup_steps": 1, "default_steps": 1,
             "cpu_threads": 1, "routing_stats_period_s": 0.2, "compile_cache": store,
             "pipeline_hook": "tests.deployments.fake_attention:auto_over_sdpa_and_math"}
 
 
-def _attention(client: httpx.Client) -> tuple:
+def _attention(client: httpx.Client, replicas: int) -> tuple:
     """(the coordinator's attention view, replica id -> its transformer's choices by shape)."""
     r = client.get("/v1/stats")
     assert r.status_code == 200, r.text
     st = r.json()
-    assert len(st["replicas"]) == 2
+    assert len(st["replicas"]) == replicas
     per_replica = {rid: {c["shape"]: c for c in rep["kernels"]["transformer"]["attention"]["choices"]}
                    for rid, rep in st["replicas"].items()}
     return st["attention"], per_replica, st
 
 
+@pytest.mark.slow
 def test_replicas_and_apps_sharing_a_store_run_one_attention_kernel_per_shape(ray_serve, tmp_path):
     store = str(tmp_path / "cache")
-    with http_app(ray_serve, "bcg_attention_a", "/attention_a", _args(store)) as client:
-        view, per_replica, st = _attention(client)
+    with http_app(ray_serve, "bcg_attention_a", "/attention_a", _args(store, 2)) as client:
+        view, per_replica, st = _attention(client, 2)
         timed_by_a = fake_attention.timings()
         (a, b) = per_replica.values()
         assert a and set(a) == set(b)          # both warmed the same shapes
@@ -58,8 +60,9 @@ def test_replicas_and_apps_sharing_a_store_run_one_attention_kernel_per_shape(ra
         r = client.post("/v1/images/generations", json={"prompt": "a cat", "size": KEY, "seed": 1})
         assert r.status_code == 200, r.text
         first_choices = {shape: c["backend"] for shape, c in a.items()}
-    with http_app(ray_serve, "bcg_attention_b", "/attention_b", _args(store)) as client:
-        view, per_replica, _ = _attention(client)
+    # one replica: what a second one would do alike (its store read is the same), and a replica start less
+    with http_app(ray_serve, "bcg_attention_b", "/attention_b", _args(store, 1)) as client:
+        view, per_replica, _ = _attention(client, 1)
         assert fake_attention.timings() == timed_by_a   # nothing timed: the store held every shape
         for choices in per_replica.values():
             assert {shape: c["backend"] for shape, c in choices.items()} == first_choices

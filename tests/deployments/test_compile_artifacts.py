@@ -9,12 +9,14 @@ tests/deployments/test_compile_cache.py loads real inductor artifacts in a fresh
 import time
 
 import httpx
+import pytest
 import ray
 
 from deployments.compile_cache import decode
-from tests.deployments.conftest import http_app
+from tests.deployments.conftest import http_app, http_apps
 
 APP, PREFIX = "bcg_artifacts", "/artifacts"
+OTHER_APP, OTHER_PREFIX = "bcg_artifacts_other", "/artifacts_other"
 KEY = "64x64"
 
 
@@ -37,9 +39,10 @@ def _artifacts(st: dict) -> dict:
     return {rid: rep["compile_artifacts"] for rid, rep in st["replicas"].items()}
 
 
+@pytest.mark.slow
 def test_artifacts_travel_from_the_compiling_replica_to_the_others_and_persist(ray_serve, tmp_path):
     store = str(tmp_path / "cache")
-    with http_app(ray_serve, APP, PREFIX, _args(store)) as client:
+    with http_app(ray_serve, APP, PREFIX, _args(store), wait_deleted=True) as client:   # APP again below
         st = _stats(client)
         arts = _artifacts(st)
         compiled = [rid for rid, a in arts.items() if a["offered"] == 1]
@@ -89,17 +92,17 @@ def test_artifacts_travel_from_the_compiling_replica_to_the_others_and_persist(r
         assert sorted(a["loaded_from"].get("64x128") is not None for a in arts.values()) == [False, True]
         assert st["compile_artifacts"]["offers"] == 2 and set(st["compile_artifacts"]["held"]) == {KEY, "64x128"}
 
-    # a redeployed app (a new coordinator) finds them in the store
-    with http_app(ray_serve, APP, PREFIX, _args(store, replicas=1)) as client:
-        st = _stats(client)
+    # two apps started side by side (their starts overlap): a redeployed app (a new coordinator) finds
+    # them in the store; an app of other compile settings finds they do not fit, says why, compiles afresh
+    other = _args(store, replicas=1, runner={"compile_mode": "max-autotune-no-cudagraphs"})
+    with http_apps(ray_serve, {APP: (PREFIX, _args(store, replicas=1)), OTHER_APP: (OTHER_PREFIX, other)}) \
+            as (same_client, other_client):
+        st = _stats(same_client)
         (arts,) = _artifacts(st).values()
         assert arts["hits"] == 1 and arts["loaded_from"] == {KEY: maker}
         assert st["compile_artifacts"]["store_hits"] == 1 and st["compile_artifacts"]["offers"] == 0
 
-    # other compile settings: the stored artifacts do not fit, the replica says why and compiles afresh
-    with http_app(ray_serve, APP, PREFIX, _args(store, replicas=1,
-                                                runner={"compile_mode": "max-autotune-no-cudagraphs"})) as client:
-        st = _stats(client)
+        st = _stats(other_client)
         (arts,) = _artifacts(st).values()
         assert arts["hits"] == 0 and arts["mismatches"] == 1 and arts["offered"] == 1
         assert [r.split(":")[0] for r in arts["mismatch_reasons"]] == ["runner.compile_mode"]

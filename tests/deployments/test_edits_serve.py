@@ -8,7 +8,6 @@ import io
 import struct
 import zlib
 
-import httpx
 import numpy as np
 import pytest
 import torch
@@ -67,6 +66,13 @@ def references():
 
 def _decoded(data: bytes) -> np.ndarray:
     return np.asarray(Image.open(io.BytesIO(data)).convert("RGB")).astype(np.int16)
+
+
+def answered_image(r):
+    """An images response's JSON body and its first image's pixels, once it is known to be a 200."""
+    assert r.status_code == 200, r.text
+    body = r.json()
+    return body, _decoded(base64.b64decode(body["data"][0]["b64_json"]))
 
 
 def test_the_engine_serves_edits_in_a_step_batch_with_text_requests_as_diffusers_does(references):
@@ -133,10 +139,7 @@ def test_edits_over_http_are_the_diffusers_edit_pipelines_images(edits_app, refe
         answers = {kind: pool.submit(_edit, client, *form) for kind, form in forms.items()}
         assert text.result().status_code == 200, text.result().text
         for kind, answer in answers.items():
-            r = answer.result()
-            assert r.status_code == 200, r.text
-            body = r.json()
-            got = _decoded(base64.b64decode(body["data"][0]["b64_json"]))
+            body, got = answered_image(answer.result())
             assert np.abs(got - references[kind]).max() <= PIXEL_TOLERANCE, kind
             assert body["bcg"]["shape_key"] == "64x64" and body["bcg"]["steps_cached"] == 0
             assert body["bcg"]["steps_computed"] == {"image-to-image": 3, "inpaint": 4}[kind]

@@ -11,12 +11,10 @@ import pytest
 import torch
 from diffusers import FluxImg2ImgPipeline, FluxInpaintPipeline
 
-from bcg.diffusers import accelerate
 from bcg.diffusers.models import load_pipeline
 from bcg.diffusers.pipelines import plan_request
-from bcg.diffusers.step_batching.batcher import StepBatcher
 from bcg.runtime.call_record import CallRecord
-from bcg.runtime.config import RunnerConfig, TransformerOptions
+from tests.bcg.diffusers.gpu_batching import drain, warm_batcher
 from tests.bcg.diffusers.test_edits import scene, square_mask
 
 pytestmark = pytest.mark.gpu
@@ -45,21 +43,10 @@ def _reference(kind, seed):
     return np.asarray(out.images)
 
 
-def _drain(batcher, futures):
-    for _ in range(500):
-        if all(f.done() for f in futures):
-            return [np.asarray(f.result()) for f in futures]
-        batcher.step()
-    raise AssertionError("requests not answered")
-
-
 def test_edits_replay_the_text_warmup_graphs_alone_and_in_a_step_batch():
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    pipe = accelerate(load_pipeline("tiny-flux", device="cuda"), config=RunnerConfig(max_entries=32),
-                      options=TransformerOptions(attention_backend="sdpa"))
-    batcher = StepBatcher(pipe, max_batch_size=4, batch_buckets=(1, 2, 4))
-    batcher.warmup([f"{SIZE}x{SIZE}"], num_inference_steps=2)
+    pipe, batcher = warm_batcher("tiny-flux", [f"{SIZE}x{SIZE}"])
     transformer = pipe.transformer
     captures = transformer.stats()["captures"]
     alone = {}
@@ -67,7 +54,7 @@ def test_edits_replay_the_text_warmup_graphs_alone_and_in_a_step_batch():
         record = CallRecord()
         key, kwargs = plan_request(pipe, "a yellow star", size=f"{SIZE}x{SIZE}", steps=STEPS, seed=i,
                                    output_type="np", **EDITS[kind])
-        (alone[kind],) = _drain(batcher, [batcher.submit_planned(key, kwargs, records=(record,))])
+        (alone[kind],) = drain(batcher, [batcher.submit_planned(key, kwargs, records=(record,))])
         assert record.eager_total == 0 and record.replays > 0, (kind, record.eager)
         assert np.abs(alone[kind] - _reference(kind, i)).max() <= TOLERANCE, kind
     # a text request running, both edits joining it
@@ -80,7 +67,7 @@ def test_edits_replay_the_text_warmup_graphs_alone_and_in_a_step_batch():
         key, kwargs = plan_request(pipe, "a yellow star", size=f"{SIZE}x{SIZE}", steps=STEPS, seed=i,
                                    output_type="np", **EDITS[kind])
         futures.append(batcher.submit_planned(key, kwargs, records=(record,)))
-    images = _drain(batcher, futures)
+    images = drain(batcher, futures)
     assert batcher.stats()["joins_mid_run"] >= 2
     assert record.eager_total == 0 and transformer.stats()["captures"] == captures   # nothing captured anew
     for kind, image in zip(EDITS, images[1:]):

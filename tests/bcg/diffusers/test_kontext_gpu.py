@@ -10,14 +10,11 @@ import numpy as np
 import pytest
 import torch
 
-from bcg.diffusers import accelerate
 from bcg.diffusers.models import load_pipeline
 from bcg.diffusers.pipelines import plan_request
-from bcg.diffusers.step_batching.batcher import StepBatcher
 from bcg.runtime.call_record import CallRecord
-from bcg.runtime.config import RunnerConfig, TransformerOptions
+from tests.bcg.diffusers.gpu_batching import drain, warm_batcher
 from tests.bcg.diffusers.test_edits import scene
-from tests.bcg.diffusers.test_edits_gpu import _drain
 
 pytestmark = pytest.mark.gpu
 
@@ -48,10 +45,7 @@ def check_edits_replay_their_reference_key(model: str, key_text: str, other_imag
     named it) is eager and counted. Kontext's test and Qwen-Image-Edit's."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    pipe = accelerate(load_pipeline(model, device="cuda"), config=RunnerConfig(max_entries=32),
-                      options=TransformerOptions(attention_backend="sdpa"))
-    batcher = StepBatcher(pipe, max_batch_size=4, batch_buckets=(1, 2, 4))
-    batcher.warmup([key_text], num_inference_steps=2)
+    pipe, batcher = warm_batcher(model, [key_text])
     transformer = pipe.transformer
     captures = transformer.stats()["captures"]
     edits = [("make the disc green", 1), ("turn the square red", 2)]
@@ -60,14 +54,14 @@ def check_edits_replay_their_reference_key(model: str, key_text: str, other_imag
         record = CallRecord()
         key, kwargs = _plan(pipe, prompt, seed, scene())
         assert key.key == key_text
-        (image,) = _drain(batcher, [batcher.submit_planned(key, kwargs, records=(record,))])
+        (image,) = drain(batcher, [batcher.submit_planned(key, kwargs, records=(record,))])
         assert record.eager_total == 0 and record.replays > 0, record.eager
         assert np.abs(image - _reference(model, prompt, seed, scene())).max() <= TOLERANCE, prompt
         alone.append(image)
     record = CallRecord()
     futures = [batcher.submit_planned(*_plan(pipe, prompt, seed, scene()), records=(record,))
                for prompt, seed in edits]
-    images = _drain(batcher, futures)
+    images = drain(batcher, futures)
     assert max(batcher.stats()["batch_size_histogram"]) >= 2
     assert record.eager_total == 0 and transformer.stats()["captures"] == captures   # nothing captured anew
     for image, want in zip(images, alone):
@@ -76,5 +70,5 @@ def check_edits_replay_their_reference_key(model: str, key_text: str, other_imag
     record = CallRecord()
     key, kwargs = _plan(pipe, "a yellow star", 3, other_image)
     assert key.key == other_key
-    _drain(batcher, [batcher.submit_planned(key, kwargs, records=(record,))])
+    drain(batcher, [batcher.submit_planned(key, kwargs, records=(record,))])
     assert record.eager_total > 0

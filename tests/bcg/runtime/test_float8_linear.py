@@ -4,6 +4,7 @@ On CPU, torch's float8 casts and ``torch._scaled_mm`` run the same scheme the fu
 a GPU (tests/bcg/runtime/test_float8_linear_gpu.py checks the kernel against this torch form and times it).
 """
 import copy
+import logging
 
 import pytest
 import torch
@@ -105,6 +106,32 @@ def test_a_stored_plain_state_reloads_into_a_transformer_built_without_weights(t
                   guidance=torch.tensor([3.5]) if config.guidance_embeds else None)
     with torch.no_grad():
         assert torch.equal(empty(**kwargs).sample, transformer(**kwargs).sample)
+
+
+def _held(module):
+    """Each submodule's class and its own tensors (the objects themselves), by qualified name."""
+    return {name: (type(sub), [t for _, t in sorted({**dict(sub.named_parameters(recurse=False)),
+                                                     **dict(sub.named_buffers(recurse=False))}.items())])
+            for name, sub in module.named_modules()}
+
+
+def test_a_plain_entry_that_fails_to_load_leaves_the_module_as_it_came(tmp_path, caplog):
+    """A miss after `prepare` swapped layers in (the entry's state does not fit: another model's) undoes the
+    swap and any tensor assigned: the caller quantizes the module's own weights next."""
+    transformer = load_pipeline("tiny-flux", dtype=torch.bfloat16).transformer
+    other = load_pipeline("tiny-flux", dtype=torch.bfloat16).transformer
+    other.x_embedder = torch.nn.Linear(other.x_embedder.in_features, other.x_embedder.out_features + 16)
+    install_float8_linears(other, {id(s) for s in other.modules() if type(s) is torch.nn.Linear})
+    store, key = WeightsStore(str(tmp_path), trusted=()), WeightsKey.make("tiny-flux/transformer", {"form": "plain"})
+    assert store.put(key, other, {"report": {}})
+    before = _held(transformer)
+    with caplog.at_level(logging.WARNING, logger="bcg.runtime.weights_store"):
+        assert store.load_into(transformer, key, prepare=_prepare_form("plain")) is None
+    assert "size mismatch" in caplog.text
+    after = _held(transformer)
+    assert after.keys() == before.keys() and not float8_linears(transformer)
+    assert all(after[n][0] is before[n][0] and len(after[n][1]) == len(before[n][1])
+               and all(a is b for a, b in zip(after[n][1], before[n][1])) for n in before)
 
 
 def test_a_fused_kernel_that_disagrees_with_the_torch_form_is_dropped_once_with_a_warning(monkeypatch, caplog):

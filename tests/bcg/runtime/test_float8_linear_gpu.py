@@ -8,6 +8,7 @@ from bcg.runtime.config import RunnerConfig
 from bcg.runtime.float8_linear import float8_linears, quantize_rows, triton_unavailable_reason
 from bcg.runtime.quantize import fp8_unavailable_reason, quantize_module
 from bcg.runtime.runner import BreakableGraphRunner
+from tests.bcg.runtime.test_quantize_gpu import cosine, replays_as_eager, small_model
 
 pytestmark = pytest.mark.gpu
 
@@ -16,10 +17,6 @@ def _needs_fp8_and_triton():
     reason = fp8_unavailable_reason(torch.device("cuda"), "plain") or triton_unavailable_reason()
     if reason is not None:
         pytest.skip(reason)
-
-
-def _cosine(a, b):
-    return float(torch.nn.functional.cosine_similarity(a.float().flatten(), b.float().flatten(), dim=0))
 
 
 @pytest.mark.parametrize("shape", [(1, 16), (7, 3072), (4608, 3072), (33, 12288), (5, 5000)])
@@ -42,33 +39,19 @@ def test_the_fused_kernel_quantizes_as_the_torch_form(shape):
     assert torch.equal(quantize_rows(strided)[1], quantize_rows(strided.contiguous(), fused=False)[1])
 
 
-def _model():
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.GELU(), torch.nn.Linear(1024, 256),
-                               torch.nn.LayerNorm(256), torch.nn.Linear(256, 24)).cuda().to(torch.bfloat16).eval()
-
-
 def test_plain_float8_replays_as_it_runs_eagerly_close_to_bf16_and_to_torchao():
     _needs_fp8_and_triton()
     x = torch.randn(2, 64, 256, device="cuda", dtype=torch.bfloat16)
     with torch.no_grad():
-        reference = _model()(x)
-    model = _model()
+        reference = small_model()(x)
+    model = small_model()
     report = quantize_module(model, "fp8", form="plain")
     assert report.applied and report.form == "plain" and report.layers == 2 and report.skipped == 1
     assert float8_linears(model) == ["0", "2"] and report.weight_bytes_after < report.weight_bytes_before
-    runner = BreakableGraphRunner(model, config=RunnerConfig())
-    with torch.no_grad():
-        eager = model(x)
-        with runner.warmup():
-            runner(x)
-        before = runner.stats()["replays"]
-        replayed = runner(x)
-    assert runner.stats()["replays"] == before + 1 and runner.stats()["eager_calls_total"] == 0
-    assert torch.equal(replayed, eager)
-    assert _cosine(eager, reference) > 0.99
+    eager = replays_as_eager(BreakableGraphRunner(model, config=RunnerConfig()), model, x)
+    assert cosine(eager, reference) > 0.99
     if fp8_unavailable_reason(torch.device("cuda")) is None:  # torchao here: the same scheme, the same numbers
-        other = _model()
+        other = small_model()
         assert quantize_module(other, "fp8").applied
         with torch.no_grad():
-            assert _cosine(other(x), eager) > 0.999
+            assert cosine(other(x), eager) > 0.999

@@ -78,6 +78,7 @@ def _run(tmp_path, mode, weights="float32"):
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("weights", ["float32", "float8"])
 def test_a_process_that_loads_precompiled_artifacts_compiles_nothing_and_computes_the_same(tmp_path, weights):
     """float8: the plain form's weights (not torchao's tensor subclass, which the precompile cannot copy)."""

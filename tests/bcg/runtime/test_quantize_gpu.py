@@ -15,27 +15,18 @@ def _needs_fp8():
         pytest.skip(reason)
 
 
-def _model():
+def small_model():
     torch.manual_seed(0)
     return torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.GELU(), torch.nn.Linear(1024, 256),
                                torch.nn.LayerNorm(256), torch.nn.Linear(256, 24)).cuda().to(torch.bfloat16).eval()
 
 
-def _cosine(a, b):
+def cosine(a, b):
     return float(torch.nn.functional.cosine_similarity(a.float().flatten(), b.float().flatten(), dim=0))
 
 
-def test_fp8_replay_equals_fp8_eager_and_is_close_to_bf16():
-    _needs_fp8()
-    reference_model = _model()
-    x = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16)
-    with torch.no_grad():
-        reference = reference_model(x)
-    model = _model()
-    report = quantize_module(model, "fp8").as_dict()
-    runner = BreakableGraphRunner(model, config=RunnerConfig())
-    assert report["applied"] and report["layers"] == 2 and report["skipped"] == 1  # 24 outputs: not a multiple of 16
-    assert report["weight_bytes_after"] < report["weight_bytes_before"]
+def replays_as_eager(runner, model, x):
+    """`model(x)` eagerly; then `runner` warmed on `x` replays it once, with no eager call, bit for bit."""
     with torch.no_grad():
         eager = model(x)
         with runner.warmup():
@@ -44,7 +35,22 @@ def test_fp8_replay_equals_fp8_eager_and_is_close_to_bf16():
         replayed = runner(x)
     assert runner.stats()["replays"] == before + 1 and runner.stats()["eager_calls_total"] == 0
     assert torch.equal(replayed, eager)
-    assert _cosine(eager, reference) > 0.99
+    return eager
+
+
+def test_fp8_replay_equals_fp8_eager_and_is_close_to_bf16():
+    _needs_fp8()
+    reference_model = small_model()
+    x = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        reference = reference_model(x)
+    model = small_model()
+    report = quantize_module(model, "fp8").as_dict()
+    runner = BreakableGraphRunner(model, config=RunnerConfig())
+    assert report["applied"] and report["layers"] == 2 and report["skipped"] == 1  # 24 outputs: not a multiple of 16
+    assert report["weight_bytes_after"] < report["weight_bytes_before"]
+    eager = replays_as_eager(runner, model, x)
+    assert cosine(eager, reference) > 0.99
 
 
 def test_fp8_leaves_inductor_settings_alone():
@@ -55,7 +61,7 @@ def test_fp8_leaves_inductor_settings_alone():
 
     before = {name: getattr(inductor_config, name) for name in
               ("coordinate_descent_tuning", "coordinate_descent_check_all_directions", "force_fuse_int_mm_with_mul")}
-    model = _model()
+    model = small_model()
     assert quantize_module(model, "fp8").applied
     assert {name: getattr(inductor_config, name) for name in before} == before
 
@@ -98,4 +104,4 @@ def test_fp8_compiled_regional_segments_are_close_to_fp8_eager():
     stats = runner.stats()
     assert stats["eager_calls_total"] == 0 and stats["compile"]["regional"] == ["Block"]
     assert stats["compile"]["graphs_compiled"] >= 1
-    assert _cosine(out, expected) > 0.999
+    assert cosine(out, expected) > 0.999
