@@ -184,8 +184,10 @@ def check_shape_limits(key: ShapeKey, limits: RequestLimits) -> ShapeKey:
     if key.width * key.height * key.batch_size > limits.max_pixels:
         raise FieldError("size", f"width*height*n must be at most {limits.max_pixels} pixels, got "
                                  f"{key.width}x{key.height}x{key.batch_size}")
-    # a reference image's tokens (an instruction edit's `.r`): no more than an image within the limit has
-    if key.reference_tokens is not None and key.reference_tokens * limits.size_multiple ** 2 > limits.max_image_pixels:
+    # a reference image's tokens (an instruction edit's `.r`): no more than an image within the limit has (a
+    # grid `.r<columns>x<rows>` is of a reference the pipeline resizes to its own area, whatever the image's)
+    if key.reference_tokens is not None and key.reference_grid is None \
+            and key.reference_tokens * limits.size_multiple ** 2 > limits.max_image_pixels:
         raise FieldError("image", f"a reference of {key.reference_tokens} tokens is over max_image_pixels "
                                   f"{limits.max_image_pixels} ({limits.size_multiple} pixels a token side)")
     return key
