@@ -46,7 +46,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 from types import MappingProxyType
-from typing import Any, Mapping, Optional, Protocol, Sequence, runtime_checkable
+from typing import Any, Mapping, Optional, Protocol, runtime_checkable
 
 __all__ = ["FAMILIES", "GENERIC", "BatchingHooks", "BlockAdapter", "CfgRule", "ModelFamily", "family_named",
            "family_of", "family_of_transformer"]
