@@ -66,12 +66,15 @@ def reference_grid(width: int, height: int, size_multiple: int, area: int) -> tu
 
 
 def reference_fields(width: int, height: int, size_multiple: int, area: int | None = None) -> dict:
-    """The shape-key fields of a reference image (`ShapeKey`'s ``reference_tokens``, and ``reference_grid``
-    where the family resizes references to an `area`: `reference_grid`); ``reference_tokens`` 0: smaller than
-    one token."""
+    """The shape-key fields of a reference image: `ShapeKey`'s ``reference_tokens`` and ``reference_grid``, the
+    tokens' ``(columns, rows)``: at the image's own size rounded down to the multiple (Kontext), or resized to
+    an `area` where the family does that (`reference_grid`). The grid is part of the key because a call's
+    rows share their position ids (a 6x4 and a 4x6 reference must not share a step batch). ``reference_tokens``
+    0: smaller than one token."""
     if area is None:
-        return {"reference_tokens": reference_tokens(width, height, size_multiple)}
-    grid = reference_grid(width, height, size_multiple, area)
+        grid = (int(width) // size_multiple, int(height) // size_multiple)
+    else:
+        grid = reference_grid(width, height, size_multiple, area)
     return {"reference_tokens": grid[0] * grid[1], "reference_grid": grid}
 
 

@@ -404,23 +404,24 @@ def warmup_image(key: ShapeKey, info: dict):
 
 
 def warmup_reference_image(key: ShapeKey, info: dict):
-    """A grey reference image of as many latent tokens as `key` carries (None for a key without): the key's
-    size where that has as many, else the most nearly square grid of them. The transformer's signature
-    depends on the count only (the tokens' positions are values, not shapes). A key with a grid (a family
-    that resizes references to an area) gets an image that resizes to that grid (`_image_of_grid`)."""
+    """A grey reference image of the token grid `key` carries (None for a key without a reference): the grid's
+    size, or an image that the family's resize to its area makes that grid of (`_image_of_grid`). ValueError
+    for a key of a token count alone (``.r<tokens>``): requests are keyed by their grid (`reference_fields`),
+    so such a warmup would warm a key no request has."""
     tokens = key.reference_tokens
     if tokens is None:
         return None
     from PIL import Image
 
     multiple = info["size_multiple"]
-    if key.reference_grid is not None:
-        return Image.new("RGB", _image_of_grid(key.reference_grid, multiple, info["reference_area"]), (128, 128, 128))
-    across, down = key.width // multiple, key.height // multiple
-    if across * down != tokens:
-        down = max(d for d in range(1, int(tokens ** 0.5) + 1) if tokens % d == 0)
-        across = tokens // down
-    return Image.new("RGB", (across * multiple, down * multiple), (128, 128, 128))
+    if key.reference_grid is None:
+        raise ValueError(f"shape key {key.key}: name the reference's token grid, .r<columns>x<rows> (a "
+                         f"{key.width}x{key.height} reference at {multiple} pixels a token: "
+                         f".r{key.width // multiple}x{key.height // multiple}), not its count alone")
+    area = info["reference_area"]
+    size = _image_of_grid(key.reference_grid, multiple, area) if area else \
+        (key.reference_grid[0] * multiple, key.reference_grid[1] * multiple)
+    return Image.new("RGB", size, (128, 128, 128))
 
 
 def _image_of_grid(grid: tuple[int, int], multiple: int, area: int) -> tuple[int, int]:

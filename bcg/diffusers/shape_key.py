@@ -6,12 +6,12 @@
 - ``prompt_bucket``: the text sequence length the prompt is padded to (None: the pipeline's default);
 - ``reference_tokens``: the latent tokens of a reference image concatenated to the image sequence (an
   instruction edit, FLUX.1-Kontext: they lengthen every transformer call; None: none);
-- ``reference_grid``: those tokens' ``(columns, rows)``, where the family's transformer reads the grid from
-  Python values shared by a call's rows (Qwen-Image-Edit's ``img_shapes``, its rotary embedding): then
-  requests batch only with the same grid, and the key says ``.r<columns>x<rows>`` (None: ``.r<tokens>``).
+- ``reference_grid``: those tokens' ``(columns, rows)``. A call's rows share their position ids (Kontext's
+  ``img_ids``, Qwen-Image-Edit's ``img_shapes``), so requests batch only with the same grid: a request's key
+  says ``.r<columns>x<rows>``. A key of a count alone (``.r<tokens>``, grid None) still names a warmup.
 
 ``.key`` is a stable, readable string: ``"1024x1024"`` for the plain case, else suffixes in a fixed order,
-e.g. ``"768x512.f17.b2.cfg.p128"``, ``"1024x1024.r4096"``, ``"1024x1024.r64x64"``. Sizes are written **width x height**, as in the OpenAI Images API
+e.g. ``"768x512.f17.b2.cfg.p128"``, ``"1024x1024.r64x64"``. Sizes are written **width x height**, as in the OpenAI Images API
 ``size`` field ("1792x1024" is landscape). `ShapeKey.parse` is the inverse and also accepts a bare
 ``"WxH"``. `ShapeKey.group` and `ShapeKey.with_batch` are its batch-free and per-bucket forms.
 

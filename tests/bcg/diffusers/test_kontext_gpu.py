@@ -1,7 +1,7 @@
 """GPU: Kontext instruction edits on the graphs a warmup of their reference key captured.
 
 A Kontext edit's transformer calls are longer than a text request's by its reference tokens, so its shape key
-carries them (``64x64.r16``): after ``StepBatcher.warmup`` of that key, an edit of that size and reference
+carries their grid (``64x64.r4x4``): after ``StepBatcher.warmup`` of that key, an edit of that size and reference
 size, alone and two in one step batch, replays the transformer's (and the VAE decoder's) graphs with 0 eager
 calls and nothing captured anew; its image equals diffusers' own ``FluxKontextPipeline`` on an unaccelerated
 bfloat16 pipeline within 3/255. A reference of a size no warmup named is eager, and counted so.
@@ -35,8 +35,8 @@ def _reference(model, prompt, seed, image):
 
 
 def test_kontext_edits_replay_their_reference_key_graphs_alone_and_in_a_step_batch():
-    check_edits_replay_their_reference_key("tiny-flux-kontext", f"{SIZE}x{SIZE}.r16", scene().resize((96, 64)),
-                                           f"{SIZE}x{SIZE}.r24")
+    check_edits_replay_their_reference_key("tiny-flux-kontext", f"{SIZE}x{SIZE}.r4x4", scene().resize((96, 64)),
+                                           f"{SIZE}x{SIZE}.r6x4")
 
 
 def check_edits_replay_their_reference_key(model: str, key_text: str, other_image, other_key: str) -> None:
