@@ -138,3 +138,15 @@ def test_a_warmup_of_a_reference_key_runs_a_reference_of_its_tokens(pipe):
     assert "image" not in warmup_request(pipe, ShapeKey.parse("64x64"), info, 1, "a cat")
     report = warmup_pipeline(pipe, ["64x64.r6x4", "64x64"], num_inference_steps=1)
     assert [k["error"] for k in report["keys"]] == [None, None]   # no runners on this pipeline: nothing captured
+
+
+def test_references_of_as_many_tokens_on_other_grids_run_in_batches_of_their_own(pipe):
+    """A 96x64 and a 64x96 reference (24 tokens each, grids 6x4 and 4x6) submitted together: their keys differ,
+    so they never share a call (whose rows share one set of position ids), and each image is its pipeline's."""
+    batcher = StepBatcher(pipe, max_batch_size=4, batch_buckets=(1, 2, 4))
+    wide, tall = EDITS["wide"], {**EDITS["wide"], "image": EDITS["wide"]["image"].transpose(Image.Transpose.ROTATE_90)}
+    assert tall["image"].size == (64, 96)
+    images = drain(batcher, [submit(batcher, wide), submit(batcher, tall)])
+    assert max(batcher.stats()["batch_size_histogram"]) == 1
+    for image, edit in zip(images, (wide, tall)):
+        assert np.abs(image - reference(pipe, edit)).max() <= PIXEL_TOLERANCE
