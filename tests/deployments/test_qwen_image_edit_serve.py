@@ -35,6 +35,7 @@ def qwen_edit_app(ray_serve):
         yield client
 
 
+@pytest.mark.slow  # a model's own app over Serve: the slow tier
 def test_a_qwen_image_edit_over_http_is_diffusers_image(qwen_edit_app):
     r = _edit(qwen_edit_app, {**EDIT, "cache": '{"threshold": 0.0}'}, _files(image=png(scene())))
     assert r.status_code == 200, r.text
@@ -48,6 +49,7 @@ def test_a_qwen_image_edit_over_http_is_diffusers_image(qwen_edit_app):
     assert np.abs(got.astype(np.int16) - np.asarray(want).astype(np.int16)).max() <= PIXEL_TOLERANCE
 
 
+@pytest.mark.slow  # a model's own app over Serve: the slow tier
 def test_bad_qwen_image_edit_input_is_a_4xx_naming_the_field_and_the_app_goes_on(qwen_edit_app):
     client = qwen_edit_app
     form = {"prompt": "a cat", "size": "64x64", "num_inference_steps": 1}
