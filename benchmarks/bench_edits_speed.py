@@ -62,7 +62,7 @@ def run(args) -> dict:
 
     port, started = start_local_serve()
     width, height = (int(v) for v in args.size.lower().split("x"))
-    warmup = f"{args.size},{args.size}.r{(width // 16) * (height // 16)}" if args.kontext else args.size
+    warmup = f"{args.size},{args.size}.r{width // 16}x{height // 16}" if args.kontext else args.size
     app_args = {"model": args.model, "num_replicas": 1, "warmup": warmup, "default_steps": args.steps,
                 "max_batch_size": 1, **({"device": "cpu", "num_gpus_per_replica": 0, "num_cpus_per_replica": 0}
                                         if args.device == "cpu" else {}),

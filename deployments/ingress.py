@@ -188,6 +188,7 @@ class Ingress:
                 self._info = await asyncio.wait_for(self.replica.model_info.remote(), self.request_timeout_s)
                 if self._limits.get("size_multiple") is None:
                     self._limits["size_multiple"] = self._info["size_multiple"]
+                self._limits["references_resized"] = self._info.get("reference_area") is not None
                 if self._info["is_video"]:  # frames k*frame_multiple+1; images keep None (1 frame)
                     self._limits["frame_multiple"] = self._info["frame_multiple"] or 1
                 self.limits = RequestLimits(**self._limits)

@@ -55,6 +55,8 @@ class RequestLimits(BaseModel):
     max_image_pixels: int = Field(4096 * 4096, ge=1)    # an edit's input image (PIL's bomb limit applies too)
     max_upload_bytes: int = Field(20 * 1024 * 1024, ge=1024)  # multipart bodies (edits) above it get a 413
     frame_multiple: Optional[int] = Field(None, ge=1)   # None: an image model (1 frame); video: frames k*m+1
+    # whether the model resizes a reference image to an area of its own (Qwen-Image-Edit; None: not known yet)
+    references_resized: Optional[bool] = None
 
 
 class StepCache(BaseModel):
@@ -184,8 +186,11 @@ def check_shape_limits(key: ShapeKey, limits: RequestLimits) -> ShapeKey:
     if key.width * key.height * key.batch_size > limits.max_pixels:
         raise FieldError("size", f"width*height*n must be at most {limits.max_pixels} pixels, got "
                                  f"{key.width}x{key.height}x{key.batch_size}")
-    # a reference image's tokens (an instruction edit's `.r`): no more than an image within the limit has
-    if key.reference_tokens is not None and key.reference_tokens * limits.size_multiple ** 2 > limits.max_image_pixels:
+    # a reference image's tokens (an instruction edit's `.r`): no more than an image within the limit has, where
+    # the reference keeps its own size (Kontext; a model that resizes it to its own area makes any image fit)
+    resized = limits.references_resized if key.reference_grid is not None else False
+    if key.reference_tokens is not None and resized is False \
+            and key.reference_tokens * limits.size_multiple ** 2 > limits.max_image_pixels:
         raise FieldError("image", f"a reference of {key.reference_tokens} tokens is over max_image_pixels "
                                   f"{limits.max_image_pixels} ({limits.size_multiple} pixels a token side)")
     return key

@@ -41,5 +41,5 @@ def test_bench_edits_speed_times_kontext_edits_against_text_requests(tmp_path):
                              "--rounds", "3")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert result["model"] == "tiny-flux-kontext" and set(result["ms"]) == {"text", "kontext"}
-    assert result["app_args"]["warmup"] == "64x64,64x64.r16" and result["kontext_over_text"]["median"] > 0
+    assert result["app_args"]["warmup"] == "64x64,64x64.r4x4" and result["kontext_over_text"]["median"] > 0
     assert result["steps_computed"] == {"text": [2], "kontext": [2]}

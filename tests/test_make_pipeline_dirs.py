@@ -82,7 +82,7 @@ def test_a_kontext_dir_is_served_as_a_kontext_model(tmp_path):
     info = pipeline_info(pipe)
     assert (info["family"], info["edits"]) == ("flux-kontext", ["instruction"])
     reference = Image.new("RGB", (48, 32), (200, 30, 30))
-    assert plan_request(pipe, "make it blue", size="32x32", image=reference)[0].key == "32x32.r6"
+    assert plan_request(pipe, "make it blue", size="32x32", image=reference)[0].key == "32x32.r3x2"
     for image in (reference, None):
         (out,) = generate(pipe, "make it blue", size="32x32", steps=1, seed=0, image=image, output_type="np")
         assert out.shape == (32, 32, 3)

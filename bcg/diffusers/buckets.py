@@ -119,6 +119,7 @@ def request_shape_key(
     prompt_buckets: bool | Iterable[int] = False,
     count_tokens: Callable[[], int | None] | None = None,
     reference_tokens: int | None = None,
+    reference_grid: tuple[int, int] | None = None,
 ) -> ShapeKey:
     """The shape key of a request to a pipeline that `info` describes (``bcg.diffusers.pipeline_info``).
 
@@ -126,7 +127,7 @@ def request_shape_key(
     direct callers) and carried with the request from there. Size defaults to the pipeline's, frames to
     the pipeline's for video (1 for images); CFG follows the family's `CfgRule`; the prompt bucket
     follows `request_prompt_bucket` (by default none: the pipeline's default length); an instruction edit's
-    `reference_tokens` (`bcg.diffusers.image_inputs.reference_tokens`) are the key's. Nothing is
+    `reference_tokens` and `reference_grid` (`bcg.diffusers.image_inputs.reference_fields`) are the key's. Nothing is
     checked against the pipeline's multiples here (`check_shape` does that); a size that is not
     ``"WxH"`` or a bad `n` raise.
     """
@@ -139,7 +140,7 @@ def request_shape_key(
     bucket = request_prompt_bucket(info, prompt_bucket=prompt_bucket, prompt_buckets=prompt_buckets,
                                    count_tokens=count_tokens)
     return ShapeKey(height=height, width=width, num_frames=num_frames, batch_size=n, cfg=cfg,
-                    prompt_bucket=bucket, reference_tokens=reference_tokens)
+                    prompt_bucket=bucket, reference_tokens=reference_tokens, reference_grid=reference_grid)
 
 
 def parse_plan(items: Iterable[str | ShapeKey] | str) -> list[ShapeKey]:

@@ -15,6 +15,7 @@ The pipelines produce real (if meaningless) images: 128x128 in 2 steps takes wel
 - `tiny-wan`: WanPipeline, text-to-video (UMT5, Wan transformer, Wan causal 3D VAE).
 - `tiny-wan-i2v`: WanImageToVideoPipeline, image-to-video as Wan2.1 makes it (tiny-wan's parts, a CLIP vision encoder).
 - `tiny-qwen-image`: QwenImagePipeline (Qwen2.5-VL, Qwen-Image MMDiT, Qwen-Image causal 3D VAE).
+- `tiny-qwen-image-edit`: QwenImageEditPipeline (instruction edits; the Qwen2-VL processor sees the image).
 
 One built-in is trained, not random: `shapes-flux`, a FluxPipeline trained on captioned pictures of shapes
 (`bcg.diffusers.shapes`; 64x64 by default), whose weights ship with the package: the quality bar for the
@@ -263,39 +264,58 @@ def _tiny_wan_components(in_channels: int, image_dim: int | None = None) -> dict
 def build_tiny_qwen_image():
     """QwenImagePipeline: tiny Qwen2.5-VL (its last hidden state is the text input), 2 Qwen-Image blocks,
     Qwen-Image causal 3D VAE (8x spatial), flow-matching Euler with dynamic shifting."""
-    from diffusers import (
-        AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImagePipeline, QwenImageTransformer2DModel,
-    )
-    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+    from diffusers import QwenImagePipeline
 
     tokenizer = build_tokenizer("qwen", 1024 + 34)  # the pipeline's tokenizer_max_length + its template prefix
     # Token ids live in this tokenizer's vocabulary; the vision tower (never called for text) is minimal.
+    return QwenImagePipeline(tokenizer=tokenizer, **_tiny_qwen_components(
+        len(tokenizer), dict(base_dim=8, dim_mult=[1, 1, 1, 1], temperal_downsample=[False, True, True])))
+
+
+@_seeded
+def build_tiny_qwen_image_edit():
+    """QwenImageEditPipeline (instruction edits; its reference resized to 1024x1024 pixels): tiny-qwen-image's
+    modules, the vision tower seeing its image (at most 16 image tokens), a VAE of 16x spatial (its reference
+    encode at 1024x1024 costs seconds on a CPU at 8x)."""
+    from diffusers import QwenImageEditPipeline
+
+    from bcg.diffusers.builtin_tokenizers import build_qwen_vl_processor
+
+    processor = build_qwen_vl_processor(max_image_tokens=16)
+    vae = dict(base_dim=4, dim_mult=[1, 1, 1, 1, 1], temperal_downsample=[False, True, True, True])
+    return QwenImageEditPipeline(
+        tokenizer=processor.tokenizer, processor=processor,
+        **_tiny_qwen_components(len(processor.tokenizer), vae, image_token_id=7, video_token_id=7,
+                                vision_start_token_id=6, vision_end_token_id=8))
+
+
+def _tiny_qwen_components(vocab_size: int, vae_config: dict, **vision_ids) -> dict:
+    from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImageTransformer2DModel
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
     text_encoder = Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(
         text_config=dict(
-            vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+            vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
             num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=2048,
             bos_token_id=2, eos_token_id=1, pad_token_id=0,
             rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 1e6},
         ),
         vision_config=dict(depth=1, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=32,
                            fullatt_block_indexes=[0]),
+        **vision_ids,
     )).eval()
     transformer = QwenImageTransformer2DModel(
         patch_size=2, in_channels=16, out_channels=4, num_layers=2, attention_head_dim=16, num_attention_heads=2,
         joint_attention_dim=32, axes_dims_rope=(4, 6, 6),
     )
-    vae = AutoencoderKLQwenImage(
-        base_dim=8, z_dim=4, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True],
-        latents_mean=[0.0] * 4, latents_std=[1.0] * 4,
-    ).eval()
+    vae = AutoencoderKLQwenImage(z_dim=4, num_res_blocks=1, latents_mean=[0.0] * 4, latents_std=[1.0] * 4,
+                                 **vae_config).eval()
     _randomize_zero_params(transformer, vae)
     scheduler = FlowMatchEulerDiscreteScheduler(
         shift=1.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=0.9, base_image_seq_len=256,
         max_image_seq_len=8192, time_shift_type="exponential",  # no shift_terminal: NaN sigmas at 1 step
     )
-    return QwenImagePipeline(
-        scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, transformer=transformer.eval(),
-    )
+    return dict(scheduler=scheduler, vae=vae, text_encoder=text_encoder, transformer=transformer.eval())
 
 
 def build_shapes_flux():
@@ -314,5 +334,6 @@ BUILTIN_MODELS: dict[str, Callable] = {
     "tiny-wan": build_tiny_wan,
     "tiny-wan-i2v": build_tiny_wan_i2v,
     "tiny-qwen-image": build_tiny_qwen_image,
+    "tiny-qwen-image-edit": build_tiny_qwen_image_edit,
     "shapes-flux": build_shapes_flux,
 }

@@ -20,14 +20,19 @@ A `ModelFamily` says how a request becomes a call of that family's pipeline:
   components, or the loaded pipeline itself where it is that class: `bcg.diffusers.edits`);
 - the call argument that resizes the output to an area (`area_arg`: Kontext's ``max_area``, which
   ``FluxKontextPipeline`` fits the requested aspect ratio to), set to the key's width*height so the key's
-  size is the image's.
+  size is the image's;
+- how an instruction edit's reference is sized (`reference_area`: None, its own size, Kontext; else resized to
+  that area at its aspect ratio, Qwen-Image-Edit, its token grid then part of the shape key) and whether the
+  pipeline makes nothing without an input image (`needs_image`: a text request is refused).
 
 FLUX.1-Kontext (``FluxKontextPipeline``) is a family of its own, ``flux-kontext``: Flux's CFG rule, packing and
 step-caching adapter (the same transformer class), its own step hooks (the reference image's latent tokens
 concatenated to the image sequence: `bcg.diffusers.step_batching.steps.flux_kontext`) and one edit,
 ``"instruction"``, made by the loaded pipeline itself; without an image it makes images from text.
-Wan image-to-video (``WanImageToVideoPipeline``) is ``wan-i2v``: Wan's CFG rule and adapter, one edit,
-``"image-to-video"``, made by the loaded pipeline itself, and nothing without an image.
+Qwen-Image-Edit (``QwenImageEditPipeline``) is ``qwen-image-edit``: Qwen-Image's CFG rule, prompt padding and
+step-caching adapter, its own step hooks (`bcg.diffusers.step_batching.steps.qwen_image_edit`) and one edit,
+``"instruction"``; it needs an image. Wan image-to-video (``WanImageToVideoPipeline``) is ``wan-i2v``: Wan's
+CFG rule and adapter, one edit, ``"image-to-video"``, made by the loaded pipeline itself; it needs an image.
 
 The size default and the defaults of the call (steps, guidance, frames) are the pipeline's own and are
 read from it by `bcg.diffusers.pipeline_info`. `family_of(pipe)` finds a pipeline's record by its class
@@ -41,7 +46,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 from types import MappingProxyType
-from typing import Any, Mapping, Optional, Protocol, Sequence, runtime_checkable
+from typing import Any, Mapping, Optional, Protocol, runtime_checkable
 
 __all__ = ["FAMILIES", "GENERIC", "BatchingHooks", "BlockAdapter", "CfgRule", "ModelFamily", "family_named",
            "family_of", "family_of_transformer"]
@@ -203,6 +208,9 @@ class ModelFamily:
     edit_pipelines: Mapping[str, str] = dataclasses.field(default_factory=lambda: MappingProxyType({}), hash=False)
     # the call argument that resizes the output to an area (None: the call's height and width are the output's)
     area_arg: Optional[str] = None
+    # an instruction edit's reference resized to this many pixels (None: at its own size; see the docstring)
+    reference_area: Optional[int] = None
+    needs_image: bool = False                     # no request without an input image
 
     def batching_hooks(self) -> Optional[BatchingHooks]:
         """A new instance of this family's step-wise batching hooks; None when it has none."""
@@ -228,6 +236,14 @@ _FLUX_BLOCKS = BlockAdapter(("FluxTransformer2DModel",), ("transformer_blocks", 
 # Wan and Wan image-to-video: one transformer class, one adapter
 _WAN_BLOCKS = BlockAdapter(("WanTransformer3DModel",), ("blocks",), returns=("hidden_states",),
                            bypass_args=("attention_kwargs",))
+# Qwen-Image's `guidance_scale` feeds guidance-distilled transformers only; `true_cfg_scale` is CFG.
+_QWEN_CFG = CfgRule(scale_arg="true_cfg_scale", default_negative_prompt=" ", separate_calls=True)
+# Qwen-Image and Qwen-Image-Edit: one transformer class, one adapter. `zero_cond_t` (a transformer config of
+# later edit checkpoints; QwenImageEditPipeline's own, Qwen-Image-Edit, has none) doubles the timestep rows
+_QWEN_BLOCKS = BlockAdapter(
+    ("QwenImageTransformer2DModel",), ("transformer_blocks",),
+    row_args=("hidden_states", "encoder_hidden_states", "temb", "encoder_hidden_states_mask"),
+    bypass_args=("controlnet_block_samples", "attention_kwargs"), bypass_flags=("zero_cond_t",))
 
 FAMILIES: dict[str, ModelFamily] = {f.name: f for f in (
     ModelFamily("flux", ("FluxPipeline",), builtin="tiny-flux", cfg=_FLUX_CFG, latent_packing=2,
@@ -257,16 +273,17 @@ FAMILIES: dict[str, ModelFamily] = {f.name: f for f in (
     # Wan image-to-video: the image's condition latents on the transformer's channels, its CLIP embeddings
     # before the text in the blocks' `encoder_hidden_states` (so the adapter carries them per row)
     ModelFamily("wan-i2v", ("WanImageToVideoPipeline",), builtin="tiny-wan-i2v", cfg=CfgRule(separate_calls=True),
-                video=True, fps=16, step_cache=_WAN_BLOCKS,
+                video=True, fps=16, step_cache=_WAN_BLOCKS, needs_image=True,
                 edit_pipelines=MappingProxyType({"image-to-video": "WanImageToVideoPipeline"})),
-    # Qwen-Image's `guidance_scale` feeds guidance-distilled transformers only; `true_cfg_scale` is CFG.
-    ModelFamily("qwen-image", ("QwenImagePipeline",), builtin="tiny-qwen-image",
-                cfg=CfgRule(scale_arg="true_cfg_scale", default_negative_prompt=" ", separate_calls=True),
-                prompt_template=True, trims_prompt_embeds=True,
-                step_cache=BlockAdapter(
-                    ("QwenImageTransformer2DModel",), ("transformer_blocks",),
-                    row_args=("hidden_states", "encoder_hidden_states", "temb", "encoder_hidden_states_mask"),
-                    bypass_args=("controlnet_block_samples", "attention_kwargs"), bypass_flags=("zero_cond_t",))),
+    ModelFamily("qwen-image", ("QwenImagePipeline",), builtin="tiny-qwen-image", cfg=_QWEN_CFG,
+                prompt_template=True, trims_prompt_embeds=True, step_cache=_QWEN_BLOCKS),
+    # the reference at 1024x1024 pixels, its aspect ratio kept: its token grid is the key's `.r<cols>x<rows>`
+    # (the transformer's rotary embedding reads it from `img_shapes`, one for a call's rows)
+    ModelFamily("qwen-image-edit", ("QwenImageEditPipeline",), builtin="tiny-qwen-image-edit", cfg=_QWEN_CFG,
+                prompt_template=True, trims_prompt_embeds=True, step_cache=_QWEN_BLOCKS,
+                batching=_STEPS + "qwen_image_edit:QwenImageEditStepFamily",
+                edit_pipelines=MappingProxyType({"instruction": "QwenImageEditPipeline"}),
+                reference_area=1024 * 1024, needs_image=True),
     GENERIC,
 )}
 

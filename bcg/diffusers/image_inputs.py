@@ -11,10 +11,12 @@ Masks follow two conventions: a mask with transparency marks the region to edit 
 transparent (OpenAI's ``POST /v1/images/edits``); a mask without marks it white (diffusers' ``mask_image``:
 white is repainted, black kept). `open_mask` returns diffusers' form either way.
 
-An instruction edit (FLUX.1-Kontext: ``FluxKontextPipeline``) concatenates its reference image's latent
-tokens to the image sequence: `reference_tokens` counts them from the image's size (diffusers' rule with
-``_auto_resize=False``: each side rounded down to the model's size multiple), which a request's shape key
-carries.
+An instruction edit (FLUX.1-Kontext: ``FluxKontextPipeline``; Qwen-Image-Edit: ``QwenImageEditPipeline``)
+concatenates its reference image's latent tokens to the image sequence: `reference_tokens` counts them from the
+image's size (Kontext's rule with ``_auto_resize=False``: each side rounded down to the model's size multiple),
+`reference_grid` lays them out for a family that resizes every reference to one area at its aspect ratio
+(Qwen-Image-Edit: 1024x1024, each side rounded to 32, diffusers' ``calculate_dimensions``); a request's shape
+key carries them (`reference_fields`).
 
 Torch-free (PIL only), so the ingress reads images without torch.
 """
@@ -22,10 +24,11 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import math
 import warnings
 
-__all__ = ["EDIT_KINDS", "FROM_NOISE_KINDS", "ImageInput", "ImageInputError", "edit_kind", "needs_image",
-           "open_image", "open_mask", "read_image", "reference_tokens"]
+__all__ = ["EDIT_KINDS", "FROM_NOISE_KINDS", "ImageInput", "ImageInputError", "edit_kind", "open_image",
+           "open_mask", "read_image", "reference_fields", "reference_grid", "reference_tokens"]
 
 # what a request with input images asks for: with a mask, inpainting; without, an instruction edit on a model
 # that makes them (Kontext: the image is a reference the prompt edits), image-to-video on a model that makes
@@ -45,17 +48,34 @@ def edit_kind(images: int, mask: bool, edits=()) -> str | None:
     return next((kind for kind in FROM_NOISE_KINDS if kind in edits), "image-to-image")
 
 
-def needs_image(edits) -> bool:
-    """Whether a model that makes `edits` makes nothing without an input image (image-to-video: every call of
-    ``WanImageToVideoPipeline`` takes one)."""
-    return "image-to-video" in edits
-
-
 def reference_tokens(width: int, height: int, size_multiple: int) -> int:
     """The latent tokens of a reference image of `width` x `height` pixels on a model whose latent tokens are
     `size_multiple` pixels a side: each side rounded down to the multiple, as ``FluxKontextPipeline`` with
     ``_auto_resize=False`` resizes it (0: smaller than one token)."""
     return (int(width) // size_multiple) * (int(height) // size_multiple)
+
+
+def reference_grid(width: int, height: int, size_multiple: int, area: int) -> tuple[int, int]:
+    """``(columns, rows)`` of the latent tokens of a reference of `width` x `height` pixels resized to `area`
+    pixels at its aspect ratio, each side rounded to 32 as ``QwenImageEditPipeline`` does (its
+    ``calculate_dimensions``, Python's rounding), on a model of `size_multiple` pixels a token side."""
+    ratio = int(width) / int(height)
+    side_w = math.sqrt(area * ratio)
+    side_h = side_w / ratio
+    return round(side_w / 32) * 32 // size_multiple, round(side_h / 32) * 32 // size_multiple
+
+
+def reference_fields(width: int, height: int, size_multiple: int, area: int | None = None) -> dict:
+    """The shape-key fields of a reference image: `ShapeKey`'s ``reference_tokens`` and ``reference_grid``, the
+    tokens' ``(columns, rows)``: at the image's own size rounded down to the multiple (Kontext), or resized to
+    an `area` where the family does that (`reference_grid`). The grid is part of the key because a call's
+    rows share their position ids (a 6x4 and a 4x6 reference must not share a step batch). ``reference_tokens``
+    0: smaller than one token."""
+    if area is None:
+        grid = (int(width) // size_multiple, int(height) // size_multiple)
+    else:
+        grid = reference_grid(width, height, size_multiple, area)
+    return {"reference_tokens": grid[0] * grid[1], "reference_grid": grid}
 
 
 class ImageInputError(ValueError):

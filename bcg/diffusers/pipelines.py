@@ -7,7 +7,8 @@ record in `bcg.diffusers.families`.
 
 Qwen-Image trims its text embeddings to the longest prompt, so each prompt length would be a transformer
 signature of its own: `plan_request` makes such a pipeline pad embeddings and mask to
-``max_sequence_length`` (the prompt bucket) with mask zeros, as the T5 pipelines pad their ids.
+``max_sequence_length`` (the prompt bucket) with mask zeros, as the T5 pipelines pad their ids; Qwen-Image-Edit's
+embeddings hold its image's tokens too, which the bucket does not count (`_image_prompt_tokens`).
 """
 from __future__ import annotations
 
@@ -78,6 +79,8 @@ def pipeline_info(pipe) -> dict:
         # the edits it makes from an input image (`bcg.diffusers.edits`), one image each
         "edits": sorted(family.edit_pipelines),
         "max_input_images": 1 if family.edit_pipelines else 0,
+        "reference_area": family.reference_area,     # an instruction edit's reference resized to it (or None)
+        "needs_image": family.needs_image,           # no text-to-image
     }
 
 
@@ -132,14 +135,28 @@ def _padded_encode_prompt(encode_prompt):
     def encode(*args, max_sequence_length: int = 1024, **kwargs):
         embeds, mask = encode_prompt(*args, max_sequence_length=max_sequence_length, **kwargs)
         batch, length = embeds.shape[:2]
+        target = max_sequence_length + _image_prompt_tokens(encode_prompt.__self__, kwargs.get("image"))
         if mask is None:
             mask = torch.ones(batch, length, dtype=torch.long, device=embeds.device)
-        if length < max_sequence_length:
-            embeds = torch.nn.functional.pad(embeds, (0, 0, 0, max_sequence_length - length))
-            mask = torch.nn.functional.pad(mask, (0, max_sequence_length - length))
+        if length < target:
+            embeds = torch.nn.functional.pad(embeds, (0, 0, 0, target - length))
+            mask = torch.nn.functional.pad(mask, (0, target - length))
         return embeds, mask
 
     return encode
+
+
+def _image_prompt_tokens(pipe, image) -> int:
+    """The embeddings an edit's `image` (a PIL image or a list of them, as the pipeline gives its
+    ``encode_prompt``) adds beyond its template's one ``<|image_pad|>``, which the processor repeats once per
+    image token (Qwen-Image-Edit); 0 without one. A prompt bucket counts the template with one: it is the
+    prompt's, whatever the image."""
+    processor = getattr(pipe, "processor", None)
+    if image is None or processor is None:
+        return 0
+    images = image if isinstance(image, (list, tuple)) else [image]
+    sizes = [(i.height, i.width) for i in images]
+    return max(processor._get_num_multimodal_tokens(image_sizes=sizes).num_image_tokens) - 1
 
 
 class PaddedPromptsHook(ModelHook):
@@ -222,19 +239,23 @@ def plan_request(
     default): call arguments of its family's edit pipeline (`bcg.diffusers.edits`), which resizes the
     image to the key's size; ValueError where the family makes no such edit. On a family that makes
     instruction edits (Kontext) an image without a mask is the reference the prompt edits, used at its own
-    size: its latent tokens are the key's ``reference_tokens`` (``.r``), and it takes no `strength`. On an
-    image-to-video family (Wan I2V) the image is the video's first frame, resized to the key's size: it is
-    required, takes no `strength` and makes one video (``n`` 1).
+    size: its latent tokens are the key's ``reference_tokens`` (``.r``), and it takes no `strength`; on
+    Qwen-Image-Edit the reference is resized to an area and the key carries its token grid
+    (``.r<columns>x<rows>``). On an image-to-video family (Wan I2V) the image is the video's first frame,
+    resized to the key's size: it takes no `strength` and makes one video (``n`` 1). A request without an
+    image to a family that needs one (`ModelFamily.needs_image`) is a ValueError naming ``image``.
     """
     info = info or pipeline_info(pipe)
     family = family_named(info["family"])
     if not isinstance(prompt, str) or not prompt:
         raise ValueError("prompt must be a non-empty string")
+    if family.needs_image and image is None:
+        raise ValueError(f"image: the {family.name} family makes {_needs_image_what(info)} only: pass one")
     reference = _reference_tokens(family, info, image, mask_image)
     if key is None:
         key = request_shape_key(info, size=size, n=1 if n is None else n, guidance=guidance,
                                 negative_prompt=negative_prompt, num_frames=num_frames, prompt_bucket=prompt_bucket,
-                                prompt_buckets=prompt_buckets, reference_tokens=reference,
+                                prompt_buckets=prompt_buckets, **reference,
                                 count_tokens=lambda: count_prompt_tokens(pipe, prompt, info))
         check_shape(key, info["size_multiple"], frame_multiple=info["frame_multiple"] if info["is_video"] else None)
         _, guidance_kwargs = family.cfg.call_kwargs(guidance, negative_prompt, info["default_guidance"])
@@ -242,7 +263,7 @@ def plan_request(
         key = ShapeKey.parse(key)  # a ShapeKey as it is
         cfg, guidance_kwargs = family.cfg.call_kwargs(guidance, negative_prompt, info["default_guidance"])
         assert not (wrong := _disagreement(key, info, cfg, size=size, n=n, num_frames=num_frames,
-                                           prompt_bucket=prompt_bucket, reference_tokens=reference)), wrong
+                                           prompt_bucket=prompt_bucket, reference=reference)), wrong
     kwargs: dict[str, Any] = {"prompt": prompt, "height": key.height, "width": key.width,
                               "output_type": output_type, **guidance_kwargs, **family.fixed_kwargs}
     if family.area_arg is not None:  # the output at the key's size (Kontext fits its aspect ratio to an area)
@@ -268,13 +289,16 @@ def plan_request(
     return key, kwargs
 
 
+def _needs_image_what(info: dict) -> str:
+    """What a model that needs an input image makes from one (its refusal of a request without)."""
+    return "videos from an input image" if info.get("is_video") else "instruction edits of an input image"
+
+
 def _edit_kwargs(family, image, mask_image, strength, n: int = 1) -> dict:
     """An edit's call arguments (diffusers' ``image``, ``mask_image``, ``strength``), checked; {} for text."""
-    from bcg.diffusers.image_inputs import FROM_NOISE_KINDS, ImageInput, edit_kind, needs_image, open_image, open_mask
+    from bcg.diffusers.image_inputs import FROM_NOISE_KINDS, ImageInput, edit_kind, open_image, open_mask
 
-    if image is None:
-        if needs_image(family.edit_pipelines):
-            raise ValueError(f"image: the {family.name} family makes videos from an image (the first frame): pass one")
+    if image is None:  # where the family needs one, `plan_request` said so
         for name, value in (("mask_image", mask_image), ("strength", strength)):
             if value is not None:
                 raise ValueError(f"{name} applies to an edit: pass an image too")
@@ -298,27 +322,29 @@ def _edit_kwargs(family, image, mask_image, strength, n: int = 1) -> dict:
     return kwargs
 
 
-def _reference_tokens(family, info: dict, image, mask_image) -> int | None:
-    """The latent tokens of an instruction edit's reference `image` (a PIL image or an `ImageInput`), None
-    for any other request; ValueError where it is smaller than one token."""
-    from bcg.diffusers.image_inputs import edit_kind, reference_tokens
+def _reference_tokens(family, info: dict, image, mask_image) -> dict:
+    """The shape-key fields of an instruction edit's reference `image` (a PIL image or an `ImageInput`:
+    `bcg.diffusers.image_inputs.reference_fields`), {} for any other request; ValueError where it is smaller
+    than one token."""
+    from bcg.diffusers.image_inputs import edit_kind, reference_fields
 
     if image is None or edit_kind(1, mask_image is not None, family.edit_pipelines) != "instruction":
-        return None
+        return {}
     width, height = (image.width, image.height)
-    tokens = reference_tokens(width, height, info["size_multiple"])
-    if tokens < 1:
+    fields = reference_fields(width, height, info["size_multiple"], family.reference_area)
+    if fields["reference_tokens"] < 1:
         raise ValueError(f"image: a reference image must be at least {info['size_multiple']} pixels a side, "
                          f"got {width}x{height}")
-    return tokens
+    return fields
 
 
-def _disagreement(key: ShapeKey, info: dict, cfg: bool, reference_tokens: int | None = None, **given) -> str:
+def _disagreement(key: ShapeKey, info: dict, cfg: bool, reference: dict, **given) -> str:
     """What contradicts a request's shape key (fields given beside it, its guidance's CFG, its reference
     image's tokens, the pipeline's multiples), or "" when nothing does; for the debug checks of `plan_request`."""
-    if reference_tokens != key.reference_tokens:
-        return f"shape key {key.key} carries {key.reference_tokens} reference tokens, the request's image " \
-               f"{reference_tokens}"
+    if (reference.get("reference_tokens"), reference.get("reference_grid")) != (key.reference_tokens,
+                                                                                key.reference_grid):
+        return f"shape key {key.key} carries reference {key.reference_tokens} {key.reference_grid}, the " \
+               f"request's image {reference}"
     carried = {"size": key.size, "n": key.batch_size, "num_frames": key.num_frames,
                "prompt_bucket": key.prompt_bucket}
     if given["size"] is not None:
@@ -361,6 +387,8 @@ def warmup_request(pipe, key: ShapeKey, info: dict, steps: int, prompt: str, bat
         kwargs |= {"prompt": [prompt] * key.batch_size, "num_images_per_prompt": 1}
         if isinstance(kwargs.get("negative_prompt"), str):  # one negative row in some pipelines (Flux)
             kwargs["negative_prompt"] = [kwargs["negative_prompt"]] * key.batch_size
+        if info["reference_area"] is not None and "image" in kwargs:  # Qwen-Image-Edit: an image per prompt
+            kwargs["image"] = [kwargs["image"]] * key.batch_size
     return kwargs
 
 
@@ -368,9 +396,7 @@ def warmup_image(key: ShapeKey, info: dict):
     """The input image of a warmup request at `key` (None: a text request): a grey image of the key's size
     for a model that makes nothing without one (image-to-video: the pipeline resizes any image to the key's
     size, so the image's own size changes no signature), else `warmup_reference_image`."""
-    from bcg.diffusers.image_inputs import needs_image
-
-    if needs_image(info.get("edits") or ()):
+    if "image-to-video" in (info.get("edits") or ()):
         from PIL import Image
 
         return Image.new("RGB", (key.width, key.height), (128, 128, 128))
@@ -378,20 +404,36 @@ def warmup_image(key: ShapeKey, info: dict):
 
 
 def warmup_reference_image(key: ShapeKey, info: dict):
-    """A grey reference image of as many latent tokens as `key` carries (None for a key without): the key's
-    size where that has as many, else the most nearly square grid of them. The transformer's signature
-    depends on the count only (the tokens' positions are values, not shapes)."""
+    """A grey reference image of the token grid `key` carries (None for a key without a reference): the grid's
+    size, or an image that the family's resize to its area makes that grid of (`_image_of_grid`). ValueError
+    for a key of a token count alone (``.r<tokens>``): requests are keyed by their grid (`reference_fields`),
+    so such a warmup would warm a key no request has."""
     tokens = key.reference_tokens
     if tokens is None:
         return None
     from PIL import Image
 
     multiple = info["size_multiple"]
-    across, down = key.width // multiple, key.height // multiple
-    if across * down != tokens:
-        down = max(d for d in range(1, int(tokens ** 0.5) + 1) if tokens % d == 0)
-        across = tokens // down
-    return Image.new("RGB", (across * multiple, down * multiple), (128, 128, 128))
+    if key.reference_grid is None:
+        raise ValueError(f"shape key {key.key}: name the reference's token grid, .r<columns>x<rows> (a "
+                         f"{key.width}x{key.height} reference at {multiple} pixels a token: "
+                         f".r{key.width // multiple}x{key.height // multiple}), not its count alone")
+    area = info["reference_area"]
+    size = _image_of_grid(key.reference_grid, multiple, area) if area else \
+        (key.reference_grid[0] * multiple, key.reference_grid[1] * multiple)
+    return Image.new("RGB", size, (128, 128, 128))
+
+
+def _image_of_grid(grid: tuple[int, int], multiple: int, area: int) -> tuple[int, int]:
+    """``(width, height)`` of an image whose reference resized to `area` has the token `grid`: the grid's own
+    pixel size, else the nearest width that rounds to it; ValueError where no image does."""
+    from bcg.diffusers.image_inputs import reference_grid
+
+    height = grid[1] * multiple
+    for width in sorted(range(1, 8 * grid[0] * multiple), key=lambda w: abs(w - grid[0] * multiple)):
+        if reference_grid(width, height, multiple, area) == tuple(grid):
+            return width, height
+    raise ValueError(f"no reference image resized to {area} pixels has a grid of {grid[0]}x{grid[1]} tokens")
 
 
 def warmup_pipeline(pipe, plan, num_inference_steps: int = 2, prompt: str = "a photo of a cat",

@@ -12,11 +12,12 @@ ask for.
 size, steps, step-cache config) over the model's (``info``, `bcg.diffusers.pipeline_info`'s facts). It
 also checks that step caching is available where a request asks for it (``info["step_cache"]``), and that
 the model can make the edit a request with input images asks for (``info["edits"]``: inpainting with a mask;
-without one, an instruction edit where the model makes them (Kontext), image-to-video where it makes that
-(Wan I2V, which makes nothing without an image), else image-to-image; at most ``info["max_input_images"]``
-images, a mask of the image's size, ``strength`` in (0, 1] and only where the edit starts part-way through
-the schedule). An instruction edit's shape key carries its reference image's
-latent tokens (``.r<tokens>``, `bcg.diffusers.image_inputs.reference_tokens`).
+without one, an instruction edit where the model makes them (Kontext, Qwen-Image-Edit), image-to-video where
+it makes that (Wan I2V), else image-to-image; at most ``info["max_input_images"]`` images, a mask of the image's
+size, ``strength`` in (0, 1] and only where the edit starts part-way through the schedule; an image where the
+model needs one, ``info["needs_image"]``). An instruction edit's shape key carries its reference image's latent
+tokens (``.r<tokens>``, or their grid ``.r<columns>x<rows>`` where the family resizes references to
+``info["reference_area"]``: `bcg.diffusers.image_inputs.reference_fields`).
 
 Torch-free (stdlib and torch-free `bcg.diffusers` modules only), so the ingress stays torch-free; plans
 are frozen and pickle.
@@ -27,7 +28,7 @@ import dataclasses
 from typing import NamedTuple
 
 from bcg.diffusers.buckets import ShapeKey, parse_size, request_shape_key
-from bcg.diffusers.image_inputs import FROM_NOISE_KINDS, ImageInput, edit_kind, needs_image, reference_tokens
+from bcg.diffusers.image_inputs import FROM_NOISE_KINDS, ImageInput, edit_kind, reference_fields
 from bcg.diffusers.step_caching.config import StepCacheConfig
 
 __all__ = ["LoraChoice", "PlanDefaults", "PlanError", "RequestPlan", "check_edit", "check_edit_kind",
@@ -114,7 +115,7 @@ def resolve_plan(prompt: str, info: dict, defaults: PlanDefaults = PlanDefaults(
     reference = plan_reference_tokens(info, images, mask)
     if key is None:
         key = request_shape_key(info, size=size or defaults.size, n=n, guidance=guidance_scale,
-                                num_frames=num_frames, reference_tokens=reference)
+                                num_frames=num_frames, **reference)
     else:
         assert not (wrong := _disagreement(key, size=size, n=n, num_frames=num_frames, reference=reference)), wrong
     return RequestPlan(shape_key=key, prompt=prompt, steps=steps if steps is not None else defaults.steps,
@@ -144,16 +145,17 @@ def check_edit_kind(info: dict, images: int, mask: bool) -> None:
 def check_edit(info: dict, images: tuple[ImageInput, ...], mask: ImageInput | None, strength: float | None,
                n: int = 1) -> None:
     """That the model `info` describes can make the edit these inputs ask for; raises `PlanError` naming the
-    field: ``image`` missing where the model makes nothing without one (image-to-video), ``mask`` or
+    field: ``image`` missing where the model makes nothing without one (``info["needs_image"]``), ``mask`` or
     ``strength`` without an image, ``strength`` outside (0, 1] or for an edit that starts from noise,
     ``model`` where the model makes no such edit (``info["edits"]``), ``image`` past
     ``info["max_input_images"]`` images, ``mask`` of another size than the image, ``n`` above 1 for
     image-to-video (diffusers' ``WanImageToVideoPipeline`` makes one video per image)."""
     edits = info.get("edits") or ()
     if not images:
-        if needs_image(edits):
-            raise PlanError("image", f"{info.get('model') or info.get('pipeline_class')!r} makes videos from an "
-                                     "image: send it as the file field 'image' of a multipart POST /v1/images/edits")
+        if info.get("needs_image"):
+            what = "videos from an input image" if info.get("is_video") else "instruction edits of an input image"
+            raise PlanError("image", f"{info.get('model') or info.get('pipeline_class')!r} makes {what} only: send "
+                                     "it as the file field 'image' of a multipart POST /v1/images/edits")
         for name, value in (("mask", mask), ("strength", strength)):
             if value is not None:
                 raise PlanError(name, "applies to an edit: send an input image too")
@@ -176,24 +178,25 @@ _FROM_NOISE = {"instruction": "an instruction edit starts from noise, its image 
                "image-to-video": "image-to-video starts from noise, its image the video's first frame"}
 
 
-def plan_reference_tokens(info: dict, images: tuple[ImageInput, ...], mask: ImageInput | None) -> int | None:
-    """The reference tokens of an instruction edit's image (`reference_tokens`), None for any other request;
-    `PlanError` naming ``image`` where the image is smaller than one latent token."""
+def plan_reference_tokens(info: dict, images: tuple[ImageInput, ...], mask: ImageInput | None) -> dict:
+    """The shape-key fields of an instruction edit's reference image (`reference_fields`), {} for any other
+    request; `PlanError` naming ``image`` where the image is smaller than one latent token."""
     if edit_kind(len(images), mask is not None, info.get("edits") or ()) != "instruction":
-        return None
+        return {}
     multiple = int(info["size_multiple"])
-    tokens = reference_tokens(images[0].width, images[0].height, multiple)
-    if tokens < 1:
+    fields = reference_fields(images[0].width, images[0].height, multiple, info.get("reference_area"))
+    if fields["reference_tokens"] < 1:
         raise PlanError("image", f"a reference image must be at least {multiple}x{multiple} pixels (one latent "
                                  f"token), got {images[0].size}")
-    return tokens
+    return fields
 
 
-def _disagreement(key: ShapeKey, size: str | None, n: int, num_frames: int | None, reference: int | None) -> str:
+def _disagreement(key: ShapeKey, size: str | None, n: int, num_frames: int | None, reference: dict) -> str:
     """The request fields given beside its `key` that contradict it ("" when none do)."""
     wrong = []
-    if reference != key.reference_tokens:
-        wrong.append(f"image (reference tokens {reference})")
+    if (reference.get("reference_tokens"), reference.get("reference_grid")) != (key.reference_tokens,
+                                                                                key.reference_grid):
+        wrong.append(f"image (reference {reference})")
     if size is not None and parse_size(size) != (key.width, key.height):
         wrong.append(f"size={size!r}")
     if n != key.batch_size:

@@ -5,10 +5,13 @@
   second call, depending on the pipeline; either way it changes what the transformer sees);
 - ``prompt_bucket``: the text sequence length the prompt is padded to (None: the pipeline's default);
 - ``reference_tokens``: the latent tokens of a reference image concatenated to the image sequence (an
-  instruction edit, FLUX.1-Kontext: they lengthen every transformer call; None: none).
+  instruction edit, FLUX.1-Kontext: they lengthen every transformer call; None: none);
+- ``reference_grid``: those tokens' ``(columns, rows)``. A call's rows share their position ids (Kontext's
+  ``img_ids``, Qwen-Image-Edit's ``img_shapes``), so requests batch only with the same grid: a request's key
+  says ``.r<columns>x<rows>``. A key of a count alone (``.r<tokens>``, grid None) still names a warmup.
 
 ``.key`` is a stable, readable string: ``"1024x1024"`` for the plain case, else suffixes in a fixed order,
-e.g. ``"768x512.f17.b2.cfg.p128"``, ``"1024x1024.r4096"``. Sizes are written **width x height**, as in the OpenAI Images API
+e.g. ``"768x512.f17.b2.cfg.p128"``, ``"1024x1024.r64x64"``. Sizes are written **width x height**, as in the OpenAI Images API
 ``size`` field ("1792x1024" is landscape). `ShapeKey.parse` is the inverse and also accepts a bare
 ``"WxH"``. `ShapeKey.group` and `ShapeKey.with_batch` are its batch-free and per-bucket forms.
 
@@ -25,7 +28,7 @@ import re
 __all__ = ["ShapeKey", "parse_size"]
 
 _SIZE_RE = re.compile(r"^\s*(\d+)\s*[xX]\s*(\d+)\s*$")
-_SUFFIX_RE = re.compile(r"^(f(?P<f>\d+)|b(?P<b>\d+)|(?P<cfg>cfg)|p(?P<p>\d+)|r(?P<r>\d+))$")
+_SUFFIX_RE = re.compile(r"^(f(?P<f>\d+)|b(?P<b>\d+)|(?P<cfg>cfg)|p(?P<p>\d+)|r(?P<r>\d+(?:x\d+)?))$")
 
 
 def parse_size(size: str) -> tuple[int, int]:
@@ -50,6 +53,7 @@ class ShapeKey:
     cfg: bool = False
     prompt_bucket: int | None = None
     reference_tokens: int | None = None
+    reference_grid: tuple[int, int] | None = None
 
     def __post_init__(self):
         for name in ("height", "width", "num_frames", "batch_size"):
@@ -62,6 +66,11 @@ class ShapeKey:
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
                 raise ValueError(f"ShapeKey.{name} must be a positive int or None, got {value!r}")
+        grid = self.reference_grid
+        if grid is not None and (not isinstance(grid, tuple) or len(grid) != 2
+                                 or grid[0] * grid[1] != self.reference_tokens):
+            raise ValueError(f"ShapeKey.reference_grid must be (columns, rows) of its reference_tokens "
+                             f"({self.reference_tokens}), got {grid!r}")
 
     @property
     def size(self) -> str:
@@ -82,7 +91,9 @@ class ShapeKey:
             parts.append("cfg")
         if self.prompt_bucket is not None:
             parts.append(f"p{self.prompt_bucket}")
-        if self.reference_tokens is not None:
+        if self.reference_grid is not None:
+            parts.append("r{}x{}".format(*self.reference_grid))
+        elif self.reference_tokens is not None:
             parts.append(f"r{self.reference_tokens}")
         return ".".join(parts)
 
@@ -120,10 +131,16 @@ class ShapeKey:
             if name is None or name in fields:
                 raise ValueError(
                     f"bad shape key {text!r}: after 'WxH' only '.f<frames>', '.b<batch>', '.cfg', '.p<tokens>', "
-                    f"'.r<reference tokens>' may follow, each at most once (got {suffix!r})"
+                    f"'.r<reference tokens>' (or '.r<columns>x<rows>') may follow, each at most once (got {suffix!r})"
                 )
-            fields[name] = True if name == "cfg" else int(match.group(name))
+            fields[name] = True if name == "cfg" else match.group(name)
+        grid = None
+        if "x" in fields.get("r", ""):
+            grid = tuple(int(n) for n in fields["r"].split("x"))
+            fields["r"] = grid[0] * grid[1]
+        fields = {k: v if isinstance(v, bool) else int(v) for k, v in fields.items()}
         return cls(
             height=height, width=width, num_frames=fields.get("f", 1), batch_size=fields.get("b", 1),
             cfg=fields.get("cfg", False), prompt_bucket=fields.get("p"), reference_tokens=fields.get("r"),
+            reference_grid=grid,
         )

@@ -49,9 +49,9 @@ def test_the_plan_of_a_kontext_edit_carries_its_reference_tokens_and_refuses_wha
     info = pipeline_info(load_pipeline("tiny-flux-kontext"))
     image = read_image(png(scene()), MAX_IMAGE_PIXELS)
     plan = resolve_plan("a cat", info, size="64x64", images=(image,))
-    assert plan.edit == "instruction" and plan.shape_key.key == "64x64.r16"
+    assert plan.edit == "instruction" and plan.shape_key.key == "64x64.r4x4"
     wide = read_image(png(scene().resize((100, 70))), MAX_IMAGE_PIXELS)
-    assert resolve_plan("a cat", info, size="64x64", n=2, images=(wide,)).shape_key.key == "64x64.b2.r24"
+    assert resolve_plan("a cat", info, size="64x64", n=2, images=(wide,)).shape_key.key == "64x64.b2.r6x4"
     assert resolve_plan("a cat", info, size="64x64").shape_key.key == "64x64"   # text-to-image
     for kwargs, field in (({"images": (image,), "strength": 0.5}, "strength"),
                           ({"images": (image,), "mask": image}, "model"),          # no inpainting
@@ -92,7 +92,7 @@ def kontext_app(ray_serve):
     """An httpx client: one CPU replica of tiny-flux-kontext, its warmup naming a text key and a reference key,
     step batching and step caching on."""
     args = {"model": "tiny-flux-kontext", "num_replicas": 1, "num_cpus_per_replica": 0, "num_gpus_per_replica": 0,
-            "device": "cpu", "warmup": "64x64,64x64.r16", "warmup_steps": 1, "default_steps": STEPS,
+            "device": "cpu", "warmup": "64x64,64x64.r4x4", "warmup_steps": 1, "default_steps": STEPS,
             "cpu_threads": 1, "max_batch_size": 4, "batch_buckets": "1,2,4",
             "step_cache": "method=first_block,threshold=0", "max_image_pixels": MAX_IMAGE_PIXELS,
             "max_upload_bytes": MAX_UPLOAD_BYTES}
@@ -114,7 +114,7 @@ def test_kontext_edits_over_http_are_diffusers_kontext_images(kontext_app, refer
         for name, answer in answers.items():
             body, got = answered_image(answer.result())
             assert np.abs(got - references[name]).max() <= PIXEL_TOLERANCE, name
-            assert body["bcg"]["shape_key"] == {"square": "64x64.r16", "wide": "64x64.r24"}[name]
+            assert body["bcg"]["shape_key"] == {"square": "64x64.r4x4", "wide": "64x64.r6x4"}[name]
             assert body["bcg"]["steps_computed"] == STEPS and body["bcg"]["steps_cached"] == 0
 
 
@@ -134,4 +134,4 @@ def test_bad_kontext_input_is_a_4xx_naming_the_field_and_the_app_goes_on(kontext
         assert r.status_code == status, (field, r.status_code, r.text)
         assert r.json()["detail"][0]["loc"][:2] == ["body", field], (field, r.text)
     ok = _edit(client, {**form, "seed": 4}, _files())
-    assert ok.status_code == 200 and ok.json()["bcg"]["shape_key"] == "64x64.r16", ok.text
+    assert ok.status_code == 200 and ok.json()["bcg"]["shape_key"] == "64x64.r4x4", ok.text

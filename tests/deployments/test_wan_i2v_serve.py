@@ -97,6 +97,7 @@ def i2v_app(ray_serve):
         yield client, APP
 
 
+@pytest.mark.slow  # a model's own app over Serve: the slow tier
 def test_image_to_video_over_http_and_the_handle_is_diffusers_video(i2v_app, reference):
     client, app = i2v_app
     form = {"prompt": VIDEO["prompt"], "seed": VIDEO["seed"], "size": "64x64", "num_frames": FRAMES,
@@ -115,6 +116,7 @@ def test_image_to_video_over_http_and_the_handle_is_diffusers_video(i2v_app, ref
     assert np.abs(_frames(base64.b64decode(response.data[0].b64_json)) - reference).max() <= PIXEL_TOLERANCE
 
 
+@pytest.mark.slow  # a model's own app over Serve: the slow tier
 def test_bad_i2v_input_over_http_is_a_422_naming_the_field(i2v_app):
     client, _ = i2v_app
     r = client.post("/v1/images/generations", json={"prompt": "a cat", "size": "64x64", "num_frames": FRAMES})

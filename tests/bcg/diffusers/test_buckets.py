@@ -122,3 +122,16 @@ def test_request_shape_key_defaults_come_from_the_pipeline():
 ])
 def test_request_shape_key_follows_the_family_cfg_rule(info, guidance, negative, cfg):
     assert request_shape_key(info, size="64x64", guidance=guidance, negative_prompt=negative).cfg is cfg
+
+
+def test_a_reference_grid_key_round_trips_and_its_tokens_are_the_grid():
+    from bcg.diffusers.shape_key import ShapeKey
+
+    key = ShapeKey.parse("64x64.b2.cfg.r37x28")
+    assert (key.reference_tokens, key.reference_grid, key.key) == (37 * 28, (37, 28), "64x64.b2.cfg.r37x28")
+    assert key.group.key == "64x64.cfg.r37x28" and ShapeKey.parse(key.key) == key
+    assert key != ShapeKey.parse("64x64.b2.cfg.r28x37") and ShapeKey.parse("64x64.r1036").reference_grid is None
+    with pytest.raises(ValueError, match="reference_grid"):
+        ShapeKey(64, 64, reference_tokens=5, reference_grid=(2, 2))
+    with pytest.raises(ValueError, match="bad shape key"):
+        ShapeKey.parse("64x64.r4x")

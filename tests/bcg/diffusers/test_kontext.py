@@ -44,9 +44,11 @@ def test_the_reference_tokens_are_the_key_and_the_call_keeps_the_asked_size(pipe
     info = pipeline_info(pipe)
     assert info["family"] == "flux-kontext" and info["edits"] == ["instruction"] and info["max_input_images"] == 1
     key, kwargs = plan_request(pipe, "a cat", size="64x64", image=scene())
-    assert key.key == "64x64.r16" and key.reference_tokens == 16
+    assert key.key == "64x64.r4x4" and key.reference_tokens == 16 and key.reference_grid == (4, 4)
     assert kwargs["max_area"] == 64 * 64 and kwargs["_auto_resize"] is False
-    assert plan_request(pipe, "a cat", size="64x64", image=scene().resize((100, 70)))[0].key == "64x64.r24"  # 6x4
+    assert plan_request(pipe, "a cat", size="64x64", image=scene().resize((100, 70)))[0].key == "64x64.r6x4"
+    # as many tokens on the other grid: other position ids, so another key (never one step batch)
+    assert plan_request(pipe, "a cat", size="64x64", image=scene().resize((70, 100)))[0].key == "64x64.r4x6"
     text_key, text_kwargs = plan_request(pipe, "a cat", size="128x64")
     assert text_key.key == "128x64" and "image" not in text_kwargs and text_kwargs["max_area"] == 128 * 64
     for bad, field in (({"image": scene(), "strength": 0.5}, "strength"),
@@ -127,9 +129,24 @@ def test_a_warmup_of_a_reference_key_runs_a_reference_of_its_tokens(pipe):
     from bcg.diffusers.buckets import ShapeKey
 
     info = pipeline_info(pipe)
-    for text, size in (("64x64.r16", (64, 64)), ("64x64.r24", (96, 64)), ("64x64.r7", (112, 16))):
+    for text, size in (("64x64.r4x4", (64, 64)), ("64x64.r6x4", (96, 64)), ("64x64.r4x6", (64, 96)),
+                       ("64x64.r7x1", (112, 16))):
         kwargs = warmup_request(pipe, ShapeKey.parse(text), info, 1, "a cat")
         assert kwargs["image"].size == size, text
+    with pytest.raises(ValueError, match=r"name the reference's token grid.*\.r4x4"):   # a count alone
+        warmup_request(pipe, ShapeKey.parse("64x64.r16"), info, 1, "a cat")
     assert "image" not in warmup_request(pipe, ShapeKey.parse("64x64"), info, 1, "a cat")
-    report = warmup_pipeline(pipe, ["64x64.r24", "64x64"], num_inference_steps=1)
+    report = warmup_pipeline(pipe, ["64x64.r6x4", "64x64"], num_inference_steps=1)
     assert [k["error"] for k in report["keys"]] == [None, None]   # no runners on this pipeline: nothing captured
+
+
+def test_references_of_as_many_tokens_on_other_grids_run_in_batches_of_their_own(pipe):
+    """A 96x64 and a 64x96 reference (24 tokens each, grids 6x4 and 4x6) submitted together: their keys differ,
+    so they never share a call (whose rows share one set of position ids), and each image is its pipeline's."""
+    batcher = StepBatcher(pipe, max_batch_size=4, batch_buckets=(1, 2, 4))
+    wide, tall = EDITS["wide"], {**EDITS["wide"], "image": EDITS["wide"]["image"].transpose(Image.Transpose.ROTATE_90)}
+    assert tall["image"].size == (64, 96)
+    images = drain(batcher, [submit(batcher, wide), submit(batcher, tall)])
+    assert max(batcher.stats()["batch_size_histogram"]) == 1
+    for image, edit in zip(images, (wide, tall)):
+        assert np.abs(image - reference(pipe, edit)).max() <= PIXEL_TOLERANCE

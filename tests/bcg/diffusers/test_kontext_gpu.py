@@ -1,7 +1,7 @@
 """GPU: Kontext instruction edits on the graphs a warmup of their reference key captured.
 
 A Kontext edit's transformer calls are longer than a text request's by its reference tokens, so its shape key
-carries them (``64x64.r16``): after ``StepBatcher.warmup`` of that key, an edit of that size and reference
+carries their grid (``64x64.r4x4``): after ``StepBatcher.warmup`` of that key, an edit of that size and reference
 size, alone and two in one step batch, replays the transformer's (and the VAE decoder's) graphs with 0 eager
 calls and nothing captured anew; its image equals diffusers' own ``FluxKontextPipeline`` on an unaccelerated
 bfloat16 pipeline within 3/255. A reference of a size no warmup named is eager, and counted so.
@@ -27,17 +27,25 @@ def _plan(pipe, prompt, seed, image):
     return plan_request(pipe, prompt, size=f"{SIZE}x{SIZE}", steps=STEPS, seed=seed, image=image, output_type="np")
 
 
-def _reference(prompt, seed, image):
-    """diffusers' FluxKontextPipeline on an unaccelerated bfloat16 tiny-flux-kontext."""
-    pipe = load_pipeline("tiny-flux-kontext", device="cuda")
+def _reference(model, prompt, seed, image):
+    """diffusers' own pipeline (FluxKontextPipeline, ...) on an unaccelerated bfloat16 built-in `model`."""
+    pipe = load_pipeline(model, device="cuda")
     with torch.no_grad():
         return np.asarray(pipe(**_plan(pipe, prompt, seed, image)[1]).images)
 
 
 def test_kontext_edits_replay_their_reference_key_graphs_alone_and_in_a_step_batch():
+    check_edits_replay_their_reference_key("tiny-flux-kontext", f"{SIZE}x{SIZE}.r4x4", scene().resize((96, 64)),
+                                           f"{SIZE}x{SIZE}.r6x4")
+
+
+def check_edits_replay_their_reference_key(model: str, key_text: str, other_image, other_key: str) -> None:
+    """Instruction edits on built-in `model` at `key_text` after its warmup: two alone, then two in one step
+    batch, 0 eager calls, nothing captured anew, diffusers' images; `other_image`'s key (`other_key`, no warmup
+    named it) is eager and counted. Kontext's test and Qwen-Image-Edit's."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    pipe, batcher = warm_batcher("tiny-flux-kontext", [f"{SIZE}x{SIZE}.r16"])
+    pipe, batcher = warm_batcher(model, [key_text])
     transformer = pipe.transformer
     captures = transformer.stats()["captures"]
     edits = [("make the disc green", 1), ("turn the square red", 2)]
@@ -45,10 +53,10 @@ def test_kontext_edits_replay_their_reference_key_graphs_alone_and_in_a_step_bat
     for prompt, seed in edits:
         record = CallRecord()
         key, kwargs = _plan(pipe, prompt, seed, scene())
-        assert key.key == f"{SIZE}x{SIZE}.r16"
+        assert key.key == key_text
         (image,) = drain(batcher, [batcher.submit_planned(key, kwargs, records=(record,))])
         assert record.eager_total == 0 and record.replays > 0, record.eager
-        assert np.abs(image - _reference(prompt, seed, scene())).max() <= TOLERANCE, prompt
+        assert np.abs(image - _reference(model, prompt, seed, scene())).max() <= TOLERANCE, prompt
         alone.append(image)
     record = CallRecord()
     futures = [batcher.submit_planned(*_plan(pipe, prompt, seed, scene()), records=(record,))
@@ -58,9 +66,9 @@ def test_kontext_edits_replay_their_reference_key_graphs_alone_and_in_a_step_bat
     assert record.eager_total == 0 and transformer.stats()["captures"] == captures   # nothing captured anew
     for image, want in zip(images, alone):
         assert np.abs(image - want).max() <= TOLERANCE
-    # a reference of 24 tokens: a key no warmup named, its transformer calls eager and counted
+    # another reference size: a key no warmup named, its transformer calls eager and counted
     record = CallRecord()
-    key, kwargs = _plan(pipe, "a yellow star", 3, scene().resize((96, 64)))
-    assert key.key == f"{SIZE}x{SIZE}.r24"
+    key, kwargs = _plan(pipe, "a yellow star", 3, other_image)
+    assert key.key == other_key
     drain(batcher, [batcher.submit_planned(key, kwargs, records=(record,))])
     assert record.eager_total > 0

@@ -46,7 +46,7 @@ def test_an_i2v_request_plans_with_its_image_and_refuses_what_the_pipeline_canno
     assert key.key == "64x64.f5.cfg"   # the image is resized to the key's size: no part of the key
     assert kwargs["image"].size == (SIZE, SIZE) and "strength" not in kwargs and kwargs["num_videos_per_prompt"] == 1
     assert plan_request(pipe, "a cat", size="64x64", num_frames=FRAMES, image=scene().resize((80, 48)))[0] == key
-    for bad, words in (({}, "image: the wan-i2v family makes videos from an image"),
+    for bad, words in (({}, "image: the wan-i2v family makes videos from an input image only"),
                        ({"image": scene(), "strength": 0.5}, "strength"),
                        ({"image": scene(), "n": 2}, "n: image-to-video makes one video"),
                        ({"image": scene(), "mask_image": Image.new("L", (SIZE, SIZE))}, "cannot do inpaint")):

@@ -10,6 +10,7 @@ hold prompts (`prompt_fields`), the settings two requests must share to share an
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import sys
 from typing import Callable
@@ -23,8 +24,19 @@ from bcg.diffusers.families import family_named
 from bcg.diffusers.step_batching.steps.postprocess import postprocess_async
 from bcg.diffusers.step_batching.steps.scheduler import scheduler_step, shallow_copyable
 from bcg.diffusers.step_batching.steps.state import RequestState, cat_rows, keep_unmasked
+from bcg.runtime.rows import call_branch
 
-__all__ = ["StepFamily", "guided", "prompt_columns"]
+__all__ = ["StepFamily", "branch_context", "guided", "prompt_columns"]
+
+
+@contextlib.contextmanager
+def branch_context(transformer, branch: str):
+    """Around a transformer call of one CFG `branch` (``"cond"`` / ``"uncond"``): diffusers' cache hooks read
+    it from the transformer's cache context (keyed by it, as the pipeline enters it), bcg's from the rows
+    context (`call_branch`)."""
+    enter = getattr(transformer, "cache_context", None)
+    with (enter(branch) if enter is not None else contextlib.nullcontext()), call_branch(transformer, branch):
+        yield
 
 
 def guided(states, cond: torch.Tensor, uncond: torch.Tensor | None) -> list[torch.Tensor]:
@@ -277,6 +289,38 @@ class StepFamily:
         a["height"] = a.get("height") or pipe.default_sample_size * pipe.vae_scale_factor
         a["width"] = a.get("width") or pipe.default_sample_size * pipe.vae_scale_factor
         return a
+
+    def _flow_timesteps(self, pipe, a: dict, seq_len: int, device, fallback_module: str):
+        """``(scheduler, timesteps)`` of a flow-matching pipeline's full schedule (Flux, Qwen-Image): sigmas
+        from 1 to 1/steps, shifted by ``calculate_shift`` of the image's `seq_len` tokens, through the
+        pipeline module's ``retrieve_timesteps``."""
+        steps = a["num_inference_steps"]
+        sigmas = np.linspace(1.0, 1 / steps, steps) if a.get("sigmas") is None else a["sigmas"]
+        config = pipe.scheduler.config
+        if getattr(config, "use_flow_sigmas", False):
+            sigmas = None
+        mu = self._pipeline_function(pipe, "calculate_shift", fallback_module)(
+            seq_len, config.get("base_image_seq_len", 256), config.get("max_image_seq_len", 4096),
+            config.get("base_shift", 0.5), config.get("max_shift", 1.15))
+        retrieve = self._pipeline_function(pipe, "retrieve_timesteps", fallback_module)
+        return self._scheduler_at(pipe, retrieve, steps, device, sigmas=sigmas, mu=mu)
+
+    def _vae_device(self, pipe):
+        """diffusers' ``get_module_execution_device(pipe.vae)``, asked again only when the VAE object or its
+        first tensor's device changed (the question walks every submodule for offload hooks: ~1.6 ms)."""
+        from diffusers.utils.torch_utils import get_module_execution_device
+
+        from bcg.diffusers.accelerated import first_tensor_device
+        from bcg.runtime.proxy import unwrap_runner
+
+        vae = pipe.vae
+        # its first tensor's device, found without a walk (``vae.device`` walks every submodule for group
+        # offloading hooks first: 1.5 ms a decode)
+        seen = (vae, first_tensor_device(unwrap_runner(vae)))
+        cached = getattr(self, "_vae_device_seen", None)
+        if cached is None or cached[0][0] is not vae or cached[0][1] != seen[1]:
+            cached = self._vae_device_seen = (seen, get_module_execution_device(vae))
+        return cached[1]
 
     @staticmethod
     def _pipeline_function(pipe, name: str, fallback_module: str) -> Callable:

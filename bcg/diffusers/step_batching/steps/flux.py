@@ -13,15 +13,11 @@ a step batch with text requests of the same size, each row at its own timestep.
 """
 from __future__ import annotations
 
-import contextlib
-
-import numpy as np
 import torch
 
 from bcg.diffusers.edits import edit_kind_of, with_scheduler
-from bcg.diffusers.step_batching.steps.base import StepFamily, guided, prompt_columns
+from bcg.diffusers.step_batching.steps.base import StepFamily, branch_context, guided, prompt_columns
 from bcg.diffusers.step_batching.steps.state import RequestState, cat_rows, layout_of
-from bcg.runtime.rows import call_branch
 
 __all__ = ["FluxStepFamily"]
 
@@ -84,16 +80,7 @@ class FluxStepFamily(StepFamily):
 
     def _timesteps(self, pipe, a, seq_len: int, device):
         """``(scheduler, timesteps)`` of the full schedule, as the pipeline's step 4 prepares them."""
-        steps = a["num_inference_steps"]
-        sigmas = np.linspace(1.0, 1 / steps, steps) if a.get("sigmas") is None else a["sigmas"]
-        config = pipe.scheduler.config
-        if getattr(config, "use_flow_sigmas", False):
-            sigmas = None
-        mu = self._pipeline_function(pipe, "calculate_shift", _PIPELINE_MODULE)(
-            seq_len, config.get("base_image_seq_len", 256), config.get("max_image_seq_len", 4096),
-            config.get("base_shift", 0.5), config.get("max_shift", 1.15))
-        retrieve = self._pipeline_function(pipe, "retrieve_timesteps", _PIPELINE_MODULE)
-        return self._scheduler_at(pipe, retrieve, steps, device, sigmas=sigmas, mu=mu)
+        return self._flow_timesteps(pipe, a, seq_len, device, _PIPELINE_MODULE)
 
     def _edit_latents(self, pipe, a, count: int, dtype, device):
         """An edit's ``(latents, image_ids, scheduler, timesteps, start_step, inpaint)``, as its pipeline
@@ -173,8 +160,7 @@ class FluxStepFamily(StepFamily):
 
         def call(branch, inputs):
             guidance = inputs[0]["guidance"]
-            # diffusers' cache hooks read the branch from their cache context, bcg's from the rows context
-            with _cache_context(transformer, branch), call_branch(transformer, branch):
+            with branch_context(transformer, branch):
                 return transformer(
                     hidden_states=latents, timestep=timestep / 1000,
                     guidance=None if guidance is None else cat_rows([i["guidance"] for i in inputs], bucket),
@@ -197,26 +183,3 @@ class FluxStepFamily(StepFamily):
         latents = (latents / pipe.vae.config.scaling_factor) + pipe.vae.config.shift_factor
         latents = latents.to(self._vae_device(pipe))
         return pipe.vae.decode(latents, return_dict=False)[0]
-
-    def _vae_device(self, pipe):
-        """diffusers' ``get_module_execution_device(pipe.vae)``, asked again only when the VAE object or its
-        first tensor's device changed (the question walks every submodule for offload hooks: ~1.6 ms)."""
-        from diffusers.utils.torch_utils import get_module_execution_device
-
-        from bcg.diffusers.accelerated import first_tensor_device
-        from bcg.runtime.proxy import unwrap_runner
-
-        vae = pipe.vae
-        # its first tensor's device, found without a walk (``vae.device`` walks every submodule for group
-        # offloading hooks first: 1.5 ms a decode)
-        seen = (vae, first_tensor_device(unwrap_runner(vae)))
-        cached = getattr(self, "_vae_device_seen", None)
-        if cached is None or cached[0][0] is not vae or cached[0][1] != seen[1]:
-            cached = self._vae_device_seen = (seen, get_module_execution_device(vae))
-        return cached[1]
-
-
-def _cache_context(transformer, name: str):
-    # diffusers' cache hooks key their state by this context, as the pipeline enters it
-    enter = getattr(transformer, "cache_context", None)
-    return enter(name) if enter is not None else contextlib.nullcontext()
