@@ -405,7 +405,7 @@ def prepare(variant, model, name, size, args, state):
     return row, graph.replay, finish
 
 
-def measure_size(name, size, modules, states, args, result):
+def measure_size(name, size, modules, states, args):
     """One model and size: every variant prepared (all alive at once), timed in turn for ``--rounds``
     rounds, then finished (outputs, checks, diagnosis) one after another."""
     import torch
@@ -609,7 +609,7 @@ def run(args):
             continue
         with torch.no_grad():
             for size in sizes:
-                rows = measure_size(name, size, modules, states, args, result)
+                rows = measure_size(name, size, modules, states, args)
                 for row in rows:
                     if args.repeat > 1:
                         row["repeat"] = repeat

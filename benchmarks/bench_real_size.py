@@ -317,7 +317,8 @@ def measure_group(name, size, model, inputs, variants, args, result, cuda):
             torch.cuda.synchronize()
             row["peak_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
         result["rows"].append(row)
-        log(f"  {name} {size}² {variant}: built {({k: v for k, v in row.items() if k in ('error', 'skipped', 'capture_s', 'compile_s')})}")
+        facts = {k: row[k] for k in ("error", "skipped", "capture_s", "compile_s") if k in row}
+        log(f"  {name} {size}² {variant}: built {facts}")
     if "eager" not in built:
         return rows
 
