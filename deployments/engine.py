@@ -504,7 +504,8 @@ class ReplicaEngine:
             # loop uses too (fast tokenizers are not safe to share between threads)
             from bcg.diffusers import plan_request
             # an edit's checked files are decoded here (`bcg.diffusers.image_inputs`), off the caller's thread
-            image = plan.images[0] if plan.images else None
+            # several references (Qwen-Image-Edit-2509) a list in order
+            image = (plan.images[0] if len(plan.images) == 1 else list(plan.images)) if plan.images else None
             _, kwargs = plan_request(self.pipe, plan.prompt, key=plan.shape_key, steps=plan.steps,
                                      guidance=plan.guidance_scale, seed=plan.seed, info=self.info, image=image,
                                      mask_image=plan.mask, strength=plan.strength)

@@ -16,6 +16,7 @@ The pipelines produce real (if meaningless) images: 128x128 in 2 steps takes wel
 - `tiny-wan-i2v`: WanImageToVideoPipeline, image-to-video as Wan2.1 makes it (tiny-wan's parts, a CLIP vision encoder).
 - `tiny-qwen-image`: QwenImagePipeline (Qwen2.5-VL, Qwen-Image MMDiT, Qwen-Image causal 3D VAE).
 - `tiny-qwen-image-edit`: QwenImageEditPipeline (instruction edits; the Qwen2-VL processor sees the image).
+- `tiny-qwen-image-edit-plus`: QwenImageEditPlusPipeline (Qwen-Image-Edit-2509: several references), the same parts.
 
 One built-in is trained, not random: `shapes-flux`, a FluxPipeline trained on captioned pictures of shapes
 (`bcg.diffusers.shapes`; 64x64 by default), whose weights ship with the package: the quality bar for the
@@ -289,6 +290,14 @@ def build_tiny_qwen_image_edit():
                                 vision_start_token_id=6, vision_end_token_id=8))
 
 
+@_seeded
+def build_tiny_qwen_image_edit_plus():
+    """QwenImageEditPlusPipeline (Qwen-Image-Edit-2509: a list of references): tiny-qwen-image-edit's parts."""
+    from diffusers import QwenImageEditPlusPipeline
+
+    return QwenImageEditPlusPipeline(**build_tiny_qwen_image_edit().components)
+
+
 def _tiny_qwen_components(vocab_size: int, vae_config: dict, **vision_ids) -> dict:
     from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImageTransformer2DModel
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
@@ -335,5 +344,6 @@ BUILTIN_MODELS: dict[str, Callable] = {
     "tiny-wan-i2v": build_tiny_wan_i2v,
     "tiny-qwen-image": build_tiny_qwen_image,
     "tiny-qwen-image-edit": build_tiny_qwen_image_edit,
+    "tiny-qwen-image-edit-plus": build_tiny_qwen_image_edit_plus,
     "shapes-flux": build_shapes_flux,
 }

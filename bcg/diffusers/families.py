@@ -23,7 +23,9 @@ A `ModelFamily` says how a request becomes a call of that family's pipeline:
   size is the image's;
 - how an instruction edit's reference is sized (`reference_area`: None, its own size, Kontext; else resized to
   that area at its aspect ratio, Qwen-Image-Edit, its token grid then part of the shape key) and whether the
-  pipeline makes nothing without an input image (`needs_image`: a text request is refused).
+  pipeline makes nothing without an input image (`needs_image`: a text request is refused);
+- how many input images an edit takes (`max_input_images`; Qwen-Image-Edit-2509's several references, each
+  resized apart for its vision-language encoder, to `condition_area`, its key carrying every grid).
 
 FLUX.1-Kontext (``FluxKontextPipeline``) is a family of its own, ``flux-kontext``: Flux's CFG rule, packing and
 step-caching adapter (the same transformer class), its own step hooks (the reference image's latent tokens
@@ -31,7 +33,9 @@ concatenated to the image sequence: `bcg.diffusers.step_batching.steps.flux_kont
 ``"instruction"``, made by the loaded pipeline itself; without an image it makes images from text.
 Qwen-Image-Edit (``QwenImageEditPipeline``) is ``qwen-image-edit``: Qwen-Image's CFG rule, prompt padding and
 step-caching adapter, its own step hooks (`bcg.diffusers.step_batching.steps.qwen_image_edit`) and one edit,
-``"instruction"``; it needs an image. Wan image-to-video (``WanImageToVideoPipeline``) is ``wan-i2v``: Wan's
+``"instruction"``; it needs an image. Qwen-Image-Edit-2509 (``QwenImageEditPlusPipeline``) is
+``qwen-image-edit-plus``: the same, with up to three references (`bcg.diffusers.step_batching.steps.
+qwen_image_edit_plus`). Wan image-to-video (``WanImageToVideoPipeline``) is ``wan-i2v``: Wan's
 CFG rule and adapter, one edit, ``"image-to-video"``, made by the loaded pipeline itself; it needs an image.
 
 The size default and the defaults of the call (steps, guidance, frames) are the pipeline's own and are
@@ -211,6 +215,9 @@ class ModelFamily:
     # an instruction edit's reference resized to this many pixels (None: at its own size; see the docstring)
     reference_area: Optional[int] = None
     needs_image: bool = False                     # no request without an input image
+    max_input_images: int = 1                     # input images an edit takes (where it makes edits)
+    # each reference resized to this many pixels for the vision-language encoder (None: as for the VAE)
+    condition_area: Optional[int] = None
 
     def batching_hooks(self) -> Optional[BatchingHooks]:
         """A new instance of this family's step-wise batching hooks; None when it has none."""
@@ -284,6 +291,13 @@ FAMILIES: dict[str, ModelFamily] = {f.name: f for f in (
                 batching=_STEPS + "qwen_image_edit:QwenImageEditStepFamily",
                 edit_pipelines=MappingProxyType({"instruction": "QwenImageEditPipeline"}),
                 reference_area=1024 * 1024, needs_image=True),
+    # Qwen-Image-Edit-2509: several references, each a grid of the key (`.r<cols>x<rows>` each, in order), each
+    # resized to 384x384 pixels for the text encoder (its prompt padded to the key's bound of those tokens)
+    ModelFamily("qwen-image-edit-plus", ("QwenImageEditPlusPipeline",), builtin="tiny-qwen-image-edit-plus",
+                cfg=_QWEN_CFG, prompt_template=True, trims_prompt_embeds=True, step_cache=_QWEN_BLOCKS,
+                batching=_STEPS + "qwen_image_edit_plus:QwenImageEditPlusStepFamily",
+                edit_pipelines=MappingProxyType({"instruction": "QwenImageEditPlusPipeline"}),
+                reference_area=1024 * 1024, needs_image=True, max_input_images=3, condition_area=384 * 384),
     GENERIC,
 )}
 

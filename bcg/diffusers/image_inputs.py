@@ -28,7 +28,8 @@ import math
 import warnings
 
 __all__ = ["EDIT_KINDS", "FROM_NOISE_KINDS", "ImageInput", "ImageInputError", "edit_kind", "open_image",
-           "open_mask", "read_image", "reference_fields", "reference_grid", "reference_tokens"]
+           "open_mask", "read_image", "condition_sizes", "reference_fields", "reference_grid", "reference_tokens",
+           "references_fields"]
 
 # what a request with input images asks for: with a mask, inpainting; without, an instruction edit on a model
 # that makes them (Kontext: the image is a reference the prompt edits), image-to-video on a model that makes
@@ -76,6 +77,45 @@ def reference_fields(width: int, height: int, size_multiple: int, area: int | No
     else:
         grid = reference_grid(width, height, size_multiple, area)
     return {"reference_tokens": grid[0] * grid[1], "reference_grid": grid}
+
+
+def references_fields(sizes, size_multiple: int, area: int | None = None) -> dict:
+    """`reference_fields` of several references in order (``sizes``: their ``(width, height)``; Qwen-Image-Edit-
+    2509 takes a list): their tokens summed, their grids a tuple in order (one reference: its grid alone, so a
+    one-image key prints as before). ``reference_tokens`` 0: one is smaller than one token."""
+    fields = [reference_fields(width, height, size_multiple, area) for width, height in sizes]
+    if len(fields) == 1:
+        return fields[0]
+    grids = tuple(f["reference_grid"] for f in fields)
+    tokens = 0 if 0 in (f["reference_tokens"] for f in fields) else sum(f["reference_tokens"] for f in fields)
+    return {"reference_tokens": tokens, "reference_grid": grids}
+
+
+def condition_sizes(grid: tuple[int, int], size_multiple: int, area: int, condition_area: int) -> dict:
+    """Every ``(width, height)`` that ``QwenImageEditPlusPipeline`` resizes a reference to for its vision-language
+    encoder (`condition_area` pixels at the image's aspect ratio, each side rounded to 32) where the same image
+    resized to `area` has the token `grid` (its VAE reference): both follow the aspect ratio, rounded apart, so one
+    grid has up to four condition sizes, each with an aspect ratio that makes it and the grid. With ``s`` the square root of the aspect ratio, the grid's sides are
+    ``round(sqrt(area) * s / 32)`` and ``round(sqrt(area) / s / 32)`` times 32: ``s`` lies in an interval, cut here
+    where a condition side's rounding changes; each piece's middle gives one size."""
+    root, croot = math.sqrt(area), math.sqrt(condition_area)
+    columns, rows = (n * size_multiple / 32 for n in grid)
+    low = max((columns - 0.5) * 32 / root, root / 32 / (rows + 0.5))
+    high = min((columns + 0.5) * 32 / root, root / 32 / (rows - 0.5) if rows > 0.5 else math.inf)
+    if not low < high:
+        return {}
+    # where round(croot * s / 32) or round(croot / s / 32) changes inside (low, high)
+    cuts = {low, high}
+    for k in range(int(croot * low / 32), int(croot * high / 32) + 2):
+        cuts.add((k + 0.5) * 32 / croot)
+    for k in range(max(int(croot / high / 32) - 1, 0), int(croot / low / 32) + 2):
+        cuts.add(croot / 32 / (k + 0.5))
+    cuts = sorted(c for c in cuts if low <= c <= high)
+    sizes = {}
+    for a, b in zip(cuts, cuts[1:]):
+        s = (a + b) / 2
+        sizes.setdefault((round(croot * s / 32) * 32, round(croot / s / 32) * 32), s * s)
+    return sizes
 
 
 class ImageInputError(ValueError):

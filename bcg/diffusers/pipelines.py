@@ -33,7 +33,7 @@ from bcg.runtime.proxy import unwrap_runner
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["count_prompt_tokens", "generate", "pipeline_info", "plan_request", "warmup_image", "warmup_pipeline",
+__all__ = ["count_prompt_tokens", "generate", "image_tokens", "pipeline_info", "plan_request", "warmup_image", "warmup_pipeline",
            "warmup_reference_image", "warmup_request"]
 
 # --------------------------------------------------------------------------------------------------
@@ -76,9 +76,9 @@ def pipeline_info(pipe) -> dict:
         "frame_multiple": getattr(pipe, "vae_scale_factor_temporal", None) if is_video else None,
         "default_frames": defaults.get("num_frames") if is_video else 1,
         "fps": family.fps if is_video else None,  # None for a video family that names none: no frame delay
-        # the edits it makes from an input image (`bcg.diffusers.edits`), one image each
+        # the edits it makes from input images (`bcg.diffusers.edits`), and how many images one takes
         "edits": sorted(family.edit_pipelines),
-        "max_input_images": 1 if family.edit_pipelines else 0,
+        "max_input_images": family.max_input_images if family.edit_pipelines else 0,
         "reference_area": family.reference_area,     # an instruction edit's reference resized to it (or None)
         "needs_image": family.needs_image,           # no text-to-image
     }
@@ -149,14 +149,28 @@ def _padded_encode_prompt(encode_prompt):
 def _image_prompt_tokens(pipe, image) -> int:
     """The embeddings an edit's `image` (a PIL image or a list of them, as the pipeline gives its
     ``encode_prompt``) adds beyond its template's one ``<|image_pad|>``, which the processor repeats once per
-    image token (Qwen-Image-Edit); 0 without one. A prompt bucket counts the template with one: it is the
-    prompt's, whatever the image."""
+    image token (Qwen-Image-Edit: a list is one image per prompt); 0 without one. A prompt bucket counts the
+    template with one: it is the prompt's, whatever the image. A template without one (Qwen-Image-Edit-2509's
+    ``QwenImageEditPlusPipeline``) puts ``Picture <i>: <|vision_start|><|image_pad|><|vision_end|>`` before the
+    prompt per image of the list: those tokens, each pad repeated per image token."""
     processor = getattr(pipe, "processor", None)
     if image is None or processor is None:
         return 0
     images = image if isinstance(image, (list, tuple)) else [image]
-    sizes = [(i.height, i.width) for i in images]
-    return max(processor._get_num_multimodal_tokens(image_sizes=sizes).num_image_tokens) - 1
+    tokens = image_tokens(pipe, [(i.width, i.height) for i in images])
+    if "<|image_pad|>" in pipe.prompt_template_encode:
+        return max(tokens) - 1
+    prefix = "".join(f"Picture {i + 1}: <|vision_start|><|image_pad|><|vision_end|>" for i in range(len(images)))
+    counter, lock = _counting_tokenizer(pipe.tokenizer)
+    with lock:
+        ids = counter(prefix, add_special_tokens=False, truncation=False, verbose=False)["input_ids"]
+    return len(ids) + sum(tokens) - len(images)
+
+
+def image_tokens(pipe, sizes) -> list[int]:
+    """The image tokens the pipeline's vision-language ``processor`` makes of images of `sizes` (``(width,
+    height)`` each)."""
+    return list(pipe.processor._get_num_multimodal_tokens(image_sizes=[(h, w) for w, h in sizes]).num_image_tokens)
 
 
 class PaddedPromptsHook(ModelHook):
@@ -251,6 +265,9 @@ def plan_request(
         raise ValueError("prompt must be a non-empty string")
     if family.needs_image and image is None:
         raise ValueError(f"image: the {family.name} family makes {_needs_image_what(info)} only: pass one")
+    if isinstance(image, (list, tuple)) and len(image) > family.max_input_images:
+        raise ValueError(f"image: the {family.name} family takes at most {family.max_input_images} input "
+                         f"image{'s' * (family.max_input_images > 1)}, got {len(image)}")
     reference = _reference_tokens(family, info, image, mask_image)
     if key is None:
         key = request_shape_key(info, size=size, n=1 if n is None else n, guidance=guidance,
@@ -312,7 +329,11 @@ def _edit_kwargs(family, image, mask_image, strength, n: int = 1) -> dict:
     if kind == "image-to-video" and n > 1:
         raise ValueError(f"n: image-to-video makes one video per request (diffusers' WanImageToVideoPipeline "
                          f"makes one per image), got {n}")
-    kwargs = {"image": open_image(image) if isinstance(image, ImageInput) else image}
+    def opened(one):
+        return open_image(one) if isinstance(one, ImageInput) else one
+
+    # several references (Qwen-Image-Edit-2509) a list in order; one the image itself
+    kwargs = {"image": [opened(i) for i in image] if isinstance(image, (list, tuple)) else opened(image)}
     if mask_image is not None:
         kwargs["mask_image"] = open_mask(mask_image) if isinstance(mask_image, ImageInput) else mask_image
     if strength is not None:
@@ -326,15 +347,15 @@ def _reference_tokens(family, info: dict, image, mask_image) -> dict:
     """The shape-key fields of an instruction edit's reference `image` (a PIL image or an `ImageInput`:
     `bcg.diffusers.image_inputs.reference_fields`), {} for any other request; ValueError where it is smaller
     than one token."""
-    from bcg.diffusers.image_inputs import edit_kind, reference_fields
+    from bcg.diffusers.image_inputs import edit_kind, references_fields
 
     if image is None or edit_kind(1, mask_image is not None, family.edit_pipelines) != "instruction":
         return {}
-    width, height = (image.width, image.height)
-    fields = reference_fields(width, height, info["size_multiple"], family.reference_area)
+    sizes = [(i.width, i.height) for i in (image if isinstance(image, (list, tuple)) else [image])]
+    fields = references_fields(sizes, info["size_multiple"], family.reference_area)
     if fields["reference_tokens"] < 1:
         raise ValueError(f"image: a reference image must be at least {info['size_multiple']} pixels a side, "
-                         f"got {width}x{height}")
+                         f"got {' and '.join(f'{w}x{h}' for w, h in sizes)}")
     return fields
 
 
@@ -382,7 +403,9 @@ def warmup_request(pipe, key: ShapeKey, info: dict, steps: int, prompt: str, bat
     its images come from as many prompts (one image each), so the text encoders see that batch too."""
     guidance, negative = family_named(info["family"]).cfg.request_for(key.cfg, info["default_guidance"])
     kwargs = plan_request(pipe, prompt, key=key, steps=steps, guidance=guidance, negative_prompt=negative,
-                          seed=0, output_type=output_type, info=info, image=warmup_image(key, info))[1]
+                          seed=0, output_type=output_type, info=info, image=warmup_image(key, info, pipe))[1]
+    # QwenImageEditPlusPipeline encodes one prompt a call (its step hooks too): its warmups are not batched
+    batched = batched and family_named(info["family"]).condition_area is None
     if batched and key.batch_size > 1 and "num_images_per_prompt" in kwargs:
         kwargs |= {"prompt": [prompt] * key.batch_size, "num_images_per_prompt": 1}
         if isinstance(kwargs.get("negative_prompt"), str):  # one negative row in some pipelines (Flux)
@@ -392,14 +415,19 @@ def warmup_request(pipe, key: ShapeKey, info: dict, steps: int, prompt: str, bat
     return kwargs
 
 
-def warmup_image(key: ShapeKey, info: dict):
+def warmup_image(key: ShapeKey, info: dict, pipe=None):
     """The input image of a warmup request at `key` (None: a text request): a grey image of the key's size
     for a model that makes nothing without one (image-to-video: the pipeline resizes any image to the key's
-    size, so the image's own size changes no signature), else `warmup_reference_image`."""
+    size, so the image's own size changes no signature), else `warmup_reference_image` (several references,
+    Qwen-Image-Edit-2509: `warmup_condition_references`, which needs the `pipe`'s processor)."""
     if "image-to-video" in (info.get("edits") or ()):
         from PIL import Image
 
         return Image.new("RGB", (key.width, key.height), (128, 128, 128))
+    if key.reference_grid is not None and family_named(info["family"]).condition_area is not None:
+        from bcg.diffusers.step_batching.steps.qwen_image_edit_plus import warmup_condition_references
+
+        return warmup_condition_references(pipe, key, info)
     return warmup_reference_image(key, info)
 
 

@@ -28,7 +28,7 @@ import dataclasses
 from typing import NamedTuple
 
 from bcg.diffusers.buckets import ShapeKey, parse_size, request_shape_key
-from bcg.diffusers.image_inputs import FROM_NOISE_KINDS, ImageInput, edit_kind, reference_fields
+from bcg.diffusers.image_inputs import FROM_NOISE_KINDS, ImageInput, edit_kind, references_fields
 from bcg.diffusers.step_caching.config import StepCacheConfig
 
 __all__ = ["LoraChoice", "PlanDefaults", "PlanError", "RequestPlan", "check_edit", "check_edit_kind",
@@ -179,15 +179,16 @@ _FROM_NOISE = {"instruction": "an instruction edit starts from noise, its image 
 
 
 def plan_reference_tokens(info: dict, images: tuple[ImageInput, ...], mask: ImageInput | None) -> dict:
-    """The shape-key fields of an instruction edit's reference image (`reference_fields`), {} for any other
-    request; `PlanError` naming ``image`` where the image is smaller than one latent token."""
+    """The shape-key fields of an instruction edit's reference images (`references_fields`: one grid each, in
+    order), {} for any other request; `PlanError` naming ``image`` where an image is smaller than one latent
+    token."""
     if edit_kind(len(images), mask is not None, info.get("edits") or ()) != "instruction":
         return {}
     multiple = int(info["size_multiple"])
-    fields = reference_fields(images[0].width, images[0].height, multiple, info.get("reference_area"))
+    fields = references_fields([(i.width, i.height) for i in images], multiple, info.get("reference_area"))
     if fields["reference_tokens"] < 1:
         raise PlanError("image", f"a reference image must be at least {multiple}x{multiple} pixels (one latent "
-                                 f"token), got {images[0].size}")
+                                 f"token), got {' and '.join(i.size for i in images)}")
     return fields
 
 

@@ -8,10 +8,13 @@
   instruction edit, FLUX.1-Kontext: they lengthen every transformer call; None: none);
 - ``reference_grid``: those tokens' ``(columns, rows)``. A call's rows share their position ids (Kontext's
   ``img_ids``, Qwen-Image-Edit's ``img_shapes``), so requests batch only with the same grid: a request's key
-  says ``.r<columns>x<rows>``. A key of a count alone (``.r<tokens>``, grid None) still names a warmup.
+  says ``.r<columns>x<rows>``. A key of a count alone (``.r<tokens>``, grid None) still names a warmup. Several
+  references (Qwen-Image-Edit-2509's ``QwenImageEditPlusPipeline``) are a tuple of grids in order,
+  ``((32, 32), (24, 40))``, written ``.r32x32.r24x40``, their tokens summed; `ShapeKey.reference_grids` is
+  every key's grids as such a tuple.
 
 ``.key`` is a stable, readable string: ``"1024x1024"`` for the plain case, else suffixes in a fixed order,
-e.g. ``"768x512.f17.b2.cfg.p128"``, ``"1024x1024.r64x64"``. Sizes are written **width x height**, as in the OpenAI Images API
+e.g. ``"768x512.f17.b2.cfg.p128"``, ``"1024x1024.r64x64"``, ``"1024x1024.r64x64.r48x80"``. Sizes are written **width x height**, as in the OpenAI Images API
 ``size`` field ("1792x1024" is landscape). `ShapeKey.parse` is the inverse and also accepts a bare
 ``"WxH"``. `ShapeKey.group` and `ShapeKey.with_batch` are its batch-free and per-bucket forms.
 
@@ -29,6 +32,11 @@ __all__ = ["ShapeKey", "parse_size"]
 
 _SIZE_RE = re.compile(r"^\s*(\d+)\s*[xX]\s*(\d+)\s*$")
 _SUFFIX_RE = re.compile(r"^(f(?P<f>\d+)|b(?P<b>\d+)|(?P<cfg>cfg)|p(?P<p>\d+)|r(?P<r>\d+(?:x\d+)?))$")
+
+
+def _is_grid(grid) -> bool:
+    return isinstance(grid, tuple) and len(grid) == 2 and all(
+        isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in grid)
 
 
 def parse_size(size: str) -> tuple[int, int]:
@@ -53,7 +61,8 @@ class ShapeKey:
     cfg: bool = False
     prompt_bucket: int | None = None
     reference_tokens: int | None = None
-    reference_grid: tuple[int, int] | None = None
+    # (columns, rows) of one reference, or a tuple of them, one per reference in order (at least two)
+    reference_grid: tuple[int, int] | tuple[tuple[int, int], ...] | None = None
 
     def __post_init__(self):
         for name in ("height", "width", "num_frames", "batch_size"):
@@ -67,10 +76,18 @@ class ShapeKey:
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
                 raise ValueError(f"ShapeKey.{name} must be a positive int or None, got {value!r}")
         grid = self.reference_grid
-        if grid is not None and (not isinstance(grid, tuple) or len(grid) != 2
-                                 or grid[0] * grid[1] != self.reference_tokens):
-            raise ValueError(f"ShapeKey.reference_grid must be (columns, rows) of its reference_tokens "
-                             f"({self.reference_tokens}), got {grid!r}")
+        grids = (grid,) if _is_grid(grid) else grid
+        if grid is not None and (not isinstance(grids, tuple) or not grids or (len(grids) == 1 and grids is grid)
+                                 or not all(_is_grid(g) for g in grids)
+                                 or sum(c * r for c, r in grids) != self.reference_tokens):
+            raise ValueError(f"ShapeKey.reference_grid must be (columns, rows), or a tuple of two or more of them, "
+                             f"of its reference_tokens ({self.reference_tokens}) in all, got {grid!r}")
+
+    @property
+    def reference_grids(self) -> tuple[tuple[int, int], ...]:
+        """Every reference's ``(columns, rows)`` in order: ``()`` without a grid, one for a single reference."""
+        grid = self.reference_grid
+        return () if grid is None else (grid,) if _is_grid(grid) else grid
 
     @property
     def size(self) -> str:
@@ -92,7 +109,7 @@ class ShapeKey:
         if self.prompt_bucket is not None:
             parts.append(f"p{self.prompt_bucket}")
         if self.reference_grid is not None:
-            parts.append("r{}x{}".format(*self.reference_grid))
+            parts.extend("r{}x{}".format(*grid) for grid in self.reference_grids)
         elif self.reference_tokens is not None:
             parts.append(f"r{self.reference_tokens}")
         return ".".join(parts)
@@ -124,20 +141,26 @@ class ShapeKey:
             raise ValueError(f"shape key must be a string like '1024x768' or '768x512.f17.b2.cfg.p128', got {text!r}")
         size, *suffixes = text.strip().split(".")
         width, height = parse_size(size)
-        fields = {}
+        fields, grids = {}, []
         for suffix in suffixes:
             match = _SUFFIX_RE.match(suffix)
             name = None if not match else next(k for k, v in match.groupdict().items() if v is not None)
-            if name is None or name in fields:
+            # grids may repeat, one after another (several references); everything else appears once
+            again = name == "r" and "x" in match.group("r") and grids and last == "r"
+            if name is None or (name in fields and not again):
                 raise ValueError(
                     f"bad shape key {text!r}: after 'WxH' only '.f<frames>', '.b<batch>', '.cfg', '.p<tokens>', "
-                    f"'.r<reference tokens>' (or '.r<columns>x<rows>') may follow, each at most once (got {suffix!r})"
+                    f"'.r<reference tokens>' (or '.r<columns>x<rows>', repeated for several references) may "
+                    f"follow, each at most once (got {suffix!r})"
                 )
+            last = name
             fields[name] = True if name == "cfg" else match.group(name)
+            if name == "r" and "x" in fields["r"]:
+                grids.append(tuple(int(n) for n in fields["r"].split("x")))
         grid = None
-        if "x" in fields.get("r", ""):
-            grid = tuple(int(n) for n in fields["r"].split("x"))
-            fields["r"] = grid[0] * grid[1]
+        if grids:
+            grid = grids[0] if len(grids) == 1 else tuple(grids)
+            fields["r"] = sum(c * r for c, r in grids)
         fields = {k: v if isinstance(v, bool) else int(v) for k, v in fields.items()}
         return cls(
             height=height, width=width, num_frames=fields.get("f", 1), batch_size=fields.get("b", 1),

@@ -52,13 +52,17 @@ class QwenImageEditStepFamily(StepFamily):
 
     def _args(self, pipe, kwargs):
         a = super()._args(pipe, kwargs)
-        image = a["image"]
-        area = family_named(self.name).reference_area
-        calculate = self._pipeline_function(pipe, "calculate_dimensions", _PIPELINE_MODULE)
-        a["reference_size"] = calculate(area, image.width / image.height)[:2]   # (width, height), as step 3
+        self._reference_sizes(pipe, a)
         multiple = pipe.vae_scale_factor * 2
         a["height"], a["width"] = a["height"] // multiple * multiple, a["width"] // multiple * multiple
         return a
+
+    def _reference_sizes(self, pipe, a) -> None:
+        """The reference's size, ``a["reference_size"]`` (``(width, height)``), as the pipeline's step 3 makes it."""
+        image = a["image"]
+        area = family_named(self.name).reference_area
+        calculate = self._pipeline_function(pipe, "calculate_dimensions", _PIPELINE_MODULE)
+        a["reference_size"] = calculate(area, image.width / image.height)[:2]
 
     def _check(self, pipe, a):
         pipe.check_inputs(a["prompt"], a["height"], a["width"], negative_prompt=a.get("negative_prompt"),
@@ -103,16 +107,23 @@ class QwenImageEditStepFamily(StepFamily):
             rows["neg_embeds"], rows["neg_mask"] = encode(prompts["negative_prompt"])
         return rows, {}
 
+    def _vae_references(self, pipe, a):
+        """``(images, sizes)``: what the pipeline's ``prepare_latents`` encodes as the reference (its step 3) and
+        each reference's ``(width, height)``."""
+        width, height = a["reference_size"]
+        image = pipe.image_processor.preprocess(self._reference(pipe, a["image"], (width, height)), height, width)
+        return image.unsqueeze(2), [(width, height)]
+
     def _state(self, pipe, a, rows, shared, device):
         count = self._rows(a)
         embeds = rows["embeds"]
-        width, height = a["reference_size"]
-        image = pipe.image_processor.preprocess(self._reference(pipe, a["image"], (width, height)), height, width)
+        images, sizes = self._vae_references(pipe, a)
         latents, reference = pipe.prepare_latents(
-            image.unsqueeze(2), count, pipe.transformer.config.in_channels // 4, a["height"], a["width"],
+            images, count, pipe.transformer.config.in_channels // 4, a["height"], a["width"],
             embeds.dtype, device, a.get("generator"), a.get("latents"))
         factor = pipe.vae_scale_factor * 2
-        img_shapes = ((1, a["height"] // factor, a["width"] // factor), (1, height // factor, width // factor))
+        img_shapes = ((1, a["height"] // factor, a["width"] // factor),
+                      *((1, height // factor, width // factor) for width, height in sizes))
         scheduler, timesteps = self._flow_timesteps(pipe, a, latents.shape[1], device, _PIPELINE_MODULE)
         scheduler.set_begin_index(0)
         guidance = None
@@ -129,7 +140,7 @@ class QwenImageEditStepFamily(StepFamily):
             rows=count, latents=latents, scheduler=scheduler, timesteps=timesteps, row_inputs=row_inputs,
             neg_inputs=neg, shared={"img_shapes": [list(img_shapes)]}, guidance_scale=float(a["true_cfg_scale"]),
             height=a["height"], width=a["width"], output_type=a.get("output_type") or "pil", reference=reference,
-            layout=("qwen-image-edit", neg is not None, img_shapes,
+            layout=(self.name, neg is not None, img_shapes,
                     layout_of(latents, embeds, rows["mask"], guidance, reference)))
 
     # the loop ----------------------------------------------------------------------------------------
