@@ -135,3 +135,20 @@ def test_a_reference_grid_key_round_trips_and_its_tokens_are_the_grid():
         ShapeKey(64, 64, reference_tokens=5, reference_grid=(2, 2))
     with pytest.raises(ValueError, match="bad shape key"):
         ShapeKey.parse("64x64.r4x")
+
+
+def test_a_key_of_several_reference_grids_round_trips_in_order_and_one_grid_prints_as_before():
+    from bcg.diffusers.shape_key import ShapeKey
+
+    key = ShapeKey.parse("64x64.b2.cfg.r32x32.r24x40")
+    assert key.reference_grid == ((32, 32), (24, 40)) == key.reference_grids and key.reference_tokens == 1024 + 960
+    assert key.key == "64x64.b2.cfg.r32x32.r24x40" and ShapeKey.parse(key.key) == key
+    assert key.group.key == "64x64.cfg.r32x32.r24x40" and key != ShapeKey.parse("64x64.b2.cfg.r24x40.r32x32")
+    assert ShapeKey(64, 64, cfg=True, reference_tokens=1984, reference_grid=((32, 32), (24, 40))) == key.group
+    assert ShapeKey.parse("64x64.r37x28").reference_grids == ((37, 28),) and ShapeKey.parse("64x64").reference_grids == ()
+    for bad in ("64x64.r4.r4", "64x64.r4x4.r4", "64x64.r4x4.cfg.r4x4"):   # grids repeat only one after another
+        with pytest.raises(ValueError, match="bad shape key"):
+            ShapeKey.parse(bad)
+    for grid in (((2, 2),), ((2, 2), (0, 1)), ((2, 2), (3, 3))):          # one grid alone, a bad one, a wrong sum
+        with pytest.raises(ValueError, match="reference_grid"):
+            ShapeKey(64, 64, reference_tokens=8, reference_grid=grid)

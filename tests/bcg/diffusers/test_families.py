@@ -67,7 +67,7 @@ def test_a_request_carrying_its_key_runs_at_it_and_debug_runs_assert_what_contra
 def test_batching_hooks_are_found_through_the_family_record():
     from bcg.diffusers.step_batching.batcher import StepBatcher
     batched = {f.name for f in FAMILIES.values() if f.batching is not None}
-    assert batched == {"flux", "flux-kontext", "sd3", "qwen-image-edit"}
+    assert batched == {"flux", "flux-kontext", "sd3", "qwen-image-edit", "qwen-image-edit-plus"}
     for family in NAMED:
         pipe = load_pipeline(family.builtin)
         hooks = family_of(pipe).batching_hooks()
@@ -128,7 +128,7 @@ def test_every_record_is_complete_and_names_what_resolves_on_its_builtin(family)
 
 def test_the_families_step_caching_runs_are_the_ones_whose_records_name_an_adapter():
     assert {f.name for f in NAMED if f.step_cache} == {"flux", "flux-kontext", "sd3", "wan", "wan-i2v", "qwen-image",
-                                                       "qwen-image-edit"}
+                                                       "qwen-image-edit", "qwen-image-edit-plus"}
     adapters = {}
     for family in NAMED:
         for cls in family.step_cache.transformer_classes if family.step_cache else ():

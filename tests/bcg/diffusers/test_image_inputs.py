@@ -83,3 +83,18 @@ def test_the_plan_of_an_edit_is_checked_once_and_names_the_field():
     with pytest.raises(PlanError) as err:   # a model whose family makes no edits
         resolve_plan("a cat", {**FLUX, "family": "sd3", "edits": [], "max_input_images": 0}, images=(image,))
     assert err.value.field == "model" and "cannot do image-to-image" in err.value.msg
+
+
+def test_the_plan_of_several_references_keys_every_grid_and_refuses_more_than_the_model_takes():
+    plus = {**FLUX, "family": "qwen-image-edit-plus", "edits": ["instruction"], "max_input_images": 3,
+            "needs_image": True, "reference_area": 1024 * 1024, "size_multiple": 32, "default_guidance": 4.0}
+    square, tall = (read_image(encoded(Image.new("RGB", size)), 1 << 20) for size in ((64, 64), (300, 400)))
+    plan = resolve_plan("a cat", plus, images=(square, tall))
+    assert plan.edit == "instruction" and plan.images == (square, tall)
+    assert plan.shape_key.key == "64x64.cfg.r32x32.r28x37" and plan.shape_key.reference_tokens == 1024 + 28 * 37
+    with pytest.raises(PlanError, match="at most 3 input images") as err:
+        resolve_plan("a cat", plus, images=(square,) * 4)
+    assert err.value.field == "image"
+    with pytest.raises(PlanError, match="at most 1 input image for instruction") as err:   # one-image families
+        resolve_plan("a cat", {**plus, "family": "qwen-image-edit", "max_input_images": 1}, images=(square, tall))
+    assert err.value.field == "image"
