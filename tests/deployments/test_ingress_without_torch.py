@@ -116,6 +116,26 @@ SCRIPT = textwrap.dedent('''
                      "max_input_images": 0, "step_cache": False}, None)
     r = sd3.post("/v1/images/edits", data={"prompt": "a cat"}, files=[("image", ("a.png", image, "image/png"))])
     out["cannot_edit"] = {"status": r.status_code, "body": r.json()}
+    # several references (Qwen-Image-Edit-2509): 'image' and 'image[]' files reach the plan in order
+    plus, plus_replica = client({**FLUX, "family": "qwen-image-edit-plus", "edits": ["instruction"],
+                                 "max_input_images": 3, "needs_image": True, "reference_area": 1024 * 1024,
+                                 "size_multiple": 32, "default_guidance": 4.0, "step_cache": False}, None)
+    sizes = [(64, 64), (300, 400), (400, 300)]
+    forms = {"image and image[]": [("image", (f"{i}.png", png("RGB", size, (9, 9, 9)), "image/png")) if i == 0 else
+                                   ("image[]", (f"{i}.png", png("RGB", size, (9, 9, 9)), "image/png"))
+                                   for i, size in enumerate(sizes)],
+             "image[] twice": [("image[]", (f"{i}.png", png("RGB", size, (9, 9, 9)), "image/png"))
+                               for i, size in enumerate(sizes[1:])],
+             "four": [("image[]", (f"{i}.png", image, "image/png")) for i in range(4)]}
+    out["plus"] = {}
+    for name, files in forms.items():
+        r = plus.post("/v1/images/edits", data={"prompt": "a cat", "size": "64x64"}, files=files)
+        out["plus"][name] = {"status": r.status_code, "body": r.json()}
+    out["plus_plans"] = [{"key": p.shape_key.key, "edit": p.edit, "images": [[i.width, i.height] for i in p.images]}
+                         for p in plus_replica.plans]
+    r = http.post("/v1/images/edits", data={"prompt": "a cat", "size": "32x32"},
+                  files=[("image", ("a.png", image, "image/png")), ("image[]", ("b.png", image, "image/png"))])
+    out["one_image_model"] = {"status": r.status_code, "body": r.json()}
     out["torch"] = sys.modules.get("torch", "absent")
     out["diffusers"] = sorted(m for m in sys.modules if m.split(".")[0] in ("diffusers", "transformers"))
     print("RESULT " + json.dumps(out, default=repr))
@@ -164,3 +184,16 @@ def test_the_ingress_reads_and_plans_an_edit_where_torch_cannot_be_imported():
     cannot = out["cannot_edit"]   # a model whose family makes no edits: a 4xx naming the field
     assert cannot["status"] == 422 and cannot["body"]["detail"][0]["loc"] == ["body", "model"], cannot
     assert "cannot do image-to-image" in cannot["body"]["detail"][0]["msg"]
+
+
+def test_several_image_files_reach_the_plan_in_order_and_more_than_the_model_takes_is_a_4xx_naming_image():
+    out = _run()
+    plus = out["plus"]
+    assert plus["image and image[]"]["status"] == 200 and plus["image[] twice"]["status"] == 200, plus
+    # 'image' then 'image[]' files, in the form's order; each reference's grid in the key, in that order
+    assert out["plus_plans"] == [
+        {"key": "64x64.cfg.r32x32.r28x37.r37x28", "edit": "instruction", "images": [[64, 64], [300, 400], [400, 300]]},
+        {"key": "64x64.cfg.r28x37.r37x28", "edit": "instruction", "images": [[300, 400], [400, 300]]}]
+    for answer, most in ((plus["four"], 3), (out["one_image_model"], 1)):   # past the model's own limit
+        assert answer["status"] == 422 and answer["body"]["detail"][0]["loc"] == ["body", "image"], answer
+        assert f"at most {most} input image" in answer["body"]["detail"][0]["msg"], answer
