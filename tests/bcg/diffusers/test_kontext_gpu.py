@@ -39,28 +39,31 @@ def test_kontext_edits_replay_their_reference_key_graphs_alone_and_in_a_step_bat
                                            f"{SIZE}x{SIZE}.r6x4")
 
 
-def check_edits_replay_their_reference_key(model: str, key_text: str, other_image, other_key: str) -> None:
+def check_edits_replay_their_reference_key(model: str, key_text: str, other_image, other_key: str,
+                                           images=None) -> None:
     """Instruction edits on built-in `model` at `key_text` after its warmup: two alone, then two in one step
     batch, 0 eager calls, nothing captured anew, diffusers' images; `other_image`'s key (`other_key`, no warmup
-    named it) is eager and counted. Kontext's test and Qwen-Image-Edit's."""
+    named it) is eager and counted. The two edits' `images` (None: `scene()` each; a list of references each for
+    several). Kontext's test and Qwen-Image-Edit's (and -2509's)."""
+    images = images or (scene(), scene())
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     pipe, batcher = warm_batcher(model, [key_text])
     transformer = pipe.transformer
     captures = transformer.stats()["captures"]
-    edits = [("make the disc green", 1), ("turn the square red", 2)]
+    edits = [("make the disc green", 1, images[0]), ("turn the square red", 2, images[1])]
     alone = []
-    for prompt, seed in edits:
+    for prompt, seed, reference in edits:
         record = CallRecord()
-        key, kwargs = _plan(pipe, prompt, seed, scene())
+        key, kwargs = _plan(pipe, prompt, seed, reference)
         assert key.key == key_text
         (image,) = drain(batcher, [batcher.submit_planned(key, kwargs, records=(record,))])
         assert record.eager_total == 0 and record.replays > 0, record.eager
-        assert np.abs(image - _reference(model, prompt, seed, scene())).max() <= TOLERANCE, prompt
+        assert np.abs(image - _reference(model, prompt, seed, reference)).max() <= TOLERANCE, prompt
         alone.append(image)
     record = CallRecord()
-    futures = [batcher.submit_planned(*_plan(pipe, prompt, seed, scene()), records=(record,))
-               for prompt, seed in edits]
+    futures = [batcher.submit_planned(*_plan(pipe, prompt, seed, reference), records=(record,))
+               for prompt, seed, reference in edits]
     images = drain(batcher, futures)
     assert max(batcher.stats()["batch_size_histogram"]) >= 2
     assert record.eager_total == 0 and transformer.stats()["captures"] == captures   # nothing captured anew
