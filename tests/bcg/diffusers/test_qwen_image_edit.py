@@ -32,11 +32,17 @@ def pipe():
 def references(pipe):
     """diffusers' QwenImageEditPipeline per edit (its default CFG: ``true_cfg_scale`` 4 with the family's
     negative prompt ``" "``), computed on first use."""
+    return diffusers_images(pipe, EDITS)
+
+
+def diffusers_images(pipe, edits: dict):
+    """The images of `pipe` itself (diffusers' pipeline) per edit of `edits`, computed on first use (CFG as the
+    family's default: ``true_cfg_scale`` 4, negative prompt ``" "``)."""
     cache = {}
 
     def reference(name):
         if name not in cache:
-            edit = EDITS[name]
+            edit = edits[name]
             out = pipe(prompt=edit["prompt"], image=edit["image"], negative_prompt=" ", height=SIZE, width=SIZE,
                        num_inference_steps=STEPS, output_type="np",
                        generator=torch.Generator("cpu").manual_seed(edit["seed"]))

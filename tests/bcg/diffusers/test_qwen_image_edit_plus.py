@@ -7,7 +7,6 @@ prompt padding evens out. Diffusers' images are computed once per module (each c
 references with the VAE: seconds on a CPU)."""
 import numpy as np
 import pytest
-import torch
 from PIL import Image
 
 from bcg.diffusers.families import family_named
@@ -18,9 +17,8 @@ from bcg.diffusers.shape_key import ShapeKey
 from bcg.diffusers.step_batching.batcher import StepBatcher
 from bcg.diffusers.step_batching.steps.qwen_image_edit_plus import prompt_padding
 from tests.bcg.diffusers.test_edits import PIXEL_TOLERANCE, drain, scene
+from tests.bcg.diffusers.test_qwen_image_edit import STEPS, diffusers_images, submit
 
-SIZE = 64
-STEPS = 2
 # 274x300 and 277x300: one grid at 1024x1024 (31x33 tokens of 32 pixels), 12 and 9 image tokens at 384x384
 NARROW, WIDE = Image.new("RGB", (274, 300), (30, 160, 40)), Image.new("RGB", (277, 300), (240, 200, 20))
 EDITS = {
@@ -37,23 +35,7 @@ def pipe():
 @pytest.fixture(scope="module")
 def references(pipe):
     """diffusers' QwenImageEditPlusPipeline per edit (``true_cfg_scale`` 4, negative prompt ``" "``)."""
-    cache = {}
-
-    def reference(name):
-        if name not in cache:
-            edit = EDITS[name]
-            out = pipe(prompt=edit["prompt"], image=edit["image"], negative_prompt=" ", height=SIZE, width=SIZE,
-                       num_inference_steps=STEPS, output_type="np",
-                       generator=torch.Generator("cpu").manual_seed(edit["seed"]))
-            cache[name] = np.asarray(out.images)
-        return cache[name]
-
-    return reference
-
-
-def submit(batcher, edit: dict, **extra):
-    return batcher.submit(edit["prompt"], image=edit["image"], size=f"{SIZE}x{SIZE}", steps=STEPS, seed=edit["seed"],
-                          output_type="np", **extra)
+    return diffusers_images(pipe, EDITS)
 
 
 def test_every_reference_grid_is_the_key_in_order_and_too_many_images_are_refused(pipe):

@@ -93,13 +93,28 @@ class QwenImageEditStepFamily(StepFamily):
             held = memo[(id(image), size)] = (image, pipe.image_processor.resize(image, size[1], size[0]))
         return held[1]
 
-    def _encode(self, pipe, a, prompts, per_prompt, device):
+    def _encoder_images(self, pipe, a, prompts) -> list:
+        """The images the text encoder reads with the prompts (the pipeline's step 3): the resized reference of
+        each prompt."""
         images = prompts["image"] if isinstance(prompts["image"], list) else [prompts["image"]]
-        images = [self._reference(pipe, image, a["reference_size"]) for image in images]
+        return [self._reference(pipe, image, a["reference_size"]) for image in images]
+
+    def _prompt_padding(self, pipe, a) -> int:
+        """Zero embeddings (masked out) added after the encoder's padded ones: none here."""
+        return 0
+
+    def _encode(self, pipe, a, prompts, per_prompt, device):
+        images = self._encoder_images(pipe, a, prompts)
+        padding = self._prompt_padding(pipe, a)
 
         def encode(prompt):
-            return pipe.encode_prompt(prompt=prompt, image=images, device=device, num_images_per_prompt=per_prompt,
-                                      max_sequence_length=a["max_sequence_length"])
+            embeds, mask = pipe.encode_prompt(prompt=prompt, image=images, device=device,
+                                              num_images_per_prompt=per_prompt,
+                                              max_sequence_length=a["max_sequence_length"])
+            if padding:
+                embeds = torch.nn.functional.pad(embeds, (0, 0, 0, padding))
+                mask = torch.nn.functional.pad(mask, (0, padding))
+            return embeds, mask
 
         embeds, mask = encode(prompts["prompt"])
         rows = {"embeds": embeds, "mask": mask}

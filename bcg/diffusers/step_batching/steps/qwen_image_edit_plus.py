@@ -17,8 +17,6 @@ each prompt), so each request is prepared alone (no joint encode); requests of o
 """
 from __future__ import annotations
 
-import torch
-
 from bcg.diffusers.families import family_named
 from bcg.diffusers.image_inputs import condition_sizes, reference_grid
 from bcg.diffusers.step_batching.steps.base import StepFamily
@@ -107,21 +105,11 @@ class QwenImageEditPlusStepFamily(QwenImageEditStepFamily):
     def _columns(self, a):
         return None   # one prompt per encode (see the module docstring)
 
-    def _encode(self, pipe, a, prompts, per_prompt, device):
-        images = [self._reference(pipe, image, size) for image, size in zip(a["image"], a["condition_sizes"])]
-        padding = prompt_padding(pipe, family_named(self.name), a["reference_sizes"], a["condition_sizes"])
+    def _encoder_images(self, pipe, a, prompts) -> list:
+        return [self._reference(pipe, image, size) for image, size in zip(a["image"], a["condition_sizes"])]
 
-        def encode(prompt):
-            embeds, mask = pipe.encode_prompt(prompt=prompt, image=images, device=device, num_images_per_prompt=per_prompt,
-                                              max_sequence_length=a["max_sequence_length"])
-            return (torch.nn.functional.pad(embeds, (0, 0, 0, padding)),
-                    torch.nn.functional.pad(mask, (0, padding)))
-
-        embeds, mask = encode(prompts["prompt"])
-        rows = {"embeds": embeds, "mask": mask}
-        if self._cfg(a):
-            rows["neg_embeds"], rows["neg_mask"] = encode(prompts["negative_prompt"])
-        return rows, {}
+    def _prompt_padding(self, pipe, a) -> int:
+        return prompt_padding(pipe, family_named(self.name), a["reference_sizes"], a["condition_sizes"])
 
     def _vae_references(self, pipe, a):
         images = [pipe.image_processor.preprocess(image, height, width).unsqueeze(2)
