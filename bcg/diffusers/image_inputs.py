@@ -95,7 +95,8 @@ def condition_sizes(grid: tuple[int, int], size_multiple: int, area: int, condit
     """Every ``(width, height)`` that ``QwenImageEditPlusPipeline`` resizes a reference to for its vision-language
     encoder (`condition_area` pixels at the image's aspect ratio, each side rounded to 32) where the same image
     resized to `area` has the token `grid` (its VAE reference): both follow the aspect ratio, rounded apart, so one
-    grid has up to four condition sizes, each with an aspect ratio that makes it and the grid. With ``s`` the square root of the aspect ratio, the grid's sides are
+    grid has up to four condition sizes, each with an aspect ratio that makes it and the grid (the values here).
+    With ``s`` the square root of the aspect ratio, the grid's sides are
     ``round(sqrt(area) * s / 32)`` and ``round(sqrt(area) / s / 32)`` times 32: ``s`` lies in an interval, cut here
     where a condition side's rounding changes; each piece's middle gives one size."""
     root, croot = math.sqrt(area), math.sqrt(condition_area)

@@ -14,7 +14,8 @@
   every key's grids as such a tuple.
 
 ``.key`` is a stable, readable string: ``"1024x1024"`` for the plain case, else suffixes in a fixed order,
-e.g. ``"768x512.f17.b2.cfg.p128"``, ``"1024x1024.r64x64"``, ``"1024x1024.r64x64.r48x80"``. Sizes are written **width x height**, as in the OpenAI Images API
+e.g. ``"768x512.f17.b2.cfg.p128"``, ``"1024x1024.r64x64"``, ``"1024x1024.r64x64.r48x80"``. Sizes are written
+**width x height**, as in the OpenAI Images API
 ``size`` field ("1792x1024" is landscape). `ShapeKey.parse` is the inverse and also accepts a bare
 ``"WxH"``. `ShapeKey.group` and `ShapeKey.with_batch` are its batch-free and per-bucket forms.
 

@@ -145,7 +145,8 @@ def test_a_key_of_several_reference_grids_round_trips_in_order_and_one_grid_prin
     assert key.key == "64x64.b2.cfg.r32x32.r24x40" and ShapeKey.parse(key.key) == key
     assert key.group.key == "64x64.cfg.r32x32.r24x40" and key != ShapeKey.parse("64x64.b2.cfg.r24x40.r32x32")
     assert ShapeKey(64, 64, cfg=True, reference_tokens=1984, reference_grid=((32, 32), (24, 40))) == key.group
-    assert ShapeKey.parse("64x64.r37x28").reference_grids == ((37, 28),) and ShapeKey.parse("64x64").reference_grids == ()
+    assert ShapeKey.parse("64x64.r37x28").reference_grids == ((37, 28),)
+    assert ShapeKey.parse("64x64").reference_grids == ()
     for bad in ("64x64.r4.r4", "64x64.r4x4.r4", "64x64.r4x4.cfg.r4x4"):   # grids repeat only one after another
         with pytest.raises(ValueError, match="bad shape key"):
             ShapeKey.parse(bad)
