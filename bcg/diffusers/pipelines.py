@@ -33,7 +33,7 @@ from bcg.runtime.proxy import unwrap_runner
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["count_prompt_tokens", "generate", "image_tokens", "pipeline_info", "plan_request", "warmup_image", "warmup_pipeline",
+__all__ = ["count_prompt_tokens", "generate", "pipeline_info", "plan_request", "warmup_image", "warmup_pipeline",
            "warmup_reference_image", "warmup_request"]
 
 # --------------------------------------------------------------------------------------------------
@@ -156,6 +156,8 @@ def _image_prompt_tokens(pipe, image) -> int:
     processor = getattr(pipe, "processor", None)
     if image is None or processor is None:
         return 0
+    from bcg.diffusers.step_batching.steps.qwen_image_edit_plus import image_tokens
+
     images = image if isinstance(image, (list, tuple)) else [image]
     tokens = image_tokens(pipe, [(i.width, i.height) for i in images])
     if "<|image_pad|>" in pipe.prompt_template_encode:
@@ -165,12 +167,6 @@ def _image_prompt_tokens(pipe, image) -> int:
     with lock:
         ids = counter(prefix, add_special_tokens=False, truncation=False, verbose=False)["input_ids"]
     return len(ids) + sum(tokens) - len(images)
-
-
-def image_tokens(pipe, sizes) -> list[int]:
-    """The image tokens the pipeline's vision-language ``processor`` makes of images of `sizes` (``(width,
-    height)`` each)."""
-    return list(pipe.processor._get_num_multimodal_tokens(image_sizes=[(h, w) for w, h in sizes]).num_image_tokens)
 
 
 class PaddedPromptsHook(ModelHook):

@@ -25,7 +25,7 @@ def _request(name):
         req.update(size="64x32", num_frames=5)
     if name == "tiny-wan-i2v":
         req.update(image=_first_frame())
-    if name == "tiny-qwen-image-edit":   # instruction edits only
+    if name.startswith("tiny-qwen-image-edit"):   # instruction edits only (-plus: of one image here)
         req.update(image=Image.new("RGB", (64, 64), (90, 160, 30)))
     return req
 
@@ -132,7 +132,7 @@ def test_builtin_answers_the_call_diffusers_documents(name):
         kwargs.update(image=_first_frame())
     if name == "tiny-flux-kontext":   # it fits the aspect ratio to max_area (default 1024²)
         kwargs.update(max_area=256 * 256)
-    if name == "tiny-qwen-image-edit":   # it edits an image: no text-to-image
+    if name.startswith("tiny-qwen-image-edit"):   # it edits an image: no text-to-image
         kwargs.update(image=Image.new("RGB", (64, 64)))
     out = pipe(**kwargs)
     frames = out.frames[0] if name in VIDEO else None

@@ -12,10 +12,10 @@ from PIL import Image
 from bcg.diffusers.families import family_named
 from bcg.diffusers.image_inputs import reference_grid
 from bcg.diffusers.models import load_pipeline
-from bcg.diffusers.pipelines import image_tokens, pipeline_info, plan_request, warmup_request
+from bcg.diffusers.pipelines import pipeline_info, plan_request, warmup_request
 from bcg.diffusers.shape_key import ShapeKey
 from bcg.diffusers.step_batching.batcher import StepBatcher
-from bcg.diffusers.step_batching.steps.qwen_image_edit_plus import prompt_padding
+from bcg.diffusers.step_batching.steps.qwen_image_edit_plus import image_tokens, prompt_padding
 from tests.bcg.diffusers.test_edits import PIXEL_TOLERANCE, drain, scene
 from tests.bcg.diffusers.test_qwen_image_edit import STEPS, diffusers_images, submit
 

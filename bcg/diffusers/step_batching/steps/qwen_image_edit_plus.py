@@ -22,15 +22,19 @@ from bcg.diffusers.image_inputs import condition_sizes, reference_grid
 from bcg.diffusers.step_batching.steps.base import StepFamily
 from bcg.diffusers.step_batching.steps.qwen_image_edit import QwenImageEditStepFamily
 
-__all__ = ["QwenImageEditPlusStepFamily", "prompt_padding", "warmup_condition_references"]
+__all__ = ["QwenImageEditPlusStepFamily", "image_tokens", "prompt_padding", "warmup_condition_references"]
 
 _PIPELINE_MODULE = "diffusers.pipelines.qwenimage.pipeline_qwenimage_edit_plus"
 
 
+def image_tokens(pipe, sizes) -> list[int]:
+    """The image tokens the pipeline's vision-language ``processor`` makes of images of `sizes` (``(width,
+    height)`` each)."""
+    return list(pipe.processor._get_num_multimodal_tokens(image_sizes=[(h, w) for w, h in sizes]).num_image_tokens)
+
+
 def _bounds(pipe, grids, size_multiple: int, family) -> list[int]:
     """Per reference grid, the most image tokens the processor makes of any condition size of that grid."""
-    from bcg.diffusers.pipelines import image_tokens
-
     bounds = []
     for grid in grids:
         sizes = condition_sizes(grid, size_multiple, family.reference_area, family.condition_area)
@@ -41,8 +45,6 @@ def _bounds(pipe, grids, size_multiple: int, family) -> list[int]:
 def prompt_padding(pipe, family, reference_sizes, condition_sizes_) -> int:
     """The zero embeddings a request's prompt gets beyond its own image tokens: each reference (VAE size in
     `reference_sizes`, condition size in `condition_sizes_`) padded to the most its grid's condition sizes make."""
-    from bcg.diffusers.pipelines import image_tokens
-
     multiple = pipe.vae_scale_factor * 2
     grids = [(width // multiple, height // multiple) for width, height in reference_sizes]
     return sum(_bounds(pipe, grids, multiple, family)) - sum(image_tokens(pipe, condition_sizes_))
@@ -52,8 +54,6 @@ def warmup_condition_references(pipe, key, info: dict) -> list:
     """Grey references of `key`'s grids, in order, each of an aspect ratio whose condition size makes the most
     image tokens of its grid (so a warmup's prompt is as long as any request's of the key: `prompt_padding`)."""
     from PIL import Image
-
-    from bcg.diffusers.pipelines import image_tokens
 
     family = family_named(info["family"])
     multiple = info["size_multiple"]
