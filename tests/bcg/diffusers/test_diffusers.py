@@ -37,6 +37,7 @@ EXPECTED_BREAKS = {
     "tiny-wan-i2v": ["dispatch_attention_fn"] * 4,   # the image's cross-attention inside the text's call
     "tiny-qwen-image": ["dispatch_attention_fn"] * 2,
     "tiny-qwen-image-edit": ["dispatch_attention_fn"] * 2,
+    "tiny-qwen-image-edit-plus": ["dispatch_attention_fn"] * 2,
     "shapes-flux": ["dispatch_attention_fn"] * 6,
 }
 
@@ -215,7 +216,8 @@ def test_accelerated_pipeline_matches_plain_with_cfg(name):
     assert np.array_equal(_run(pipe, name, **overrides), reference)
     stats = runners["transformer"].stats()
     # CFG as a second call vs batched (or none: Kontext without a negative prompt)
-    calls_per_step = 2 if name in ("tiny-flux", "tiny-wan", "tiny-wan-i2v", "tiny-qwen-image", "tiny-qwen-image-edit") else 1
+    calls_per_step = 2 if name in ("tiny-flux", "tiny-wan", "tiny-wan-i2v", "tiny-qwen-image", "tiny-qwen-image-edit",
+                                   "tiny-qwen-image-edit-plus") else 1
     assert stats["eager_calls"]["no_cuda"] == calls_per_step
     assert stats["captures"] == 0
     assert json.loads(json.dumps(pipeline_info(pipe)))["family"] == pipeline_info(load_pipeline(name))["family"]
@@ -428,13 +430,15 @@ def test_pipeline_info_is_plain_and_right():
         "tiny-flux": 16, "tiny-flux-kontext": 16, "tiny-sd3": 16, "tiny-pixart": 16, "tiny-sana": 32, "tiny-wan": 16,
         "tiny-wan-i2v": 16, "tiny-qwen-image": 16,
         "tiny-qwen-image-edit": 32,   # its tokens 32 pixels a side (a CPU-sized reference; the real model's 16)
+        "tiny-qwen-image-edit-plus": 32,
         "shapes-flux": 8}  # its VAE downsamples 4x (then Flux's 2x2 patches), FLUX.1's 8x
     assert info["shapes-flux"]["default_size"] == "64x64"  # its trained size; tiny-flux keeps FLUX's 1024x1024
     assert info["tiny-flux"]["default_size"] == "1024x1024"
     assert [n for n, i in info.items() if i["is_video"]] == ["tiny-wan", "tiny-wan-i2v"]
     assert info["tiny-wan"]["frame_multiple"] == info["tiny-wan-i2v"]["frame_multiple"] == 4
     assert {n: i["fps"] for n, i in info.items() if i["fps"]} == {"tiny-wan": 16, "tiny-wan-i2v": 16}  # videos only
-    assert [n for n, i in info.items() if i["needs_image"]] == ["tiny-qwen-image-edit", "tiny-wan-i2v"]
+    assert [n for n, i in info.items() if i["needs_image"]] == ["tiny-qwen-image-edit", "tiny-qwen-image-edit-plus",
+                                                                 "tiny-wan-i2v"]
     assert info["tiny-flux"]["prompt_buckets"] == [32, 64, 128, 256, 512]
     assert info["tiny-pixart"]["prompt_buckets"][-1] == 300
     assert {n: i["cfg_calls"] for n, i in info.items()}["tiny-sd3"] == "batched"
