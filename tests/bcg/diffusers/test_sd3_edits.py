@@ -11,23 +11,19 @@ from PIL import Image
 
 from bcg.diffusers.image_inputs import read_image
 from bcg.diffusers.models import load_pipeline
-from bcg.diffusers.pipelines import generate, pipeline_info, plan_request
+from bcg.diffusers.pipelines import pipeline_info, plan_request
 from bcg.diffusers.request_plan import PlanError, resolve_plan
 from bcg.diffusers.step_batching.batcher import StepBatcher
-from tests.bcg.diffusers.test_edits import drain, scene, square_mask
+from tests.bcg.diffusers.test_edits import (EDITS, PIXEL_TOLERANCE, SIZE, assert_edits_join_a_text_batch,
+                                            assert_generate_runs_the_edit,
+                                            assert_makes_edits_and_checks_their_arguments, drain, scene, square_mask,
+                                            submit)
+from tests.bcg.diffusers.test_image_inputs import encoded
+from tests.bcg.diffusers.test_edits import reference as edits_reference
 
-# The issue's bound: a served edit within 3/255 per pixel of diffusers' pipeline with the same inputs and
-# seed. Seen here: 0 alone (the pipeline's own inputs, kernel for kernel); batched, the rounding of batched
-# float32 kernels only.
-PIXEL_TOLERANCE = 3 / 255
-SIZE = 64
-EDITS = {
-    "image-to-image": {"prompt": "a green triangle", "image": scene(), "strength": 0.6, "seed": 1, "steps": 4},
-    "inpaint": {"prompt": "a yellow circle", "image": scene(), "mask_image": square_mask(), "strength": 0.8,
-                "seed": 2, "steps": 4},
-}
 # of 4 steps: from get_timesteps' t_start = int(4 - 4 * strength)
 STEPS_RUN = {"image-to-image": 3, "inpaint": 4}
+SD3_EDIT_PIPELINES = {"image-to-image": StableDiffusion3Img2ImgPipeline, "inpaint": StableDiffusion3InpaintPipeline}
 
 
 @pytest.fixture(scope="module")
@@ -37,17 +33,7 @@ def pipe():
 
 def reference(pipe, edit: dict) -> np.ndarray:
     """diffusers' own SD3 edit pipeline, made from `pipe`, with the edit's inputs and seed."""
-    edit = dict(edit)
-    cls = StableDiffusion3InpaintPipeline if "mask_image" in edit else StableDiffusion3Img2ImgPipeline
-    steps, seed = edit.pop("steps"), edit.pop("seed")
-    out = cls.from_pipe(pipe)(height=SIZE, width=SIZE, num_inference_steps=steps, output_type="np",
-                              generator=torch.Generator("cpu").manual_seed(seed), **edit)
-    return np.asarray(out.images)
-
-
-def submit(batcher, edit: dict, **extra):
-    edit = dict(edit)
-    return batcher.submit(edit.pop("prompt"), size=f"{SIZE}x{SIZE}", output_type="np", **edit, **extra)
+    return edits_reference(pipe, edit, SD3_EDIT_PIPELINES)
 
 
 def text_request(batcher):
@@ -65,23 +51,10 @@ def test_an_sd3_edit_alone_is_its_diffusers_pipeline_image(pipe, kind):
 
 
 def test_sd3_edits_join_a_running_text_batch_and_each_keeps_its_image(pipe):
-    """A text request runs; an image-to-image and an inpainting request join it at its second step, each at its
-    own point of the schedule, the mask applied to its rows only, the inpainted request decoded as its own
-    pipeline decodes (beside text rows decoded with the VAE's shift)."""
-    batcher = StepBatcher(pipe)
-    text = text_request(batcher)
-    batcher.step()
-    images = drain(batcher, [text] + [submit(batcher, EDITS[kind]) for kind in EDITS])
-    stats = batcher.stats()
-    assert stats["joins_mid_run"] == 2 and stats["batch_size_histogram"].get(3, 0) >= 2, stats
-    _, kwargs = plan_request(pipe, "a red circle", size=f"{SIZE}x{SIZE}", steps=4, seed=3, output_type="np")
-    expected = [np.asarray(pipe(**kwargs).images)] + [reference(pipe, EDITS[kind]) for kind in EDITS]
-    for name, image, want in zip(["text", *EDITS], images, expected):
-        assert np.abs(image - want).max() <= PIXEL_TOLERANCE, name
-    # outside the mask the inpainted image is the input's (through the VAE), inside it is repainted
-    inpainted, source = images[2][0], np.asarray(scene(), dtype=np.float32) / 255
-    inside = np.asarray(square_mask()) > 127
-    assert np.abs(inpainted - source)[inside].mean() > np.abs(inpainted - source)[~inside].mean()
+    """A text request runs (CFG: its negative and positive rows in one call); an image-to-image and an inpainting
+    request join it at its second step, each at its own point of the schedule, the mask applied to its rows
+    only, the inpainted request decoded as its own pipeline decodes."""
+    assert_edits_join_a_text_batch(pipe, SD3_EDIT_PIPELINES)
 
 
 def test_an_inpainted_and_a_text_request_leaving_together_each_decode_as_their_pipelines(pipe):
@@ -126,35 +99,20 @@ def test_step_caching_on_sd3_edit_rows_threshold_0_equals_uncached_and_a_schedul
 
 
 def test_generate_runs_an_sd3_edit_on_its_edit_pipeline(pipe):
-    edit = dict(EDITS["inpaint"])
-    prompt = edit.pop("prompt")
-    images = generate(pipe, prompt, size=f"{SIZE}x{SIZE}", output_type="np", **edit)
-    assert np.abs(np.asarray(images) - reference(pipe, EDITS["inpaint"])).max() <= PIXEL_TOLERANCE
-
-
-def _png(image: Image.Image) -> bytes:
-    import io
-
-    out = io.BytesIO()
-    image.save(out, format="PNG")
-    return out.getvalue()
+    assert_generate_runs_the_edit(pipe, "inpaint", SD3_EDIT_PIPELINES)
 
 
 def test_the_sd3_family_makes_edits_and_bad_edit_input_is_named(pipe):
-    info = pipeline_info(pipe)
-    assert info["edits"] == ["image-to-image", "inpaint"] and info["max_input_images"] == 1
-    for bad, field in (({"mask_image": square_mask()}, "mask_image"), ({"strength": 0.5}, "strength"),
-                       ({"image": scene(), "strength": 0.0}, "strength"),
-                       ({"image": scene(), "strength": 1.5}, "strength")):
-        with pytest.raises(ValueError, match=field):
-            plan_request(pipe, "a cat", **bad)
+    assert_makes_edits_and_checks_their_arguments(pipe)
     # as the ingress plans it: the files checked, a mask of another size and strength out of (0, 1] refused
-    image = read_image(_png(scene()), 128 * 128)
-    small_mask = read_image(_png(Image.new("L", (32, 32))), 128 * 128)
+    info = pipeline_info(pipe)
+    image = read_image(encoded(scene()), 128 * 128)
+    small_mask = read_image(encoded(Image.new("L", (32, 32))), 128 * 128)
     for fields, field in (({"mask": small_mask}, "mask"), ({"strength": 0.0}, "strength"),
                           ({"strength": 1.01}, "strength")):
         with pytest.raises(PlanError) as error:
             resolve_plan("a cat", info, size="64x64", images=(image,), **fields)
         assert error.value.field == field
-    plan = resolve_plan("a cat", info, size="64x64", images=(image,), mask=read_image(_png(square_mask()), 128 * 128))
+    mask = read_image(encoded(square_mask()), 128 * 128)
+    plan = resolve_plan("a cat", info, size="64x64", images=(image,), mask=mask)
     assert plan.edit == "inpaint" and plan.shape_key.key == "64x64.cfg"

@@ -10,38 +10,21 @@ caching installed, an edit whose cache has threshold 0 gives its uncached image,
 import numpy as np
 import pytest
 import torch
-from diffusers import StableDiffusion3Img2ImgPipeline, StableDiffusion3InpaintPipeline
 
-from bcg.diffusers.models import load_pipeline
 from bcg.diffusers.pipelines import plan_request
 from bcg.runtime.call_record import CallRecord
 from tests.bcg.diffusers.gpu_batching import drain, warm_batcher
-from tests.bcg.diffusers.test_edits import scene, square_mask
+from tests.bcg.diffusers.test_edits_gpu import EDITS, SIZE, STEPS, assert_edits_replay_a_text_warmup
+from tests.bcg.diffusers.test_sd3_edits import SD3_EDIT_PIPELINES
 
 pytestmark = pytest.mark.gpu
 
-SIZE = 64
 KEY = f"{SIZE}x{SIZE}.cfg"   # SD3's default guidance (7.0) runs CFG
-STEPS = 8
-TOLERANCE = 3 / 255
-EDITS = {
-    "image-to-image": {"image": scene(), "strength": 0.6},
-    "inpaint": {"image": scene(), "mask_image": square_mask(), "strength": 0.8},
-}
 
 
 def _plan(pipe, seed, edit):
     return plan_request(pipe, "a yellow star", size=f"{SIZE}x{SIZE}", steps=STEPS, seed=seed, output_type="np",
                         **edit)
-
-
-def _reference(kind, seed):
-    """diffusers' SD3 edit pipeline on an unaccelerated bfloat16 tiny-sd3."""
-    pipe = load_pipeline("tiny-sd3", device="cuda")
-    cls = StableDiffusion3InpaintPipeline if kind == "inpaint" else StableDiffusion3Img2ImgPipeline
-    with torch.no_grad():
-        out = cls.from_pipe(pipe, torch_dtype=pipe.transformer.dtype)(**_plan(pipe, seed, EDITS[kind])[1])
-    return np.asarray(out.images)
 
 
 def _needs_cuda():
@@ -51,30 +34,7 @@ def _needs_cuda():
 
 def test_sd3_edits_replay_the_text_warmup_graphs_alone_and_in_a_step_batch():
     _needs_cuda()
-    pipe, batcher = warm_batcher("tiny-sd3", [KEY])
-    transformer = pipe.transformer
-    captures = transformer.stats()["captures"]
-    alone = {}
-    for i, kind in enumerate(EDITS):
-        record = CallRecord()
-        key, kwargs = _plan(pipe, i, EDITS[kind])
-        assert key.key == KEY
-        (alone[kind],) = drain(batcher, [batcher.submit_planned(key, kwargs, records=(record,))])
-        assert record.eager_total == 0 and record.replays > 0, (kind, record.eager)
-        assert np.abs(alone[kind] - _reference(kind, i)).max() <= TOLERANCE, kind
-    text_key, text_kwargs = plan_request(pipe, "a red circle", size=f"{SIZE}x{SIZE}", steps=STEPS, seed=9,
-                                         output_type="np")
-    record = CallRecord()
-    futures = [batcher.submit_planned(text_key, text_kwargs, records=(record,))]
-    batcher.step()
-    for i, kind in enumerate(EDITS):
-        key, kwargs = _plan(pipe, i, EDITS[kind])
-        futures.append(batcher.submit_planned(key, kwargs, records=(record,)))
-    images = drain(batcher, futures)
-    assert batcher.stats()["joins_mid_run"] >= 2
-    assert record.eager_total == 0 and transformer.stats()["captures"] == captures   # nothing captured anew
-    for kind, image in zip(EDITS, images[1:]):
-        assert np.abs(image - alone[kind]).max() <= TOLERANCE, kind
+    assert_edits_replay_a_text_warmup("tiny-sd3", KEY, SD3_EDIT_PIPELINES)
 
 
 def test_step_caching_on_sd3_edit_rows_replayed_threshold_0_is_uncached_and_a_schedule_caches():
