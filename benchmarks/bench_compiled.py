@@ -60,7 +60,8 @@ UNCHANGED = {"eager", "one_graph", "reduce_overhead"}  # variants that run the b
 RECOMPILE_LIMIT = 256
 COMPILE_VARIANTS = {"compiled_segments", "inductor_one_graph", "reduce_overhead", "runner_compiled"}
 MODELS = {
-    # 9.17 M parameters: the bench_forward model (64 text tokens)
+    # 9.17 M parameters (64 text tokens): the model of the retired bench_forward.py, whose eager / one graph /
+    # segments comparison is this script's `--models flux-9m --variants eager,one_graph,segments`
     "flux-9m": dict(cls="FluxTransformer2DModel", text_tokens=64, config=dict(
         patch_size=1, in_channels=64, num_layers=2, num_single_layers=4, attention_head_dim=64,
         num_attention_heads=4, joint_attention_dim=256, pooled_projection_dim=256, axes_dims_rope=(16, 24, 24))),

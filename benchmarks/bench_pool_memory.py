@@ -36,7 +36,7 @@ CASES = {
                                          attention_head_dim=16, num_attention_heads=2, joint_attention_dim=32,
                                          pooled_projection_dim=32, axes_dims_rope=(4, 6, 6)),
                              batch=4, side=128, text=64),
-    # bench_forward's 9.17 M-parameter Flux at 1024² (64 x 64 latent tokens), batch 2
+    # bench_compiled's flux-9m (9.17 M parameters) at 1024² (64 x 64 latent tokens), batch 2
     "flux-9m-b2-1024": dict(config=dict(patch_size=1, in_channels=64, num_layers=2, num_single_layers=4,
                                         attention_head_dim=64, num_attention_heads=4, joint_attention_dim=256,
                                         pooled_projection_dim=256, axes_dims_rope=(16, 24, 24)),

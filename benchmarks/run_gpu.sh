@@ -37,7 +37,7 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
   rc=${PIPESTATUS[0]}; pack
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
-  for b in ${BCG_BENCHES:-bench_forward bench_runner_overhead bench_pipeline bench_serve}; do
+  for b in ${BCG_BENCHES:-bench_runner_overhead bench_pipeline bench_serve}; do
     echo "== $b"; timeout ${BCG_BENCH_TIMEOUT:-300} python3 benchmarks/$b.py --out "$OUT/$b.json" 2>&1 | tail -30; pack
   done
 fi

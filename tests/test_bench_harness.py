@@ -15,7 +15,7 @@ import _common  # noqa: E402
 
 # Scripts that compare variants and time them through `time_interleaved`.
 INTERLEAVED = {
-    "bench_break_cost.py", "bench_compiled.py", "bench_edits_speed.py", "bench_encoding.py", "bench_forward.py",
+    "bench_break_cost.py", "bench_compiled.py", "bench_edits_speed.py", "bench_encoding.py",
     "bench_fp8.py", "bench_lora.py", "bench_lora_layer.py", "bench_pipeline.py", "bench_pipeline_host.py",
     "bench_real_size.py", "bench_runner_overhead.py",
 }
@@ -192,32 +192,6 @@ def _check_ratio(ratio: dict, numerator: dict, denominator: dict):
 
 cpu_only = pytest.mark.skipif(_common.torch.cuda.is_available(), reason="the CPU smoke path; a GPU host runs "
                               "the GPU command lines")
-
-
-@cpu_only
-def test_bench_forward_smoke_run_times_the_three_modes_in_rounds(tmp_path):
-    """Eager, one graph and segments (stand-ins without CUDA) built, then timed in turn; the segments' module
-    shares the eager one's weights and still gives its output bit for bit."""
-    import json
-
-    import bench_forward
-
-    out = tmp_path / "forward.json"
-    assert bench_forward.main(["--allow-cpu", "--sizes", "32", "--iters", "1", "--warmup", "0",
-                               "--out", str(out)]) == 0
-    result = json.loads(out.read_text())
-    assert result["source"]["commit"] and result["timing"]["rounds"] == 3 and result["breaks"]["count"] > 0
-    (row,) = result["results"]
-    timed = row["rounds_ms"]
-    assert set(timed) == {"eager", "one_graph", "segments"}
-    for name, figures in timed.items():
-        _check_rounds(figures)
-        assert row[f"{name}_ms"] == figures["median"]
-    _check_ratio(row["ratios"]["segments_over_one_graph"], timed["segments"], timed["one_graph"])
-    _check_ratio(row["ratios"]["eager_over_segments"], timed["eager"], timed["segments"])
-    assert row["ratio_segments_over_one_graph"] == row["ratios"]["segments_over_one_graph"]["median"]
-    assert row["segments_bitwise_equal_eager"] is True and "no CUDA" in row["graphs"]
-    assert result["bar"]["met"] is None  # no graphs, no verdict
 
 
 @cpu_only

@@ -22,6 +22,7 @@ from bcg.diffusers import (
 )
 from bcg.diffusers.models import BUILTIN_MODELS, load_pipeline
 from bcg.runtime.runner import BreakableGraphRunner
+from tests.bcg.diffusers.builtin_inputs import builtin_inputs
 
 FAMILIES = sorted(BUILTIN_MODELS)
 # attention layers per transformer forward, and the function each break runs (what `install_breaks`
@@ -33,7 +34,9 @@ EXPECTED_BREAKS = {
     "tiny-pixart": ["scaled_dot_product_attention"] * 4,
     "tiny-sana": ["SanaLinearAttnProcessor2_0.__call__", "scaled_dot_product_attention"] * 2,
     "tiny-wan": ["dispatch_attention_fn"] * 4,
+    "tiny-wan-i2v": ["dispatch_attention_fn"] * 4,   # the image's cross-attention inside the text's call
     "tiny-qwen-image": ["dispatch_attention_fn"] * 2,
+    "tiny-qwen-image-edit": ["dispatch_attention_fn"] * 2,
     "shapes-flux": ["dispatch_attention_fn"] * 6,
 }
 
@@ -67,9 +70,7 @@ def recording_capture():
 
 
 def _request(name, **overrides):
-    req = dict(size="64x64", steps=1, seed=3, output_type="np", guidance=1.0)
-    if name == "tiny-wan":
-        req["num_frames"] = 5
+    req = dict(size="64x64", steps=1, seed=3, output_type="np", guidance=1.0) | builtin_inputs(name)
     if name == "tiny-flux":
         req.pop("guidance")
     req.update(overrides)
@@ -213,7 +214,8 @@ def test_accelerated_pipeline_matches_plain_with_cfg(name):
     assert isinstance(pipe.transformer, BreakableGraphRunner)
     assert np.array_equal(_run(pipe, name, **overrides), reference)
     stats = runners["transformer"].stats()
-    calls_per_step = 2 if name in ("tiny-flux", "tiny-wan", "tiny-qwen-image") else 1  # CFG as a second call vs batched
+    # CFG as a second call vs batched (or none: Kontext without a negative prompt)
+    calls_per_step = 2 if name in ("tiny-flux", "tiny-wan", "tiny-wan-i2v", "tiny-qwen-image", "tiny-qwen-image-edit") else 1
     assert stats["eager_calls"]["no_cuda"] == calls_per_step
     assert stats["captures"] == 0
     assert json.loads(json.dumps(pipeline_info(pipe)))["family"] == pipeline_info(load_pipeline(name))["family"]
@@ -423,13 +425,16 @@ def test_pipeline_info_is_plain_and_right():
     info = {name: pipeline_info(load_pipeline(name)) for name in FAMILIES}
     json.dumps(info)
     assert {n: i["size_multiple"] for n, i in info.items()} == {
-        "tiny-flux": 16, "tiny-flux-kontext": 16, "tiny-sd3": 16, "tiny-pixart": 16, "tiny-sana": 32, "tiny-wan": 16, "tiny-qwen-image": 16,
+        "tiny-flux": 16, "tiny-flux-kontext": 16, "tiny-sd3": 16, "tiny-pixart": 16, "tiny-sana": 32, "tiny-wan": 16,
+        "tiny-wan-i2v": 16, "tiny-qwen-image": 16,
+        "tiny-qwen-image-edit": 32,   # its tokens 32 pixels a side (a CPU-sized reference; the real model's 16)
         "shapes-flux": 8}  # its VAE downsamples 4x (then Flux's 2x2 patches), FLUX.1's 8x
     assert info["shapes-flux"]["default_size"] == "64x64"  # its trained size; tiny-flux keeps FLUX's 1024x1024
     assert info["tiny-flux"]["default_size"] == "1024x1024"
-    assert [n for n, i in info.items() if i["is_video"]] == ["tiny-wan"]
-    assert info["tiny-wan"]["frame_multiple"] == 4
-    assert {n: i["fps"] for n, i in info.items() if i["fps"]} == {"tiny-wan": 16}  # videos only
+    assert [n for n, i in info.items() if i["is_video"]] == ["tiny-wan", "tiny-wan-i2v"]
+    assert info["tiny-wan"]["frame_multiple"] == info["tiny-wan-i2v"]["frame_multiple"] == 4
+    assert {n: i["fps"] for n, i in info.items() if i["fps"]} == {"tiny-wan": 16, "tiny-wan-i2v": 16}  # videos only
+    assert [n for n, i in info.items() if i["needs_image"]] == ["tiny-qwen-image-edit", "tiny-wan-i2v"]
     assert info["tiny-flux"]["prompt_buckets"] == [32, 64, 128, 256, 512]
     assert info["tiny-pixart"]["prompt_buckets"][-1] == 300
     assert {n: i["cfg_calls"] for n, i in info.items()}["tiny-sd3"] == "batched"

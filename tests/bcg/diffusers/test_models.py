@@ -9,25 +9,16 @@ from PIL import Image
 
 from bcg.diffusers import generate
 from bcg.diffusers.models import BUILTIN_MODELS, DEFAULT_MODEL, build_tokenizer, load_pipeline
+from tests.bcg.diffusers.builtin_inputs import VIDEO, builtin_inputs, first_frame
 
 FAMILIES = sorted(BUILTIN_MODELS)
-VIDEO = ("tiny-wan", "tiny-wan-i2v")
-
-
-def _first_frame() -> Image.Image:
-    """Image-to-video's input (tiny-wan-i2v): a gradient, resized by the pipeline to the video's size."""
-    return Image.fromarray(np.linspace(0, 255, 48 * 40 * 3).reshape(40, 48, 3).astype(np.uint8))
 
 
 def _request(name):
     req = dict(size="128x64", steps=2, seed=7)
     if name in VIDEO:
-        req.update(size="64x32", num_frames=5)
-    if name == "tiny-wan-i2v":
-        req.update(image=_first_frame())
-    if name == "tiny-qwen-image-edit":   # instruction edits only
-        req.update(image=Image.new("RGB", (64, 64), (90, 160, 30)))
-    return req
+        req.update(size="64x32")
+    return req | builtin_inputs(name)
 
 
 @pytest.mark.parametrize("name", FAMILIES)
@@ -129,7 +120,7 @@ def test_builtin_answers_the_call_diffusers_documents(name):
     if name in VIDEO:
         kwargs.update(num_frames=5)
     if name == "tiny-wan-i2v":
-        kwargs.update(image=_first_frame())
+        kwargs.update(image=first_frame())
     if name == "tiny-flux-kontext":   # it fits the aspect ratio to max_area (default 1024²)
         kwargs.update(max_area=256 * 256)
     if name == "tiny-qwen-image-edit":   # it edits an image: no text-to-image

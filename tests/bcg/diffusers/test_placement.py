@@ -22,6 +22,7 @@ from bcg.diffusers.graph_breaks.hostops import HostOpProbe, Place, classify
 from bcg.diffusers.models import BUILTIN_MODELS, load_pipeline
 from bcg.runtime.runner import BreakableGraphRunner
 from bcg.runtime.config import RunnerConfig
+from tests.bcg.diffusers.builtin_inputs import builtin_inputs
 from tests.bcg.diffusers.test_diffusers import recording_capture
 
 # --------------------------------------------------------------------------------------------------
@@ -383,9 +384,7 @@ def test_runner_on_the_host_probes_in_its_first_eager_call_and_counts_it():
 
 
 def _request(name):
-    req = dict(size="64x64", steps=1, seed=3, output_type="np", guidance=1.0)
-    if name == "tiny-wan":
-        req["num_frames"] = 5
+    req = dict(size="64x64", steps=1, seed=3, output_type="np", guidance=1.0) | builtin_inputs(name)
     if name == "tiny-flux":
         req.pop("guidance")
     return req

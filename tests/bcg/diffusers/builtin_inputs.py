@@ -1,0 +1,22 @@
+"""What a request to each built-in needs beside its prompt, for the tests that run every built-in: the
+frames of the video models and the input image of those that make nothing without one."""
+import numpy as np
+from PIL import Image
+
+VIDEO = ("tiny-wan", "tiny-wan-i2v")
+
+
+def first_frame() -> Image.Image:
+    """Image-to-video's input (tiny-wan-i2v): a gradient, resized by the pipeline to the video's size."""
+    return Image.fromarray(np.linspace(0, 255, 48 * 40 * 3).reshape(40, 48, 3).astype(np.uint8))
+
+
+def builtin_inputs(name: str, frames: int = 5) -> dict:
+    """`plan_request` / `generate` arguments the built-in `name` needs: ``num_frames`` for a video model, an
+    ``image`` for one that needs an input image (Wan I2V's first frame, Qwen-Image-Edit's reference)."""
+    fields = {"num_frames": frames} if name in VIDEO else {}
+    if name == "tiny-wan-i2v":
+        fields["image"] = first_frame()
+    if name == "tiny-qwen-image-edit":   # instruction edits only
+        fields["image"] = Image.new("RGB", (64, 64), (90, 160, 30))
+    return fields
