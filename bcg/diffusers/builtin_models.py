@@ -147,15 +147,16 @@ def _tiny_flux_components() -> dict:
 
 @_seeded
 def build_tiny_sd3():
-    """StableDiffusion3Pipeline: two CLIPs with projection + T5, 2 MMDiT blocks, patch 2."""
+    """StableDiffusion3Pipeline: two CLIPs with projection + T5, 2 MMDiT blocks, patch 2, SD3's 16 latent
+    channels (``StableDiffusion3InpaintPipeline`` takes 16- or 33-channel transformers only)."""
     from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
 
     transformer = SD3Transformer2DModel(
-        sample_size=32, patch_size=2, in_channels=4, num_layers=2, attention_head_dim=16,
+        sample_size=32, patch_size=2, in_channels=16, num_layers=2, attention_head_dim=16,
         num_attention_heads=4, joint_attention_dim=64, caption_projection_dim=64, pooled_projection_dim=64,
-        out_channels=4, pos_embed_max_size=64,
+        out_channels=16, pos_embed_max_size=64,
     )
-    vae = vae_kl(4, shift_factor=0.1)
+    vae = vae_kl(16, shift_factor=0.1)
     _randomize_zero_params(transformer, vae)
     return StableDiffusion3Pipeline(
         transformer=transformer.eval(), scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0), vae=vae,

@@ -267,6 +267,8 @@ FAMILIES: dict[str, ModelFamily] = {f.name: f for f in (
     # the last joint block updates the image stream only (its text stream comes back None)
     ModelFamily("sd3", ("StableDiffusion3Pipeline",), builtin="tiny-sd3", prompt_tokenizer="tokenizer_3",
                 batching=_STEPS + "sd3:SD3StepFamily",
+                edit_pipelines=MappingProxyType({"image-to-image": "StableDiffusion3Img2ImgPipeline",
+                                                 "inpaint": "StableDiffusion3InpaintPipeline"}),
                 step_cache=BlockAdapter(
                     ("SD3Transformer2DModel",), ("transformer_blocks",),
                     bypass_args=("block_controlnet_hidden_states", "joint_attention_kwargs", "skip_layers"))),

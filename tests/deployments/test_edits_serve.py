@@ -11,7 +11,6 @@ import zlib
 import numpy as np
 import pytest
 import torch
-from diffusers import FluxImg2ImgPipeline, FluxInpaintPipeline
 from PIL import Image
 from ray import serve
 
@@ -19,7 +18,7 @@ from bcg.diffusers.image_inputs import read_image
 from bcg.diffusers.models import load_pipeline
 from bcg.diffusers.request_plan import resolve_plan
 from bcg.diffusers.step_caching.config import StepCacheConfig
-from tests.bcg.diffusers.test_edits import scene, square_mask
+from tests.bcg.diffusers.test_edits import FLUX_EDIT_PIPELINES, scene, square_mask
 from tests.deployments.conftest import http_app
 
 APP = "bcg-edits"
@@ -49,19 +48,23 @@ EDITS = {
 }
 
 
+def edit_references(builtin: str, pipelines: dict) -> dict:
+    """diffusers' edit pipelines (`pipelines`, by edit kind) made from `builtin`: their 8-bit images per edit kind."""
+    pipe = load_pipeline(builtin)
+    out = {}
+    for kind, edit in EDITS.items():
+        extra = {"mask_image": square_mask()} if kind == "inpaint" else {}
+        image = pipelines[kind].from_pipe(pipe)(
+            prompt=edit["prompt"], image=scene(), strength=edit["strength"], height=64, width=64,
+            num_inference_steps=STEPS, generator=torch.Generator("cpu").manual_seed(edit["seed"]), **extra).images[0]
+        out[kind] = np.asarray(image).astype(np.int16)
+    return out
+
+
 @pytest.fixture(scope="module")
 def references():
     """diffusers' edit pipelines made from the built-in tiny-flux, their 8-bit images per edit kind."""
-    pipe = load_pipeline("tiny-flux")
-    out = {}
-    for kind, edit in EDITS.items():
-        cls = FluxInpaintPipeline if kind == "inpaint" else FluxImg2ImgPipeline
-        extra = {"mask_image": square_mask()} if kind == "inpaint" else {}
-        image = cls.from_pipe(pipe)(prompt=edit["prompt"], image=scene(), strength=edit["strength"], height=64,
-                                    width=64, num_inference_steps=STEPS,
-                                    generator=torch.Generator("cpu").manual_seed(edit["seed"]), **extra).images[0]
-        out[kind] = np.asarray(image).astype(np.int16)
-    return out
+    return edit_references("tiny-flux", FLUX_EDIT_PIPELINES)
 
 
 def _decoded(data: bytes) -> np.ndarray:
@@ -103,14 +106,19 @@ def test_the_engine_serves_edits_in_a_step_batch_with_text_requests_as_diffusers
         engine.close()
 
 
+def edits_app_args(model: str, warmup: str) -> dict:
+    """`build_app` args of an edits test app: one CPU replica of `model` warm for `warmup`, step batching and
+    step caching on, this module's image and upload limits."""
+    return {"model": model, "num_replicas": 1, "num_cpus_per_replica": 0, "num_gpus_per_replica": 0,
+            "device": "cpu", "warmup": warmup, "warmup_steps": 1, "default_steps": STEPS, "cpu_threads": 1,
+            "max_batch_size": 4, "batch_buckets": "1,2,4", "step_cache": "method=first_block,threshold=0",
+            "max_image_pixels": MAX_IMAGE_PIXELS, "max_upload_bytes": MAX_UPLOAD_BYTES}
+
+
 @pytest.fixture(scope="module")
 def edits_app(ray_serve):
     """(base url, app name): one CPU replica warm for 64x64, step batching and step caching on."""
-    args = {"model": "tiny-flux", "num_replicas": 1, "num_cpus_per_replica": 0, "num_gpus_per_replica": 0,
-            "device": "cpu", "warmup": "64x64", "warmup_steps": 1, "default_steps": STEPS, "cpu_threads": 1,
-            "max_batch_size": 4, "batch_buckets": "1,2,4", "step_cache": "method=first_block,threshold=0",
-            "max_image_pixels": MAX_IMAGE_PIXELS, "max_upload_bytes": MAX_UPLOAD_BYTES}
-    with http_app(ray_serve, APP, "/edits", args, timeout=600) as client:
+    with http_app(ray_serve, APP, "/edits", edits_app_args("tiny-flux", "64x64"), timeout=600) as client:
         yield client, APP
 
 
@@ -127,7 +135,12 @@ def _edit(client, data, files, timeout=600):
 
 
 def test_edits_over_http_are_the_diffusers_edit_pipelines_images(edits_app, references):
-    client, _ = edits_app
+    assert_edits_served(edits_app[0], references, "64x64")
+
+
+def assert_edits_served(client, references: dict, shape_key: str) -> None:
+    """Image-to-image and inpainting (OpenAI's mask, threshold-0 caching) sent beside a text request: each the
+    image of `references` within the bound, at `shape_key`, from part-way through its schedule."""
     forms = {
         "image-to-image": ({**EDITS["image-to-image"], "size": "64x64"}, _files()),
         "inpaint": ({**EDITS["inpaint"], "size": "64x64", "cache": '{"threshold": 0.0}'},
@@ -141,7 +154,7 @@ def test_edits_over_http_are_the_diffusers_edit_pipelines_images(edits_app, refe
         for kind, answer in answers.items():
             body, got = answered_image(answer.result())
             assert np.abs(got - references[kind]).max() <= PIXEL_TOLERANCE, kind
-            assert body["bcg"]["shape_key"] == "64x64" and body["bcg"]["steps_cached"] == 0
+            assert body["bcg"]["shape_key"] == shape_key and body["bcg"]["steps_cached"] == 0
             assert body["bcg"]["steps_computed"] == {"image-to-image": 3, "inpaint": 4}[kind]
 
 

@@ -112,9 +112,9 @@ SCRIPT = textwrap.dedent('''
     out["edit_plans"] = [{"key": p.shape_key.key, "edit": p.edit, "strength": p.strength,
                           "images": [[i.width, i.height, i.format, i.has_alpha, len(i.data)] for i in p.images],
                           "mask": [p.mask.width, p.mask.height, p.mask.has_alpha]} for p in replica.plans]
-    sd3, _ = client({**FLUX, "family": "sd3", "pipeline_class": "StableDiffusion3Pipeline", "edits": [],
-                     "max_input_images": 0, "step_cache": False}, None)
-    r = sd3.post("/v1/images/edits", data={"prompt": "a cat"}, files=[("image", ("a.png", image, "image/png"))])
+    pixart, _ = client({**FLUX, "family": "pixart", "pipeline_class": "PixArtSigmaPipeline", "edits": [],
+                        "max_input_images": 0, "step_cache": False}, None)
+    r = pixart.post("/v1/images/edits", data={"prompt": "a cat"}, files=[("image", ("a.png", image, "image/png"))])
     out["cannot_edit"] = {"status": r.status_code, "body": r.json()}
     # several references (Qwen-Image-Edit-2509): 'image' and 'image[]' files reach the plan in order
     plus, plus_replica = client({**FLUX, "family": "qwen-image-edit-plus", "edits": ["instruction"],

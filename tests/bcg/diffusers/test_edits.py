@@ -17,7 +17,8 @@ from bcg.diffusers.step_batching.batcher import StepBatcher
 # with text requests (the rounding of batched float32 kernels, as tests/bcg/diffusers/test_batching.py says).
 PIXEL_TOLERANCE = 3 / 255
 SIZE = 64
-REFERENCE = {FluxImg2ImgPipeline: "image-to-image", FluxInpaintPipeline: "inpaint"}
+# diffusers' pipeline of each edit kind: what an edit is compared with
+FLUX_EDIT_PIPELINES = {"image-to-image": FluxImg2ImgPipeline, "inpaint": FluxInpaintPipeline}
 
 
 def scene(size=SIZE) -> Image.Image:
@@ -48,10 +49,11 @@ def pipe():
     return load_pipeline("tiny-flux")
 
 
-def reference(pipe, edit: dict) -> np.ndarray:
-    """diffusers' own edit pipeline, made from `pipe`, with the edit's inputs and seed."""
+def reference(pipe, edit: dict, pipelines=FLUX_EDIT_PIPELINES) -> np.ndarray:
+    """diffusers' own edit pipeline (of `pipelines`, by edit kind), made from `pipe`, with the edit's inputs and
+    seed."""
     edit = dict(edit)
-    cls = FluxInpaintPipeline if "mask_image" in edit else FluxImg2ImgPipeline
+    cls = pipelines["inpaint" if "mask_image" in edit else "image-to-image"]
     steps, seed = edit.pop("steps"), edit.pop("seed")
     out = cls.from_pipe(pipe)(height=SIZE, width=SIZE, num_inference_steps=steps, output_type="np",
                               generator=torch.Generator("cpu").manual_seed(seed), **edit)
@@ -86,6 +88,12 @@ def test_an_edit_alone_is_its_diffusers_pipeline_image(pipe, kind):
 def test_edits_join_a_running_text_batch_and_each_keeps_its_image(pipe):
     """A text request runs; an image-to-image and an inpainting request join it at its second step, each
     starting at its own point of the schedule (its own timestep per row), the mask applied to its rows only."""
+    assert_edits_join_a_text_batch(pipe, FLUX_EDIT_PIPELINES)
+
+
+def assert_edits_join_a_text_batch(pipe, pipelines: dict) -> None:
+    """`EDITS` joining a running text request at its second step: each image within the bound of its own (the
+    text request's pipeline; the edits' `pipelines`, by kind), the inpainted one repainted inside its mask."""
     batcher = StepBatcher(pipe)
     text = batcher.submit("a red circle", size=f"{SIZE}x{SIZE}", steps=4, seed=3, output_type="np")
     batcher.step()
@@ -94,7 +102,7 @@ def test_edits_join_a_running_text_batch_and_each_keeps_its_image(pipe):
     stats = batcher.stats()
     assert stats["joins_mid_run"] == 2 and stats["batch_size_histogram"].get(3, 0) >= 2, stats
     _, kwargs = plan_request(pipe, "a red circle", size=f"{SIZE}x{SIZE}", steps=4, seed=3, output_type="np")
-    expected = [np.asarray(pipe(**kwargs).images)] + [reference(pipe, EDITS[kind]) for kind in EDITS]
+    expected = [np.asarray(pipe(**kwargs).images)] + [reference(pipe, EDITS[kind], pipelines) for kind in EDITS]
     for name, image, want in zip(["text", *EDITS], images, expected):
         assert np.abs(image - want).max() <= PIXEL_TOLERANCE, name
     # outside the mask the inpainted image is the input's (through the VAE), inside it is repainted
@@ -147,13 +155,24 @@ def test_an_adapter_on_an_edit_row_matches_the_edit_pipeline_with_the_adapter_lo
 
 
 def test_generate_runs_an_edit_on_its_edit_pipeline(pipe):
-    edit = dict(EDITS["image-to-image"])
+    assert_generate_runs_the_edit(pipe, "image-to-image", FLUX_EDIT_PIPELINES)
+
+
+def assert_generate_runs_the_edit(pipe, kind: str, pipelines: dict) -> None:
+    """`generate` (one pipeline call, no batcher) of the `kind` edit: its diffusers pipeline's image."""
+    edit = dict(EDITS[kind])
     prompt = edit.pop("prompt")
     images = generate(pipe, prompt, size=f"{SIZE}x{SIZE}", output_type="np", **edit)
-    assert np.abs(np.asarray(images) - reference(pipe, EDITS["image-to-image"])).max() <= PIXEL_TOLERANCE
+    assert np.abs(np.asarray(images) - reference(pipe, EDITS[kind], pipelines)).max() <= PIXEL_TOLERANCE
 
 
 def test_the_flux_family_says_which_edits_it_makes_and_plan_request_checks_edit_arguments(pipe):
+    assert_makes_edits_and_checks_their_arguments(pipe)
+
+
+def assert_makes_edits_and_checks_their_arguments(pipe) -> None:
+    """`pipe`'s family makes image-to-image and inpainting from one image, and `plan_request` names the
+    argument at fault: a mask or strength without an image, strength outside (0, 1]."""
     info = pipeline_info(pipe)
     assert info["edits"] == ["image-to-image", "inpaint"] and info["max_input_images"] == 1
     for bad, field in (({"mask_image": square_mask()}, "mask_image"), ({"strength": 0.5}, "strength"),

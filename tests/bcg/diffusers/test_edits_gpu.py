@@ -9,13 +9,12 @@ within 3/255 alone and in the batch, and is diffusers' own edit pipeline's withi
 import numpy as np
 import pytest
 import torch
-from diffusers import FluxImg2ImgPipeline, FluxInpaintPipeline
 
 from bcg.diffusers.models import load_pipeline
 from bcg.diffusers.pipelines import plan_request
 from bcg.runtime.call_record import CallRecord
 from tests.bcg.diffusers.gpu_batching import drain, warm_batcher
-from tests.bcg.diffusers.test_edits import scene, square_mask
+from tests.bcg.diffusers.test_edits import FLUX_EDIT_PIPELINES, scene, square_mask
 
 pytestmark = pytest.mark.gpu
 
@@ -34,19 +33,25 @@ def _kwargs(pipe, seed, edit):
     return kwargs
 
 
-def _reference(kind, seed):
-    """diffusers' edit pipeline on an unaccelerated bfloat16 tiny-flux."""
-    pipe = load_pipeline("tiny-flux", device="cuda")
-    cls = FluxInpaintPipeline if kind == "inpaint" else FluxImg2ImgPipeline
+def _reference(kind, seed, builtin="tiny-flux", pipelines=FLUX_EDIT_PIPELINES):
+    """diffusers' edit pipeline (of `pipelines`, by edit kind) on an unaccelerated bfloat16 `builtin`."""
+    pipe = load_pipeline(builtin, device="cuda")
     with torch.no_grad():
-        out = cls.from_pipe(pipe, torch_dtype=pipe.transformer.dtype)(**_kwargs(pipe, seed, EDITS[kind]))
+        out = pipelines[kind].from_pipe(pipe, torch_dtype=pipe.transformer.dtype)(**_kwargs(pipe, seed, EDITS[kind]))
     return np.asarray(out.images)
 
 
 def test_edits_replay_the_text_warmup_graphs_alone_and_in_a_step_batch():
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    pipe, batcher = warm_batcher("tiny-flux", [f"{SIZE}x{SIZE}"])
+    assert_edits_replay_a_text_warmup("tiny-flux", f"{SIZE}x{SIZE}", FLUX_EDIT_PIPELINES)
+
+
+def assert_edits_replay_a_text_warmup(builtin: str, warm_key: str, pipelines: dict) -> None:
+    """`builtin` warm for the text `warm_key`: `EDITS` at that key replay alone (each within the bound of its
+    diffusers pipeline of `pipelines`) and joining a text request (each within the bound of its alone image),
+    nothing captured anew, nothing eager."""
+    pipe, batcher = warm_batcher(builtin, [warm_key])
     transformer = pipe.transformer
     captures = transformer.stats()["captures"]
     alone = {}
@@ -54,9 +59,10 @@ def test_edits_replay_the_text_warmup_graphs_alone_and_in_a_step_batch():
         record = CallRecord()
         key, kwargs = plan_request(pipe, "a yellow star", size=f"{SIZE}x{SIZE}", steps=STEPS, seed=i,
                                    output_type="np", **EDITS[kind])
+        assert key.key == warm_key
         (alone[kind],) = drain(batcher, [batcher.submit_planned(key, kwargs, records=(record,))])
         assert record.eager_total == 0 and record.replays > 0, (kind, record.eager)
-        assert np.abs(alone[kind] - _reference(kind, i)).max() <= TOLERANCE, kind
+        assert np.abs(alone[kind] - _reference(kind, i, builtin, pipelines)).max() <= TOLERANCE, kind
     # a text request running, both edits joining it
     text_key, text_kwargs = plan_request(pipe, "a red circle", size=f"{SIZE}x{SIZE}", steps=STEPS, seed=9,
                                          output_type="np")

@@ -81,7 +81,7 @@ def test_the_plan_of_an_edit_is_checked_once_and_names_the_field():
             resolve_plan("a cat", FLUX, **kwargs)
         assert err.value.field == field, (kwargs, err.value)
     with pytest.raises(PlanError) as err:   # a model whose family makes no edits
-        resolve_plan("a cat", {**FLUX, "family": "sd3", "edits": [], "max_input_images": 0}, images=(image,))
+        resolve_plan("a cat", {**FLUX, "family": "pixart", "edits": [], "max_input_images": 0}, images=(image,))
     assert err.value.field == "model" and "cannot do image-to-image" in err.value.msg
 
 

@@ -166,7 +166,7 @@ def _flux_controlnet_call(transformer):
 
 def _sd3_skip_layers_call(transformer):
     g = torch.Generator().manual_seed(0)
-    return dict(hidden_states=torch.randn(1, 4, 16, 16, generator=g),
+    return dict(hidden_states=torch.randn(1, transformer.config.in_channels, 16, 16, generator=g),
                 encoder_hidden_states=torch.randn(1, 8, 64, generator=g),
                 pooled_projections=torch.randn(1, 64, generator=g), timestep=torch.tensor([500.0]),
                 skip_layers=[len(transformer.transformer_blocks) - 1], return_dict=False)

@@ -13,20 +13,31 @@ from __future__ import annotations
 import contextlib
 import copy
 import sys
-from typing import Callable
+from typing import Any, Callable, NamedTuple
 
 import numpy as np
 import torch
 
 from bcg.diffusers.call_args import call_defaults
-from bcg.diffusers.edits import EditPipelines, edit_kind_of
+from bcg.diffusers.edits import EditPipelines, edit_kind_of, with_scheduler
 from bcg.diffusers.families import family_named
 from bcg.diffusers.step_batching.steps.postprocess import postprocess_async
 from bcg.diffusers.step_batching.steps.scheduler import scheduler_step, shallow_copyable
 from bcg.diffusers.step_batching.steps.state import RequestState, cat_rows, keep_unmasked
 from bcg.runtime.rows import call_branch
 
-__all__ = ["StepFamily", "branch_context", "guided", "prompt_columns"]
+__all__ = ["EditStart", "StepFamily", "branch_context", "guided", "prompt_columns"]
+
+
+class EditStart(NamedTuple):
+    """Where an edit from an input image starts (`StepFamily._edit_start`): its edit pipeline, that pipeline as
+    its own methods must see it for this request (`view`: the request's scheduler in place of its own), the
+    input image preprocessed to the request's size, the timesteps it runs and their start in the full schedule."""
+    pipeline: Any
+    view: Any
+    image: torch.Tensor
+    timesteps: torch.Tensor
+    start_step: int
 
 
 @contextlib.contextmanager
@@ -96,7 +107,7 @@ def _split_rows(rows: dict, prompts: list[int], per_prompt: list[int]) -> list[d
 
 class StepFamily:
     """Base of a family's step hooks; subclasses implement the preparation parts (see the module
-    docstring), `forward` and `decode_latents`."""
+    docstring), `forward` and `decode_latents` (or `decode_rows`)."""
 
     name = "generic"
     # call arguments a step-wise run honours; a request with any other argument runs alone
@@ -211,6 +222,11 @@ class StepFamily:
         """The VAE's images of `latents` (rows of requests laid out like `state`'s), before post-processing."""
         raise NotImplementedError
 
+    def decode_rows(self, pipe, states: list[RequestState], bucket: int) -> torch.Tensor:
+        """The VAE's images of `states`' final latents side by side, padded to `bucket` rows: `decode_latents` of
+        their rows (a family whose edit pipeline decodes otherwise than its text pipeline overrides this: SD3)."""
+        return self.decode_latents(pipe, cat_rows([s.latents for s in states], bucket), states[0])
+
     def finish(self, pipe, state: RequestState) -> list:
         """The request's outputs (a list of its images) from its final latents, as the pipeline makes them."""
         return self.finish_batch(pipe, [state], state.rows)[0]
@@ -235,7 +251,7 @@ class StepFamily:
             out = [list(s.latents) for s in states]
             return lambda: out
         rows = sum(s.rows for s in states)
-        image = self.decode_latents(pipe, cat_rows([s.latents for s in states], bucket), states[0])
+        image = self.decode_rows(pipe, states, bucket)
         images = postprocess_async(pipe.image_processor, image[:rows] if bucket > rows else image, output_type)
         counts = [s.rows for s in states]
 
@@ -281,6 +297,34 @@ class StepFamily:
         if edits is None:
             edits = self._edit_pipelines = EditPipelines()
         return edits.get(pipe, kind)
+
+    def _edit_start(self, pipe, a: dict, scheduler, device) -> EditStart:
+        """An edit's start as its edit pipeline (`call_pipeline`) makes it with its own methods: the input image
+        preprocessed to the request's size (float32), the timesteps ``get_timesteps`` leaves of `scheduler`'s full
+        schedule at the request's ``strength`` (it sets the scheduler's begin index: the request's own scheduler,
+        through `with_scheduler`); ValueError where the strength leaves no step to run."""
+        edit = self.call_pipeline(pipe, a)
+        image = edit.image_processor.preprocess(a["image"], height=a["height"], width=a["width"])
+        view = with_scheduler(edit, scheduler)  # its methods read self.scheduler: the request's own
+        steps = a["num_inference_steps"]
+        timesteps, run = type(edit).get_timesteps(view, steps, a["strength"], device)
+        if run < 1:
+            raise ValueError(f"strength {a['strength']} leaves {run} of {steps} steps to run; raise strength or "
+                             "num_inference_steps")
+        return EditStart(edit, view, image.to(dtype=torch.float32), timesteps, steps - run)
+
+    @staticmethod
+    def _latent_mask(edit, a: dict, size: tuple[int, int], count: int, dtype, device) -> torch.Tensor:
+        """An inpainting request's mask as its pipeline's ``prepare_mask_latents`` makes it: diffusers' mask
+        processor at the request's size, interpolated to the latents' `size` ``(height, width)``, one per row of
+        its `count`. (The masked image's latents it also makes, a VAE encode, feed only inpainting transformers
+        with extra input channels, which these hooks do not step: the loops of the pipelines served never read
+        them.)"""
+        mask = edit.mask_processor.preprocess(a["mask_image"], height=a["height"], width=a["width"])
+        mask = torch.nn.functional.interpolate(mask, size=size).to(device=device, dtype=dtype)
+        if mask.shape[0] < count:
+            mask = mask.repeat(count // mask.shape[0], 1, 1, 1)
+        return mask
 
     def _args(self, pipe, kwargs: dict) -> dict:
         """The request's call arguments over its pipeline's defaults (`call_pipeline`'s: an edit's

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from bcg.diffusers.edits import edit_kind_of, with_scheduler
+from bcg.diffusers.edits import edit_kind_of
 from bcg.diffusers.step_batching.steps.base import StepFamily, branch_context, guided, prompt_columns
 from bcg.diffusers.step_batching.steps.state import RequestState, cat_rows, layout_of
 
@@ -85,35 +85,25 @@ class FluxStepFamily(StepFamily):
     def _edit_latents(self, pipe, a, count: int, dtype, device):
         """An edit's ``(latents, image_ids, scheduler, timesteps, start_step, inpaint)``, as its pipeline
         (``FluxImg2ImgPipeline`` / ``FluxInpaintPipeline``) makes them before its loop, with its own methods."""
-        edit = self.call_pipeline(pipe, a)
         height, width = a["height"], a["width"]
-        init_image = edit.image_processor.preprocess(a["image"], height=height, width=width).to(dtype=torch.float32)
+        edit = self.call_pipeline(pipe, a)
         seq_len = (int(height) // edit.vae_scale_factor // 2) * (int(width) // edit.vae_scale_factor // 2)
         scheduler, _ = self._timesteps(pipe, a, seq_len, device)
-        view = with_scheduler(edit, scheduler)  # its methods read self.scheduler: the request's own
-        steps = a["num_inference_steps"]
-        timesteps, run = type(edit).get_timesteps(view, steps, a["strength"], device)
-        if run < 1:
-            raise ValueError(f"strength {a['strength']} leaves {run} of {steps} steps to run; raise strength or "
-                             "num_inference_steps")
+        start = self._edit_start(pipe, a, scheduler, device)
         channels = pipe.transformer.config.in_channels // 4
-        prepared = type(edit).prepare_latents(view, init_image, timesteps[:1].repeat(count), count, channels, height,
-                                              width, dtype, device, a.get("generator"), a.get("latents"))
+        prepared = type(edit).prepare_latents(start.view, start.image, start.timesteps[:1].repeat(count), count,
+                                              channels, height, width, dtype, device, a.get("generator"),
+                                              a.get("latents"))
         inpaint = None
         if len(prepared) == 2:  # image-to-image
             latents, image_ids = prepared
         else:
             latents, noise, image_latents, image_ids = prepared
-            mask = edit.mask_processor.preprocess(a["mask_image"], height=height, width=width)
-            # the mask half of the pipeline's prepare_mask_latents (its masked-image latents, a VAE encode,
-            # feed only 384-channel Fill transformers: the loop of FluxInpaintPipeline never reads them)
             h, w = 2 * (int(height) // (edit.vae_scale_factor * 2)), 2 * (int(width) // (edit.vae_scale_factor * 2))
-            mask = torch.nn.functional.interpolate(mask, size=(h, w)).to(device=device, dtype=dtype)
-            if mask.shape[0] < count:
-                mask = mask.repeat(count // mask.shape[0], 1, 1, 1)
+            mask = self._latent_mask(edit, a, (h, w), count, dtype, device)
             mask = edit._pack_latents(mask.repeat(1, channels, 1, 1), count, channels, h, w)
             inpaint = {"mask": mask, "image_latents": image_latents, "noise": noise}
-        return latents, image_ids, scheduler, timesteps, steps - run, inpaint
+        return latents, image_ids, scheduler, start.timesteps, start.start_step, inpaint
 
     def _latents(self, pipe, a, count: int, dtype, device):
         """One request's ``(latents, image_ids, scheduler, timesteps, start_step, inpaint, reference)``: a text
