@@ -27,10 +27,12 @@ def sd3_app(ray_serve):
         yield client
 
 
+@pytest.mark.slow  # a model's own app over Serve: the slow tier
 def test_sd3_edits_over_http_are_the_diffusers_sd3_edit_pipelines_images(sd3_app, references):
     assert_edits_served(sd3_app, references, "64x64.cfg")   # SD3's default guidance runs CFG
 
 
+@pytest.mark.slow  # a model's own app over Serve: the slow tier
 def test_bad_sd3_edit_input_is_a_422_naming_the_field_and_the_app_goes_on(sd3_app):
     client = sd3_app
     form = {"prompt": "a cat", "size": "64x64", "num_inference_steps": 1}
