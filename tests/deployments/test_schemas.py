@@ -82,3 +82,14 @@ def test_a_plan_key_with_reference_tokens_is_kept_within_the_image_pixel_limit()
     with pytest.raises(FieldError, match="max_image_pixels") as info:
         check_plan(["64x64.r65"], limits)   # 65 tokens of 16x16 pixels: over 128x128
     assert info.value.field == "keys[0]"
+    # a grid: Kontext's reference keeps its size, so the limit holds once the ingress knows the model does not
+    # resize it; Qwen-Image-Edit's is resized to its own area, whatever the upload (and before the model is
+    # known, at the app's config, a grid is not checked)
+    for resized, kept in ((False, False), (True, True), (None, True)):
+        fitted = limits.model_copy(update={"references_resized": resized})
+        assert check_plan(["64x64.r8x8"], fitted) == ["64x64.r8x8"]   # 64 tokens: 128x128 pixels
+        if kept:
+            assert check_plan(["64x64.r13x5"], fitted) == ["64x64.r13x5"]
+        else:
+            with pytest.raises(FieldError, match="max_image_pixels"):
+                check_plan(["64x64.r13x5"], fitted)   # 65 tokens
