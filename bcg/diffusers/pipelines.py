@@ -27,6 +27,7 @@ from bcg.diffusers.accelerated import pipeline_runners
 from bcg.diffusers.buckets import ShapeKey, buckets_up_to, check_shape, parse_plan, parse_size, request_shape_key
 from bcg.diffusers.call_args import call_defaults, call_parameters
 from bcg.diffusers.families import family_named, family_of
+from bcg.diffusers.request_plan import needs_image_what
 from bcg.diffusers.tokenizers import restore as restore_tokenizer
 from bcg.runtime.hooks import HookRegistry, ModelHook
 from bcg.runtime.proxy import unwrap_runner
@@ -260,7 +261,7 @@ def plan_request(
     if not isinstance(prompt, str) or not prompt:
         raise ValueError("prompt must be a non-empty string")
     if family.needs_image and image is None:
-        raise ValueError(f"image: the {family.name} family makes {_needs_image_what(info)} only: pass one")
+        raise ValueError(f"image: the {family.name} family makes {needs_image_what(info)} only: pass one")
     if isinstance(image, (list, tuple)) and len(image) > family.max_input_images:
         raise ValueError(f"image: the {family.name} family takes at most {family.max_input_images} input "
                          f"image{'s' * (family.max_input_images > 1)}, got {len(image)}")
@@ -300,11 +301,6 @@ def plan_request(
         # a CPU generator: the same seed gives the same image on every device and with or without graphs
         kwargs["generator"] = torch.Generator("cpu").manual_seed(int(seed))
     return key, kwargs
-
-
-def _needs_image_what(info: dict) -> str:
-    """What a model that needs an input image makes from one (its refusal of a request without)."""
-    return "videos from an input image" if info.get("is_video") else "instruction edits of an input image"
 
 
 def _edit_kwargs(family, image, mask_image, strength, n: int = 1) -> dict:

@@ -32,7 +32,7 @@ from bcg.diffusers.image_inputs import FROM_NOISE_KINDS, ImageInput, edit_kind, 
 from bcg.diffusers.step_caching.config import StepCacheConfig
 
 __all__ = ["LoraChoice", "PlanDefaults", "PlanError", "RequestPlan", "check_edit", "check_edit_kind",
-           "plan_reference_tokens", "resolve_plan"]
+           "needs_image_what", "plan_reference_tokens", "resolve_plan"]
 
 
 class LoraChoice(NamedTuple):
@@ -153,8 +153,7 @@ def check_edit(info: dict, images: tuple[ImageInput, ...], mask: ImageInput | No
     edits = info.get("edits") or ()
     if not images:
         if info.get("needs_image"):
-            what = "videos from an input image" if info.get("is_video") else "instruction edits of an input image"
-            raise PlanError("image", f"{info.get('model') or info.get('pipeline_class')!r} makes {what} only: send "
+            raise PlanError("image", f"{info.get('model') or info.get('pipeline_class')!r} makes {needs_image_what(info)} only: send "
                                      "it as the file field 'image' of a multipart POST /v1/images/edits")
         for name, value in (("mask", mask), ("strength", strength)):
             if value is not None:
@@ -171,6 +170,12 @@ def check_edit(info: dict, images: tuple[ImageInput, ...], mask: ImageInput | No
                              f"makes one per image), got {n}")
     if mask is not None and (mask.width, mask.height) != (images[0].width, images[0].height):
         raise PlanError("mask", f"must be the image's size {images[0].size}, got {mask.size}")
+
+
+def needs_image_what(info: dict) -> str:
+    """What a model that needs an input image (``info["needs_image"]``) makes from one: its refusal of a request
+    without."""
+    return "videos from an input image" if info.get("is_video") else "instruction edits of an input image"
 
 
 # why an edit that starts from noise takes no strength
