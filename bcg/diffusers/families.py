@@ -29,8 +29,10 @@ A `ModelFamily` says how a request becomes a call of that family's pipeline:
 
 FLUX.1-Kontext (``FluxKontextPipeline``) is a family of its own, ``flux-kontext``: Flux's CFG rule, packing and
 step-caching adapter (the same transformer class), its own step hooks (the reference image's latent tokens
-concatenated to the image sequence: `bcg.diffusers.step_batching.steps.flux_kontext`) and one edit,
-``"instruction"``, made by the loaded pipeline itself; without an image it makes images from text.
+concatenated to the image sequence: `bcg.diffusers.step_batching.steps.flux_kontext`) and two edits,
+``"instruction"``, made by the loaded pipeline itself, and ``"inpaint"`` (``FluxKontextInpaintPipeline``: the
+image at the output's size is both what is inpainted and the reference, `reference_edits`); without an image it
+makes images from text.
 Qwen-Image-Edit (``QwenImageEditPipeline``) is ``qwen-image-edit``: Qwen-Image's CFG rule, prompt padding and
 step-caching adapter, its own step hooks (`bcg.diffusers.step_batching.steps.qwen_image_edit`) and one edit,
 ``"instruction"``; it needs an image. Qwen-Image-Edit-2509 (``QwenImageEditPlusPipeline``) is
@@ -218,6 +220,9 @@ class ModelFamily:
     max_input_images: int = 1                     # input images an edit takes (where it makes edits)
     # each reference resized to this many pixels for the vision-language encoder (None: as for the VAE)
     condition_area: Optional[int] = None
+    # the edit kinds whose input image's latent tokens join the sequence (the key's `.r`): an instruction
+    # edit's reference; Kontext's inpainting, its image at the output's size
+    reference_edits: frozenset = frozenset({"instruction"})
 
     def batching_hooks(self) -> Optional[BatchingHooks]:
         """A new instance of this family's step-wise batching hooks; None when it has none."""
@@ -262,8 +267,10 @@ FAMILIES: dict[str, ModelFamily] = {f.name: f for f in (
     ModelFamily("flux-kontext", ("FluxKontextPipeline",), builtin="tiny-flux-kontext", cfg=_FLUX_CFG,
                 latent_packing=2, prompt_tokenizer="tokenizer_2",
                 batching=_STEPS + "flux_kontext:FluxKontextStepFamily",
-                edit_pipelines=MappingProxyType({"instruction": "FluxKontextPipeline"}), step_cache=_FLUX_BLOCKS,
-                fixed_kwargs=MappingProxyType({"_auto_resize": False}), area_arg="max_area"),
+                edit_pipelines=MappingProxyType({"instruction": "FluxKontextPipeline",
+                                                 "inpaint": "FluxKontextInpaintPipeline"}), step_cache=_FLUX_BLOCKS,
+                fixed_kwargs=MappingProxyType({"_auto_resize": False}), area_arg="max_area",
+                reference_edits=frozenset({"instruction", "inpaint"})),
     # the last joint block updates the image stream only (its text stream comes back None)
     ModelFamily("sd3", ("StableDiffusion3Pipeline",), builtin="tiny-sd3", prompt_tokenizer="tokenizer_3",
                 batching=_STEPS + "sd3:SD3StepFamily",

@@ -81,6 +81,7 @@ def pipeline_info(pipe) -> dict:
         "edits": sorted(family.edit_pipelines),
         "max_input_images": family.max_input_images if family.edit_pipelines else 0,
         "reference_area": family.reference_area,     # an instruction edit's reference resized to it (or None)
+        "reference_edits": sorted(family.reference_edits & set(family.edit_pipelines)),  # the key's `.r`
         "needs_image": family.needs_image,           # no text-to-image
     }
 
@@ -266,7 +267,9 @@ def plan_request(
         raise ValueError(f"image: the {family.name} family takes at most {family.max_input_images} input "
                          f"image{'s' * (family.max_input_images > 1)}, got {len(image)}")
     images = () if image is None else tuple(image) if isinstance(image, (list, tuple)) else (image,)
-    reference = reference_key_fields(info, images, mask_image is not None)
+    # (a Kontext inpaint's grid is its output's: the key's size where a key is given)
+    reference = reference_key_fields(info, images, mask_image is not None,
+                                     size=size if key is None else ShapeKey.parse(key).size)
     if key is None:
         key = request_shape_key(info, size=size, n=1 if n is None else n, guidance=guidance,
                                 negative_prompt=negative_prompt, num_frames=num_frames, prompt_bucket=prompt_bucket,

@@ -112,7 +112,7 @@ def resolve_plan(prompt: str, info: dict, defaults: PlanDefaults = PlanDefaults(
     assert cache is None or isinstance(cache, StepCacheConfig), "cache: a StepCacheConfig, validated where it was made"
     images = tuple(images)
     check_edit(info, images, mask, strength, n=n)
-    reference = reference_key_fields(info, images, mask is not None)
+    reference = reference_key_fields(info, images, mask is not None, size=size or defaults.size)
     if key is None:
         key = request_shape_key(info, size=size or defaults.size, n=n, guidance=guidance_scale,
                                 num_frames=num_frames, **reference)
@@ -183,15 +183,18 @@ _FROM_NOISE = {"instruction": "an instruction edit starts from noise, its image 
                "image-to-video": "image-to-video starts from noise, its image the video's first frame"}
 
 
-def reference_key_fields(info: dict, images, has_mask: bool = False) -> dict:
-    """The shape-key fields of an instruction edit's reference `images` (anything with ``width`` and
-    ``height``: `ImageInput`s at the ingress, PIL images in `plan_request`; `references_fields`: one grid
-    each, in order), {} for any other request; `PlanError` naming ``image`` where an image is smaller than
-    one latent token."""
-    if edit_kind(len(images), has_mask, info.get("edits") or ()) != "instruction":
+def reference_key_fields(info: dict, images, has_mask: bool = False, size: str | None = None) -> dict:
+    """The shape-key fields of an edit whose input image's latent tokens join the sequence (``info
+    ["reference_edits"]``; `references_fields`: one grid each, in order): an instruction edit's references
+    (anything with ``width`` and ``height``: `ImageInput`s at the ingress, PIL images in `plan_request`), at their
+    own sizes; Kontext's inpainting, its image at the output's `size` (default the model's). {} for any other
+    request; `PlanError` naming ``image`` where a reference is smaller than one latent token."""
+    kind = edit_kind(len(images), has_mask, info.get("edits") or ())
+    if kind not in info.get("reference_edits", ("instruction",)):
         return {}
     multiple = int(info["size_multiple"])
-    sizes = [(i.width, i.height) for i in images]
+    sizes = ([(i.width, i.height) for i in images] if kind == "instruction" else
+             [parse_size(size or info["default_size"])])
     fields = references_fields(sizes, multiple, info.get("reference_area"))
     if fields["reference_tokens"] < 1:
         raise PlanError("image", f"a reference image must be at least {multiple}x{multiple} pixels (one latent "

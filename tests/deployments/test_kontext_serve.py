@@ -53,8 +53,13 @@ def test_the_plan_of_a_kontext_edit_carries_its_reference_tokens_and_refuses_wha
     wide = read_image(png(scene().resize((100, 70))), MAX_IMAGE_PIXELS)
     assert resolve_plan("a cat", info, size="64x64", n=2, images=(wide,)).shape_key.key == "64x64.b2.r6x4"
     assert resolve_plan("a cat", info, size="64x64").shape_key.key == "64x64"   # text-to-image
+    # inpainting: the image, at the output's size, is the reference (the key's grid is the output's)
+    mask = read_image(png(Image.new("L", (64, 64))), MAX_IMAGE_PIXELS)
+    inpaint = resolve_plan("a cat", info, size="64x64", images=(image,), mask=mask, strength=0.5)
+    assert inpaint.edit == "inpaint" and inpaint.shape_key.key == "64x64.r4x4"
     for kwargs, field in (({"images": (image,), "strength": 0.5}, "strength"),
-                          ({"images": (image,), "mask": image}, "model"),          # no inpainting
+                          ({"images": (image,), "mask": read_image(png(Image.new("L", (32, 64))),
+                                                                   MAX_IMAGE_PIXELS)}, "mask"),   # its size
                           ({"images": (image, image)}, "image"),                   # one reference
                           ({"images": (read_image(png(Image.new("RGB", (8, 64))), 4096),)}, "image")):
         with pytest.raises(PlanError) as err:
@@ -123,7 +128,7 @@ def test_bad_kontext_input_is_a_4xx_naming_the_field_and_the_app_goes_on(kontext
     form = {"prompt": "a cat", "size": "64x64", "num_inference_steps": 1}
     cases = [
         ({**form, "strength": 0.5}, _files(), 422, "strength"),                      # an instruction edit has none
-        (form, _files(mask=png(Image.new("L", (64, 64)))), 422, "model"),            # Kontext does no inpainting
+        (form, _files(mask=png(Image.new("L", (32, 64)))), 422, "mask"),             # not the image's size
         (form, _files(images=[png(scene())]), 422, "image"),                         # one reference image
         (form, _files(image=png(Image.new("RGB", (256, 256)))), 422, "image"),       # over max_image_pixels
         (form, _files(image=png(Image.new("RGB", (8, 8)))), 422, "image"),           # under one latent token
@@ -135,3 +140,22 @@ def test_bad_kontext_input_is_a_4xx_naming_the_field_and_the_app_goes_on(kontext
         assert r.json()["detail"][0]["loc"][:2] == ["body", field], (field, r.text)
     ok = _edit(client, {**form, "seed": 4}, _files())
     assert ok.status_code == 200 and ok.json()["bcg"]["shape_key"] == "64x64.r4x4", ok.text
+
+
+def test_a_kontext_inpaint_over_http_is_diffusers_kontext_inpaint_image(kontext_app):
+    """``image`` with ``mask`` on Kontext: ``FluxKontextInpaintPipeline``'s image, on the warm reference key's
+    graphs (the image at the output's size is its reference)."""
+    from diffusers import FluxKontextInpaintPipeline
+
+    from tests.bcg.diffusers.test_edits import square_mask
+
+    pipe = load_pipeline("tiny-flux-kontext")
+    want = FluxKontextInpaintPipeline(**pipe.components)(
+        prompt="a yellow star", image=scene(), mask_image=square_mask(), strength=0.75, height=64, width=64,
+        max_area=64 * 64, _auto_resize=False, num_inference_steps=STEPS,
+        generator=torch.Generator("cpu").manual_seed(11)).images[0]
+    r = _edit(kontext_app, {"prompt": "a yellow star", "seed": 11, "size": "64x64", "strength": 0.75},
+              _files(image=png(scene()), mask=png(square_mask())))
+    body, got = answered_image(r)
+    assert np.abs(got - np.asarray(want).astype(np.int16)).max() <= PIXEL_TOLERANCE
+    assert body["bcg"]["shape_key"] == "64x64.r4x4" and body["bcg"]["steps_computed"] == 3   # 0.75 of 4 steps

@@ -42,7 +42,8 @@ def submit(batcher, edit: dict, **extra):
 
 def test_the_reference_tokens_are_the_key_and_the_call_keeps_the_asked_size(pipe):
     info = pipeline_info(pipe)
-    assert info["family"] == "flux-kontext" and info["edits"] == ["instruction"] and info["max_input_images"] == 1
+    assert info["family"] == "flux-kontext" and info["edits"] == ["inpaint", "instruction"]
+    assert info["max_input_images"] == 1
     key, kwargs = plan_request(pipe, "a cat", size="64x64", image=scene())
     assert key.key == "64x64.r4x4" and key.reference_tokens == 16 and key.reference_grid == (4, 4)
     assert kwargs["max_area"] == 64 * 64 and kwargs["_auto_resize"] is False
@@ -51,8 +52,7 @@ def test_the_reference_tokens_are_the_key_and_the_call_keeps_the_asked_size(pipe
     assert plan_request(pipe, "a cat", size="64x64", image=scene().resize((70, 100)))[0].key == "64x64.r4x6"
     text_key, text_kwargs = plan_request(pipe, "a cat", size="128x64")
     assert text_key.key == "128x64" and "image" not in text_kwargs and text_kwargs["max_area"] == 128 * 64
-    for bad, field in (({"image": scene(), "strength": 0.5}, "strength"),
-                       ({"image": scene(), "mask_image": Image.new("L", (64, 64))}, "inpaint"),
+    for bad, field in (({"image": scene(), "strength": 0.5}, "strength"),   # inpainting: test_kontext_inpaint
                        ({"image": Image.new("RGB", (8, 64))}, "image")):
         with pytest.raises(ValueError, match=field):
             plan_request(pipe, "a cat", size="64x64", **bad)

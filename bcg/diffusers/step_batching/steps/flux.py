@@ -98,7 +98,11 @@ class FluxStepFamily(StepFamily):
         if len(prepared) == 2:  # image-to-image
             latents, image_ids = prepared
         else:
-            latents, noise, image_latents, image_ids = prepared
+            if len(prepared) == 7:  # Kontext's inpainting: its image's clean latents are its reference too
+                latents, image_latents, _, image_ids, reference_ids, _, noise = prepared
+                image_ids = torch.cat([image_ids, reference_ids], dim=0)  # dim 0 is the sequence
+            else:
+                latents, noise, image_latents, image_ids = prepared
             h, w = 2 * (int(height) // (edit.vae_scale_factor * 2)), 2 * (int(width) // (edit.vae_scale_factor * 2))
             mask = self._latent_mask(edit, a, (h, w), count, dtype, device)
             mask = edit._pack_latents(mask.repeat(1, channels, 1, 1), count, channels, h, w)

@@ -9,11 +9,20 @@ reference); its step 3 (the reference's resize and preprocessing) and the output
 to the requested aspect ratio) are repeated here as it does them. The reference tokens lengthen the rows:
 requests batch with those of as many reference tokens (their shape keys' ``.r`` agree, so do their
 layouts), text requests on a Kontext model with each other.
+
+Inpainting (``image`` with ``mask_image``; ``strength``, default 1.0) is ``FluxKontextInpaintPipeline``'s: the
+image, at the output's size, is what is inpainted and the reference (its clean latents concatenated as an
+instruction edit's are), the request starts part-way through its schedule at its strength, and its mask is
+applied to its rows after each step, as Flux's inpainting (`bcg.diffusers.step_batching.steps.flux`). Its key's
+``.r`` is the output's grid, so it batches with instruction edits whose reference has the output's size.
+(diffusers' pipeline makes the output at the image's own size; here the image is resized to the request's
+size first: the same image where they agree.)
 """
 from __future__ import annotations
 
 import torch
 
+from bcg.diffusers.edits import edit_kind_of
 from bcg.diffusers.step_batching.steps.flux import FluxStepFamily
 
 __all__ = ["FluxKontextStepFamily"]
@@ -25,7 +34,7 @@ class FluxKontextStepFamily(FluxStepFamily):
     """`FluxKontextPipeline.__call__` cut at its step boundary: Flux's, with a reference per request."""
 
     name = "flux-kontext"
-    batch_args = (FluxStepFamily.batch_args - {"mask_image", "strength"}) | {"max_area", "_auto_resize"}
+    batch_args = FluxStepFamily.batch_args | {"max_area", "_auto_resize"}
 
     def _args(self, pipe, kwargs):
         a = super()._args(pipe, kwargs)
@@ -37,6 +46,8 @@ class FluxKontextStepFamily(FluxStepFamily):
         return a
 
     def _check(self, pipe, a):
+        if self._inpaint(a):
+            return super()._check(pipe, a)  # the inpainting pipeline's own check, as Flux's inpainting
         pipe.check_inputs(a["prompt"], a.get("prompt_2"), a["height"], a["width"],
                           negative_prompt=a.get("negative_prompt"), negative_prompt_2=a.get("negative_prompt_2"),
                           max_sequence_length=a["max_sequence_length"])
@@ -56,7 +67,15 @@ class FluxKontextStepFamily(FluxStepFamily):
         image = pipe.image_processor.resize(image, height, width)
         return pipe.image_processor.preprocess(image, height, width)
 
+    @staticmethod
+    def _inpaint(a) -> bool:
+        return edit_kind_of(a, ("instruction", "inpaint")) == "inpaint"
+
     def _latents(self, pipe, a, count, dtype, device):
+        if self._inpaint(a):
+            latents, image_ids, scheduler, timesteps, start, inpaint = self._edit_latents(pipe, a, count, dtype,
+                                                                                          device)
+            return latents, image_ids, scheduler, timesteps, start, inpaint, inpaint["image_latents"]
         latents, reference, latent_ids, reference_ids = pipe.prepare_latents(
             self._reference_image(pipe, a), count, pipe.transformer.config.in_channels // 4, a["height"],
             a["width"], dtype, device, a.get("generator"), a.get("latents"))
