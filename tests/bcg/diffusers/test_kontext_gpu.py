@@ -75,3 +75,28 @@ def check_edits_replay_their_reference_key(model: str, key_text: str, other_imag
     assert key.key == other_key
     drain(batcher, [batcher.submit_planned(key, kwargs, records=(record,))])
     assert record.eager_total > 0
+
+
+def test_a_kontext_inpaint_replays_the_reference_key_an_instruction_warmup_captured():
+    """An inpaint (``mask_image``, ``strength`` 0.75) of an image of the output's size has the key of an
+    instruction edit whose reference has that size: after a warmup of that key it replays with 0 eager calls
+    and nothing captured anew, and its image is diffusers' ``FluxKontextInpaintPipeline``'s within 3/255."""
+    from diffusers import FluxKontextInpaintPipeline
+
+    from tests.bcg.diffusers.test_edits import square_mask
+
+    pipe, batcher = warm_batcher("tiny-flux-kontext", [f"{SIZE}x{SIZE}.r4x4"])
+    captures = pipe.transformer.stats()["captures"]
+    inputs = {"image": scene(), "mask_image": square_mask(), "strength": 0.75}
+    key, kwargs = plan_request(pipe, "a yellow star", size=f"{SIZE}x{SIZE}", steps=STEPS, seed=5,
+                               output_type="np", **inputs)
+    assert key.key == f"{SIZE}x{SIZE}.r4x4"
+    record = CallRecord()
+    (image,) = drain(batcher, [batcher.submit_planned(key, kwargs, records=(record,))])
+    assert record.eager_total == 0 and record.replays > 0, record.eager
+    assert pipe.transformer.stats()["captures"] == captures
+    plain = load_pipeline("tiny-flux-kontext", device="cuda")
+    with torch.no_grad():
+        want = FluxKontextInpaintPipeline(**plain.components)(**plan_request(
+            plain, "a yellow star", size=f"{SIZE}x{SIZE}", steps=STEPS, seed=5, output_type="np", **inputs)[1]).images
+    assert np.abs(image - np.asarray(want)).max() <= TOLERANCE
