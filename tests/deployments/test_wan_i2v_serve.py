@@ -104,7 +104,8 @@ def test_the_engine_serves_wan22_i2v_with_both_transformers_as_diffusers_does():
         assert {"transformer", "transformer_2", "middle_blocks", "middle_blocks_2"} <= set(engine.runners)
         assert engine.info["boundary_ratio"] == 0.9
         engine.warmup_key(KEY)
-        eager = {name: engine.runners[name].stats()["eager_calls"]["no_cuda"] for name in ("transformer", "transformer_2")}
+        eager = {name: engine.runners[name].stats()["eager_calls"]["no_cuda"]
+                 for name in ("transformer", "transformer_2")}
         assert eager == {"transformer": 2, "transformer_2": 2}, eager   # one step each, CFG's two calls
         request = ImageEditRequest(prompt=VIDEO["prompt"], seed=VIDEO["seed"], size="64x64", num_frames=FRAMES,
                                    num_inference_steps=STEPS, image=png(VIDEO["image"]), guidance_scale_2=15.0)
