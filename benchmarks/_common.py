@@ -247,6 +247,15 @@ def spread(values) -> dict:
             "min": round(min(values), 4), "max": round(max(values), 4)}
 
 
+def whisker(center: float, spreads) -> tuple[float, float]:
+    """The (below, above) distances from a bar's `center` to the lowest min and highest max of `spreads`
+    (`spread` dicts, None skipped): a bar's whisker, the rounds' min-max, (0, 0) when no round is known."""
+    spreads = [s for s in spreads if s]
+    if not spreads:
+        return 0.0, 0.0
+    return max(0.0, center - min(s["min"] for s in spreads)), max(0.0, max(s["max"] for s in spreads) - center)
+
+
 def shared_weights_copy(module):
     """A copy of `module` (its own submodules, processors and hooks) whose parameters and buffers are the
     original's tensors: variants that install breaks, compile or capture each get one, and every variant of a

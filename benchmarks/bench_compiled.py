@@ -634,7 +634,7 @@ def run(args):
 
 
 def plot(result, png_path):
-    from _common import pyplot, save_figure
+    from _common import pyplot, save_figure, whisker
 
     plt = pyplot()
     if plt is None:
@@ -653,14 +653,17 @@ def plot(result, png_path):
         width = 0.8 / max(1, len(variants))
         for i, variant in enumerate(variants):
             values = [ms.get((model, s, variant), 0.0) for s in sizes]
+            errs = [whisker(v, [r.get("ms_spread") for r in rows if (r["model"], r["size"], r["variant"]) ==
+                                (model, s, variant)]) for v, s in zip(values, sizes)]
             xs = [j + (i - (len(variants) - 1) / 2) * width for j in range(len(sizes))]
-            bars = ax.bar(xs, values, width, label=variant, color=colors[variant])
+            bars = ax.bar(xs, values, width, label=variant, color=colors[variant], yerr=list(zip(*errs)),
+                          capsize=2, error_kw={"lw": 0.8})
             ax.bar_label(bars, fmt="%.3g", fontsize=5, padding=1, rotation=90)
         ax.set_xticks(range(len(sizes)), [f"{s}²" for s in sizes])
         ax.set_yscale("log")
         params = result["models"][model]["params"] / 1e6
         ax.set_title(f"{model} ({params:.1f} M params)", fontsize=9)
-        ax.set_ylabel("forward, median ms (log)")
+        ax.set_ylabel("forward, median ms (log; whiskers: rounds' min-max)")
     axes[0][0].legend(fontsize=7)
     fig.suptitle(f"bf16, batch 1 — {result['machine'].get('gpu', '?')}", fontsize=9)
     return save_figure(fig, png_path)

@@ -49,8 +49,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(1, os.path.dirname(HERE))
 
-from _common import (add_plot_only, machine_info, pick_device, plot_only, pyplot, save_figure, write_json,  # noqa: E402
-                     write_result)
+from _common import (add_plot_only, machine_info, pick_device, plot_only, pyplot, save_figure,  # noqa: E402
+                     whisker, write_json, write_result)
 
 DEFAULT_OUT = os.path.join(HERE, "results", "bench_real_size.json")
 VARIANTS = ("eager", "one_graph", "runner", "runner_attention", "compiled_segments", "reduce_overhead")
@@ -374,18 +374,19 @@ def plot(result, png):
     fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(groups)), 4.2))
     width = 0.8 / len(variants)
     for i, variant in enumerate(variants):
-        xs, ys = [], []
+        xs, ys, errs = [], [], []
         for j, (model, size) in enumerate(groups):
             eager = next((r["ms"] for r in rows if (r["model"], r["size"], r["variant"]) == (model, size, "eager")), None)
-            mine = next((r["ms"] for r in rows if (r["model"], r["size"], r["variant"]) == (model, size, variant)), None)
+            mine = next((r for r in rows if (r["model"], r["size"], r["variant"]) == (model, size, variant)), None)
             if eager and mine:
                 xs.append(j + i * width)
-                ys.append(eager / mine)
-        ax.bar(xs, ys, width, label=variant)
+                ys.append(mine.get("speedup_vs_eager") or eager / mine["ms"])
+                errs.append(whisker(ys[-1], [mine.get("speedup_vs_eager_spread")]))
+        ax.bar(xs, ys, width, label=variant, yerr=list(zip(*errs)) or None, capsize=2, error_kw={"lw": 0.8})
     ax.axhline(1.0, color="gray", lw=0.8)
     ax.set_xticks([j + 0.4 - width / 2 for j in range(len(groups))])
     ax.set_xticklabels([f"{m}\n{s}" for m, s in groups], fontsize=8)
-    ax.set_ylabel("speed-up over eager (x)")
+    ax.set_ylabel("speed-up over eager (x; whiskers: rounds' min-max)")
     ax.set_title(f"real-size DiT transformers, one forward, bf16, batch 1 ({result['machine'].get('gpu', 'CPU')})")
     ax.legend(fontsize=8)
     return save_figure(fig, png, dpi=110)

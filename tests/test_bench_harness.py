@@ -194,8 +194,22 @@ cpu_only = pytest.mark.skipif(_common.torch.cuda.is_available(), reason="the CPU
                               "the GPU command lines")
 
 
+def _whiskers(figures):
+    """(bar height, whisker low, whisker high) of every bar drawn with a whisker in the last saved figure."""
+    assert figures, "no figure saved"
+    drawn = []
+    for ax in figures[-1].axes:
+        for bars in ax.containers:
+            if getattr(bars, "errorbar", None) is None:
+                continue
+            (lines,) = bars.errorbar.lines[2]
+            for bar, segment in zip(bars, lines.get_segments()):
+                drawn.append((bar.get_height(), float(segment[:, 1].min()), float(segment[:, 1].max())))
+    return drawn
+
+
 @cpu_only
-def test_bench_real_size_smoke_run_builds_every_variant_then_times_them_in_rounds(tmp_path):
+def test_bench_real_size_smoke_run_builds_every_variant_then_times_them_in_rounds(tmp_path, saved_figures):
     import json
 
     import bench_real_size
@@ -215,10 +229,14 @@ def test_bench_real_size_smoke_run_builds_every_variant_then_times_them_in_round
     assert broken["speedup_vs_eager"] == broken["speedup_vs_eager_spread"]["median"]
     # its own copy of the module, over the eager module's weights: breaks placed, the same output bit for bit
     assert broken["breaks_installed"] > 0 and broken["bitwise_equal"] is True
+    # the plot's bar is the median ratio, its whisker the rounds' min-max
+    (spread,) = _whiskers(saved_figures)
+    ratio = broken["speedup_vs_eager_spread"]
+    assert spread == pytest.approx((ratio["median"], ratio["min"], ratio["max"]))
 
 
 @cpu_only
-def test_bench_compiled_smoke_run_times_in_rounds_and_checks_targets_per_round(tmp_path):
+def test_bench_compiled_smoke_run_times_in_rounds_and_checks_targets_per_round(tmp_path, saved_figures):
     import json
 
     import bench_compiled
@@ -234,6 +252,10 @@ def test_bench_compiled_smoke_run_times_in_rounds_and_checks_targets_per_round(t
         assert row["ms"] == row["ms_spread"]["median"]
     _check_ratio(rows["runner"]["speedup_vs_eager"], rows["eager"]["ms_spread"], rows["runner"]["ms_spread"])
     assert rows["runner"]["max_abs_err"] == 0.0  # the runner's copy shares the weights: eager's output
+    # each bar the median ms, its whisker the rounds' min-max (variants in the script's order: eager, runner)
+    drawn = [value for bar in _whiskers(saved_figures) for value in bar]
+    assert drawn == pytest.approx([value for r in (rows["eager"], rows["runner"])
+                                   for value in (r["ms"], r["ms_spread"]["min"], r["ms_spread"]["max"])])
     # a target check from rounds: the median of per-round ratios, with them
     made = [{**rows["runner"], "variant": "runner", "size": 256},
             {**rows["eager"], "variant": "one_graph", "size": 256}]

@@ -27,7 +27,7 @@ from bcg.diffusers.accelerated import pipeline_runners
 from bcg.diffusers.buckets import ShapeKey, buckets_up_to, check_shape, parse_plan, parse_size, request_shape_key
 from bcg.diffusers.call_args import call_defaults, call_parameters
 from bcg.diffusers.families import family_named, family_of
-from bcg.diffusers.request_plan import needs_image_what
+from bcg.diffusers.request_plan import needs_image_what, reference_key_fields
 from bcg.diffusers.tokenizers import restore as restore_tokenizer
 from bcg.runtime.hooks import HookRegistry, ModelHook
 from bcg.runtime.proxy import unwrap_runner
@@ -279,7 +279,8 @@ def plan_request(
     if isinstance(image, (list, tuple)) and len(image) > family.max_input_images:
         raise ValueError(f"image: the {family.name} family takes at most {family.max_input_images} input "
                          f"image{'s' * (family.max_input_images > 1)}, got {len(image)}")
-    reference = _reference_tokens(family, info, image, mask_image)
+    images = () if image is None else tuple(image) if isinstance(image, (list, tuple)) else (image,)
+    reference = reference_key_fields(info, images, mask_image is not None)
     if key is None:
         key = request_shape_key(info, size=size, n=1 if n is None else n, guidance=guidance,
                                 negative_prompt=negative_prompt, num_frames=num_frames, prompt_bucket=prompt_bucket,
@@ -362,22 +363,6 @@ def _second_guidance(info: dict, key: ShapeKey, guidance_2) -> float:
         raise ValueError("guidance_scale_2: the low-noise steps' CFG scale applies where CFG runs (guidance_scale "
                          "above 1)")
     return float(guidance_2)
-
-
-def _reference_tokens(family, info: dict, image, mask_image) -> dict:
-    """The shape-key fields of an instruction edit's reference `image` (a PIL image or an `ImageInput`:
-    `bcg.diffusers.image_inputs.reference_fields`), {} for any other request; ValueError where it is smaller
-    than one token."""
-    from bcg.diffusers.image_inputs import edit_kind, references_fields
-
-    if image is None or edit_kind(1, mask_image is not None, family.edit_pipelines) != "instruction":
-        return {}
-    sizes = [(i.width, i.height) for i in (image if isinstance(image, (list, tuple)) else [image])]
-    fields = references_fields(sizes, info["size_multiple"], family.reference_area)
-    if fields["reference_tokens"] < 1:
-        raise ValueError(f"image: a reference image must be at least {info['size_multiple']} pixels a side, "
-                         f"got {' and '.join(f'{w}x{h}' for w, h in sizes)}")
-    return fields
 
 
 def _disagreement(key: ShapeKey, info: dict, cfg: bool, reference: dict, **given) -> str:

@@ -32,7 +32,7 @@ from bcg.diffusers.image_inputs import FROM_NOISE_KINDS, ImageInput, edit_kind, 
 from bcg.diffusers.step_caching.config import StepCacheConfig
 
 __all__ = ["LoraChoice", "PlanDefaults", "PlanError", "RequestPlan", "check_edit", "check_edit_kind",
-           "needs_image_what", "plan_reference_tokens", "resolve_plan"]
+           "needs_image_what", "reference_key_fields", "resolve_plan"]
 
 
 class LoraChoice(NamedTuple):
@@ -117,7 +117,7 @@ def resolve_plan(prompt: str, info: dict, defaults: PlanDefaults = PlanDefaults(
     assert cache is None or isinstance(cache, StepCacheConfig), "cache: a StepCacheConfig, validated where it was made"
     images = tuple(images)
     check_edit(info, images, mask, strength, n=n)
-    reference = plan_reference_tokens(info, images, mask)
+    reference = reference_key_fields(info, images, mask is not None)
     if key is None:
         key = request_shape_key(info, size=size or defaults.size, n=n, guidance=guidance_scale,
                                 num_frames=num_frames, **reference)
@@ -197,17 +197,19 @@ _FROM_NOISE = {"instruction": "an instruction edit starts from noise, its image 
                "image-to-video": "image-to-video starts from noise, its image the video's first frame"}
 
 
-def plan_reference_tokens(info: dict, images: tuple[ImageInput, ...], mask: ImageInput | None) -> dict:
-    """The shape-key fields of an instruction edit's reference images (`references_fields`: one grid each, in
-    order), {} for any other request; `PlanError` naming ``image`` where an image is smaller than one latent
-    token."""
-    if edit_kind(len(images), mask is not None, info.get("edits") or ()) != "instruction":
+def reference_key_fields(info: dict, images, has_mask: bool = False) -> dict:
+    """The shape-key fields of an instruction edit's reference `images` (anything with ``width`` and
+    ``height``: `ImageInput`s at the ingress, PIL images in `plan_request`; `references_fields`: one grid
+    each, in order), {} for any other request; `PlanError` naming ``image`` where an image is smaller than
+    one latent token."""
+    if edit_kind(len(images), has_mask, info.get("edits") or ()) != "instruction":
         return {}
     multiple = int(info["size_multiple"])
-    fields = references_fields([(i.width, i.height) for i in images], multiple, info.get("reference_area"))
+    sizes = [(i.width, i.height) for i in images]
+    fields = references_fields(sizes, multiple, info.get("reference_area"))
     if fields["reference_tokens"] < 1:
         raise PlanError("image", f"a reference image must be at least {multiple}x{multiple} pixels (one latent "
-                                 f"token), got {' and '.join(i.size for i in images)}")
+                                 f"token), got {' and '.join(f'{w}x{h}' for w, h in sizes)}")
     return fields
 
 
