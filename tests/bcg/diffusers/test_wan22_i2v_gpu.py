@@ -40,7 +40,7 @@ def test_wan22_image_to_video_replays_its_key_graphs_and_caches_steps_on_its_row
         pytest.skip("needs CUDA")
     plain = load_pipeline(name, device="cuda")   # diffusers' own pipeline, unaccelerated bfloat16
     pipe, batcher = warm_batcher(name, [KEY], step_cache=True)
-    transformers = [pipe.transformer] + ([pipe.transformer_2] if getattr(pipe, "transformer_2", None) else [])
+    transformers = [t for t in (pipe.transformer, getattr(pipe, "transformer_2", None)) if t is not None]
     assert len(transformers) == (2 if name == "tiny-wan22-i2v" else 1)
 
     def captures():
