@@ -160,10 +160,11 @@ class ReplicaEngine:
                                                                          else None)
         self.pipe.set_progress_bar_config(disable=True)
         self.runners = pipeline_runners(self.pipe)
-        if self.step_cache is not None and self.step_cache.inner is not None:
-            # the transformer's middle blocks, replayed per row bucket inside its step-cache break: a
-            # component like the others (stats, metrics, the graphs a key's warmup needs)
-            self.runners["middle_blocks"] = self.step_cache.inner
+        if self.step_cache is not None:
+            # each transformer's middle blocks, replayed per row bucket inside its step-cache break: a
+            # component like the others (stats, metrics, the graphs a key's warmup needs); Wan2.2's second
+            # transformer's are ``middle_blocks_2``
+            self.runners.update(self.step_cache.middle_runners())
         self._log_kernels(self.options)
         self.info = {**pipeline_info(self.pipe), "model": model, "device": self.device,
                      "components": sorted(self.runners), "step_cache": self.step_cache is not None}
@@ -507,7 +508,8 @@ class ReplicaEngine:
             # several references (Qwen-Image-Edit-2509) a list in order
             image = (plan.images[0] if len(plan.images) == 1 else list(plan.images)) if plan.images else None
             _, kwargs = plan_request(self.pipe, plan.prompt, key=plan.shape_key, steps=plan.steps,
-                                     guidance=plan.guidance_scale, seed=plan.seed, info=self.info, image=image,
+                                     guidance=plan.guidance_scale, guidance_2=plan.guidance_scale_2, seed=plan.seed,
+                                     info=self.info, image=image,
                                      mask_image=plan.mask, strength=plan.strength)
             record = CallRecord()
             queued = self.batcher.submit_planned(plan, kwargs, records=(record, self._serving))

@@ -95,6 +95,8 @@ class _ImageRequest(BaseModel):
     user: Optional[str] = Field(None, max_length=256)
     num_inference_steps: Optional[int] = Field(None, ge=1)
     guidance_scale: Optional[float] = Field(None, ge=0.0, le=100.0)
+    # Wan2.2's two-transformer models: the low-noise steps' CFG scale (diffusers'; None: guidance_scale's)
+    guidance_scale_2: Optional[float] = Field(None, ge=0.0, le=100.0)
     seed: Optional[int] = Field(None, ge=0, lt=2**63)
     output_format: OutputFormat = "png"
     # jpeg/webp quality in percent; None: Pillow's default (75 for JPEG, 80 for WebP). OpenAI ignores it
@@ -272,7 +274,7 @@ def request_plan(req: Union[ImageGenerationRequest, "ImageEditRequest"], info: d
                         guidance_scale=req.guidance_scale, seed=req.seed, lora=lora,
                         cache=None if req.cache is None else req.cache.config(), output_format=req.output_format,
                         output_compression=req.output_compression, images=images[0], mask=images[1],
-                        strength=getattr(req, "strength", None))
+                        strength=getattr(req, "strength", None), guidance_scale_2=req.guidance_scale_2)
 
 
 def check_plan(keys: Iterable[str], limits: RequestLimits, field: str = "keys") -> List[str]:

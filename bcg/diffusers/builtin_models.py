@@ -14,6 +14,10 @@ The pipelines produce real (if meaningless) images: 128x128 in 2 steps takes wel
 - `tiny-sana`: SanaPipeline (Gemma2, Sana linear-attention transformer, DC-AE).
 - `tiny-wan`: WanPipeline, text-to-video (UMT5, Wan transformer, Wan causal 3D VAE).
 - `tiny-wan-i2v`: WanImageToVideoPipeline, image-to-video as Wan2.1 makes it (tiny-wan's parts, a CLIP vision encoder).
+- `tiny-wan22-i2v`: WanImageToVideoPipeline as Wan2.2 I2V-A14B makes it (two transformers switched at
+  ``boundary_ratio``, no image encoder).
+- `tiny-wan22-ti2v`: WanImageToVideoPipeline as Wan2.2 TI2V-5B makes image-to-video (``expand_timesteps``, one
+  transformer, a 48-channel VAE).
 - `tiny-qwen-image`: QwenImagePipeline (Qwen2.5-VL, Qwen-Image MMDiT, Qwen-Image causal 3D VAE).
 - `tiny-qwen-image-edit`: QwenImageEditPipeline (instruction edits; the Qwen2-VL processor sees the image).
 - `tiny-qwen-image-edit-plus`: QwenImageEditPlusPipeline (Qwen-Image-Edit-2509: several references), the same parts.
@@ -245,19 +249,62 @@ def build_tiny_wan_i2v():
                                    image_encoder=image_encoder, image_processor=image_processor)
 
 
-def _tiny_wan_components(in_channels: int, image_dim: int | None = None) -> dict:
-    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanTransformer3DModel
+@_seeded
+def build_tiny_wan22_i2v():
+    """WanImageToVideoPipeline as Wan2.2 I2V-A14B makes it: two Wan transformers of tiny-wan-i2v's channels (16
+    noise + 4 mask + 16 condition) and no image encoder (``image_dim`` None: the image enters through its
+    condition latents only), ``transformer`` for the high-noise steps (timesteps at or above ``boundary_ratio``
+    0.9 of the scheduler's 1000), ``transformer_2`` for the rest; Wan2.2 I2V's flow shift 5, so a two-step
+    warmup reaches both (timesteps 999 and 833)."""
+    from diffusers import WanImageToVideoPipeline
 
-    transformer = WanTransformer3DModel(
-        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=16, in_channels=in_channels, out_channels=16,
-        text_dim=64, freq_dim=32, ffn_dim=64, num_layers=2, cross_attn_norm=True,
+    parts = _tiny_wan_components(in_channels=36, flow_shift=5.0)
+    transformer_2 = _wan_transformer(in_channels=36)
+    _randomize_zero_params(transformer_2)
+    return WanImageToVideoPipeline(**parts, transformer_2=transformer_2.eval(), boundary_ratio=0.9)
+
+
+@_seeded
+def build_tiny_wan22_ti2v():
+    """WanImageToVideoPipeline as Wan2.2 TI2V-5B makes image-to-video (``expand_timesteps``): one Wan transformer
+    on the latents alone (the first frame's latents written over the first latent frame before every step, its
+    timesteps 0 there, per token), a Wan2.2-style VAE (48 latent channels, residual, a 2x2 patchify: 16x
+    spatial); flow shift 5, TI2V-5B's."""
+    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanImageToVideoPipeline
+
+    z_dim = 48
+    transformer = _wan_transformer(in_channels=z_dim, out_channels=z_dim)
+    vae = AutoencoderKLWan(
+        base_dim=8, z_dim=z_dim, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True],
+        is_residual=True, in_channels=12, out_channels=12, patch_size=2, scale_factor_spatial=16,
+        latents_mean=[0.0] * z_dim, latents_std=[1.0] * z_dim,
+    ).eval()
+    _randomize_zero_params(transformer, vae)
+    scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=5.0)
+    return WanImageToVideoPipeline(tokenizer=build_tokenizer("t5", 512), text_encoder=t5_encoder(64, umt5=True),
+                                   vae=vae, transformer=transformer.eval(), scheduler=scheduler, expand_timesteps=True)
+
+
+def _wan_transformer(in_channels: int, image_dim: int | None = None, out_channels: int = 16):
+    from diffusers import WanTransformer3DModel
+
+    return WanTransformer3DModel(
+        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=16, in_channels=in_channels,
+        out_channels=out_channels, text_dim=64, freq_dim=32, ffn_dim=64, num_layers=2, cross_attn_norm=True,
         qk_norm="rms_norm_across_heads", rope_max_seq_len=64, image_dim=image_dim,
     )
+
+
+def _tiny_wan_components(in_channels: int, image_dim: int | None = None, flow_shift: float = 3.0) -> dict:
+    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler
+
+    transformer = _wan_transformer(in_channels, image_dim)
     vae = AutoencoderKLWan(
         base_dim=8, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True],
     ).eval()
     _randomize_zero_params(transformer, vae)
-    scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0)
+    scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True,
+                                        flow_shift=flow_shift)
     return dict(tokenizer=build_tokenizer("t5", 512), text_encoder=t5_encoder(64, umt5=True), vae=vae,
                 transformer=transformer.eval(), scheduler=scheduler)
 
@@ -343,6 +390,8 @@ BUILTIN_MODELS: dict[str, Callable] = {
     "tiny-sana": build_tiny_sana,
     "tiny-wan": build_tiny_wan,
     "tiny-wan-i2v": build_tiny_wan_i2v,
+    "tiny-wan22-i2v": build_tiny_wan22_i2v,
+    "tiny-wan22-ti2v": build_tiny_wan22_ti2v,
     "tiny-qwen-image": build_tiny_qwen_image,
     "tiny-qwen-image-edit": build_tiny_qwen_image_edit,
     "tiny-qwen-image-edit-plus": build_tiny_qwen_image_edit_plus,

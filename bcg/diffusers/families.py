@@ -39,6 +39,10 @@ step-caching adapter, its own step hooks (`bcg.diffusers.step_batching.steps.qwe
 ``qwen-image-edit-plus``: the same, with up to three references (`bcg.diffusers.step_batching.steps.
 qwen_image_edit_plus`). Wan image-to-video (``WanImageToVideoPipeline``) is ``wan-i2v``: Wan's
 CFG rule and adapter, one edit, ``"image-to-video"``, made by the loaded pipeline itself; it needs an image.
+Its Wan2.2 forms are the same class, so the same record: I2V-A14B's (``transformer_2`` after ``boundary_ratio``,
+no image encoder; built-in ``tiny-wan22-i2v``) and TI2V-5B's (``expand_timesteps``; ``tiny-wan22-ti2v``);
+what differs is the pipeline's config, which diffusers' pipeline reads (`bcg.diffusers.pipeline_info` reports
+``boundary_ratio``; step caching hooks both transformers, `bcg.diffusers.step_caching.experts`).
 
 The size default and the defaults of the call (steps, guidance, frames) are the pipeline's own and are
 read from it by `bcg.diffusers.pipeline_info`. `family_of(pipe)` finds a pipeline's record by its class
@@ -287,7 +291,8 @@ FAMILIES: dict[str, ModelFamily] = {f.name: f for f in (
     ModelFamily("wan", ("WanPipeline",), builtin="tiny-wan", cfg=CfgRule(separate_calls=True), video=True, fps=16,
                 step_cache=_WAN_BLOCKS),
     # Wan image-to-video: the image's condition latents on the transformer's channels, its CLIP embeddings
-    # before the text in the blocks' `encoder_hidden_states` (so the adapter carries them per row)
+    # before the text in the blocks' `encoder_hidden_states` (so the adapter carries them per row); Wan2.2's
+    # forms (tiny-wan22-i2v, tiny-wan22-ti2v) have no CLIP embeddings, the latents alone
     ModelFamily("wan-i2v", ("WanImageToVideoPipeline",), builtin="tiny-wan-i2v", cfg=CfgRule(separate_calls=True),
                 video=True, fps=16, step_cache=_WAN_BLOCKS, needs_image=True,
                 edit_pipelines=MappingProxyType({"image-to-video": "WanImageToVideoPipeline"})),

@@ -1,9 +1,9 @@
 """`load_pipeline`: a built-in pipeline by name (`bcg.diffusers.builtin_models`: tiny-flux, tiny-flux-kontext,
-tiny-sd3, tiny-pixart, tiny-sana, tiny-wan, tiny-wan-i2v, tiny-qwen-image, seeded random weights, built offline) or a local
-directory in diffusers format (`DiffusionPipeline.from_pretrained(..., local_files_only=True)`); anything
-else is a `ValueError` that lists the built-ins. Default dtype: float32 on CPU, bfloat16 on CUDA.
-`BUILTIN_MODELS`, `DEFAULT_MODEL` and `build_tokenizer` keep their import path here. A caller that
-counts a start passes a `LoadTimes`, which the load fills: seconds reading (building a built-in, or
+tiny-sd3, tiny-pixart, tiny-sana, tiny-wan, tiny-wan-i2v, tiny-wan22-i2v, tiny-qwen-image, ..., seeded random
+weights, built offline) or a local directory in diffusers format (`DiffusionPipeline.from_pretrained(...,
+local_files_only=True)`); anything else is a `ValueError` that lists the built-ins. Default dtype: float32 on
+CPU, bfloat16 on CUDA. `BUILTIN_MODELS`, `DEFAULT_MODEL` and `build_tokenizer` keep their import path here.
+A caller that counts a start passes a `LoadTimes`, which the load fills: seconds reading (building a built-in, or
 ``from_pretrained``) and moving (the dtype cast and the copy to the device), and with ``quantize``
 quantizing, reloading and storing.
 

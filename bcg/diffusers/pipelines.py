@@ -35,7 +35,7 @@ from bcg.runtime.proxy import unwrap_runner
 logger = logging.getLogger(__name__)
 
 __all__ = ["count_prompt_tokens", "generate", "pipeline_info", "plan_request", "warmup_image", "warmup_pipeline",
-           "warmup_reference_image", "warmup_request"]
+           "steps_reaching_every_transformer", "warmup_reference_image", "warmup_request"]
 
 # --------------------------------------------------------------------------------------------------
 # pipeline facts
@@ -83,7 +83,18 @@ def pipeline_info(pipe) -> dict:
         "reference_area": family.reference_area,     # an instruction edit's reference resized to it (or None)
         "reference_edits": sorted(family.reference_edits & set(family.edit_pipelines)),  # the key's `.r`
         "needs_image": family.needs_image,           # no text-to-image
+        # Wan2.2's A14B models: `transformer` above this fraction of the training timesteps, `transformer_2`
+        # below (None: one transformer); only then does a request take `guidance_scale_2`
+        "boundary_ratio": _boundary_ratio(pipe),
     }
+
+
+def _boundary_ratio(pipe) -> float | None:
+    """The pipeline's ``boundary_ratio`` (diffusers' Wan pipelines' config), where it has a ``transformer_2``."""
+    config = getattr(pipe, "config", None)
+    ratio = config.get("boundary_ratio") if hasattr(config, "get") else None
+    return float(ratio) if isinstance(ratio, (int, float)) and getattr(pipe, "transformer_2", None) is not None \
+        else None
 
 
 def count_prompt_tokens(pipe, prompt: str, info: dict | None = None) -> int | None:
@@ -217,6 +228,7 @@ def plan_request(
     num_frames: int | None = None,
     steps: int | None = None,
     guidance: float | None = None,
+    guidance_2: float | None = None,
     seed: int | None = None,
     negative_prompt: str | None = None,
     prompt_buckets: bool | Iterable[int] = False,
@@ -243,7 +255,9 @@ def plan_request(
     guidance is the model's guidance knob, read by the family's `CfgRule`: the CFG scale (CFG runs
     when > 1) for SD3/PixArt/Sana/Wan and Qwen-Image (its ``true_cfg_scale``; the negative prompt
     defaults to ``" "``); for Flux the embedded guidance, or the true-CFG scale when a
-    `negative_prompt` is given. Qwen-Image's pipeline is made to pad its prompt embeddings to
+    `negative_prompt` is given. `guidance_2` is the CFG scale of Wan2.2's low-noise steps (diffusers'
+    ``guidance_scale_2``; None: `guidance`'s), taken only by a pipeline with a ``boundary_ratio`` and where CFG
+    runs. Qwen-Image's pipeline is made to pad its prompt embeddings to
     ``max_sequence_length`` (see `_padded_encode_prompt`). Nothing runs on a device here.
 
     An edit brings an input `image` (a PIL image, or a checked `bcg.diffusers.image_inputs.ImageInput`),
@@ -297,6 +311,8 @@ def plan_request(
     else:
         kwargs["num_images_per_prompt"] = key.batch_size
     kwargs.update(_edit_kwargs(family, image, mask_image, strength, key.batch_size))
+    if guidance_2 is not None:
+        kwargs["guidance_scale_2"] = _second_guidance(info, key, guidance_2)
     if steps is not None:
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
             raise ValueError(f"steps (num_inference_steps) must be a positive int, got {steps!r}")
@@ -337,6 +353,19 @@ def _edit_kwargs(family, image, mask_image, strength, n: int = 1) -> dict:
             raise ValueError(f"strength must be a number in (0, 1], got {strength!r}")
         kwargs["strength"] = float(strength)
     return kwargs
+
+
+def _second_guidance(info: dict, key: ShapeKey, guidance_2) -> float:
+    """A request's ``guidance_scale_2``, checked: a number, on a pipeline of two transformers, where CFG runs."""
+    if isinstance(guidance_2, bool) or not isinstance(guidance_2, (int, float)):
+        raise ValueError(f"guidance_scale_2 must be a number, got {guidance_2!r}")
+    if info.get("boundary_ratio") is None:
+        raise ValueError(f"guidance_scale_2: {info['pipeline_class']} has one transformer (no boundary_ratio); "
+                         "only Wan2.2's two-transformer pipelines take a second guidance scale")
+    if not key.cfg:
+        raise ValueError("guidance_scale_2: the low-noise steps' CFG scale applies where CFG runs (guidance_scale "
+                         "above 1)")
+    return float(guidance_2)
 
 
 def _disagreement(key: ShapeKey, info: dict, cfg: bool, reference: dict, **given) -> str:
@@ -444,6 +473,23 @@ def _image_of_grid(grid: tuple[int, int], multiple: int, area: int) -> tuple[int
     raise ValueError(f"no reference image resized to {area} pixels has a grid of {grid[0]}x{grid[1]} tokens")
 
 
+def steps_reaching_every_transformer(pipe, steps: int, most: int = 100) -> int:
+    """The fewest steps, at least `steps`, whose schedule runs each of the pipeline's transformers: `steps` for
+    one transformer; with Wan2.2's ``boundary_ratio``, until a timestep falls below it, where ``transformer_2``
+    runs (I2V-A14B's flow shift 5: 2 steps, 999 and 833; T2V-A14B's 12 with 0.875: 3). `most` bounds the
+    search (a schedule that never crosses runs `steps`)."""
+    ratio = _boundary_ratio(pipe)
+    if ratio is None:
+        return steps
+    scheduler = copy.deepcopy(pipe.scheduler)
+    boundary = ratio * scheduler.config.num_train_timesteps
+    for n in range(steps, max(steps, most) + 1):
+        scheduler.set_timesteps(n, device="cpu")
+        if any(float(t) < boundary for t in scheduler.timesteps):
+            return n
+    return steps
+
+
 def warmup_pipeline(pipe, plan, num_inference_steps: int = 2, prompt: str = "a photo of a cat",
                     batched_prompts: Iterable[int] = ()) -> dict:
     """Run `pipe` once per shape key of `plan` inside every runner's ``warmup()``; return a report.
@@ -452,7 +498,8 @@ def warmup_pipeline(pipe, plan, num_inference_steps: int = 2, prompt: str = "a p
     prompt of that many images: the same transformer and VAE signatures, and the text encoders at that
     batch too (what a step batcher's joint encode of the requests joining together runs: `StepBatcher.warmup`).
     Two steps reach every transformer signature of the supported pipelines (the first step and the
-    rest; Wan 2.2's second transformer after its boundary). Report: ``{"keys": [{"key", "captured":
+    rest); a pipeline of two transformers (Wan2.2's, switched at ``boundary_ratio``) runs as many more as its
+    schedule needs to reach the second (`steps_reaching_every_transformer`). Report: ``{"keys": [{"key", "captured":
     {component: [signature keys]}, "failed": {component: [reasons]}, "error", "seconds"}], "captured",
     "failed", "seconds"}``. A key that fails (bad size, an exception in the pipeline) is reported, not
     raised, so one bad key does not stop the rest of the plan.
@@ -469,7 +516,8 @@ def warmup_pipeline(pipe, plan, num_inference_steps: int = 2, prompt: str = "a p
     if not runners:
         logger.warning("warmup_pipeline: %s has no runners; call accelerate(pipe) first", type(pipe).__name__)
     info = pipeline_info(pipe)
-    report = {"keys": [], "captured": 0, "failed": 0, "seconds": 0.0, "steps": num_inference_steps}
+    steps = steps_reaching_every_transformer(pipe, num_inference_steps)
+    report = {"keys": [], "captured": 0, "failed": 0, "seconds": 0.0, "steps": steps}
     batched_prompts = frozenset(batched_prompts)
     start_all = time.perf_counter()
     for key in parse_plan(plan):
@@ -478,8 +526,7 @@ def warmup_pipeline(pipe, plan, num_inference_steps: int = 2, prompt: str = "a p
                   for name, r in runners.items()}
         error = None
         try:
-            kwargs = warmup_request(pipe, key, info, num_inference_steps, prompt,
-                                     batched=key.batch_size in batched_prompts)
+            kwargs = warmup_request(pipe, key, info, steps, prompt, batched=key.batch_size in batched_prompts)
             with contextlib.ExitStack() as stack:
                 for runner in runners.values():
                     stack.enter_context(runner.warmup())

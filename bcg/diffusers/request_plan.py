@@ -70,7 +70,8 @@ class RequestPlan:
     """One request as it runs: made by `resolve_plan`, read (never re-decided) below where it was made.
 
     shape_key: the `ShapeKey` it runs at (size, images, frames, CFG, prompt bucket). steps: denoising
-    steps (None: the pipeline's default). guidance_scale: None the model's default. seed: None unseeded.
+    steps (None: the pipeline's default). guidance_scale: None the model's default; guidance_scale_2: the CFG
+    scale of Wan2.2's low-noise steps (None: guidance_scale's). seed: None unseeded.
     lora: its adapter and scale (None: the base model). cache: its step caching (None: every step
     computes). output_format / output_compression: how its images are encoded. images: its input images
     (empty: text-to-image); mask: the region to repaint (None: image-to-image); strength: how far into the
@@ -82,6 +83,7 @@ class RequestPlan:
     guidance_scale: float | None = None
     seed: int | None = None
     lora: LoraChoice | None = None
+    guidance_scale_2: float | None = None
     cache: StepCacheConfig | None = None
     output_format: str = "png"
     output_compression: int | None = None
@@ -96,14 +98,17 @@ def resolve_plan(prompt: str, info: dict, defaults: PlanDefaults = PlanDefaults(
                  guidance_scale: float | None = None, seed: int | None = None, lora: LoraChoice | None = None,
                  cache: StepCacheConfig | None = None, output_format: str = "png",
                  output_compression: int | None = None, images: tuple[ImageInput, ...] = (),
-                 mask: ImageInput | None = None, strength: float | None = None) -> RequestPlan:
+                 mask: ImageInput | None = None, strength: float | None = None,
+                 guidance_scale_2: float | None = None) -> RequestPlan:
     """A request's `RequestPlan` on the model `info` describes: the one place its defaults are resolved.
 
     The shape key is `request_shape_key` of the request (its size, else ``defaults.size``, else the
     model's), unless `key` is given (a key computed where the request entered; debug runs assert that the
     fields given beside it agree). Steps and the step-cache config fall back to `defaults`. A `cache` (a
     `StepCacheConfig`, validated where the request was parsed) where ``info["step_cache"]`` is false raises
-    `PlanError` naming ``cache``. Input `images` (an edit) are checked by `check_edit`.
+    `PlanError` naming ``cache``. Input `images` (an edit) are checked by `check_edit`. `guidance_scale_2`
+    where the model has one transformer (``info["boundary_ratio"]`` None) or the request runs no CFG is a
+    `PlanError` naming it.
     """
     if cache is not None and not info.get("step_cache"):
         raise PlanError("cache", "this deployment has no step caching; start it with the app arg step_cache "
@@ -118,11 +123,20 @@ def resolve_plan(prompt: str, info: dict, defaults: PlanDefaults = PlanDefaults(
                                 num_frames=num_frames, **reference)
     else:
         assert not (wrong := _disagreement(key, size=size, n=n, num_frames=num_frames, reference=reference)), wrong
+    if guidance_scale_2 is not None:
+        if info.get("boundary_ratio") is None:
+            raise PlanError("guidance_scale_2", f"{info.get('model') or info.get('pipeline_class')!r} has one "
+                                                "transformer: only Wan2.2's two-transformer models (boundary_ratio) "
+                                                "take a second guidance scale")
+        if not key.cfg:
+            raise PlanError("guidance_scale_2", "the low-noise steps' CFG scale applies where CFG runs "
+                                                "(guidance_scale above 1)")
     return RequestPlan(shape_key=key, prompt=prompt, steps=steps if steps is not None else defaults.steps,
                        guidance_scale=guidance_scale, seed=seed, lora=lora,
                        cache=cache if cache is not None else defaults.cache, output_format=output_format,
                        output_compression=output_compression, images=images, mask=mask, strength=strength,
-                       edit=edit_kind(len(images), mask is not None, info.get("edits") or ()))
+                       edit=edit_kind(len(images), mask is not None, info.get("edits") or ()),
+                       guidance_scale_2=guidance_scale_2)
 
 
 def check_edit_kind(info: dict, images: int, mask: bool) -> None:

@@ -2,7 +2,9 @@
 (multipart ``image`` on ``POST /v1/images/edits``, ``num_frames`` as on generations; ``Ingress.edit`` from
 Python), over real HTTP on a real Ray Serve app (one CPU replica warm for the key), each video's frames
 compared with diffusers' own ``WanImageToVideoPipeline`` called with the same inputs and seed; bad input
-(no image, an image for a text-to-video model, a mask, ``strength``, ``n``) is a 4xx naming the field."""
+(no image, an image for a text-to-video model, a mask, ``strength``, ``n``, ``guidance_scale_2`` where one
+transformer runs or CFG does not) is a 4xx naming the field. Wan2.2 I2V-A14B's form (tiny-wan22-i2v: two
+transformers, ``guidance_scale_2``) through the replica's engine, no Ray: its plan's video is diffusers'."""
 import base64
 import functools
 import io
@@ -64,6 +66,9 @@ def _info(model: str) -> dict:
     ("tiny-wan-i2v", {"image": True, "n": 2}, "n"),                   # one video per image
     ("tiny-wan-i2v", {"image": True, "more": True}, "image"),         # one first frame
     ("tiny-wan", {"image": True}, "model"),                           # text-to-video: no image
+    ("tiny-wan22-i2v", {}, "image"),                                  # Wan2.2's form: the same checks
+    ("tiny-wan-i2v", {"image": True, "guidance_scale_2": 2.0}, "guidance_scale_2"),   # one transformer
+    ("tiny-wan22-i2v", {"image": True, "guidance_scale": 1.0, "guidance_scale_2": 2.0}, "guidance_scale_2"),  # no CFG
 ])
 def test_bad_i2v_requests_are_refused_at_the_ingress_naming_the_field(model, request_fields, field):
     """`check_request`, what the ingress runs on every request before anything reaches a replica."""
@@ -85,6 +90,38 @@ def test_an_i2v_request_is_planned_with_its_first_frame_at_a_text_to_video_key()
     plan = check_request(request, LIMITS, "tiny-wan-i2v", _info("tiny-wan-i2v"))
     assert plan.edit == "image-to-video" and plan.shape_key.key == KEY
     assert plan.images == (read_image(png(scene()), 1 << 20),) and plan.mask is None and plan.strength is None
+
+
+def test_the_engine_serves_wan22_i2v_with_both_transformers_as_diffusers_does():
+    """The replica's engine (no Ray) on tiny-wan22-i2v with step caching at threshold 0: each transformer's
+    middle blocks a component of their own, a warmup of one step runs the two that reach transformer_2, and a
+    plan the ingress made (its ``guidance_scale_2`` and ``cache``) gives diffusers' video."""
+    from deployments.engine import ReplicaEngine
+
+    engine = ReplicaEngine("tiny-wan22-i2v", device="cpu", cpu_threads=1, warmup_steps=1,
+                           step_cache={"threshold": 0.0})
+    try:
+        assert {"transformer", "transformer_2", "middle_blocks", "middle_blocks_2"} <= set(engine.runners)
+        assert engine.info["boundary_ratio"] == 0.9
+        engine.warmup_key(KEY)
+        eager = {name: engine.runners[name].stats()["eager_calls"]["no_cuda"]
+                 for name in ("transformer", "transformer_2")}
+        assert eager == {"transformer": 2, "transformer_2": 2}, eager   # one step each, CFG's two calls
+        request = ImageEditRequest(prompt=VIDEO["prompt"], seed=VIDEO["seed"], size="64x64", num_frames=FRAMES,
+                                   num_inference_steps=STEPS, image=png(VIDEO["image"]), guidance_scale_2=15.0)
+        plan = check_request(request, LIMITS, "tiny-wan22-i2v", engine.info, PlanDefaults(cache={"threshold": 0.0}))
+        assert plan.guidance_scale_2 == 15.0 and plan.shape_key.key == KEY
+        result = engine.submit(plan).result(timeout=600)
+        frames = np.stack([np.asarray(f.convert("RGB")).astype(np.int16) for f in result["images"][0]])
+        pipe = load_pipeline("tiny-wan22-i2v")
+        out = pipe(prompt=VIDEO["prompt"], image=VIDEO["image"], height=64, width=64, num_frames=FRAMES,
+                   num_inference_steps=STEPS, guidance_scale_2=15.0, output_type="np",
+                   generator=torch.Generator("cpu").manual_seed(VIDEO["seed"]))
+        expected = (np.asarray(out.frames[0]) * 255).round().astype(np.int16)
+        assert np.abs(frames - expected).max() <= PIXEL_TOLERANCE
+        assert (result["steps_computed"], result["steps_cached"]) == (STEPS, 0)   # threshold 0: every step
+    finally:
+        engine.close()
 
 
 @pytest.fixture(scope="module")

@@ -42,7 +42,8 @@ own (`BreakableGraphRunner`, its own pool), captured per row bucket while the tr
 up: a cached request replays graphs only. Supported transformers: those of the families whose record has a
 `BlockAdapter` (``ModelFamily.step_cache``; `supports_step_cache`), and their subclasses. Arguments the
 hooks cannot carry (`BlockAdapter.bypass_args`: ControlNet residuals, skipped layers, attention kwargs) run
-the forward uncached, counted as ``bypassed``.
+the forward uncached, counted as ``bypassed``. A pipeline's second transformer (Wan2.2's ``transformer_2``) gets
+a hook of its own, the two counting a request's steps together (`bcg.diffusers.step_caching.experts`).
 """
 from __future__ import annotations
 
@@ -71,6 +72,7 @@ __all__ = ["HOOK_NAME", "METHODS", "StepCacheConfig", "StepCacheHook", "StepCach
            "enable_step_cache", "attach_step_cache", "step_cache_of", "supported_families", "supports_step_cache"]
 
 HOOK_NAME = "bcg_step_cache"
+_TRANSFORMERS = ("transformer", "transformer_2")   # a pipeline's transformers (Wan2.2's two experts)
 _DEFAULT_BUCKETS = (1, 2, 3, 4, 8)   # 3: where the computing rows follow the rows (large sizes), 3 padded to 4 costs a row
 _Store = RowStore   # its name before it moved to `bcg.diffusers.step_caching.store`
 
@@ -241,11 +243,12 @@ class _StepCacheLogic:
             return out
 
     @contextlib.contextmanager
-    def plain_request(self, config=None):
+    def plain_request(self, config=None, counts: dict | None = None):
         """Around one ``pipe(...)`` call: its rows cache with `config` (None: the default); yields
-        ``{"computed": n, "cached": n}``, its steps, filled as they run."""
+        ``{"computed": n, "cached": n}``, its steps, filled as they run (into `counts` when given: the one
+        count of a pipeline's transformers, `StepCaches`)."""
         config = StepCacheConfig.from_any(config)
-        counts = {"computed": 0, "cached": 0}
+        counts = {"computed": 0, "cached": 0} if counts is None else counts
         with self._lock:
             previous = self._plain_config, self._plain_counts
             self._plain_config, self._plain_counts = ((config,) if config is not None else ()), counts
@@ -256,6 +259,15 @@ class _StepCacheLogic:
             with self._lock:
                 self._plain_config, self._plain_counts = previous
                 self._reset_plain()
+
+    def share_steps(self, other: "_StepCacheLogic") -> None:
+        """Count a plain request's steps with `other`'s count (a pipeline's second transformer, `StepCaches`):
+        a row's step is the request's, whichever transformer runs it."""
+        self._plain_steps = other._plain_steps
+
+    def middle_runners(self) -> dict:
+        """The middle blocks' runner by component name (none before `attach_runner`)."""
+        return {} if self.inner is None else {"middle_blocks": self.inner}
 
     def _reset_plain(self) -> None:
         self._plain_steps.clear()
@@ -462,14 +474,40 @@ def _transformer(target):
     return module
 
 
+def _slots(target) -> dict:
+    """``{slot name: what the slot holds}`` (a transformer or its runner) of each transformer of `target`: a
+    pipeline's ``transformer`` and, where it has one, ``transformer_2`` (Wan2.2's low-noise expert); a
+    transformer (or its runner) alone is ``{"transformer": target}``."""
+    if getattr(target, "transformer", None) is None:
+        return {"transformer": target}
+    return {name: getattr(target, name) for name in _TRANSFORMERS if getattr(target, name, None) is not None}
+
+
+def _one_or_all(hooks: dict):
+    """A pipeline's step cache as its callers see it: one transformer's hook, or the `StepCaches` of several."""
+    if len(hooks) < 2:
+        return next(iter(hooks.values()), None)
+    from bcg.diffusers.step_caching.experts import StepCaches
+
+    return StepCaches(hooks)
+
+
 def enable_step_cache(target, config: StepCacheConfig | dict | None = None, *, first_blocks: int = 1,
                       last_blocks: int = 0, buckets: Sequence[int] = _DEFAULT_BUCKETS):
-    """Install step caching on a pipeline's transformer (or a transformer) through diffusers' hook
+    """Install step caching on a pipeline's transformers (or a transformer) through diffusers' hook
     registry, before `accelerate`. `config` is the default of rows no caller describes (None: such rows
-    always compute; a request of the step batcher brings its own). Returns the hook."""
+    always compute; a request of the step batcher brings its own). Returns the hook, or for a pipeline of two
+    transformers (Wan2.2's ``transformer_2``) their `StepCaches` (`bcg.diffusers.step_caching.experts`)."""
+    _transformer(target)   # a clear error where there is none
+    return _one_or_all({name: _enable_on(slot, config, first_blocks, last_blocks, buckets)
+                        for name, slot in _slots(target).items()})
+
+
+def _enable_on(runner, config, first_blocks: int, last_blocks: int, buckets):
+    """The step-cache hook on the transformer `runner` is (or wraps), installed if it has none."""
     from diffusers.hooks import HookRegistry
 
-    module = _transformer(target)
+    module = _transformer(runner)
     registry = HookRegistry.check_if_exists_or_initialize(module)
     if registry.get_hook(HOOK_NAME) is not None:
         hook = registry.get_hook(HOOK_NAME)
@@ -477,7 +515,6 @@ def enable_step_cache(target, config: StepCacheConfig | dict | None = None, *, f
         return hook
     hook = _hook_class()(config, first_blocks, last_blocks, buckets)
     registry.register_hook(hook, HOOK_NAME)
-    runner = getattr(target, "transformer", target)
     if runner is not module and hasattr(runner, "nest"):  # accelerated already
         _forward_changed(runner)
         attach_step_cache(module, runner)
@@ -517,21 +554,27 @@ def supports_step_cache(target) -> bool:
 
 
 def step_cache_of(target):
-    """The step-cache hook installed on a pipeline's transformer (or a transformer), or None."""
-    try:
-        module = _transformer(target)
-    except ValueError:
-        return None
-    registry = getattr(module, "_diffusers_hook", None)
-    return None if registry is None else registry.get_hook(HOOK_NAME)
+    """The step-cache hook installed on a pipeline's transformer (or a transformer), the `StepCaches` of a
+    pipeline with hooks on two transformers, or None."""
+    hooks = {}
+    for name, slot in _slots(target).items():
+        try:
+            registry = getattr(_transformer(slot), "_diffusers_hook", None)
+        except ValueError:
+            continue
+        hook = None if registry is None else registry.get_hook(HOOK_NAME)
+        if hook is not None:
+            hooks[name] = hook
+    return _one_or_all(hooks)
 
 
 def disable_step_cache(target) -> None:
-    """Remove step caching (the transformer runs its own forward again)."""
-    module = _transformer(target)
-    registry = getattr(module, "_diffusers_hook", None)
-    if registry is not None and registry.get_hook(HOOK_NAME) is not None:
-        registry.remove_hook(HOOK_NAME, recurse=False)
-        runner = getattr(target, "transformer", target)
-        if runner is not module and hasattr(runner, "nest"):
-            _forward_changed(runner)
+    """Remove step caching from each transformer (they run their own forward again)."""
+    _transformer(target)
+    for runner in _slots(target).values():
+        module = _transformer(runner)
+        registry = getattr(module, "_diffusers_hook", None)
+        if registry is not None and registry.get_hook(HOOK_NAME) is not None:
+            registry.remove_hook(HOOK_NAME, recurse=False)
+            if runner is not module and hasattr(runner, "nest"):
+                _forward_changed(runner)

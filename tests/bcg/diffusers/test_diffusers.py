@@ -35,6 +35,8 @@ EXPECTED_BREAKS = {
     "tiny-sana": ["SanaLinearAttnProcessor2_0.__call__", "scaled_dot_product_attention"] * 2,
     "tiny-wan": ["dispatch_attention_fn"] * 4,
     "tiny-wan-i2v": ["dispatch_attention_fn"] * 4,   # the image's cross-attention inside the text's call
+    "tiny-wan22-i2v": ["dispatch_attention_fn"] * 4,   # the high-noise transformer's first step
+    "tiny-wan22-ti2v": ["dispatch_attention_fn"] * 4,
     "tiny-qwen-image": ["dispatch_attention_fn"] * 2,
     "tiny-qwen-image-edit": ["dispatch_attention_fn"] * 2,
     "tiny-qwen-image-edit-plus": ["dispatch_attention_fn"] * 2,
@@ -216,8 +218,8 @@ def test_accelerated_pipeline_matches_plain_with_cfg(name):
     assert np.array_equal(_run(pipe, name, **overrides), reference)
     stats = runners["transformer"].stats()
     # CFG as a second call vs batched (or none: Kontext without a negative prompt)
-    calls_per_step = 2 if name in ("tiny-flux", "tiny-wan", "tiny-wan-i2v", "tiny-qwen-image", "tiny-qwen-image-edit",
-                                   "tiny-qwen-image-edit-plus") else 1
+    calls_per_step = 2 if name in ("tiny-flux", "tiny-wan", "tiny-wan-i2v", "tiny-wan22-i2v", "tiny-wan22-ti2v",
+                                   "tiny-qwen-image", "tiny-qwen-image-edit", "tiny-qwen-image-edit-plus") else 1
     assert stats["eager_calls"]["no_cuda"] == calls_per_step
     assert stats["captures"] == 0
     assert json.loads(json.dumps(pipeline_info(pipe)))["family"] == pipeline_info(load_pipeline(name))["family"]
@@ -428,17 +430,20 @@ def test_pipeline_info_is_plain_and_right():
     json.dumps(info)
     assert {n: i["size_multiple"] for n, i in info.items()} == {
         "tiny-flux": 16, "tiny-flux-kontext": 16, "tiny-sd3": 16, "tiny-pixart": 16, "tiny-sana": 32, "tiny-wan": 16,
-        "tiny-wan-i2v": 16, "tiny-qwen-image": 16,
+        "tiny-wan-i2v": 16, "tiny-wan22-i2v": 16, "tiny-qwen-image": 16,
+        "tiny-wan22-ti2v": 32,   # Wan2.2's VAE: 16x spatial
         "tiny-qwen-image-edit": 32,   # its tokens 32 pixels a side (a CPU-sized reference; the real model's 16)
         "tiny-qwen-image-edit-plus": 32,
         "shapes-flux": 8}  # its VAE downsamples 4x (then Flux's 2x2 patches), FLUX.1's 8x
     assert info["shapes-flux"]["default_size"] == "64x64"  # its trained size; tiny-flux keeps FLUX's 1024x1024
     assert info["tiny-flux"]["default_size"] == "1024x1024"
-    assert [n for n, i in info.items() if i["is_video"]] == ["tiny-wan", "tiny-wan-i2v"]
-    assert info["tiny-wan"]["frame_multiple"] == info["tiny-wan-i2v"]["frame_multiple"] == 4
-    assert {n: i["fps"] for n, i in info.items() if i["fps"]} == {"tiny-wan": 16, "tiny-wan-i2v": 16}  # videos only
+    videos = ["tiny-wan", "tiny-wan-i2v", "tiny-wan22-i2v", "tiny-wan22-ti2v"]
+    assert [n for n, i in info.items() if i["is_video"]] == videos
+    assert {info[n]["frame_multiple"] for n in videos} == {4}
+    assert {n: i["fps"] for n, i in info.items() if i["fps"]} == dict.fromkeys(videos, 16)  # videos only
+    assert {n: i["boundary_ratio"] for n, i in info.items() if i["boundary_ratio"]} == {"tiny-wan22-i2v": 0.9}
     assert [n for n, i in info.items() if i["needs_image"]] == ["tiny-qwen-image-edit", "tiny-qwen-image-edit-plus",
-                                                                 "tiny-wan-i2v"]
+                                                                 "tiny-wan-i2v", "tiny-wan22-i2v", "tiny-wan22-ti2v"]
     assert info["tiny-flux"]["prompt_buckets"] == [32, 64, 128, 256, 512]
     assert info["tiny-pixart"]["prompt_buckets"][-1] == 300
     assert {n: i["cfg_calls"] for n, i in info.items()}["tiny-sd3"] == "batched"

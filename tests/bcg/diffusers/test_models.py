@@ -9,7 +9,7 @@ from PIL import Image
 
 from bcg.diffusers import generate
 from bcg.diffusers.models import BUILTIN_MODELS, DEFAULT_MODEL, build_tokenizer, load_pipeline
-from tests.bcg.diffusers.builtin_inputs import VIDEO, builtin_inputs, first_frame
+from tests.bcg.diffusers.builtin_inputs import IMAGE_TO_VIDEO, VIDEO, builtin_inputs, first_frame
 
 FAMILIES = sorted(BUILTIN_MODELS)
 
@@ -119,7 +119,7 @@ def test_builtin_answers_the_call_diffusers_documents(name):
     kwargs = dict(prompt="a cat", height=256, width=256, num_inference_steps=1)
     if name in VIDEO:
         kwargs.update(num_frames=5)
-    if name == "tiny-wan-i2v":
+    if name in IMAGE_TO_VIDEO:
         kwargs.update(image=first_frame())
     if name == "tiny-flux-kontext":   # it fits the aspect ratio to max_area (default 1024²)
         kwargs.update(max_area=256 * 256)
