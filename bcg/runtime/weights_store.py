@@ -268,8 +268,19 @@ def _load_trusting(path: str, device, trusted: tuple):
         module, _, attr = name.rpartition(".")
         allowed.append(getattr(importlib.import_module(module), attr))
     with torch.serialization.safe_globals(allowed):
-        return torch.load(path, mmap=True, weights_only=True,
-                          map_location=torch.device(device) if device is not None else None)
+        return torch.load(path, mmap=True, weights_only=True, map_location=indexed_device(device))
+
+
+def indexed_device(device) -> Optional[torch.device]:
+    """`device` with its index (``"cuda"`` is the current CUDA device, ``cuda:0``; None stays None): tensors
+    loaded to an index-less ``cuda`` and assigned into a module on ``cuda:0`` are refused by torch ("Attempted to
+    set the storage of a tensor on device cuda:0 to a storage on different device cuda", H100, torch 2.11)."""
+    if device is None:
+        return None
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def _tensors(module: torch.nn.Module):

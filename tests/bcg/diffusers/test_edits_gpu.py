@@ -3,8 +3,10 @@
 An edit's transformer calls have a text request's signature (its rows start part-way through the schedule
 and are masked between steps, outside the graphs), so after ``StepBatcher.warmup`` of a size, an edit of
 that size, alone or in a step batch with text requests, replays the transformer's (and the VAE decoder's)
-graphs without a capture or an eager call; its image equals its eager run (the same pipeline unaccelerated)
-within 3/255 alone and in the batch, and is diffusers' own edit pipeline's within 3/255 (bfloat16).
+graphs without a capture or an eager call; its image is diffusers' own edit pipeline's within 3/255 alone, and
+within 3/255 of its alone image in the batch. In float32, as the issue's equality bound is stated: in bfloat16
+the tiny built-ins' images moved by up to 0.041 (10.5/255) from diffusers' image-to-image on an H100, the
+rounding of a tiny random model's bfloat16 steps amplified over its 4 steps.
 """
 import numpy as np
 import pytest
@@ -34,8 +36,8 @@ def _kwargs(pipe, seed, edit):
 
 
 def _reference(kind, seed, builtin="tiny-flux", pipelines=FLUX_EDIT_PIPELINES):
-    """diffusers' edit pipeline (of `pipelines`, by edit kind) on an unaccelerated bfloat16 `builtin`."""
-    pipe = load_pipeline(builtin, device="cuda")
+    """diffusers' edit pipeline (of `pipelines`, by edit kind) on an unaccelerated float32 `builtin`."""
+    pipe = load_pipeline(builtin, device="cuda", dtype=torch.float32)
     with torch.no_grad():
         out = pipelines[kind].from_pipe(pipe, torch_dtype=pipe.transformer.dtype)(**_kwargs(pipe, seed, EDITS[kind]))
     return np.asarray(out.images)
@@ -51,7 +53,7 @@ def assert_edits_replay_a_text_warmup(builtin: str, warm_key: str, pipelines: di
     """`builtin` warm for the text `warm_key`: `EDITS` at that key replay alone (each within the bound of its
     diffusers pipeline of `pipelines`) and joining a text request (each within the bound of its alone image),
     nothing captured anew, nothing eager."""
-    pipe, batcher = warm_batcher(builtin, [warm_key])
+    pipe, batcher = warm_batcher(builtin, [warm_key], dtype=torch.float32)
     transformer = pipe.transformer
     captures = transformer.stats()["captures"]
     alone = {}
