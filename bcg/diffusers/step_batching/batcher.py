@@ -528,7 +528,8 @@ class StepBatcher(BatcherWarmup, BatcherCounters):
 
     def _plain_cache(self, request: QueuedRequest):
         """Around a request run whole: the step cache's plain rows use its config, and its records count
-        the steps it computed and cached (without step caching, every step the pipeline ran as computed)."""
+        the steps it computed and cached (without step caching, or without a config for the request, every
+        step the pipeline ran as computed)."""
         import contextlib
 
         hook = self.step_cache
@@ -542,6 +543,8 @@ class StepBatcher(BatcherWarmup, BatcherCounters):
             else:
                 with hook.plain_request(request.cache) as counts:
                     yield
+                if not any(counts.values()):  # no config: the hooks decided nothing, every step computed
+                    counts["computed"] = int(getattr(self.pipe, "_num_timesteps", 0) or 0)
             for record in request.records:
                 record.steps_computed += counts["computed"]
                 record.steps_cached += counts["cached"]

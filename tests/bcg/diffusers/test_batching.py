@@ -330,6 +330,24 @@ def test_without_step_caching_every_step_a_request_ran_counts_as_computed_batche
         assert (batcher.stats()["steps_computed"], batcher.stats()["steps_cached"]) == (5, 0), family
 
 
+def test_with_step_caching_installed_a_request_without_a_config_counts_every_step_run_alone_or_batched():
+    """Step caching installed with no default config: a request that names none computes every step, and its
+    counts say so, run alone (the hooks' plain request decides nothing) and in a step batch."""
+    from bcg.diffusers.step_caching.hook import enable_step_cache
+    from bcg.runtime.call_record import CallRecord
+
+    cached = load_pipeline("tiny-flux")
+    enable_step_cache(cached, None)
+    for family in ({}, {"family": None}):
+        batcher = StepBatcher(cached, **family)
+        record = CallRecord()
+        future = batcher.submit_planned(*plan_request(cached, "a cat", size=SIZE, steps=3, output_type="np"),
+                                        records=(record,))
+        _drain(batcher, [future])
+        assert (record.steps_computed, record.steps_cached) == (3, 0), family
+        assert batcher.stats()["ran_alone"] == (1 if family else 0)
+
+
 def test_a_batch_of_b_rows_has_the_transformer_signature_of_the_pipeline_with_b_images(pipe):
     """So `warmup_pipeline` on ``<key>.b<bucket>`` captures the graphs the batcher replays."""
     def signatures(run):
