@@ -117,7 +117,8 @@ def resolve_plan(prompt: str, info: dict, defaults: PlanDefaults = PlanDefaults(
     assert cache is None or isinstance(cache, StepCacheConfig), "cache: a StepCacheConfig, validated where it was made"
     images = tuple(images)
     check_edit(info, images, mask, strength, n=n)
-    reference = reference_key_fields(info, images, mask is not None, size=size or defaults.size)
+    reference = reference_key_fields(info, images, mask is not None,
+                                     size=key.size if key is not None else size or defaults.size)
     if key is None:
         key = request_shape_key(info, size=size or defaults.size, n=n, guidance=guidance_scale,
                                 num_frames=num_frames, **reference)

@@ -66,6 +66,9 @@ def test_kontext_makes_inpaint_edits_keyed_by_the_outputs_token_grid(pipe):
     defaults = PlanDefaults(size="64x64", steps=STEPS)
     plan = resolve_plan("a cat", info, defaults, images=(image,), mask=mask, strength=0.5)
     assert plan.shape_key.key == "64x64.r4x4" and plan.edit == "inpaint"
+    # planned again at the key it entered with (a handle caller's shape_key), its size not given: the same plan
+    again = resolve_plan("a cat", info, PlanDefaults(size="128x128"), key=plan.shape_key, images=(image,), mask=mask)
+    assert again.shape_key == plan.shape_key
     with pytest.raises(PlanError, match="mask"):
         resolve_plan("a cat", info, defaults, images=(image,), mask=read_image(png(Image.new("L", (32, 64))), 1 << 20))
 
