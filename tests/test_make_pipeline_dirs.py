@@ -80,7 +80,7 @@ def test_a_kontext_dir_is_served_as_a_kontext_model(tmp_path):
     assert json.loads((path / "transformer" / "config.json").read_text())["in_channels"] == 64   # FLUX.1-dev's
     pipe = load_pipeline(str(path), device="cpu", dtype=torch.float32)
     info = pipeline_info(pipe)
-    assert (info["family"], info["edits"]) == ("flux-kontext", ["instruction"])
+    assert (info["family"], info["edits"]) == ("flux-kontext", ["inpaint", "instruction"])
     reference = Image.new("RGB", (48, 32), (200, 30, 30))
     assert plan_request(pipe, "make it blue", size="32x32", image=reference)[0].key == "32x32.r3x2"
     for image in (reference, None):
