@@ -31,7 +31,7 @@ import logging
 import time
 from typing import Dict, Optional
 
-from bcg.runtime.attention import ATTENTION_BACKENDS, CHOICES_VERSION
+from bcg.runtime.attention_names import ATTENTION_BACKENDS, CHOICES_VERSION
 
 logger = logging.getLogger(__name__)
 

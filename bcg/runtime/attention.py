@@ -53,20 +53,17 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
+from bcg.runtime.attention_names import ATTENTION_BACKENDS, AUTO_CANDIDATES, CHOICES_VERSION
+
 logger = logging.getLogger(__name__)
 
 __all__ = ["ATTENTION_BACKENDS", "AUTO_CANDIDATES", "AttentionDispatch", "CHOICES_VERSION", "KERNELS",
            "backend_unavailable_reason", "choice_scope", "fastest", "interleaved_best", "time_candidates"]
 
-ATTENTION_BACKENDS = ("auto", "sdpa", "cudnn", "flash", "efficient", "math", "fa3", "fa3_fp8")
-#: What ``"auto"`` weighs, where available: PyTorch's own choice against kernels it does not have. Exact
-#: kernels only: ``"fa3_fp8"`` changes the numbers and runs only where it is named.
-AUTO_CANDIDATES = ("sdpa", "fa3")
 _SDPA_BACKENDS = {"cudnn": "CUDNN_ATTENTION", "flash": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION",
                   "math": "MATH"}
 _TIMING_ITERS = 8
 _TIMING_ROUNDS = 5    # interleaved rounds per candidate; each keeps its best
-CHOICES_VERSION = 1   # the format of `export_choices`' table
 _FP8 = torch.float8_e4m3fn
 _FP8_MAX = 448.0      # e4m3's largest finite value: a cast past it is NaN, so inputs are clamped first
 _ADOPTED = ("coordinator", "store")  # where a choice not timed here came from (a record's "source")

@@ -19,7 +19,7 @@ import re
 import typing
 from typing import Optional
 
-from bcg.runtime.attention import ATTENTION_BACKENDS
+from bcg.runtime.attention_names import ATTENTION_BACKENDS
 from bcg.runtime.quantize import QUANTIZE_MODES
 
 logger = logging.getLogger(__name__)

@@ -197,3 +197,15 @@ def test_several_image_files_reach_the_plan_in_order_and_more_than_the_model_tak
     for answer, most in ((plus["four"], 3), (out["one_image_model"], 1)):   # past the model's own limit
         assert answer["status"] == 422 and answer["body"]["detail"][0]["loc"] == ["body", "image"], answer
         assert f"at most {most} input image" in answer["body"]["detail"][0]["msg"], answer
+
+
+def test_the_coordinator_module_imports_without_torch():
+    """The coordinator runs no model: its replica process starts without importing torch (seconds per app)."""
+    code = ('import sys; sys.modules["torch"] = None\n'
+            'import deployments.coordinator\n'
+            'print(sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "diffusers") and sys.modules[m]))')
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert proc.stdout.strip() == "[]"
