@@ -18,6 +18,8 @@ The pipelines produce real (if meaningless) images: 128x128 in 2 steps takes wel
   ``boundary_ratio``, no image encoder).
 - `tiny-wan22-ti2v`: WanImageToVideoPipeline as Wan2.2 TI2V-5B makes image-to-video (``expand_timesteps``, one
   transformer, a 48-channel VAE).
+- `tiny-wan22-ti2v-5b`: WanPipeline with ``expand_timesteps``, as the published Wan2.2-TI2V-5B directory is:
+  text-to-video, and image-to-video with ``WanImageToVideoPipeline`` on its parts (tiny-wan22-ti2v's weights).
 - `tiny-qwen-image`: QwenImagePipeline (Qwen2.5-VL, Qwen-Image MMDiT, Qwen-Image causal 3D VAE).
 - `tiny-qwen-image-edit`: QwenImageEditPipeline (instruction edits; the Qwen2-VL processor sees the image).
 - `tiny-qwen-image-edit-plus`: QwenImageEditPlusPipeline (Qwen-Image-Edit-2509: several references), the same parts.
@@ -270,7 +272,23 @@ def build_tiny_wan22_ti2v():
     on the latents alone (the first frame's latents written over the first latent frame before every step, its
     timesteps 0 there, per token), a Wan2.2-style VAE (48 latent channels, residual, a 2x2 patchify: 16x
     spatial); flow shift 5, TI2V-5B's."""
-    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanImageToVideoPipeline
+    from diffusers import WanImageToVideoPipeline
+
+    return WanImageToVideoPipeline(**_tiny_ti2v_components(), expand_timesteps=True)
+
+
+@_seeded
+def build_tiny_wan22_ti2v_5b():
+    """WanPipeline as the published Wan2.2-TI2V-5B directory is (its ``model_index.json`` names ``WanPipeline``,
+    ``expand_timesteps`` true): tiny-wan22-ti2v's parts (the same seed, the same weights), text-to-video, and
+    image-to-video with ``WanImageToVideoPipeline`` built on them (family ``wan-ti2v``)."""
+    from diffusers import WanPipeline
+
+    return WanPipeline(**_tiny_ti2v_components(), expand_timesteps=True)
+
+
+def _tiny_ti2v_components() -> dict:
+    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler
 
     z_dim = 48
     transformer = _wan_transformer(in_channels=z_dim, out_channels=z_dim)
@@ -281,8 +299,8 @@ def build_tiny_wan22_ti2v():
     ).eval()
     _randomize_zero_params(transformer, vae)
     scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=5.0)
-    return WanImageToVideoPipeline(tokenizer=build_tokenizer("t5", 512), text_encoder=t5_encoder(64, umt5=True),
-                                   vae=vae, transformer=transformer.eval(), scheduler=scheduler, expand_timesteps=True)
+    return dict(tokenizer=build_tokenizer("t5", 512), text_encoder=t5_encoder(64, umt5=True), vae=vae,
+                transformer=transformer.eval(), scheduler=scheduler)
 
 
 def _wan_transformer(in_channels: int, image_dim: int | None = None, out_channels: int = 16):
@@ -392,6 +410,7 @@ BUILTIN_MODELS: dict[str, Callable] = {
     "tiny-wan-i2v": build_tiny_wan_i2v,
     "tiny-wan22-i2v": build_tiny_wan22_i2v,
     "tiny-wan22-ti2v": build_tiny_wan22_ti2v,
+    "tiny-wan22-ti2v-5b": build_tiny_wan22_ti2v_5b,
     "tiny-qwen-image": build_tiny_qwen_image,
     "tiny-qwen-image-edit": build_tiny_qwen_image_edit,
     "tiny-qwen-image-edit-plus": build_tiny_qwen_image_edit_plus,

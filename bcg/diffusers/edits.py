@@ -5,7 +5,8 @@ A family record names the diffusers class of each edit it makes (`bcg.diffusers.
 edit_pipelines`: Flux's ``FluxImg2ImgPipeline`` for image-to-image, ``FluxInpaintPipeline`` for
 inpainting). `EditPipelines` makes each from the loaded pipeline's components on first use (the same
 transformer, VAE, text encoders and scheduler objects: no weights copied, an accelerated pipeline's runners
-and hooks shared) and keeps it while the loaded pipeline's components stay the same. It calls the class's
+and hooks shared; the pipeline's config values the class takes too: Wan2.2 TI2V-5B's ``WanPipeline`` makes
+image-to-video with ``WanImageToVideoPipeline(expand_timesteps=True)`` and no image encoder) and keeps it while the loaded pipeline's components stay the same. It calls the class's
 constructor with them, as diffusers' ``from_pipe`` does, but not ``from_pipe`` itself: that ends with
 ``new_pipeline.to(dtype=torch_dtype or torch.float32)``, which would cast the served pipeline's shared modules
 (bfloat16 weights to float32; and with a dtype given, modules a pipeline keeps in another dtype). A family whose
@@ -68,10 +69,13 @@ class EditPipelines:
 
 
 def _from_components(cls, pipe):
-    """``cls`` built on `pipe`'s components (its constructor's modules; those `pipe` lacks left to their
-    defaults), modules untouched."""
+    """``cls`` built on `pipe`'s components and config (its constructor's modules and the config values it takes,
+    Wan's ``expand_timesteps`` and ``boundary_ratio``; those `pipe` lacks left to their defaults), modules
+    untouched."""
     parameters = inspect.signature(cls.__init__).parameters
-    components = pipe.components
+    config = getattr(pipe, "config", None)
+    values = {k: v for k, v in config.items() if not k.startswith("_")} if hasattr(config, "items") else {}
+    components = {**values, **pipe.components}
     missing = [name for name, p in parameters.items() if name != "self" and p.default is inspect.Parameter.empty
                and name not in components]
     if missing:

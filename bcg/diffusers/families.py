@@ -44,6 +44,12 @@ no image encoder; built-in ``tiny-wan22-i2v``) and TI2V-5B's (``expand_timesteps
 what differs is the pipeline's config, which diffusers' pipeline reads (`bcg.diffusers.pipeline_info` reports
 ``boundary_ratio``; step caching hooks both transformers, `bcg.diffusers.step_caching.experts`).
 
+TI2V-5B as published is a ``WanPipeline`` whose config has ``expand_timesteps``: family ``wan-ti2v``
+(`ModelFamily.pipeline_config` picks it over ``wan``), text-to-video and ``"image-to-video"`` made by diffusers'
+``WanImageToVideoPipeline`` built on its components and config (`bcg.diffusers.edits`); its image-to-video
+requests share text-to-video's shape keys (the transformer's calls are the same; built-in
+``tiny-wan22-ti2v-5b``). Wan2.1's ``WanPipeline`` (no ``expand_timesteps``) stays ``wan``, text only.
+
 The size default and the defaults of the call (steps, guidance, frames) are the pipeline's own and are
 read from it by `bcg.diffusers.pipeline_info`. `family_of(pipe)` finds a pipeline's record by its class
 name; a pipeline of no known family gets `GENERIC`. A new family is one record here plus its built-in
@@ -227,6 +233,9 @@ class ModelFamily:
     # the edit kinds whose input image's latent tokens join the sequence (the key's `.r`): an instruction
     # edit's reference; Kontext's inpainting, its image at the output's size
     reference_edits: frozenset = frozenset({"instruction"})
+    # pipeline config values that pick this record over its class's plain one (diffusers' config is the
+    # constructor's arguments: WanPipeline with ``expand_timesteps`` is TI2V-5B, which makes image-to-video too)
+    pipeline_config: Mapping[str, Any] = dataclasses.field(default_factory=lambda: MappingProxyType({}), hash=False)
 
     def batching_hooks(self) -> Optional[BatchingHooks]:
         """A new instance of this family's step-wise batching hooks; None when it has none."""
@@ -290,6 +299,14 @@ FAMILIES: dict[str, ModelFamily] = {f.name: f for f in (
     # Wan 2.1 and 2.2: cross-attention to the text, which the blocks leave unchanged
     ModelFamily("wan", ("WanPipeline",), builtin="tiny-wan", cfg=CfgRule(separate_calls=True), video=True, fps=16,
                 step_cache=_WAN_BLOCKS),
+    # Wan2.2 TI2V-5B as published (``WanPipeline`` with ``expand_timesteps``): text-to-video, and image-to-video
+    # from the same weights with diffusers' WanImageToVideoPipeline built on its components (the image's latents
+    # written over the first latent frame, timestep 0 there: the transformer's calls are text-to-video's, so
+    # one shape key serves both); 24 frames a second (its model card's 720P@24fps)
+    ModelFamily("wan-ti2v", ("WanPipeline",), builtin="tiny-wan22-ti2v-5b", cfg=CfgRule(separate_calls=True),
+                video=True, fps=24, step_cache=_WAN_BLOCKS,
+                edit_pipelines=MappingProxyType({"image-to-video": "WanImageToVideoPipeline"}),
+                pipeline_config=MappingProxyType({"expand_timesteps": True})),
     # Wan image-to-video: the image's condition latents on the transformer's channels, its CLIP embeddings
     # before the text in the blocks' `encoder_hidden_states` (so the adapter carries them per row); Wan2.2's
     # forms (tiny-wan22-i2v, tiny-wan22-ti2v) have no CLIP embeddings, the latents alone
@@ -315,14 +332,32 @@ FAMILIES: dict[str, ModelFamily] = {f.name: f for f in (
     GENERIC,
 )}
 
-_BY_CLASS = {cls: family for family in FAMILIES.values() for cls in family.pipeline_classes}
+
+def _families_by_class() -> dict[str, list[ModelFamily]]:
+    """Pipeline class name -> its families, those that ask for config values first."""
+    by_class: dict[str, list[ModelFamily]] = {}
+    for family in sorted(FAMILIES.values(), key=lambda f: not f.pipeline_config):
+        for cls in family.pipeline_classes:
+            by_class.setdefault(cls, []).append(family)
+    return by_class
+
+
+_BY_CLASS = _families_by_class()
 
 
 def family_of(pipe) -> ModelFamily:
     """The family of a pipeline (instance or class) by the name of its class or of a base class (an
-    accelerated pipeline may subclass its own); `GENERIC` when none claims it."""
+    accelerated pipeline may subclass its own) and, among that class's records, the first whose
+    `ModelFamily.pipeline_config` the pipeline's config holds (a class: its plain record); `GENERIC` when none
+    claims it."""
     cls = pipe if isinstance(pipe, type) else type(pipe)
-    return next((_BY_CLASS[c.__name__] for c in cls.__mro__ if c.__name__ in _BY_CLASS), GENERIC)
+    config = None if isinstance(pipe, type) else getattr(pipe, "config", None)
+    config = config if hasattr(config, "get") else {}
+    for c in cls.__mro__:
+        for family in _BY_CLASS.get(c.__name__, ()):
+            if all(config.get(k) == v for k, v in family.pipeline_config.items()):
+                return family
+    return GENERIC
 
 
 def family_of_transformer(module) -> Optional[ModelFamily]:

@@ -428,8 +428,9 @@ def warmup_image(key: ShapeKey, info: dict, pipe=None):
     """The input image of a warmup request at `key` (None: a text request): a grey image of the key's size
     for a model that makes nothing without one (image-to-video: the pipeline resizes any image to the key's
     size, so the image's own size changes no signature), else `warmup_reference_image` (several references,
-    Qwen-Image-Edit-2509: `warmup_condition_references`, which needs the `pipe`'s processor)."""
-    if "image-to-video" in (info.get("edits") or ()):
+    Qwen-Image-Edit-2509: `warmup_condition_references`, which needs the `pipe`'s processor). A model that makes
+    video from text as well (Wan2.2 TI2V-5B) warms from text: its image-to-video calls are the same signatures."""
+    if info.get("needs_image") and "image-to-video" in (info.get("edits") or ()):  # (TI2V-5B warms from text)
         from PIL import Image
 
         return Image.new("RGB", (key.width, key.height), (128, 128, 128))

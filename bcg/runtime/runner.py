@@ -85,7 +85,8 @@ from bcg.runtime.entries import CaptureEntry, EntryCache
 from bcg.runtime.hooks import HookRegistry
 from bcg.runtime.proxy import ModuleProxy
 from bcg.runtime.recorder import CudaRecorder, record_entry, whole_forward_break
-from bcg.runtime.signature import (bind_positional, call_arguments, call_context, positional_names,
+from bcg.runtime.signature import (bind_positional, call_arguments, call_context, drop_none_defaults,
+                                   none_default_names, positional_names,
                                    signature_with_leaves)
 
 logger = logging.getLogger(__name__)
@@ -153,6 +154,7 @@ class BreakableGraphRunner(CaptureLimits, ModuleProxy):
         self._runtime_disabled = None       # reason the runner turned itself off, until reset()
         self._fingerprint = None
         self._positional_names = None
+        self._none_defaults = None          # forward parameters whose default is None (`_bind`)
         self._whole_forward = None
         # RunnerConfig.compile: inductor kernels (no inductor CUDA graphs) captured as segments. The
         # compiled forward is built once here; compilation itself happens in the warm-up run of a capture.
@@ -208,8 +210,7 @@ class BreakableGraphRunner(CaptureLimits, ModuleProxy):
     # -- calls ------------------------------------------------------------------------------------
 
     def __call__(self, *args, **kwargs):
-        if args:
-            args, kwargs = self._bind(args, kwargs)
+        args, kwargs = self._bind(args, kwargs)
         token = next(self._tokens)
         signature = leaves = None
         if self._off is None:  # a runner that is off skips the signature: it only runs eagerly
@@ -227,8 +228,7 @@ class BreakableGraphRunner(CaptureLimits, ModuleProxy):
 
     def capture(self, *args, **kwargs):
         """Capture the signature of this call if not yet captured. True when a graph is ready for it."""
-        if args:
-            args, kwargs = self._bind(args, kwargs)
+        args, kwargs = self._bind(args, kwargs)
         self._refresh_device()
         if self._off is not None:
             return False
@@ -238,8 +238,7 @@ class BreakableGraphRunner(CaptureLimits, ModuleProxy):
     def signature_of(self, *args, **kwargs):
         """The `Signature` a call with these arguments would capture or replay under, in this thread's state
         and its hooks' (`_call_context`); computed on any device, even where the runner is off."""
-        if args:
-            args, kwargs = self._bind(args, kwargs)
+        args, kwargs = self._bind(args, kwargs)
         return signature_with_leaves(call_arguments(args, kwargs), self._call_context())[0]
 
     def _call_context(self) -> tuple:
@@ -434,10 +433,14 @@ class BreakableGraphRunner(CaptureLimits, ModuleProxy):
         return self._compiled if capture or self._warming else self._compiled.run_cached
 
     def _bind(self, args, kwargs):
-        """Name positional arguments after the module's forward parameters where they have names."""
+        """Name positional arguments after the module's forward parameters where they have names, and leave
+        out keyword arguments passed as their default None: one signature for one call however written."""
         if self._positional_names is None:
             self._positional_names = positional_names(self._module)
-        return bind_positional(self._positional_names, args, kwargs, type(self._module).__name__)
+            self._none_defaults = none_default_names(self._module)
+        if args:
+            args, kwargs = bind_positional(self._positional_names, args, kwargs, type(self._module).__name__)
+        return args, drop_none_defaults(self._none_defaults, kwargs)
 
     def _weights_fingerprint(self):
         module = self._module

@@ -26,7 +26,10 @@ short string (16 hex digits of sha256 over a canonical form) identical in every 
 version for signatures without identity parts; ``.summary()`` is for logs; ``.diff(other)`` lists the
 differences as ``"shape[1] 64 != 128 at hidden_states"``.
 
-Positional arguments travel among the keyword arguments under `ARGS_KEY` (`call_arguments`).
+Positional arguments travel among the keyword arguments under `ARGS_KEY` (`call_arguments`). A runner names
+them after the forward's parameters (`bind_positional`) and leaves out keyword arguments passed as None whose
+default is None (`drop_none_defaults`): the same call, whichever way it was written (diffusers'
+``WanImageToVideoPipeline`` passes ``encoder_hidden_states_image=None`` where ``WanPipeline`` passes nothing).
 
 `signature_with_leaves` (the runner's hot path) returns the tensor leaves in the same traversal order
 as `_rebuild` consumes them, so a runner can swap leaves for its static buffers.
@@ -42,7 +45,8 @@ import torch.utils._pytree as pytree
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ARGS_KEY", "Signature", "bind_positional", "call_arguments", "call_context", "positional_names",
+__all__ = ["ARGS_KEY", "Signature", "bind_positional", "call_arguments", "call_context", "drop_none_defaults",
+           "none_default_names", "positional_names",
            "rebuild_kwargs", "signature_of", "signature_with_leaves"]
 
 ARGS_KEY = "*args"  # where a call's positional arguments go among its keyword arguments (no name has a '*')
@@ -396,3 +400,23 @@ def bind_positional(names: tuple, args: tuple, kwargs: dict, owner: str = "modul
                             "positionally or by keyword")
     bound.update(kwargs)
     return args[count:], bound
+
+
+def none_default_names(module) -> frozenset:
+    """The names of `module`'s forward parameters whose default is None (none when its forward has no
+    introspectable signature)."""
+    forward = getattr(module, "forward", module)
+    try:
+        parameters = inspect.signature(forward).parameters.values()
+    except (TypeError, ValueError):
+        return frozenset()
+    return frozenset(p.name for p in parameters if p.default is None and p.kind in (
+        inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY))
+
+
+def drop_none_defaults(names: frozenset, kwargs: dict) -> dict:
+    """`kwargs` without the arguments of `names` (parameters whose default is None) passed as None: the forward
+    runs the same without them, so a call's signature does not depend on whether its caller spelled them out."""
+    if not any(kwargs.get(name, 0) is None for name in names):
+        return kwargs
+    return {name: value for name, value in kwargs.items() if value is not None or name not in names}

@@ -78,6 +78,7 @@ from bcg.diffusers.step_batching.queue import ALONE, BatcherConfig, QueuedReques
 from bcg.diffusers.step_batching.stats import BatcherCounters
 from bcg.diffusers.step_batching.warmup import BatcherWarmup
 from bcg.diffusers.buckets import ShapeKey
+from bcg.diffusers.edits import EditPipelines, edit_kind_of
 from bcg.diffusers.families import family_of
 from bcg.diffusers.accelerated import pipeline_call_scope
 from bcg.diffusers.step_caching.config import StepCacheConfig
@@ -115,6 +116,7 @@ class StepBatcher(BatcherWarmup, BatcherCounters):
         self.config = config or BatcherConfig(**settings)
         self.family = family_of(pipe).batching_hooks() if family == "auto" else family
         self._info = info
+        self._edit_pipelines: EditPipelines | None = None  # a family without step hooks: its edits' pipelines
         # the transformer's LoRA slots (`bcg.lora`) and step caching (`bcg.diffusers.step_caching.hook`): both read
         # each call's rows from the rows context (`_rows_context`); kept here for checks, warmups and stats
         self.lora = lora_bank(getattr(pipe, "transformer", None))
@@ -517,7 +519,7 @@ class StepBatcher(BatcherWarmup, BatcherCounters):
                 self.lora.set_all(request.lora)
             # PIL output converted to 8 bits on the device, made into images on the answers thread
             # an edit runs whole on its edit pipeline (`bcg.diffusers.edits`), made from this one
-            pipe = self.pipe if self.family is None else self.family.call_pipeline(self.pipe, request.kwargs)
+            pipe = self._call_pipeline(request.kwargs)
             with _recording_for([request]), self._plain_cache(request):
                 outputs = pipeline_call_async(pipe, request.kwargs)
         except Exception as exc:  # noqa: BLE001
@@ -525,6 +527,19 @@ class StepBatcher(BatcherWarmup, BatcherCounters):
             return
         self._count("ran_alone")
         self._answer_later([request], lambda: [outputs()])
+
+    def _call_pipeline(self, kwargs: dict):
+        """The pipeline a request run whole calls: the step hooks' (`call_pipeline`), or without hooks the
+        family's edit pipeline made from this one (TI2V-5B's ``WanPipeline``: ``WanImageToVideoPipeline``), kept
+        here; the loaded pipeline for text."""
+        if self.family is not None:
+            return self.family.call_pipeline(self.pipe, kwargs)
+        kind = edit_kind_of(kwargs, family_of(self.pipe).edit_pipelines)
+        if kind is None:
+            return self.pipe
+        if self._edit_pipelines is None:
+            self._edit_pipelines = EditPipelines()
+        return self._edit_pipelines.get(self.pipe, kind)
 
     def _plain_cache(self, request: QueuedRequest):
         """Around a request run whole: the step cache's plain rows use its config, and its records count

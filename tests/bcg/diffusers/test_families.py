@@ -28,6 +28,17 @@ def test_unknown_pipelines_are_generic_and_unknown_names_are_errors():
         pass
 
     assert family_of(MyPipeline()) is GENERIC and family_of(MyPipeline) is GENERIC
+
+
+def test_a_record_asking_for_config_values_is_picked_where_the_pipeline_config_holds_them():
+    # WanPipeline: Wan2.1's (wan) and Wan2.2 TI2V-5B's (expand_timesteps: wan-ti2v, which makes image-to-video)
+    from diffusers import WanPipeline
+
+    wan, ti2v = family_named("wan"), family_named("wan-ti2v")
+    assert ti2v.pipeline_classes == wan.pipeline_classes and dict(ti2v.pipeline_config) == {"expand_timesteps": True}
+    assert family_of(load_pipeline("tiny-wan")) is wan and family_of(WanPipeline) is wan   # a class: its plain record
+    assert family_of(load_pipeline("tiny-wan22-ti2v-5b")) is ti2v
+    assert dict(ti2v.edit_pipelines) == {"image-to-video": "WanImageToVideoPipeline"} and not ti2v.needs_image
     assert family_named("generic") is GENERIC
     with pytest.raises(ValueError, match="known: flux"):
         family_named("flux2")
@@ -128,8 +139,8 @@ def test_every_record_is_complete_and_names_what_resolves_on_its_builtin(family)
 
 
 def test_the_families_step_caching_runs_are_the_ones_whose_records_name_an_adapter():
-    assert {f.name for f in NAMED if f.step_cache} == {"flux", "flux-kontext", "sd3", "wan", "wan-i2v", "qwen-image",
-                                                       "qwen-image-edit", "qwen-image-edit-plus"}
+    assert {f.name for f in NAMED if f.step_cache} == {"flux", "flux-kontext", "sd3", "wan", "wan-ti2v", "wan-i2v",
+                                                       "qwen-image", "qwen-image-edit", "qwen-image-edit-plus"}
     adapters = {}
     for family in NAMED:
         for cls in family.step_cache.transformer_classes if family.step_cache else ():

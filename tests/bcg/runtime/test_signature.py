@@ -214,3 +214,20 @@ def test_call_context_keys_grad_mode_and_autocast_state():
     assert sigs["autocast"].diff(sigs["inference"]) == ["autocast cpu:bfloat16 != off"]
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.float16):
         assert signature_of(kw, context=call_context()) != sigs["autocast"]     # the dtype counts
+
+
+def test_a_runner_keys_a_none_passed_for_a_none_default_as_if_it_were_left_out():
+    # diffusers' WanImageToVideoPipeline passes encoder_hidden_states_image=None where WanPipeline passes nothing:
+    # one call, one signature (and graph); a None where the default is something else stays part of the key
+    from bcg.runtime.runner import BreakableGraphRunner
+
+    class Block(torch.nn.Module):
+        def forward(self, hidden_states, image=None, scale=1.0, *, extra=None):
+            return hidden_states * scale
+
+    runner = BreakableGraphRunner(Block())
+    x = torch.zeros(2, 3)
+    plain = runner.signature_of(x)
+    assert runner.signature_of(x, image=None, extra=None) == plain == runner.signature_of(hidden_states=x, image=None)
+    assert runner.signature_of(x, scale=None) != plain and runner.signature_of(x, image=x) != plain
+    assert torch.equal(runner(x, image=None, extra=None), x)
