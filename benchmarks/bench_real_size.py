@@ -69,6 +69,11 @@ MODELS = {
         patch_size=(1, 2, 2), num_attention_heads=12, attention_head_dim=128, in_channels=16, out_channels=16,
         text_dim=4096, freq_dim=256, ffn_dim=8960, num_layers=30, cross_attn_norm=True,
         qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024)),
+    # Wan2.2-TI2V-5B-Diffusers transformer/config.json: 48 latent channels of a 16x VAE (spatial=16)
+    "wan2.2-ti2v-5b": dict(cls="WanTransformer3DModel", text_tokens=512, latent="video", spatial=16, config=dict(
+        patch_size=(1, 2, 2), num_attention_heads=24, attention_head_dim=128, in_channels=48, out_channels=48,
+        text_dim=4096, freq_dim=256, ffn_dim=14336, num_layers=30, cross_attn_norm=True,
+        qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024)),
     "sd3.5-medium": dict(cls="SD3Transformer2DModel", text_tokens=333, latent="image8", config=dict(
         sample_size=128, patch_size=2, in_channels=16, num_layers=24, attention_head_dim=64,
         num_attention_heads=24, joint_attention_dim=4096, caption_projection_dim=1536,
@@ -164,7 +169,7 @@ def make_inputs(name, size, frames, device, dtype, num_layers=None):
                 "guidance": torch.full((1,), 3.5, dtype=torch.float32, device=device),
                 "img_ids": img_ids.to(device), "txt_ids": torch.zeros(text, 3, device=device)}
     if spec["cls"] == "WanTransformer3DModel":
-        side = size // 8
+        side = size // spec.get("spatial", 8)
         return {"hidden_states": randn(1, config["in_channels"], (frames - 1) // 4 + 1, side, side),
                 "timestep": torch.full((1,), 500, dtype=torch.long, device=device),
                 "encoder_hidden_states": randn(1, text, config["text_dim"])}

@@ -3,6 +3,7 @@
     python3 benchmarks/make_pipeline_dirs.py --out /data/pipelines                      # flux.1-dev, wan2.1-1.3b
     python3 benchmarks/make_pipeline_dirs.py --out /data/pipelines --models flux.1-dev --device cuda
     python3 benchmarks/make_pipeline_dirs.py --out /data/pipelines --models flux.1-kontext-dev  # Kontext edits
+    python3 benchmarks/make_pipeline_dirs.py --out /tmp/pipelines --models wan2.2-ti2v-5b --device cuda  # T2V + I2V
     python3 benchmarks/make_pipeline_dirs.py --out /tmp/p --num-layers 2              # real widths, 2 blocks
     python3 benchmarks/make_pipeline_dirs.py --out /tmp/p --tiny                      # CPU-sized, same classes
     python3 benchmarks/make_pipeline_dirs.py --dry-run                                # parameter counts, bytes
@@ -62,12 +63,30 @@ FLUX_VAE = dict(  # FLUX.1-dev vae/config.json
 WAN_VAE = dict(  # Wan2.1 vae/config.json (AutoencoderKLWan's defaults are this config)
     base_dim=96, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2, attn_scales=[],
     temperal_downsample=[False, True, True], dropout=0.0)
+# Wan2.2 VAE (Wan-AI/Wan2.2-TI2V-5B-Diffusers vae/config.json): 48 latent channels, a 2x2 patchify of the RGB
+# (12 channels in and out), 16x spatial. Field names checked against diffusers 0.42.1's AutoencoderKLWan.__init__
+# (decoder_base_dim, is_residual, patch_size, scale_factor_spatial, latents_mean/latents_std); the values are the
+# published config's as quoted by several public loaders (not read from the repository here: offline)
+WAN22_VAE = dict(
+    base_dim=160, decoder_base_dim=256, z_dim=48, dim_mult=[1, 2, 4, 4], num_res_blocks=2, attn_scales=[],
+    temperal_downsample=[False, True, True], dropout=0.0, is_residual=True, in_channels=12, out_channels=12,
+    patch_size=2, scale_factor_spatial=16, scale_factor_temporal=4,
+    latents_mean=[-0.2289, -0.0052, -0.1323, -0.2339, -0.2799, 0.0174, 0.1838, 0.1557, -0.1382, 0.0542, 0.2813,
+                  0.0891, 0.1570, -0.0098, 0.0375, -0.1825, -0.2246, -0.1207, -0.0698, 0.5109, 0.2665, -0.2108,
+                  -0.2158, 0.2502, -0.2055, -0.0322, 0.1109, 0.1567, -0.0729, 0.0899, -0.2799, -0.1230, -0.0313,
+                  -0.1649, 0.0117, 0.0723, -0.2839, -0.2083, -0.0520, 0.3748, 0.0152, 0.1957, 0.1433, -0.2944,
+                  0.3573, -0.0548, -0.1681, -0.0667],
+    latents_std=[0.4765, 1.0364, 0.4514, 1.1677, 0.5313, 0.4990, 0.4818, 0.5013, 0.8158, 1.0344, 0.5894, 1.0901,
+                 0.6885, 0.6165, 0.8454, 0.4978, 0.5759, 0.3523, 0.7135, 0.6804, 0.5833, 1.4146, 0.8986, 0.5659,
+                 0.7069, 0.5338, 0.4889, 0.4917, 0.4069, 0.4999, 0.6866, 0.4093, 0.5709, 0.6065, 0.6415, 0.4944,
+                 0.5726, 1.2042, 0.5458, 1.6887, 0.3971, 1.0600, 0.3943, 0.5537, 0.5444, 0.4089, 0.7468, 0.7744])
 FLUX_SCHEDULER = dict(
     num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
     base_image_seq_len=256, max_image_seq_len=4096)
 WAN_SCHEDULER = dict(  # Wan2.1-T2V-1.3B-Diffusers scheduler/scheduler_config.json
     num_train_timesteps=1000, prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0,
     solver_order=2, predict_x0=True, solver_type="bh2", lower_order_final=True)
+WAN22_TI2V_SCHEDULER = dict(WAN_SCHEDULER, flow_shift=5.0)  # Wan2.2-TI2V-5B-Diffusers: UniPC, flow shift 5
 
 # --tiny: widths small enough for a CPU test; every other published field is kept.
 TINY_CLIP = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
@@ -75,11 +94,14 @@ TINY_CLIP = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_
 TINY_T5 = dict(d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4, vocab_size=512)
 TINY_VAE = dict(block_out_channels=(8, 8, 16, 16), layers_per_block=1, norm_num_groups=4)
 TINY_WAN_VAE = dict(base_dim=8, dim_mult=[1, 1, 1, 1], num_res_blocks=1)
+TINY_WAN22_VAE = dict(TINY_WAN_VAE, decoder_base_dim=16)   # Wan2.2's wider decoder, shrunk too
 TINY_TRANSFORMERS = {
     "flux.1-dev": dict(num_layers=1, num_single_layers=1, attention_head_dim=32, num_attention_heads=2,
                        joint_attention_dim=64, pooled_projection_dim=32, axes_dims_rope=(8, 12, 12)),
     "wan2.1-1.3b": dict(num_attention_heads=2, attention_head_dim=16, text_dim=64, freq_dim=32, ffn_dim=64,
                         num_layers=1, rope_max_seq_len=64),
+    "wan2.2-ti2v-5b": dict(num_attention_heads=2, attention_head_dim=16, text_dim=64, freq_dim=32, ffn_dim=64,
+                           num_layers=1, rope_max_seq_len=64),
 }
 
 # model -> pipeline class, component -> (library, class, config), tokenizers -> (style, model_max_length)
@@ -107,6 +129,17 @@ PIPELINES = {
             scheduler=("diffusers", "UniPCMultistepScheduler", WAN_SCHEDULER)),
         tokenizers=dict(tokenizer=("t5", 512)),
         extra=dict(transformer_2=None)),
+    # Wan2.2-TI2V-5B-Diffusers: model_index.json names WanPipeline, expand_timesteps true (family wan-ti2v: text-
+    # and image-to-video); Wan2.1's UMT5-XXL text encoder, the Wan2.2 VAE
+    "wan2.2-ti2v-5b": dict(
+        pipeline="WanPipeline",
+        components=dict(
+            transformer=("diffusers", "WanTransformer3DModel", None),
+            vae=("diffusers", "AutoencoderKLWan", WAN22_VAE),
+            text_encoder=("transformers", "UMT5EncoderModel", UMT5_XXL),
+            scheduler=("diffusers", "UniPCMultistepScheduler", WAN22_TI2V_SCHEDULER)),
+        tokenizers=dict(tokenizer=("t5", 512)),
+        extra=dict(transformer_2=None, boundary_ratio=None, expand_timesteps=True)),
 }
 LAYER_FIELDS = ("num_hidden_layers", "num_layers")  # text encoders' block counts
 
@@ -129,7 +162,8 @@ def component_config(model: str, name: str, tiny: bool = False, num_layers: int 
         if tiny:
             config.update(TINY_CLIP if cls.startswith("CLIP") else TINY_T5)
     elif name == "vae" and tiny:
-        config.update(TINY_WAN_VAE if cls == "AutoencoderKLWan" else TINY_VAE)
+        wan = TINY_WAN22_VAE if "decoder_base_dim" in config else TINY_WAN_VAE
+        config.update(wan if cls == "AutoencoderKLWan" else TINY_VAE)
     return config
 
 

@@ -4,6 +4,7 @@ import json
 import os
 import sys
 
+import numpy as np
 import pytest
 import torch
 
@@ -86,3 +87,30 @@ def test_a_kontext_dir_is_served_as_a_kontext_model(tmp_path):
     for image in (reference, None):
         (out,) = generate(pipe, "make it blue", size="32x32", steps=1, seed=0, image=image, output_type="np")
         assert out.shape == (32, 32, 3)
+
+
+def test_wan22_ti2v_5b_has_the_published_sizes_and_its_tiny_dir_makes_video_from_text_and_an_image(tmp_path):
+    """Wan2.2-TI2V-5B: a 5.0 B transformer and the Wan2.2 VAE (705 M); its directory names WanPipeline with
+    expand_timesteps (family wan-ti2v), and a --tiny one makes a video from text and from a first frame."""
+    from PIL import Image
+
+    from bcg.diffusers.models import load_pipeline
+    from bcg.diffusers.pipelines import generate, pipeline_info
+
+    assert mpd.count_params("wan2.2-ti2v-5b", "transformer") == 4_999_787_712
+    assert mpd.count_params("wan2.2-ti2v-5b", "vae") == 704_688_668
+    mpd.make_pipeline_dir("wan2.2-ti2v-5b", str(tmp_path), device="cpu", dtype="float32", tiny=True)
+    path = tmp_path / "wan2.2-ti2v-5b"
+    index = json.loads((path / "model_index.json").read_text())
+    assert index["_class_name"] == "WanPipeline" and index["expand_timesteps"] is True
+    vae = json.loads((path / "vae" / "config.json").read_text())
+    assert (vae["z_dim"], vae["patch_size"], vae["scale_factor_spatial"], len(vae["latents_std"])) == (48, 2, 16, 48)
+    assert json.loads((path / "scheduler" / "scheduler_config.json").read_text())["flow_shift"] == 5.0
+    pipe = load_pipeline(str(path), device="cpu", dtype=torch.float32)
+    info = pipeline_info(pipe)
+    assert info["family"] == "wan-ti2v" and info["edits"] == ["image-to-video"] and info["size_multiple"] == 32
+    first = Image.new("RGB", (64, 64), (200, 30, 30))
+    for image in (None, first):
+        (video,) = generate(pipe, "a red disc", size="64x64", num_frames=5, steps=1, seed=0, image=image,
+                            output_type="np")
+        assert video.shape == (5, 64, 64, 3) and bool(np.isfinite(video).all())
