@@ -20,6 +20,16 @@ through `_common.write_json`.
 text-to-image request of the same size and steps): the variants are ``text`` and ``kontext`` (an instruction
 edit whose reference is the app's picture at ``--size``), the app warm for ``<size>`` and its reference key
 ``<size>.r<tokens>`` (16 pixels a token side: Flux's VAE and 2x2 packing).
+
+``--video`` (a text- and image-to-video model: default ``tiny-wan22-ti2v-5b``, the published Wan2.2-TI2V-5B
+directory's form; issue 51's bar: image-to-video within 1.1x of text-to-video at 832x480x33): the variants are
+``text`` (``POST /v1/images/generations`` with ``num_frames`` ``--frames``) and ``i2v`` (``POST /v1/images/edits``,
+the first frame of a video the app made as the image), the same size, frames and steps, the app warm for the one
+key both run at (``<size>.f<frames>.cfg``: Wan's default guidance runs CFG); ratio ``i2v_over_text``. On a GPU host:
+
+    python3 benchmarks/make_pipeline_dirs.py --out /tmp/pipelines --models wan2.2-ti2v-5b --device cuda
+    python3 benchmarks/bench_edits_speed.py --video --model /tmp/pipelines/wan2.2-ti2v-5b --size 832x480 \
+        --frames 33 --steps 20 --iters 2 --app-args quantize=fp8,attention_backend=fa3_fp8 --out $R/bench_ti2v.json
 """
 from __future__ import annotations
 
@@ -62,21 +72,29 @@ def run(args) -> dict:
 
     port, started = start_local_serve()
     width, height = (int(v) for v in args.size.lower().split("x"))
-    warmup = f"{args.size},{args.size}.r{width // 16}x{height // 16}" if args.kontext else args.size
+    warmup = f"{args.size},{args.size}.r{width // 16}x{height // 16}" if args.kontext else \
+        f"{args.size}.f{args.frames}.cfg" if args.video else args.size
     app_args = {"model": args.model, "num_replicas": 1, "warmup": warmup, "default_steps": args.steps,
-                "max_batch_size": 1, **({"device": "cpu", "num_gpus_per_replica": 0, "num_cpus_per_replica": 0}
+                "max_batch_size": 1, **({"max_frames": args.frames} if args.video else {}), **({"device": "cpu", "num_gpus_per_replica": 0, "num_cpus_per_replica": 0}
                                         if args.device == "cpu" else {}),
                 **({"runner": "compile=true"} if args.compile else {}), **_app_args(args.app_args)}
     _say(f"starting the app: {app_args}")
     serve.run(build_app(app_args), name="bench-edits", route_prefix="/bench-edits")
     base = f"http://127.0.0.1:{port}/bench-edits"
-    seen = {name: [] for name in (("text", "kontext") if args.kontext else ("text", "img2img", "inpaint"))}
+    seen = {name: [] for name in (("text", "kontext") if args.kontext else ("text", "i2v") if args.video else
+                                  ("text", "img2img", "inpaint"))}
+    video = {"num_frames": args.frames} if args.video else {}
     try:
         with httpx.Client(base_url=base, timeout=args.timeout_s) as client:
-            made = client.post("/v1/images/generations", json={"prompt": "a red circle in the center", "seed": 1})
+            made = client.post("/v1/images/generations", json={"prompt": "a red circle in the center", "seed": 1,
+                                                               **video})
             made.raise_for_status()
             picture = base64.b64decode(made.json()["data"][0]["b64_json"])
             width, height = Image.open(io.BytesIO(picture)).size
+            if args.video:  # the video's first frame (an animated PNG opens at it) is the i2v requests' image
+                buffer = io.BytesIO()
+                Image.open(io.BytesIO(picture)).convert("RGB").save(buffer, format="PNG")
+                picture = buffer.getvalue()
             mask = np.zeros((height, width), np.uint8)
             mask[height // 4: 3 * height // 4, width // 4: 3 * width // 4] = 255
             buffer = io.BytesIO()
@@ -86,7 +104,12 @@ def run(args) -> dict:
 
             def text(seed):
                 return client.post("/v1/images/generations", json={"prompt": "a blue square in the center",
-                                                                   "seed": seed})
+                                                                   "seed": seed, **video})
+
+            def i2v(seed):
+                return client.post("/v1/images/edits", data={"prompt": "the circle turns into a blue square",
+                                                             "seed": str(seed), "num_frames": str(args.frames)},
+                                   files=[("image", ("first.png", picture, "image/png"))])
 
             def img2img(seed):
                 return client.post("/v1/images/edits", data={**form, "seed": str(seed)},
@@ -102,8 +125,8 @@ def run(args) -> dict:
                                                              "seed": str(seed)},
                                    files=[("image", ("in.png", picture, "image/png"))])
 
-            variants = {"text": text, "kontext": kontext} if args.kontext else \
-                {"text": text, "img2img": img2img, "inpaint": inpaint}
+            variants = {"text": text, "kontext": kontext} if args.kontext else {"text": text, "i2v": i2v} \
+                if args.video else {"text": text, "img2img": img2img, "inpaint": inpaint}
             for name, fn in variants.items():  # untimed: the first request of each route
                 fn(0).raise_for_status()
 
@@ -129,6 +152,7 @@ def run(args) -> dict:
             ray.shutdown()
     ratios = {f"{name}_over_text": ratio(timed, name, "text") for name in seen if name != "text"}
     return {"model": args.model, "size": args.size, "steps": args.steps, "strength": args.strength,
+            **({"frames": args.frames} if args.video else {}),
             "device": args.device, "app_args": app_args, "ms": timed, **ratios,
             "steps_computed": {n: sorted({b["steps_computed"] for b in v}) for n, v in seen.items()},
             "all_warm": all(b["warm"] and b["eager_calls"] == 0 for v in seen.values() for b in v),
@@ -139,10 +163,14 @@ def run(args) -> dict:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="a built-in name or a pipeline directory (default "
-                                                      "tiny-flux; with --kontext tiny-flux-kontext)")
+                                                      "tiny-flux; with --kontext tiny-flux-kontext, with --video "
+                                                      "tiny-wan22-ti2v-5b)")
     parser.add_argument("--kontext", action="store_true", help="Kontext instruction edits against text (a Kontext "
                                                                "model)")
-    parser.add_argument("--size", default=None, help="WxH (default: 1024x1024 on CUDA, 64x64 on a CPU)")
+    parser.add_argument("--video", action="store_true", help="image-to-video against text-to-video (a TI2V model)")
+    parser.add_argument("--frames", type=int, default=None, help="--video: frames (default 33 on CUDA, 5 on a CPU)")
+    parser.add_argument("--size", default=None, help="WxH (default: 1024x1024 on CUDA, --video 832x480; 64x64 on a "
+                                                     "CPU)")
     parser.add_argument("--steps", type=int, default=None, help="default: 28 on CUDA, 4 on a CPU")
     parser.add_argument("--strength", type=float, default=0.6)
     parser.add_argument("--rounds", type=int, default=3)
@@ -157,9 +185,13 @@ def main(argv=None) -> int:
     if not pick_device(args, _say):
         return 2
     cpu = args.device == "cpu"
-    args.model = args.model or ("tiny-flux-kontext" if args.kontext else "tiny-flux")
-    args.size = args.size or ("64x64" if cpu else "1024x1024")
-    args.steps = args.steps or (4 if cpu else 28)
+    if args.video and args.kontext:
+        parser.error("--video and --kontext are two modes: pick one")
+    args.model = args.model or ("tiny-flux-kontext" if args.kontext else "tiny-wan22-ti2v-5b" if args.video else
+                                "tiny-flux")
+    args.size = args.size or ("64x64" if cpu else "832x480" if args.video else "1024x1024")
+    args.steps = args.steps or (4 if cpu else 20 if args.video else 28)
+    args.frames = args.frames or (5 if cpu else 33)
     args.iters = args.iters or (1 if cpu else 5)
     result = run(args)
     write_json(args.out, {"command": "python3 benchmarks/bench_edits_speed.py " + " ".join(argv or sys.argv[1:]),
