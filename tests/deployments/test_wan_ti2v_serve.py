@@ -5,12 +5,10 @@ text-to-video key. Over real HTTP it makes a video from text (``POST /v1/images/
 ``WanPipeline`` / ``WanImageToVideoPipeline`` video of the same inputs and seed. A Wan2.1 directory (``WanPipeline``
 without ``expand_timesteps``) refuses an image at the ingress with a 422 naming ``model``, as before."""
 import base64
-import io
 
 import numpy as np
 import pytest
 import torch
-from PIL import Image
 
 from bcg.diffusers.models import load_pipeline
 from bcg.diffusers.pipelines import pipeline_info
@@ -18,22 +16,13 @@ from deployments.schemas import FieldError, ImageEditRequest, RequestLimits, che
 from tests.bcg.diffusers.test_edits import scene
 from tests.deployments.conftest import http_app
 from tests.deployments.test_edits_serve import PIXEL_TOLERANCE, _edit, png
+from tests.deployments.test_wan_i2v_serve import _frames
 
 APP = "bcg-wan-ti2v-dir"
 STEPS, FRAMES = 2, 5
 KEY = "64x64.f5.cfg"   # Wan's default guidance runs CFG
 VIDEO = {"prompt": "the disc rolls away", "seed": 1, "image": scene().resize((80, 48))}
 TEXT = {"prompt": "a red disc on grey", "seed": 2}
-
-
-def _frames(data: bytes) -> np.ndarray:
-    """The frames of an animated PNG, as 8-bit RGB arrays."""
-    video = Image.open(io.BytesIO(data))
-    frames = []
-    for i in range(video.n_frames):
-        video.seek(i)
-        frames.append(np.asarray(video.convert("RGB")).astype(np.int16))
-    return np.stack(frames)
 
 
 def _reference(pipe, fields: dict) -> np.ndarray:

@@ -80,3 +80,26 @@ def test_image_to_video_replays_its_key_graphs_and_caches_steps_on_its_rows(name
     cache = batcher.step_cache.stats()
     assert cache["bypassed"] == 0 and cache["rows_cached"] == 2 * (STEPS - 3), cache
     assert captures() == captured and all(t.stats()["eager_calls_total"] == 0 for t in transformers)
+
+
+def test_ti2v_as_published_serves_image_to_video_on_its_text_warmup_graphs():
+    """TI2V-5B's published form (tiny-wan22-ti2v-5b: a WanPipeline with expand_timesteps) warms its key from text;
+    an image-to-video request at that key (WanImageToVideoPipeline built on its components) replays those graphs
+    with 0 eager calls and nothing captured anew, and equals diffusers' own WanImageToVideoPipeline of the same
+    weights (tiny-wan22-ti2v, unaccelerated bfloat16) within 3/255; a text request equals diffusers' WanPipeline."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    pipe, batcher = warm_batcher("tiny-wan22-ti2v-5b", [KEY])
+    captured = pipe.transformer.stats()["captures"]
+    assert captured > 0
+    for name, image in (("tiny-wan22-ti2v", scene()), ("tiny-wan22-ti2v-5b", None)):
+        plain = load_pipeline(name, device="cuda")
+        record = CallRecord()
+        key, kwargs = _plan(pipe, "the disc rolls away", 1, image)
+        assert key.key == KEY
+        (video,) = drain(batcher, [batcher.submit_planned(key, kwargs, records=(record,))])
+        assert record.eager_total == 0 and record.replays >= 2 * STEPS, (name, record.eager)
+        with torch.no_grad():
+            expected = np.asarray(plain(**_plan(plain, "the disc rolls away", 1, image)[1]).frames)
+        assert np.abs(video - expected).max() <= TOLERANCE, name
+    assert pipe.transformer.stats()["captures"] == captured and pipe.transformer.stats()["eager_calls_total"] == 0
