@@ -3,7 +3,7 @@ frames of the video models and the input image of those that make nothing withou
 import numpy as np
 from PIL import Image
 
-VIDEO = ("tiny-wan", "tiny-wan-i2v", "tiny-wan22-i2v", "tiny-wan22-ti2v")
+VIDEO = ("tiny-wan", "tiny-wan-i2v", "tiny-wan22-i2v", "tiny-wan22-ti2v", "tiny-wan22-ti2v-5b")
 IMAGE_TO_VIDEO = ("tiny-wan-i2v", "tiny-wan22-i2v", "tiny-wan22-ti2v")   # Wan2.1's, Wan2.2 A14B's and TI2V-5B's
 
 

@@ -37,6 +37,7 @@ EXPECTED_BREAKS = {
     "tiny-wan-i2v": ["dispatch_attention_fn"] * 4,   # the image's cross-attention inside the text's call
     "tiny-wan22-i2v": ["dispatch_attention_fn"] * 4,   # the high-noise transformer's first step
     "tiny-wan22-ti2v": ["dispatch_attention_fn"] * 4,
+    "tiny-wan22-ti2v-5b": ["dispatch_attention_fn"] * 4,   # TI2V-5B as published: text-to-video here
     "tiny-qwen-image": ["dispatch_attention_fn"] * 2,
     "tiny-qwen-image-edit": ["dispatch_attention_fn"] * 2,
     "tiny-qwen-image-edit-plus": ["dispatch_attention_fn"] * 2,
@@ -219,6 +220,7 @@ def test_accelerated_pipeline_matches_plain_with_cfg(name):
     stats = runners["transformer"].stats()
     # CFG as a second call vs batched (or none: Kontext without a negative prompt)
     calls_per_step = 2 if name in ("tiny-flux", "tiny-wan", "tiny-wan-i2v", "tiny-wan22-i2v", "tiny-wan22-ti2v",
+                                   "tiny-wan22-ti2v-5b",
                                    "tiny-qwen-image", "tiny-qwen-image-edit", "tiny-qwen-image-edit-plus") else 1
     assert stats["eager_calls"]["no_cuda"] == calls_per_step
     assert stats["captures"] == 0
@@ -431,16 +433,17 @@ def test_pipeline_info_is_plain_and_right():
     assert {n: i["size_multiple"] for n, i in info.items()} == {
         "tiny-flux": 16, "tiny-flux-kontext": 16, "tiny-sd3": 16, "tiny-pixart": 16, "tiny-sana": 32, "tiny-wan": 16,
         "tiny-wan-i2v": 16, "tiny-wan22-i2v": 16, "tiny-qwen-image": 16,
-        "tiny-wan22-ti2v": 32,   # Wan2.2's VAE: 16x spatial
+        "tiny-wan22-ti2v": 32, "tiny-wan22-ti2v-5b": 32,   # Wan2.2's VAE: 16x spatial
         "tiny-qwen-image-edit": 32,   # its tokens 32 pixels a side (a CPU-sized reference; the real model's 16)
         "tiny-qwen-image-edit-plus": 32,
         "shapes-flux": 8}  # its VAE downsamples 4x (then Flux's 2x2 patches), FLUX.1's 8x
     assert info["shapes-flux"]["default_size"] == "64x64"  # its trained size; tiny-flux keeps FLUX's 1024x1024
     assert info["tiny-flux"]["default_size"] == "1024x1024"
-    videos = ["tiny-wan", "tiny-wan-i2v", "tiny-wan22-i2v", "tiny-wan22-ti2v"]
+    videos = ["tiny-wan", "tiny-wan-i2v", "tiny-wan22-i2v", "tiny-wan22-ti2v", "tiny-wan22-ti2v-5b"]
     assert [n for n, i in info.items() if i["is_video"]] == videos
     assert {info[n]["frame_multiple"] for n in videos} == {4}
-    assert {n: i["fps"] for n, i in info.items() if i["fps"]} == dict.fromkeys(videos, 16)  # videos only
+    # videos only; TI2V-5B as published (family wan-ti2v) at its model card's 24 frames a second
+    assert {n: i["fps"] for n, i in info.items() if i["fps"]} == {**dict.fromkeys(videos, 16), "tiny-wan22-ti2v-5b": 24}
     assert {n: i["boundary_ratio"] for n, i in info.items() if i["boundary_ratio"]} == {"tiny-wan22-i2v": 0.9}
     assert [n for n, i in info.items() if i["needs_image"]] == ["tiny-qwen-image-edit", "tiny-qwen-image-edit-plus",
                                                                  "tiny-wan-i2v", "tiny-wan22-i2v", "tiny-wan22-ti2v"]
