@@ -1,14 +1,15 @@
 """Wan2.2 TI2V-5B's published form served from a directory: ``tiny-wan22-ti2v-5b`` (a ``WanPipeline`` with
 ``expand_timesteps``) saved with ``save_pretrained``, one CPU replica on a real Ray Serve app, warm for one
 text-to-video key. Over real HTTP it makes a video from text (``POST /v1/images/generations``) and from an image
-(``POST /v1/images/edits``, the image the first frame, at the same shape key: warm), each diffusers' own
-``WanPipeline`` / ``WanImageToVideoPipeline`` video of the same inputs and seed. A Wan2.1 directory (``WanPipeline``
+(``POST /v1/images/edits``, and the handle's ``edit``; the image the first frame, at the same shape key: warm),
+each diffusers' own ``WanPipeline`` / ``WanImageToVideoPipeline`` video of the same inputs and seed. A Wan2.1 directory (``WanPipeline``
 without ``expand_timesteps``) refuses an image at the ingress with a 422 naming ``model``, as before."""
 import base64
 
 import numpy as np
 import pytest
 import torch
+from ray import serve
 
 from bcg.diffusers.models import load_pipeline
 from bcg.diffusers.pipelines import pipeline_info
@@ -81,6 +82,11 @@ def test_a_ti2v_directory_makes_videos_from_text_and_from_an_image_over_http(ti2
     i2v = WanImageToVideoPipeline(**{k: pipe.components[k] for k in parts}, expand_timesteps=True)
     assert video.shape == (FRAMES, 64, 64, 3) and np.abs(video - _reference(i2v, VIDEO)).max() <= PIXEL_TOLERANCE
     assert r.json()["bcg"]["shape_key"] == KEY and r.json()["bcg"]["warm"] is True   # the text warmup's key
+    # the Python handle takes the same request model, the image as bytes
+    request = ImageEditRequest(prompt=VIDEO["prompt"], seed=VIDEO["seed"], size="64x64", num_frames=FRAMES,
+                               image=png(VIDEO["image"]))
+    response = serve.get_app_handle(APP).edit.remote(request).result(timeout_s=600)
+    assert np.array_equal(_frames(base64.b64decode(response.data[0].b64_json)), video)
     # a mask asks for inpainting, which it does not make
     r = _edit(client, form, [("image", ("first.png", png(scene()), "image/png")),
                              ("mask", ("m.png", png(scene()), "image/png"))])
