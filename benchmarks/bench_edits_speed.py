@@ -75,7 +75,7 @@ def run(args) -> dict:
     warmup = f"{args.size},{args.size}.r{width // 16}x{height // 16}" if args.kontext else \
         f"{args.size}.f{args.frames}.cfg" if args.video else args.size
     app_args = {"model": args.model, "num_replicas": 1, "warmup": warmup, "default_steps": args.steps,
-                "max_batch_size": 1, **({"max_frames": args.frames} if args.video else {}), **({"device": "cpu", "num_gpus_per_replica": 0, "num_cpus_per_replica": 0}
+                "max_batch_size": 1, **({"device": "cpu", "num_gpus_per_replica": 0, "num_cpus_per_replica": 0}
                                         if args.device == "cpu" else {}),
                 **({"runner": "compile=true"} if args.compile else {}), **_app_args(args.app_args)}
     _say(f"starting the app: {app_args}")

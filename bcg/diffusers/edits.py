@@ -6,8 +6,9 @@ edit_pipelines`: Flux's ``FluxImg2ImgPipeline`` for image-to-image, ``FluxInpain
 inpainting). `EditPipelines` makes each from the loaded pipeline's components on first use (the same
 transformer, VAE, text encoders and scheduler objects: no weights copied, an accelerated pipeline's runners
 and hooks shared; the pipeline's config values the class takes too: Wan2.2 TI2V-5B's ``WanPipeline`` makes
-image-to-video with ``WanImageToVideoPipeline(expand_timesteps=True)`` and no image encoder) and keeps it while the loaded pipeline's components stay the same. It calls the class's
-constructor with them, as diffusers' ``from_pipe`` does, but not ``from_pipe`` itself: that ends with
+image-to-video with ``WanImageToVideoPipeline(expand_timesteps=True)`` and no image encoder) and keeps it while
+the loaded pipeline's components stay the same. It calls the class's constructor with them, as diffusers'
+``from_pipe`` does, but not ``from_pipe`` itself: that ends with
 ``new_pipeline.to(dtype=torch_dtype or torch.float32)``, which would cast the served pipeline's shared modules
 (bfloat16 weights to float32; and with a dtype given, modules a pipeline keeps in another dtype). A family whose
 loaded pipeline makes the edit itself (Kontext's ``"instruction"``: ``FluxKontextPipeline``) gets the loaded

@@ -2,8 +2,8 @@
 ``expand_timesteps``) saved with ``save_pretrained``, one CPU replica on a real Ray Serve app, warm for one
 text-to-video key. Over real HTTP it makes a video from text (``POST /v1/images/generations``) and from an image
 (``POST /v1/images/edits``, and the handle's ``edit``; the image the first frame, at the same shape key: warm),
-each diffusers' own ``WanPipeline`` / ``WanImageToVideoPipeline`` video of the same inputs and seed. A Wan2.1 directory (``WanPipeline``
-without ``expand_timesteps``) refuses an image at the ingress with a 422 naming ``model``, as before."""
+each diffusers' own ``WanPipeline`` / ``WanImageToVideoPipeline`` video of the same inputs and seed. A Wan2.1
+directory (``WanPipeline`` without ``expand_timesteps``) refuses an image at the ingress with a 422 naming ``model``, as before."""
 import base64
 
 import numpy as np
