@@ -1,7 +1,9 @@
-"""One Ray + Serve instance per test session, with the bcg app deployed on two CPU replicas.
+"""One Ray + Serve instance for the tests of this package, with the bcg app deployed on two CPU replicas.
 
 Starting Ray (~6 s), Serve (~2 s) and the app (two replicas loading tiny-flux, ~10 s) dominates the
-cost of these tests, so everything that needs a cluster shares this fixture.
+cost of these tests, so everything that needs a cluster shares this fixture. It is package-scoped: Ray
+and every app still deployed stop when this package's tests end, so the idle replicas (their routing
+stats polled every fraction of a second) take no CPU from the tests that run after them.
 """
 import contextlib
 import os
@@ -26,7 +28,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="session")
+# Replicas export their metrics to the node's agent every metrics_report_interval_ms (Ray's default 10 s,
+# its floor 1 s): 1 s lets test_metrics read a request's counters back within a second or two.
+METRICS_REPORT_INTERVAL_MS = 1000
+
+
+@pytest.fixture(scope="package")
 def ray_serve():
     """A local Ray (2 logical CPUs; GPUs auto-detected) with Serve on a free port; yields the port."""
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -35,6 +42,7 @@ def ray_serve():
 
     path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False,
+             _system_config={"metrics_report_interval_ms": METRICS_REPORT_INTERVAL_MS},
              runtime_env={"env_vars": {"PYTHONPATH": path, "RAY_AUTH_MODE": "disabled",
                                          TEST_API_KEY_ENV: TEST_API_KEY}})
     port = _free_port()
@@ -46,7 +54,7 @@ def ray_serve():
         ray.shutdown()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def serve_app(ray_serve):
     """(http base url, app name): the app from build_app on two CPU replicas, sharded warmup of
     PLAN_KEYS with replication 1, asking for fp8 (which CPU replicas decline, serving float32)."""

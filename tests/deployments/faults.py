@@ -16,7 +16,7 @@ import torch
 
 FAIL_SIZE, SLOW_SIZE, OOM_SIZE = "96x96", "112x112", "512x256"
 SLOW_S = 9.0        # longer than the faults app's request_timeout_s
-SLOW_112_S = 4.0    # a warmup of 112x112 makes one call per batch bucket (4 of them): 16 s to watch it run
+SLOW_112_S = 2.5    # a warmup of 112x112 makes one call per batch bucket (4 of them): 10 s to watch it run
 POISON_GUIDANCE = 7.25
 
 

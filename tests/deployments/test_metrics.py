@@ -2,7 +2,7 @@
 endpoint, tagged with the Serve deployment, replica and application (real Ray, real Serve, real scrape).
 
 Ray exports a replica's metrics to the node's metrics agent every ``metrics_report_interval_ms``
-(10 s by default; the session fixture keeps the default), so the read-back polls for up to 40 s.
+(10 s by default; the package's Ray sets 1 s, its floor), so the read-back polls, for up to 40 s.
 """
 import time
 import urllib.request
@@ -96,7 +96,7 @@ def metrics_app(ray_serve):
     from ray import serve
 
     # The routing-stats hook refreshes the metrics every 0.5 s, as the real replica's does (gauges
-    # that are not set again leave the endpoint after ~20 s).
+    # that are not set again leave the endpoint after two export intervals).
     @serve.deployment(name="MetricsReplica", ray_actor_options={"num_cpus": 0},
                       request_router_config={"request_routing_stats_period_s": 0.5})
     class MetricsReplica:
@@ -214,7 +214,7 @@ def test_replica_metrics_read_back_from_prometheus(metrics_app):
         got = {k: _value(samples, k[0], **dict(k[1])) for k in expected}
         if got == expected:
             break
-        time.sleep(1)
+        time.sleep(0.2)
     assert got == expected
     # Serve's own tags are on every sample
     assert all(dict(labels)["replica"] == rid and dict(labels)["deployment"] == "MetricsReplica"
@@ -264,5 +264,5 @@ def test_the_app_counts_a_served_request_and_its_warm_key_on_the_prometheus_endp
         }
         if got == expected:
             break
-        time.sleep(1)
+        time.sleep(0.2)
     assert got == expected
