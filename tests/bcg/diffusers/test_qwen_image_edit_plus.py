@@ -88,3 +88,36 @@ def test_two_edits_of_one_key_share_a_step_batch_each_diffusers_image(references
     assert np.abs(images[0] - references("green")).max() <= PIXEL_TOLERANCE
     assert np.abs(images[1] - references("yellow")).max() <= PIXEL_TOLERANCE
     assert np.abs(references("green") - references("yellow")).max() > 2 * PIXEL_TOLERANCE
+
+
+@pytest.mark.parametrize("model, key, images", [
+    ("tiny-qwen-image-edit", "64x64.cfg.r32x32", (scene(), scene())),
+    ("tiny-qwen-image-edit-plus", "64x64.cfg.r32x32.r31x33", (EDITS["green"]["image"], EDITS["yellow"]["image"])),
+])
+def test_a_step_batch_of_two_edits_calls_the_transformer_at_its_warmup_signatures(model, key, images, monkeypatch):
+    """The signatures a served step batch of two edits gives the transformer are among those its key's warmup
+    gave (on a GPU: captured, so replayed). `img_shapes` holds as many entries as each family's diffusers pipeline
+    passes, which the warmup runs: one per row (Qwen-Image-Edit), one per prompt (-2509); an H100 served the -2509
+    batch eagerly (`unseen`) while the step hooks passed one per row."""
+    from bcg.diffusers import accelerate
+    from bcg.runtime.runner import BreakableGraphRunner
+
+    pipe = accelerate(load_pipeline(model))
+    seen = []
+    call = BreakableGraphRunner.__call__
+
+    def recording(runner, *args, **kwargs):
+        if runner is pipe.transformer:
+            seen.append(runner.signature_of(*args, **kwargs))
+        return call(runner, *args, **kwargs)
+
+    monkeypatch.setattr(BreakableGraphRunner, "__call__", recording)
+    batcher = StepBatcher(pipe, max_batch_size=4, batch_buckets=(1, 2, 4), admission_policy="always")
+    batcher.warmup([key], num_inference_steps=2)
+    warm, seen[:] = set(seen), []
+    futures = [batcher.submit_planned(*plan_request(pipe, prompt, size="64x64", steps=2, seed=seed, image=image,
+                                                    output_type="np"))
+               for prompt, seed, image in (("make the disc green", 1, images[0]), ("turn it red", 2, images[1]))]
+    drain(batcher, futures)
+    assert max(batcher.stats()["batch_size_histogram"]) == 2
+    assert seen and all(s in warm for s in seen), [s.diff(next(iter(warm))) for s in seen if s not in warm][:1]

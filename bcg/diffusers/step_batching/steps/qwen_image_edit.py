@@ -34,6 +34,9 @@ class QwenImageEditStepFamily(StepFamily):
     """`QwenImageEditPipeline.__call__` cut at its step boundary (see the module docstring)."""
 
     name = "qwen-image-edit"
+    # `img_shapes` holds one entry per row, as `QwenImageEditPipeline` passes them (its batch size counts every
+    # image); `QwenImageEditPlusPipeline` passes one per prompt
+    img_shapes_per_row = True
     batch_args = frozenset({
         "image", "prompt", "negative_prompt", "true_cfg_scale", "height", "width", "num_inference_steps",
         "sigmas", "guidance_scale", "num_images_per_prompt", "generator", "latents", "output_type", "return_dict",
@@ -163,8 +166,10 @@ class QwenImageEditStepFamily(StepFamily):
     def forward(self, pipe, states, bucket):
         hidden = cat_rows([torch.cat([s.latents, s.reference], dim=1) for s in states], bucket)
         timestep = cat_rows([s.timestep.expand(s.rows).to(s.latents.dtype) for s in states], bucket)
-        # one entry per row (the pipeline's: per prompt), the transformer reads the first
-        img_shapes = states[0].shared["img_shapes"] * bucket
+        # as many entries as the family's diffusers pipeline passes for a bucket's rows (the transformer reads the
+        # first; a warmup of `<key>.b<bucket>` runs that pipeline): one signature for a bucket however its rows were
+        # gathered
+        img_shapes = states[0].shared["img_shapes"] * (bucket if self.img_shapes_per_row else 1)
         transformer = pipe.transformer
         tokens = states[0].latents.shape[1]
 

@@ -83,6 +83,7 @@ class QwenImageEditPlusStepFamily(QwenImageEditStepFamily):
     """`QwenImageEditPlusPipeline.__call__` cut at its step boundary (see the module docstring)."""
 
     name = "qwen-image-edit-plus"
+    img_shapes_per_row = False   # one `img_shapes` entry per prompt, as diffusers' pipeline passes it
 
     def batchable(self, kwargs: dict) -> str | None:
         from PIL import Image
