@@ -8,7 +8,7 @@
 # in the venv is kept.
 set -euo pipefail
 # what `test` says before it starts: the whole CPU suite's time (edit when measured again)
-SUITE_TIME="about 11 minutes on a 2-CPU machine (622 s of tests measured alone on one, plus the first set-up; the slow tier, -m slow, 575 s more in CI)"
+SUITE_TIME="about 10 minutes on a 2-CPU machine (588 s of tests in CI, plus the first set-up; the slow tier, -m slow, 502 s more)"
 cd "$(dirname "$0")/.."
 VENV=${BCG_VENV:-.venv}
 if [ ! -x "$VENV/bin/python" ]; then
